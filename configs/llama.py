@@ -1,0 +1,45 @@
+"""Llama-shaped presets with real sizes: 125m, 1b (Llama-3.2-1B shapes) and 8b (Llama-3-8B shapes).
+
+Run (pick the preset after the colon; on GPU, add --config.model.attention=cudnn):
+  python train.py --config=configs/llama.py:125m --config.workdir=/tmp/meshlm-125m
+  python train.py --config=configs/llama.py:1b --config.workdir=/tmp/meshlm-1b
+  python train.py --config=configs/llama.py:8b --config.workdir=/tmp/meshlm-8b
+Time a step instead of training:
+  python benchmarks/train_step.py --config=configs/llama.py:1b --config.model.attention=cudnn
+Should reach: these train byte-level on the default corpus (the tokenizer issue gives them a real
+vocabulary); on one H100 the 1b preset should run at ≥ 40% MFU, the peers' range in
+shared/ANCHORS.md. 8b needs FSDP over 8 GPUs of 80 GB (the default mesh, fsdp=-1).
+"""
+
+from configs import base
+
+PRESETS = {
+    # name: d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff, vocab, tied, rope_theta
+    '125m': dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=2048,
+                 vocab_size=32768, tie_embeddings=True, rope_theta=10_000.0),
+    '1b': dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, d_ff=8192,
+               vocab_size=128256, tie_embeddings=True, rope_theta=500_000.0),
+    '8b': dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
+               vocab_size=128256, tie_embeddings=False, rope_theta=500_000.0),
+}
+RUNS = {  # name: global batch (sequences), seq_len, remat policy
+    '125m': (32, 1024, 'none'),
+    '1b': (8, 4096, 'full'),
+    '8b': (32, 8192, 'full'),
+}
+
+
+def get_config(preset: str = '1b'):
+  if preset not in PRESETS:
+    raise ValueError(f'configs/llama.py: unknown preset {preset!r}; use one of {sorted(PRESETS)}, '
+                     'e.g. --config=configs/llama.py:1b')
+  c = base.get_config()
+  c.workdir = f'/tmp/meshlm-{preset}'
+  c.train_steps = 10_000
+  c.log_every = 10
+  c.eval_every = 1000
+  c.batch_size, c.seq_len, c.model.remat_policy = RUNS[preset]
+  c.model.update(PRESETS[preset])
+  c.optimizer.learning_rate = 3e-4
+  c.optimizer.warmup_steps = 500
+  return c

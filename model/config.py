@@ -1,0 +1,71 @@
+"""The model's settings as a plain dataclass: the boundary between configs/ and model/."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn')
+REMAT_POLICIES = ('none', 'full', 'dots')
+DTYPES = ('float32', 'bfloat16', 'float16')
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  rope_theta: float
+  norm_eps: float
+  tie_embeddings: bool
+  param_dtype: str
+  compute_dtype: str
+  attention: str
+  scan_layers: bool
+  remat_policy: str
+
+  def __post_init__(self):
+    for name in ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'config.model.{name} must be a positive integer, got {getattr(self, name)}')
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f'config.model.n_heads ({self.n_heads}) must be a multiple of config.model.n_kv_heads '
+          f'({self.n_kv_heads}) for grouped-query attention; pick n_kv_heads dividing n_heads')
+    if self.head_dim % 2:
+      raise ValueError(f'config.model.head_dim ({self.head_dim}) must be even for rotary embeddings')
+    _check_choice('attention', self.attention, ATTENTION_IMPLEMENTATIONS)
+    _check_choice('remat_policy', self.remat_policy, REMAT_POLICIES)
+    _check_choice('param_dtype', self.param_dtype, DTYPES)
+    _check_choice('compute_dtype', self.compute_dtype, DTYPES)
+
+  @classmethod
+  def from_config(cls, model_config) -> 'ModelConfig':
+    """From `config.model` (an ml_collections ConfigDict or any mapping)."""
+    fields = dict(model_config)
+    known = {f.name for f in dataclasses.fields(cls)}
+    if unknown := set(fields) - known:
+      raise ValueError(f'config.model has unknown fields {sorted(unknown)}; known: {sorted(known)}')
+    if missing := known - set(fields):
+      raise ValueError(f'config.model lacks fields {sorted(missing)}; add them to configs/base.py')
+    return cls(**fields)
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.compute_dtype)
+
+  @property
+  def weight_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  @property
+  def q_per_kv(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+
+def _check_choice(field, value, choices):
+  if value not in choices:
+    raise ValueError(f'config.model.{field}={value!r} is not one of {choices}')

@@ -1,0 +1,135 @@
+"""Transformer layers. Each parameter names its logical axes (`out_sharding` metadata); each
+activation is pinned to logical axes at layer boundaries with `constrain`. Which mesh axes those
+names land on is the business of sharding/rules.py, set around the trace by the caller.
+
+Shape suffixes: B batch, L length, D d_model, N query heads, K kv heads, G = N // K,
+H head_dim, F d_ff, V vocab.
+"""
+
+import flax.core.spmd
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import kernels
+from model.config import ModelConfig
+
+
+def constrain(x, names: tuple):
+  """Pin activation `x` to logical axes `names` under the active logical→mesh rules.
+
+  A no-op outside a mesh or without rules, so the model runs unchanged on one device.
+  """
+  rules = flax.core.spmd.get_logical_axis_rules()
+  if not rules or jax.sharding.get_abstract_mesh().empty:
+    return x
+  spec = jax.sharding.PartitionSpec(*flax.core.spmd.from_sharding_rules(names, rules))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def param(rngs: nnx.Rngs, shape: tuple, names: tuple, dtype, stddev: float | None = None):
+  """A parameter drawn from N(0, stddev²) (ones when stddev is None), named by logical axes.
+
+  Eager sharding is off: shardings are applied by the caller's jit (sharding/), so building a
+  model never needs a mesh.
+  """
+  if stddev is None:
+    value = jnp.ones(shape, dtype)
+  else:
+    value = stddev * jax.random.normal(rngs.params(), shape, dtype)
+  return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * scale, computed in fp32. scale[D] is logical 'norm' (replicated, no decay)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.eps = cfg.norm_eps
+    self.scale = param(rngs, (cfg.d_model,), ('norm',), cfg.weight_dtype)
+
+  def __call__(self, x_BLD):
+    x = x_BLD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * self.scale[...].astype(jnp.float32)).astype(x_BLD.dtype)
+
+
+def rotary(x_BLNH, positions_BL, theta: float):
+  """Rotary position embedding (Llama's rotate-half layout), in fp32."""
+  H = x_BLNH.shape[-1]
+  inv_freq_h = theta ** (-np.arange(0, H // 2, dtype=np.float32) / (H // 2))
+  angle_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq_h
+  sin_BL1h, cos_BL1h = jnp.sin(angle_BLh)[:, :, None], jnp.cos(angle_BLh)[:, :, None]
+  x1, x2 = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos_BL1h - x2 * sin_BL1h, x2 * cos_BL1h + x1 * sin_BL1h], axis=-1)
+  return out.astype(x_BLNH.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention.
+
+  Tensor parallelism is column-parallel Wq/Wk/Wv (heads split) and row-parallel Wo:
+    Wq[D_fsdp, N_tensor, H], Wk/Wv[D_fsdp, K_tensor, H], Wo[N_tensor, H, D_fsdp].
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    D, N, K, H, dt = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.weight_dtype
+    self.wq = param(rngs, (D, N, H), ('embed', 'heads', 'head_dim'), dt, D ** -0.5)
+    self.wk = param(rngs, (D, K, H), ('embed', 'kv_heads', 'head_dim'), dt, D ** -0.5)
+    self.wv = param(rngs, (D, K, H), ('embed', 'kv_heads', 'head_dim'), dt, D ** -0.5)
+    self.wo = param(rngs, (N, H, D), ('heads', 'head_dim', 'embed'), dt, (N * H) ** -0.5)
+
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+    cfg, dt = self.cfg, x_BLD.dtype
+    q_BLNH = jnp.einsum('bld,dnh->blnh', x_BLD, self.wq[...].astype(dt))
+    k_BLKH = jnp.einsum('bld,dkh->blkh', x_BLD, self.wk[...].astype(dt))
+    v_BLKH = jnp.einsum('bld,dkh->blkh', x_BLD, self.wv[...].astype(dt))
+    q_BLNH = checkpoint_name(rotary(q_BLNH, positions_BL, cfg.rope_theta), 'query_proj')
+    k_BLKH = checkpoint_name(rotary(k_BLKH, positions_BL, cfg.rope_theta), 'key_proj')
+    v_BLKH = checkpoint_name(v_BLKH, 'value_proj')
+    q_BLNH = constrain(q_BLNH, ('batch', 'length', 'heads', 'head_dim'))
+    # Keys and values span the whole length: under sequence parallelism they are all-gathered.
+    k_BLKH = constrain(k_BLKH, ('batch', 'kv_length', 'kv_heads', 'head_dim'))
+    v_BLKH = constrain(v_BLKH, ('batch', 'kv_length', 'kv_heads', 'head_dim'))
+    out_BLNH = kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True,
+                                            segment_ids_BL=segment_ids_BL,
+                                            implementation=cfg.attention)
+    out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
+                               'attention_out')
+    return jnp.einsum('blnh,nhd->bld', out_BLNH, self.wo[...].astype(dt))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: (silu(x Wg) * x Wu) Wd with Wg/Wu[D_fsdp, F_tensor] and Wd[F_tensor, D_fsdp]."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    D, F, dt = cfg.d_model, cfg.d_ff, cfg.weight_dtype
+    self.w_gate = param(rngs, (D, F), ('embed', 'mlp'), dt, D ** -0.5)
+    self.w_up = param(rngs, (D, F), ('embed', 'mlp'), dt, D ** -0.5)
+    self.w_down = param(rngs, (F, D), ('mlp', 'embed'), dt, F ** -0.5)
+
+  def __call__(self, x_BLD):
+    dt = x_BLD.dtype
+    gate_BLF = jnp.einsum('bld,df->blf', x_BLD, self.w_gate[...].astype(dt))
+    up_BLF = jnp.einsum('bld,df->blf', x_BLD, self.w_up[...].astype(dt))
+    h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
+    h_BLF = checkpoint_name(h_BLF, 'mlp_hidden')
+    return jnp.einsum('blf,fd->bld', h_BLF, self.w_down[...].astype(dt))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg, rngs)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg, rngs)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+    x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
+    x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
+    x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+    return constrain(x_BLD, ('batch', 'length', 'embed'))

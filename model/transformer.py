@@ -1,0 +1,75 @@
+"""The decoder: embedding → scanned stack of blocks → final norm → output head."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.config import ModelConfig
+from model.layers import Block, RMSNorm, constrain, param
+
+REMAT = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nnx.Module):
+  """Llama-style decoder. Parameters (logical axes → mesh via sharding/rules.py):
+
+    embed[V_tensor, D_fsdp]; blocks.*[layers, ...] (one stacked copy per layer, scanned);
+    final_norm.scale[D]; unembed[D_fsdp, V_tensor] unless cfg.tie_embeddings.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    # std 1: rows are unit-scale vectors; the tied head rescales by 1/sqrt(D).
+    self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.weight_dtype,
+                       1.0)
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    def make_blocks(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = make_blocks(rngs.fork(split=cfg.n_layers))
+    self.final_norm = RMSNorm(cfg, rngs)
+    if not cfg.tie_embeddings:
+      self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
+                           cfg.weight_dtype, cfg.d_model ** -0.5)
+
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+    """Logits[B, L, V] in fp32. Positions default to 0..L-1; with segment ids (packed rows) a
+    token attends only within its own segment, so documents never see each other."""
+    cfg = self.cfg
+    if positions_BL is None:
+      positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0).astype(cfg.dtype)
+    x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
+    x_BLD = self._run_blocks(x_BLD, positions_BL, segment_ids_BL)
+    x_BLD = self.final_norm(x_BLD)
+    if cfg.tie_embeddings:
+      logits_BLV = jnp.einsum('bld,vd->blv', x_BLD, self.embed[...].astype(cfg.dtype),
+                              preferred_element_type=jnp.float32) * cfg.d_model ** -0.5
+    else:
+      logits_BLV = jnp.einsum('bld,dv->blv', x_BLD, self.unembed[...].astype(cfg.dtype),
+                              preferred_element_type=jnp.float32)
+    return constrain(logits_BLV, ('batch', 'length', 'vocab'))
+
+  def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL):
+    """One `lax.scan` over the stacked layers, so compile time does not grow with depth;
+    `scan_layers=False` unrolls the same scan (same parameters, so checkpoints are shared)."""
+    graphdef, layers = nnx.split(self.blocks)
+
+    def body(x_BLD, layer):
+      return nnx.merge(graphdef, layer)(x_BLD, positions_BL, segment_ids_BL), None
+
+    if (policy := REMAT[self.cfg.remat_policy]) is not None:
+      body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
+    x_BLD, _ = jax.lax.scan(body, x_BLD, layers, unroll=1 if self.cfg.scan_layers else True)
+    return x_BLD
+
+
+def logical_axes(state) -> dict:
+  """{parameter path: logical axis names} of a model state (abstract or concrete)."""
+  flat = nnx.to_flat_state(state)
+  return {'.'.join(map(str, path)): var.out_sharding for path, var in flat}

@@ -1,0 +1,42 @@
+"""The device mesh from `config.mesh`: axes data, fsdp, tensor, sequence."""
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+AXES = ('data', 'fsdp', 'tensor', 'sequence')
+
+
+def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
+  """{axis: size} from config.mesh, resolving at most one -1 to the devices left over."""
+  sizes = {axis: int(mesh_config[axis]) for axis in AXES}
+  if unknown := set(mesh_config) - set(AXES):
+    raise ValueError(f'config.mesh has unknown axes {sorted(unknown)}; the axes are {AXES}')
+  free = [axis for axis, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise ValueError(f'config.mesh: only one axis may be -1, got {free}')
+  if bad := [axis for axis, size in sizes.items() if size == 0 or size < -1]:
+    raise ValueError(f'config.mesh.{bad[0]}={sizes[bad[0]]}: axis sizes are positive, or -1 for '
+                     'the remaining devices')
+  fixed = math.prod(size for size in sizes.values() if size != -1)
+  if free:
+    if n_devices % fixed:
+      raise ValueError(f'config.mesh: the fixed axes multiply to {fixed}, which does not divide '
+                       f'the {n_devices} devices, so config.mesh.{free[0]}=-1 cannot take the rest')
+    sizes[free[0]] = n_devices // fixed
+  elif fixed != n_devices:
+    raise ValueError(
+        f'config.mesh: data×fsdp×tensor×sequence = {"×".join(str(sizes[a]) for a in AXES)} = '
+        f'{fixed}, but there are {n_devices} devices; make the product {n_devices} or set one '
+        'axis to -1 (e.g. --config.mesh.fsdp=-1)')
+  return sizes
+
+
+def make_mesh(mesh_config, devices=None) -> Mesh:
+  """A mesh over `devices` (default: all). Auto axes: XLA's partitioner propagates shardings
+  from the ones we pin (parameters, batch, activations at layer boundaries)."""
+  devices = jax.devices() if devices is None else list(devices)
+  sizes = mesh_shape(mesh_config, len(devices))
+  return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                       devices=devices)

@@ -1,0 +1,104 @@
+"""The whole sharding policy: two tables mapping logical axis names onto mesh axes.
+
+PARAM_RULES say where parameters (and so their gradients and Adam moments) live;
+ACTIVATION_RULES say how the computation is split. Keeping them apart makes each strategy one rule:
+  - FSDP (ZeRO-3): 'embed' → fsdp in PARAM_RULES (weights are gathered per layer for compute),
+    with 'batch' → (data, fsdp) in ACTIVATION_RULES.
+  - Tensor (Megatron): 'heads', 'kv_heads', 'mlp', 'vocab' → tensor in both tables
+    (column-parallel Wq/Wk/Wv/Wgate/Wup, row-parallel Wo/Wdown).
+  - Sequence: 'length' → sequence for activations; keys/values ('kv_length') are gathered.
+    Parameters are also split over sequence along 'embed' so that axis holds no replicas.
+  - Data: 'batch' → data; parameters are replicated over it.
+Sharded shapes, in scaling-book notation: Wq[D_(fsdp,sequence), N_tensor, H],
+Wgate[D_(fsdp,sequence), F_tensor], x[B_(data,fsdp), L_sequence, D].
+"""
+
+import math
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+PARAM_RULES = (
+    ('layers', None),
+    ('vocab', 'tensor'),
+    ('embed', ('fsdp', 'sequence')),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('head_dim', None),
+    ('mlp', 'tensor'),
+    ('norm', None),
+)
+
+ACTIVATION_RULES = (
+    ('batch', ('data', 'fsdp')),
+    ('length', 'sequence'),
+    ('kv_length', None),
+    ('embed', None),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('head_dim', None),
+    ('mlp', 'tensor'),
+    ('vocab', 'tensor'),
+)
+
+BATCH_SPEC = P(('data', 'fsdp'), 'sequence')  # every [B, L] array of the batch
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh) -> NamedSharding:
+  return NamedSharding(mesh, BATCH_SPEC)
+
+
+def param_shardings(abstract_state, mesh):
+  """NamedShardings for a model state (same tree), from its logical names and PARAM_RULES.
+
+  Works on an abstract state (`nnx.eval_shape`), so no full-size array is ever built; raises
+  naming the parameter if a sharded dimension does not divide by its mesh axes.
+  """
+  known = {name for name, _ in PARAM_RULES}
+  with nnx.logical_axis_rules(PARAM_RULES):
+    specs = nnx.get_partition_spec(abstract_state)
+  for path, var in nnx.to_flat_state(abstract_state):
+    name = '.'.join(map(str, path))
+    if unknown := set(var.out_sharding or ()) - known:
+      raise ValueError(f'parameter {name} names logical axes {sorted(unknown)} that '
+                       'sharding/rules.py PARAM_RULES does not map')
+  _check_divisible(abstract_state, specs, mesh)
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def _check_divisible(abstract_state, specs, mesh):
+  shapes = dict(nnx.to_flat_state(abstract_state))
+  for path, spec_var in nnx.to_flat_state(specs):
+    var = shapes[path]
+    for dim, (size, axes) in enumerate(zip(var.shape, spec_var.get_value())):
+      axes = (axes,) if isinstance(axes, str) else (axes or ())
+      parts = math.prod(mesh.shape[a] for a in axes)
+      if size % parts:
+        raise ValueError(
+            f'parameter {".".join(map(str, path))} dimension {dim} '
+            f'(logical {var.out_sharding[dim]!r}, size {size}) does not divide by mesh axes '
+            f'{axes} (size {parts}); change config.model or config.mesh')
+
+
+def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict) -> None:
+  """Config-level checks, before anything is built, naming the fields to change."""
+  t, dp = mesh_sizes['tensor'], mesh_sizes['data'] * mesh_sizes['fsdp']
+  for field in ('n_heads', 'n_kv_heads', 'd_ff', 'vocab_size'):
+    if getattr(model_cfg, field) % t:
+      raise ValueError(f'config.model.{field}={getattr(model_cfg, field)} is not divisible by '
+                       f'config.mesh.tensor={t}; tensor parallelism splits it {t} ways')
+  shard = mesh_sizes['fsdp'] * mesh_sizes['sequence']
+  if model_cfg.d_model % shard:
+    raise ValueError(f'config.model.d_model={model_cfg.d_model} is not divisible by '
+                     f'config.mesh.fsdp×config.mesh.sequence={shard}, which shard parameters')
+  if batch_size % dp:
+    raise ValueError(f'config.batch_size={batch_size} is not divisible by config.mesh.data×'
+                     f'config.mesh.fsdp={dp}; each of those shards takes an equal slice')
+  if seq_len % mesh_sizes['sequence']:
+    raise ValueError(f'config.seq_len={seq_len} is not divisible by '
+                     f'config.mesh.sequence={mesh_sizes["sequence"]}')

@@ -1,0 +1,23 @@
+"""meshlm's entry point: flags → config → run.
+
+  python train.py --config=configs/default.py --config.workdir=/tmp/meshlm-default
+  python train.py --config=configs/llama.py:1b --config.mesh.fsdp=8 --config.model.attention=cudnn
+"""
+
+from absl import app
+from ml_collections import config_flags
+
+from training import loop
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py',
+                                          'Config file, optionally with :variant.', lock_config=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  loop.run(_CONFIG.value)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,1 @@
+"""Train state, the compiled step, the loop, the optimizer and metrics."""

@@ -1,0 +1,30 @@
+"""AdamW with linear warmup + cosine decay and global-norm clipping."""
+
+import jax
+import optax
+from flax import nnx
+
+
+def make_schedule(opt_config, train_steps: int) -> optax.Schedule:
+  warmup = min(opt_config.warmup_steps, train_steps)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=opt_config.learning_rate, warmup_steps=warmup,
+      decay_steps=max(train_steps, warmup + 1),
+      end_value=opt_config.learning_rate * opt_config.min_lr_ratio)
+
+
+def decay_mask(params):
+  """True for parameters that take weight decay: all but norm scales (the model has no biases)."""
+  return jax.tree.map(lambda var: var.replace('norm' not in (var.out_sharding or ())), params,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_optimizer(opt_config, schedule) -> optax.GradientTransformation:
+  for field in ('learning_rate', 'b1', 'b2', 'eps', 'weight_decay', 'grad_clip', 'min_lr_ratio'):
+    if opt_config[field] < 0:
+      raise ValueError(f'config.optimizer.{field}={opt_config[field]} must not be negative')
+  adamw = optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
+                      weight_decay=opt_config.weight_decay, mask=decay_mask)
+  if opt_config.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(opt_config.grad_clip), adamw)
+  return adamw

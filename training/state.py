@@ -1,0 +1,86 @@
+"""From config to a sharded train state, in the one-way order config → mesh → abstract state →
+shardings → initialised state. Everything that can be wrong with a config is found here, before
+anything is compiled or allocated."""
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+import sharding
+from model import ModelConfig, Transformer
+from training import optimizer
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar
+  params: nnx.State  # the model's parameters, Variables holding arrays
+  opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What a run derives from its config before touching data or devices' memory."""
+  model_cfg: ModelConfig
+  mesh: Mesh
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  abstract_state: TrainState  # ShapeDtypeStructs, no memory
+  state_shardings: TrainState  # NamedShardings, same tree
+  seed: int
+
+  def init_state(self) -> TrainState:
+    """Initialise parameters and optimizer state directly into their shardings."""
+    cfg, tx, seed = self.model_cfg, self.tx, self.seed
+
+    def init():
+      params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+      return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    with jax.set_mesh(self.mesh):
+      return jax.jit(init, out_shardings=self.state_shardings)()
+
+
+def build(config, devices=None) -> Setup:
+  """Validate `config` and derive the mesh, model, optimizer and state shardings (all abstract)."""
+  devices = jax.devices() if devices is None else list(devices)
+  model_cfg = ModelConfig.from_config(config.model)
+  for field in ('train_steps', 'batch_size', 'seq_len', 'log_every'):
+    if config[field] < 1:
+      raise ValueError(f'config.{field}={config[field]} must be at least 1')
+  sizes = sharding.mesh_shape(config.mesh, len(devices))
+  sharding.check_fits_mesh(model_cfg, config.batch_size, config.seq_len, sizes)
+  if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':
+    raise ValueError(f"config.model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
+                     f"{devices[0].platform}; use --config.model.attention=xla")
+  mesh = sharding.make_mesh(config.mesh, devices)
+
+  abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
+  graphdef, abstract_params = nnx.split(abstract_model)
+  schedule = optimizer.make_schedule(config.optimizer, config.train_steps)
+  tx = optimizer.make_optimizer(config.optimizer, schedule)
+
+  param_shardings = sharding.param_shardings(abstract_params, mesh)
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  # Adam's moments mirror the parameters and take their shardings; counters are replicated.
+  opt_shardings = optax.tree_map_params(
+      tx, lambda _, s: s, abstract_opt, param_shardings,
+      transform_non_params=lambda _: sharding.replicated(mesh))
+  state_shardings = TrainState(step=sharding.replicated(mesh), params=param_shardings,
+                               opt_state=opt_shardings)
+  abstract_state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
+                              opt_state=abstract_opt)
+  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                abstract_state, state_shardings)
+  return Setup(model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
+               abstract_state=abstract_state, state_shardings=state_shardings, seed=config.seed)
+
+
+def param_count(abstract_params) -> int:
+  return sum(x.size for x in jax.tree.leaves(abstract_params))
