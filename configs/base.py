@@ -2,7 +2,8 @@
 
 Run (a tiny model for a few steps, a smoke test of the whole stack):
   python train.py --config=configs/base.py --config.workdir=/tmp/meshlm-base
-Should reach: loss below 3.5 (from ln(384)≈5.95) after its 100 steps, in about a minute on CPU.
+Should reach: loss ≈ 2.3 and eval loss ≈ 2.4 (from ln(384) ≈ 5.95) after its 100 steps, in about
+15 seconds on a 2-core CPU.
 """
 
 import ml_collections

@@ -1,4 +1,5 @@
-"""Llama-shaped presets with real sizes: 125m, 1b (Llama-3.2-1B shapes) and 8b (Llama-3-8B shapes).
+"""Llama-shaped presets with real sizes: 125m (GPT-2-small sized, 124M), 1b (Llama-3.2-1B shapes,
+1.24B) and 8b (Llama-3-8B shapes, 8.03B).
 
 Run (pick the preset after the colon; on GPU, add --config.model.attention=cudnn):
   python train.py --config=configs/llama.py:125m --config.workdir=/tmp/meshlm-125m
@@ -15,8 +16,8 @@ from configs import base
 
 PRESETS = {
     # name: d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff, vocab, tied, rope_theta
-    '125m': dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=2048,
-                 vocab_size=32768, tie_embeddings=True, rope_theta=10_000.0),
+    '125m': dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64, d_ff=2048,
+                 vocab_size=50304, tie_embeddings=True, rope_theta=10_000.0),
     '1b': dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, d_ff=8192,
                vocab_size=128256, tie_embeddings=True, rope_theta=500_000.0),
     '8b': dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,

@@ -31,7 +31,7 @@ class Transformer(nnx.Module):
     def make_blocks(rngs):
       return Block(cfg, rngs)
 
-    self.blocks = make_blocks(rngs.fork(split=cfg.n_layers))
+    self.blocks = make_blocks(rngs.split(cfg.n_layers))
     self.final_norm = RMSNorm(cfg, rngs)
     if not cfg.tie_embeddings:
       self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
@@ -43,7 +43,10 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0).astype(cfg.dtype)
+    # Gather the table over FSDP before the lookup, as FSDP does for every weight; left to itself
+    # the partitioner replicates the whole lookup instead.
+    table_VD = constrain(self.embed[...], ('vocab', 'embed'))
+    x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(cfg.dtype)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
     x_BLD = self._run_blocks(x_BLD, positions_BL, segment_ids_BL)
     x_BLD = self.final_norm(x_BLD)

@@ -37,7 +37,7 @@ def make_train_step(setup: Setup, z_loss: float):
     (_, (ce, zl)), grads = grad_fn(state.params)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {'loss': ce, 'z_loss': zl, 'grad_norm': optax.global_norm(grads),
+    metrics = {'loss': ce, 'z_loss': zl, 'grad_norm': optax.tree.norm(grads),
                'learning_rate': setup.schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
   return train_step

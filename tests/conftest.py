@@ -1,0 +1,37 @@
+"""Tests run on 8 CPU devices: XLA_FLAGS must be set before jax is first imported."""
+
+import os
+import sys
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from configs import base  # noqa: E402
+from data import stdlib_bytes  # noqa: E402
+
+assert jax.device_count() == 8, 'tests expect 8 CPU devices (XLA_FLAGS was set too late)'
+
+
+def tiny_config(**mesh):
+  """A 2-layer GQA model small enough to compile in seconds, in fp32 for tight comparisons."""
+  c = base.get_config()
+  c.batch_size, c.seq_len = 8, 32
+  c.model.d_model, c.model.n_layers, c.model.d_ff = 64, 2, 128
+  c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 4, 2, 16
+  c.model.compute_dtype = 'float32'
+  c.optimizer.warmup_steps = 2
+  c.train_steps = 10
+  c.mesh.update(dict(data=1, fsdp=1, tensor=1, sequence=1))
+  c.mesh.update(mesh)
+  return c
+
+
+@pytest.fixture(scope='session')
+def small_corpus():
+  """A real corpus, small: the first 40 of the standard library's .py files."""
+  return stdlib_bytes.ByteCorpus.from_files(stdlib_bytes.stdlib_files()[:40])

@@ -1,0 +1,108 @@
+"""The model alone, on one device: causality, packing isolation, GQA attention, scan/remat."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kernels
+from model import ModelConfig, Transformer
+from tests.conftest import tiny_config
+
+
+def make_model(**overrides):
+  c = tiny_config()
+  c.model.update(overrides)
+  return Transformer(ModelConfig.from_config(c.model), rngs=nnx.Rngs(0))
+
+
+def tokens(seed, shape=(2, 24)):
+  return jax.random.randint(jax.random.key(seed), shape, 0, 256)
+
+
+def test_changing_token_t_changes_no_earlier_logit():
+  model, t = make_model(), 11
+  x = tokens(0)
+  y = x.at[:, t].set((x[:, t] + 1) % 256)
+  a, b = model(x), model(y)
+  np.testing.assert_array_equal(a[:, :t], b[:, :t])
+  assert not np.allclose(a[:, t:], b[:, t:])  # the change is visible from t on
+
+
+def test_a_document_is_blind_to_what_is_packed_before_it():
+  model = make_model()
+  doc_a, doc_b = tokens(1, (1, 9)), tokens(2, (1, 15))
+  alone = model(doc_b)
+  packed = jnp.concatenate([doc_a, doc_b], axis=1)
+  segments = jnp.array([[1] * 9 + [2] * 15])
+  positions = jnp.array([list(range(9)) + list(range(15))])
+  together = model(packed, positions, segments)
+  np.testing.assert_allclose(together[:, 9:], alone, rtol=1e-5, atol=1e-5)
+  # Without segment ids the same row does see doc_a: the test can tell the difference.
+  assert not np.allclose(model(packed, positions)[:, 9:], alone, atol=1e-3)
+
+
+@pytest.mark.parametrize('kv_heads', [8, 2, 1])
+@pytest.mark.parametrize('causal', [True, False])
+def test_xla_attention_matches_jax_reference(kv_heads, causal):
+  kq, kk, kv, ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(kq, (2, 16, 8, 32))
+  k = jax.random.normal(kk, (2, 16, kv_heads, 32))
+  v = jax.random.normal(kv, (2, 16, kv_heads, 32))
+  seg = jnp.sort(jax.random.randint(ks, (2, 16), 1, 4), axis=1)
+  ours = kernels.attention(q, k, v, causal=causal, segment_ids_BL=seg, implementation='xla')
+  mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+  ref = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation='xla')
+  np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fully_masked_rows_give_zeros_not_nan():
+  q = k = v = jnp.ones((1, 4, 2, 8))
+  q_seg, kv_seg = jnp.array([[1, 1, 3, 3]]), jnp.array([[1, 1, 2, 2]])
+  out = kernels.xla_attention(q, k, v, causal=False, segment_ids_BL=q_seg, kv_segment_ids_BS=kv_seg)
+  assert np.all(np.isfinite(out)) and np.all(out[:, 2:] == 0)
+
+
+def loss_and_grads(model, x):
+  graphdef, params = nnx.split(model)
+  f = lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+  return jax.value_and_grad(f)(params)
+
+
+@pytest.mark.parametrize('variant', [dict(scan_layers=False), dict(remat_policy='full'),
+                                     dict(remat_policy='dots')])
+def test_unrolled_and_rematerialised_layers_compute_the_same(variant):
+  x = tokens(3)
+  ref_loss, ref_grads = loss_and_grads(make_model(), x)
+  loss, grads = loss_and_grads(make_model(**variant), x)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_compute_keeps_fp32_params_and_tied_head_has_no_unembed():
+  model = make_model(compute_dtype='bfloat16', tie_embeddings=True)
+  assert not hasattr(model, 'unembed')
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model)))
+  logits = model(tokens(4))
+  assert logits.dtype == jnp.float32 and np.all(np.isfinite(logits))
+
+
+def test_layers_are_stacked_for_the_scan():
+  model = make_model()
+  assert model.blocks.attn.wq.shape == (2, 64, 4, 16)  # [layers, D, N, H]
+  assert model.blocks.attn.wq.out_sharding == ('layers', 'embed', 'heads', 'head_dim')
+
+
+@pytest.mark.parametrize('field,value,match', [
+    ('n_kv_heads', 3, 'config.model.n_heads'),
+    ('attention', 'flash', 'config.model.attention'),
+    ('remat_policy', 'some', 'config.model.remat_policy'),
+    ('head_dim', 15, 'config.model.head_dim'),
+])
+def test_bad_model_settings_name_the_field(field, value, match):
+  c = tiny_config()
+  c.model[field] = value
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.from_config(c.model)

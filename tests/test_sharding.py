@@ -1,0 +1,148 @@
+"""Sharded training equals single-device training, and the shards and collectives are the ones
+the rules imply (checked on the arrays and the compiled HLO, not on the requested specs)."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import sharding
+from training import step as step_lib
+from training.state import build
+from tests.conftest import tiny_config
+from data import stdlib_bytes
+
+MESHES = {
+    'data=8': dict(data=8),
+    'fsdp=8': dict(fsdp=8),
+    'data=2×fsdp=2×tensor=2': dict(data=2, fsdp=2, tensor=2),
+    'fsdp=4×tensor=2': dict(fsdp=4, tensor=2),
+    'fsdp=4×sequence=2': dict(fsdp=4, sequence=2),
+}
+STEPS = 4
+
+
+def train_losses(config, devices, corpus):
+  setup = build(config, devices)
+  state = setup.init_state()
+  step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
+  batches = stdlib_bytes.Batches(corpus, batch_size=config.batch_size, seq_len=config.seq_len,
+                                 seed=0, sharding=sharding.batch_sharding(setup.mesh))
+  losses = []
+  for i in range(STEPS):
+    state, metrics = step(state, batches(i))
+    losses.append([float(metrics['loss']), float(metrics['grad_norm'])])
+  return np.array(losses), state
+
+
+@pytest.fixture(scope='module')
+def single_device(small_corpus):
+  return train_losses(tiny_config(), jax.devices()[:1], small_corpus)
+
+
+@pytest.mark.parametrize('name', list(MESHES))
+def test_same_loss_curve_as_one_device(name, single_device, small_corpus):
+  """fp32 compute: sharded reductions reorder sums, so equality is to rtol 2e-5, atol 1e-6."""
+  ref_losses, ref_state = single_device
+  losses, state = train_losses(tiny_config(**MESHES[name]), jax.devices(), small_corpus)
+  assert ref_losses[-1, 0] < ref_losses[0, 0]  # it is learning, so the curve means something
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp_splits_every_large_parameter_and_its_adam_moments_8_ways():
+  setup = build(tiny_config(fsdp=8))
+  state = setup.init_state()
+  mu, nu = state.opt_state[1][0].mu, state.opt_state[1][0].nu  # chain(clip, adamw) → adam state
+  checked = 0
+  for tree in (state.params, mu, nu):
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+      if x.size < 1024:  # norm scales are replicated by design
+        continue
+      shards = x.addressable_shards
+      assert len({s.device for s in shards}) == 8
+      assert sum(s.data.size for s in shards) == x.size, jax.tree_util.keystr(path)
+      assert all(s.data.size == x.size // 8 for s in shards), jax.tree_util.keystr(path)
+      assert len({repr(s.index) for s in shards}) == 8  # eight different pieces, no replicas
+      checked += 1
+  assert checked == 3 * 9  # embed, unembed and the 7 stacked block matrices
+
+
+def compiled_hlo(mesh_axes, **model):
+  config = tiny_config(**mesh_axes)
+  config.model.update(model)
+  setup = build(config)
+  compiled = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
+  return compiled.as_text(), setup
+
+
+def collective_shapes(hlo, op):
+  """Result shapes of every `op` (e.g. all-gather) in the HLO text, tuple results included."""
+  shapes = []
+  for line in hlo.splitlines():
+    if m := re.search(rf'= (.*?) {op}(?:-start)?\(', line):
+      shapes += [tuple(int(d) for d in dims.split(',') if d)
+                 for dims in re.findall(r'\[([0-9,]*)\]', m.group(1))]
+  return shapes
+
+
+def weight_shapes(setup):
+  """Full shapes of the weight matrices: stacked arrays and one layer's slice."""
+  shapes = set()
+  for x in jax.tree.leaves(setup.abstract_state.params):
+    if x.ndim >= 2:
+      shapes |= {x.shape, x.shape[1:]} if x.ndim >= 3 else {x.shape}
+  return shapes
+
+
+def test_tensor_parallel_hlo_has_row_parallel_all_reduce_and_no_full_weight_collective():
+  """data=4 × tensor=2: Megatron layout. Activations are all-reduced after the row-parallel Wo
+  and Wdown; weights are never gathered, and their gradients are reduced over `data` in their
+  tensor-split shapes, never as full matrices. (MHA, so no full weight has a split one's shape.)"""
+  hlo, setup = compiled_hlo(dict(data=4, tensor=2), n_kv_heads=4)
+  config = tiny_config()
+  local_activation = (config.batch_size // 4, config.seq_len, config.model.d_model)
+  reduced = collective_shapes(hlo, 'all-reduce')
+  assert local_activation in reduced, 'row-parallel Wo/Wdown outputs must be all-reduced'
+  assert not collective_shapes(hlo, 'all-gather'), 'tensor parallelism gathers nothing here'
+  full = weight_shapes(setup)
+  assert not set(reduced) & full, f'full weights in all-reduce: {set(reduced) & full}'
+  wq = setup.abstract_state.params['blocks']['attn']['wq']
+  assert (wq.shape[1], wq.shape[2] // 2, wq.shape[3]) in reduced  # Wq's gradient, heads split
+
+
+def test_fsdp_hlo_gathers_each_layers_weights_inside_the_scan():
+  """fsdp=8: each layer's weights are all-gathered one layer at a time (ZeRO-3), never the whole
+  stack; gradients are reduced (reduce-scatter on GPU; all-reduce + slice on the CPU backend)."""
+  hlo, setup = compiled_hlo(dict(fsdp=8))
+  blocks = setup.abstract_state.params['blocks']
+  gathered = set(collective_shapes(hlo, 'all-gather'))
+  for name in ('wq', 'wk', 'wv', 'wo'):
+    w = blocks['attn'][name]
+    assert w.shape[1:] in gathered and w.shape not in gathered, name
+  reduced = set(collective_shapes(hlo, 'all-reduce')) | set(collective_shapes(hlo,
+                                                                             'reduce-scatter'))
+  assert blocks['mlp']['w_gate'].shape[1:] in reduced or any(
+      s[-2:] == (blocks['mlp']['w_gate'].shape[1], blocks['mlp']['w_gate'].shape[2] // 8)
+      for s in reduced)
+
+
+def test_batch_is_split_over_data_and_fsdp_and_length_over_sequence():
+  setup = build(tiny_config(data=2, fsdp=2, sequence=2))
+  corpus = stdlib_bytes.ByteCorpus([b'x' * 1000])
+  batch = stdlib_bytes.Batches(corpus, batch_size=8, seq_len=32, seed=0,
+                               sharding=sharding.batch_sharding(setup.mesh))(0)
+  shards = batch['inputs'].addressable_shards
+  assert {s.data.shape for s in shards} == {(2, 16)}
+  assert len({repr(s.index) for s in shards}) == 8
+
+
+@pytest.mark.parametrize('mesh,n,expected', [
+    (dict(data=1, fsdp=-1, tensor=2, sequence=1), 8, dict(data=1, fsdp=4, tensor=2, sequence=1)),
+    (dict(data=2, fsdp=1, tensor=1, sequence=-1), 8, dict(data=2, fsdp=1, tensor=1, sequence=4)),
+    (dict(data=1, fsdp=-1, tensor=1, sequence=1), 1, dict(data=1, fsdp=1, tensor=1, sequence=1)),
+])
+def test_mesh_shape_resolves_minus_one(mesh, n, expected):
+  assert sharding.mesh_shape(mesh, n) == expected
