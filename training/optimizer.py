@@ -14,9 +14,13 @@ def make_schedule(opt_config, train_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params):
-  """True for parameters that take weight decay: all but norm scales (the model has no biases)."""
-  return jax.tree.map(lambda var: var.replace('norm' not in (var.out_sharding or ())), params,
-                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  """True for parameters that take weight decay: all but norm scales (the model has no biases).
+  Model parameters are told apart by their logical axes; bare arrays decay if they are matrices."""
+  def decays(x):
+    if isinstance(x, nnx.Variable):
+      return x.replace('norm' not in (x.out_sharding or ()))
+    return x.ndim >= 2
+  return jax.tree.map(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(opt_config, schedule) -> optax.GradientTransformation:

@@ -1,0 +1,51 @@
+"""Every config in configs/ loads; the small ones build a model and run one step."""
+
+import importlib
+import pathlib
+
+import jax
+import pytest
+
+import configs
+from training import loop
+from training.state import build, param_count
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / 'configs'
+FILES = sorted(p.name for p in CONFIGS.glob('*.py') if p.name != '__init__.py')
+PRESETS = {'125m': (115e6, 130e6), '1b': (1.2e9, 1.28e9), '8b': (7.9e9, 8.1e9)}
+
+
+def load(name, arg=None):
+  return configs.load(name + (f':{arg}' if arg else ''))
+
+
+@pytest.mark.parametrize('name', FILES)
+def test_every_config_file_loads_and_has_a_runnable_docstring(name):
+  config = load(name)
+  assert config.model.n_layers >= 1
+  module = importlib.import_module(f'configs.{name[:-3]}')
+  assert 'python train.py --config=configs/' in module.__doc__
+  assert 'Should reach' in module.__doc__
+
+
+@pytest.mark.parametrize('preset', list(PRESETS))
+def test_llama_presets_have_their_real_sizes_and_shard_over_8_devices(preset):
+  config = load('llama.py', preset)
+  config.mesh.fsdp = -1
+  setup = build(config)  # abstract only: nothing of this size is allocated
+  low, high = PRESETS[preset]
+  assert low <= param_count(setup.abstract_state.params) <= high
+
+
+def test_unknown_preset_names_the_choices():
+  with pytest.raises(ValueError, match='1b'):
+    load('llama.py', '3b')
+
+
+@pytest.mark.parametrize('name', ['base.py', 'default.py'])
+def test_small_configs_run_one_step_on_8_devices(name, tmp_path):
+  config = load(name)
+  config.workdir, config.train_steps, config.eval_batches = str(tmp_path), 1, 1
+  records = loop.run(config)
+  assert records[0]['step'] == 1 and records[-1]['eval_loss'] > 0
+  assert jax.device_count() == 8

@@ -1,0 +1,124 @@
+"""Loss, optimizer, the loop's outputs, and bad configs failing early with the field named."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from training import loop, optimizer
+from training.state import build
+from training.step import cross_entropy
+from tests.conftest import tiny_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_cross_entropy_is_the_weighted_mean_nll_and_z_loss_penalises_log_z():
+  logits = jax.random.normal(jax.random.key(0), (2, 3, 5))
+  targets = jnp.array([[0, 1, 2], [3, 4, 0]])
+  weights = jnp.array([[1, 1, 0], [1, 0, 1]], jnp.float32)
+  ce, zl = cross_entropy(logits, targets, weights, z_loss=0.1)
+  logp = jax.nn.log_softmax(logits)
+  nll = -np.take_along_axis(np.asarray(logp), np.asarray(targets)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(ce, (nll * weights).sum() / 4, rtol=1e-6)
+  logz = jax.nn.logsumexp(logits, -1)
+  np.testing.assert_allclose(zl, 0.1 * (logz ** 2 * weights).sum() / 4, rtol=1e-6)
+
+
+def test_weight_decay_skips_norm_scales_only():
+  setup = build(tiny_config(fsdp=8))
+  mask = optimizer.decay_mask(setup.abstract_state.params)
+  flat = {jax.tree_util.keystr(p): bool(v) for p, v in jax.tree_util.tree_leaves_with_path(mask)}
+  assert {k for k, v in flat.items() if not v} == {
+      "['blocks']['attn_norm']['scale'].value", "['blocks']['mlp_norm']['scale'].value",
+      "['final_norm']['scale'].value"}
+  assert sum(flat.values()) == 9
+
+
+def test_schedule_warms_up_linearly_then_decays_to_the_floor():
+  c = tiny_config()
+  c.optimizer.learning_rate, c.optimizer.warmup_steps, c.optimizer.min_lr_ratio = 1.0, 10, 0.1
+  schedule = optimizer.make_schedule(c.optimizer, 100)
+  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)], [0.0, 0.5, 1.0], atol=1e-6)
+  np.testing.assert_allclose(schedule(100), 0.1, atol=1e-6)
+  assert schedule(50) > schedule(80) > schedule(100)
+
+
+def test_clipping_bounds_the_update():
+  c = tiny_config()
+  c.optimizer.grad_clip, c.optimizer.weight_decay = 1.0, 0.0
+  tx = optimizer.make_optimizer(c.optimizer, lambda _: 1.0)
+  params = {'w': jnp.ones(4)}
+  big = {'w': jnp.full(4, 1e6)}
+  clipped_state = tx.init(params)
+  updates, _ = tx.update(big, clipped_state, params)
+  assert np.all(np.isfinite(updates['w'])) and np.all(np.abs(updates['w']) <= 1.0 + 1e-6)
+
+
+BAD = [
+    (dict(mesh=dict(data=3)), 'config.mesh'),
+    (dict(mesh=dict(data=1, fsdp=-1, tensor=-1)), 'only one axis may be -1'),
+    (dict(mesh=dict(data=1, fsdp=1, tensor=8)), 'config.model.n_heads'),
+    (dict(mesh=dict(data=1, fsdp=2, tensor=4), model=dict(n_heads=8, n_kv_heads=2)),
+     'config.model.n_kv_heads'),
+    (dict(batch_size=12, mesh=dict(data=8)), 'config.batch_size'),
+    (dict(seq_len=30, mesh=dict(fsdp=2, sequence=4)), 'config.seq_len'),
+    (dict(model=dict(attention='cudnn')), 'config.model.attention'),
+    (dict(model=dict(n_kv_heads=3)), 'config.model.n_heads'),
+    (dict(train_steps=0), 'config.train_steps'),
+]
+
+
+@pytest.mark.parametrize('change,message', BAD, ids=[m for _, m in BAD])
+def test_bad_config_fails_before_anything_is_built_naming_the_field(change, message, tmp_path):
+  c = tiny_config(data=1, fsdp=-1)
+  for key, value in change.items():
+    if isinstance(value, dict):
+      c[key].update(value)
+    else:
+      c[key] = value
+  c.workdir = str(tmp_path / 'run')
+  with pytest.raises(ValueError, match=message):
+    loop.run(c)
+  assert not (tmp_path / 'run').exists()  # failed before writing anything
+
+
+def test_unwritable_workdir_is_a_clear_error(tmp_path):
+  (tmp_path / 'file').write_text('not a directory')
+  c = tiny_config(fsdp=8)
+  c.workdir = str(tmp_path / 'file' / 'run')
+  with pytest.raises(ValueError, match='config.workdir'):
+    loop.run(c)
+
+
+def train_cli(*flags, cwd=REPO):
+  return subprocess.run([sys.executable, 'train.py', *flags], cwd=cwd, capture_output=True,
+                        text=True, timeout=600)
+
+
+def test_unknown_override_key_is_an_error_naming_it():
+  result = train_cli('--config=configs/base.py', '--config.model.n_layer=3')
+  assert result.returncode != 0
+  assert 'n_layer' in result.stderr
+
+
+def test_train_cli_writes_metrics_and_config_and_learns(tmp_path):
+  result = train_cli('--config=configs/base.py', f'--config.workdir={tmp_path}',
+                     '--config.train_steps=40', '--config.log_every=10', '--config.eval_every=40',
+                     '--config.seed=3')  # default mesh: fsdp=-1 takes the 8 devices
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  train = [r for r in records if 'loss' in r]
+  assert [r['step'] for r in train] == [10, 20, 30, 40]
+  for key in ('loss', 'learning_rate', 'grad_norm', 'tokens_per_sec', 'step_time_s'):
+    assert all(np.isfinite(r[key]) for r in train), key
+  assert train[-1]['loss'] < train[0]['loss'] - 0.5 and train[-1]['loss'] < np.log(256) - 2
+  assert [r['step'] for r in records if 'eval_loss' in r] == [40]
+  config = json.loads((tmp_path / 'config.json').read_text())
+  assert config['train_steps'] == 40 and config['seed'] == 3
+  assert 'step 40/40 | loss' in result.stdout
