@@ -122,3 +122,17 @@ def test_train_cli_writes_metrics_and_config_and_learns(tmp_path):
   config = json.loads((tmp_path / 'config.json').read_text())
   assert config['train_steps'] == 40 and config['seed'] == 3
   assert 'step 40/40 | loss' in result.stdout
+
+
+def test_flops_per_token_matches_a_hand_count():
+  from model import ModelConfig
+  from training import flops
+  cfg = ModelConfig.from_config(tiny_config().model)  # D=64, N=4, K=2, H=16, F=128, V=384, 2 layers
+  per_layer = 64 * 16 * (4 + 4 + 2 + 2) + 3 * 64 * 128  # q, o, k, v + gate, up, down = 36,864
+  dense = 6 * (2 * per_layer + 64 * 384)
+  attention = 12 * 2 * 4 * 16 * 32  # seq_len 32
+  assert flops.flops_per_token(cfg, 32) == dense + attention / 2
+  assert flops.flops_per_token(cfg, 32, causal=False) == dense + attention
+  assert flops.peak_tflops('NVIDIA H100 80GB HBM3') == 989.0
+  assert flops.peak_tflops('NVIDIA H100 PCIe') == 756.0
+  assert flops.peak_tflops('cpu') is None

@@ -1,0 +1,115 @@
+"""Times the compiled train step of any config: tokens/s, TFLOP/s per device and MFU.
+
+  python benchmarks/train_step.py --config=configs/default.py
+  python benchmarks/train_step.py --config=configs/llama.py:1b --config.model.attention=cudnn \
+      --out=benchmarks/results/train_step-h100.json
+
+Method: build the state and the AOT-compiled step exactly as train.py does, feed random tokens
+(timing does not depend on their values), run --warmup steps, then time --steps steps one by one
+(each waited for) and report the median.
+
+FLOPs (training/flops.py, MaxText's convention): per token 6·(n_layers·matmul params per layer +
+d_model·vocab) for the matmuls, plus 12·n_layers·n_heads·head_dim·seq_len for attention, counted
+half because it is causal; recomputation from rematerialisation is not credited.
+MFU = achieved FLOP/s per device / the device's dense bf16 peak:
+  A100 312, H100 SXM 989 (PCIe 756), H200 989 TFLOP/s. No MFU is reported for other devices (CPU).
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+import sharding  # noqa: E402
+from training import flops, step as step_lib  # noqa: E402
+from training.state import build, param_count  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.',
+                                          lock_config=True)
+_STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps.')
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps after compiling.')
+_OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
+
+
+def random_batch(config, mesh):
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  tokens = rng.integers(0, min(256, config.model.vocab_size), size=(shape[0], shape[1] + 1))
+  host = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+          'positions': np.broadcast_to(np.arange(shape[1]), shape),
+          'segment_ids': np.ones(shape), 'weights': np.ones(shape)}
+  s = sharding.batch_sharding(mesh)
+  return {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  setup = build(config)
+  t0 = time.perf_counter()
+  state = setup.init_state()
+  step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
+  compile_s = time.perf_counter() - t0
+  batch = random_batch(config, setup.mesh)
+  for _ in range(_WARMUP.value):
+    state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(_STEPS.value):
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+
+  device = jax.devices()[0]
+  n = setup.mesh.size
+  step_s = statistics.median(times)
+  tokens = config.batch_size * config.seq_len
+  tflops = flops.flops_per_token(setup.model_cfg, config.seq_len) * tokens / step_s / n / 1e12
+  peak = flops.peak_tflops(device.device_kind)
+  figures = {
+      'benchmark': 'train_step',
+      'config': config_flags.get_config_filename(flags.FLAGS['config']),
+      'device': device.device_kind, 'platform': device.platform, 'n_devices': n,
+      'mesh': dict(setup.mesh.shape), 'jax': jax.__version__,
+      'params': param_count(setup.abstract_state.params),
+      'attention': config.model.attention, 'remat_policy': config.model.remat_policy,
+      'compute_dtype': config.model.compute_dtype,
+      'batch_size': config.batch_size, 'seq_len': config.seq_len,
+      'compile_s': round(compile_s, 2), 'step_time_s': step_s,
+      'step_time_s_min': min(times), 'step_time_s_max': max(times),
+      'tokens_per_sec': tokens / step_s, 'tflops_per_device': tflops,
+      'peak_tflops_per_device': peak, 'mfu': tflops / peak if peak else None,
+      'loss_after': float(metrics['loss']),
+      'command': 'python ' + ' '.join(sys.argv),
+  }
+  rows = [('device', f'{n} × {device.device_kind}'),
+          ('mesh', ' × '.join(f'{a}={s}' for a, s in setup.mesh.shape.items())),
+          ('parameters', f'{figures["params"] / 1e6:,.1f}M'),
+          ('tokens / step', f'{tokens:,} ({config.batch_size} × {config.seq_len})'),
+          ('attention, remat', f'{config.model.attention}, {config.model.remat_policy}'),
+          ('compile', f'{compile_s:.1f} s'),
+          ('step time (median of %d)' % len(times), f'{step_s * 1e3:,.1f} ms'),
+          ('tokens / s', f'{tokens / step_s:,.0f}'),
+          ('TFLOP/s per device', f'{tflops:,.3g}'),
+          ('MFU', f'{figures["mfu"]:.1%} of {peak:g}' if peak else 'n/a (no known peak)')]
+  width = max(len(k) for k, _ in rows)
+  for key, value in rows:
+    print(f'{key:<{width}}  {value}')
+  line = json.dumps(figures)
+  if _OUT.value:
+    with open(_OUT.value, 'w') as f:
+      f.write(json.dumps(figures, indent=2) + '\n')
+  print(line)
+
+
+if __name__ == '__main__':
+  app.run(main)

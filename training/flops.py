@@ -1,0 +1,32 @@
+"""Model FLOPs per token and device peaks, for MFU (the MaxText convention, shared/ANCHORS.md).
+
+  dense     = 6 · (n_layers · matmul params per layer + d_model · vocab)  per token
+              (the embedding lookup is not a matmul; the output head is, tied or not)
+  attention = 12 · n_layers · n_heads · head_dim · seq_len               per token,
+              halved when causal (only the lower triangle of QKᵀ and PV is useful work)
+Rematerialised recomputation is not credited: MFU counts the model's work, not the program's.
+"""
+
+from model.config import ModelConfig
+
+# Dense bf16 peak TFLOP/s per device (vendor datasheets, without sparsity).
+PEAK_BF16_TFLOPS = {'A100': 312.0, 'H100 PCIe': 756.0, 'H100': 989.0, 'H200': 989.0}
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  """The bf16 peak for a jax device_kind such as 'NVIDIA H100 80GB HBM3'; None if unknown."""
+  for name in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # 'H100 PCIe' before 'H100'
+    if name in device_kind:
+      return PEAK_BF16_TFLOPS[name]
+  return None
+
+
+def matmul_params_per_layer(cfg: ModelConfig) -> int:
+  attention = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # q, o, k, v
+  return attention + 3 * cfg.d_model * cfg.d_ff  # gate, up, down
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+  dense = 6 * (cfg.n_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size)
+  attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+  return dense + (attention / 2 if causal else attention)
