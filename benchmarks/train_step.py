@@ -5,7 +5,8 @@
       --out=benchmarks/results/train_step-h100.json
 
 Method: build the state and the AOT-compiled step exactly as train.py does, feed random tokens
-(timing does not depend on their values), run --warmup steps, then time --steps steps one by one
+(timing does not depend on their values), one document a row as in the peers' figures (no
+segment ids, so cuDNN runs its plain causal kernel; --packed adds them), run --warmup steps, then time --steps steps one by one
 (each waited for) and report the median.
 
 FLOPs (training/flops.py, MaxText's convention): per token 6·(n_layers·matmul params per layer +
@@ -36,6 +37,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Confi
                                           lock_config=True)
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps after compiling.')
+_PACKED = flags.DEFINE_bool('packed', False, 'Feed segment ids (packed rows).')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
 
 
@@ -45,7 +47,9 @@ def random_batch(config, mesh):
   tokens = rng.integers(0, min(256, config.model.vocab_size), size=(shape[0], shape[1] + 1))
   host = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
           'positions': np.broadcast_to(np.arange(shape[1]), shape),
-          'segment_ids': np.ones(shape), 'weights': np.ones(shape)}
+          'weights': np.ones(shape)}
+  if _PACKED.value:
+    host['segment_ids'] = np.ones(shape)
   s = sharding.batch_sharding(mesh)
   return {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
 
@@ -56,7 +60,8 @@ def main(argv):
   setup = build(config)
   t0 = time.perf_counter()
   state = setup.init_state()
-  step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
+  step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
+                                     packed=_PACKED.value)
   compile_s = time.perf_counter() - t0
   batch = random_batch(config, setup.mesh)
   for _ in range(_WARMUP.value):
@@ -82,7 +87,7 @@ def main(argv):
       'mesh': dict(setup.mesh.shape), 'jax': jax.__version__,
       'params': param_count(setup.abstract_state.params),
       'attention': config.model.attention, 'remat_policy': config.model.remat_policy,
-      'compute_dtype': config.model.compute_dtype,
+      'compute_dtype': config.model.compute_dtype, 'packed': _PACKED.value,
       'batch_size': config.batch_size, 'seq_len': config.seq_len,
       'compile_s': round(compile_s, 2), 'step_time_s': step_s,
       'step_time_s_min': min(times), 'step_time_s_max': max(times),

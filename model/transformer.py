@@ -70,9 +70,3 @@ class Transformer(nnx.Module):
       body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
     x_BLD, _ = jax.lax.scan(body, x_BLD, layers, unroll=1 if self.cfg.scan_layers else True)
     return x_BLD
-
-
-def logical_axes(state) -> dict:
-  """{parameter path: logical axis names} of a model state (abstract or concrete)."""
-  flat = nnx.to_flat_state(state)
-  return {'.'.join(map(str, path)): var.out_sharding for path, var in flat}

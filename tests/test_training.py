@@ -136,3 +136,23 @@ def test_flops_per_token_matches_a_hand_count():
   assert flops.peak_tflops('NVIDIA H100 80GB HBM3') == 989.0
   assert flops.peak_tflops('NVIDIA H100 PCIe') == 756.0
   assert flops.peak_tflops('cpu') is None
+
+
+def test_unpacked_batches_train_like_packed_rows_of_one_document():
+  import sharding
+  from training import step as step_lib
+  config = tiny_config(fsdp=8)
+  setup = build(config)
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  host = {'inputs': rng.integers(0, 256, shape), 'targets': rng.integers(0, 256, shape),
+          'positions': np.broadcast_to(np.arange(shape[1]), shape), 'weights': np.ones(shape),
+          'segment_ids': np.ones(shape)}
+  s = sharding.batch_sharding(setup.mesh)
+  batch = {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
+  losses = []
+  for packed in (True, False):
+    step = step_lib.compile_train_step(setup, *shape, 0.0, packed=packed)
+    feed = batch if packed else {k: v for k, v in batch.items() if k != 'segment_ids'}
+    losses.append(float(step(setup.init_state(), feed)[1]['loss']))
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)

@@ -11,6 +11,7 @@ from training.state import Setup, TrainState
 
 BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
               'segment_ids': np.int32, 'weights': np.float32}
+UNPACKED_KEYS = {k: v for k, v in BATCH_KEYS.items() if k != 'segment_ids'}  # one document a row
 
 
 def cross_entropy(logits_BLV, targets_BL, weights_BL, z_loss: float):
@@ -26,7 +27,8 @@ def _loss(graphdef, params, batch, z_loss):
   # Activations are pinned through ACTIVATION_RULES while the model is traced.
   with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
     model = nnx.merge(graphdef, params)
-    logits_BLV = model(batch['inputs'], batch['positions'], batch['segment_ids'])
+    # A batch without segment ids holds one document a row (no packing mask to apply).
+    logits_BLV = model(batch['inputs'], batch['positions'], batch.get('segment_ids'))
   ce, zl = cross_entropy(logits_BLV, batch['targets'], batch['weights'], z_loss)
   return ce + zl, (ce, zl)
 
@@ -50,15 +52,17 @@ def make_eval_step(setup: Setup):
   return eval_step
 
 
-def abstract_batch(mesh, batch_size: int, seq_len: int) -> dict:
+def abstract_batch(mesh, batch_size: int, seq_len: int, packed: bool = True) -> dict:
   s = sharding.batch_sharding(mesh)
   return {k: jax.ShapeDtypeStruct((batch_size, seq_len), dt, sharding=s)
-          for k, dt in BATCH_KEYS.items()}
+          for k, dt in (BATCH_KEYS if packed else UNPACKED_KEYS).items()}
 
 
-def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float):
-  """Ahead-of-time compiled train step: (state, batch) → (state, metrics); state is donated."""
-  batch = abstract_batch(setup.mesh, batch_size, seq_len)
+def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
+                       packed: bool = True):
+  """Ahead-of-time compiled train step: (state, batch) → (state, metrics); state is donated.
+  `packed=False` compiles for batches without segment ids (one document a row)."""
+  batch = abstract_batch(setup.mesh, batch_size, seq_len, packed)
   jitted = jax.jit(make_train_step(setup, z_loss),
                    in_shardings=(setup.state_shardings, jax.tree.map(lambda x: x.sharding, batch)),
                    out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
