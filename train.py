@@ -4,12 +4,15 @@
   python train.py --config=configs/llama.py:1b --config.mesh.fsdp=8 --config.model.attention=cudnn
 """
 
+import os
+
 from absl import app
 from ml_collections import config_flags
 
 from training import loop
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py',
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
+_CONFIG = config_flags.DEFINE_config_file('config', _DEFAULT,
                                           'Config file, optionally with :variant.', lock_config=True)
 
 
