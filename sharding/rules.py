@@ -59,30 +59,27 @@ def param_shardings(abstract_state, mesh):
   Works on an abstract state (`nnx.eval_shape`), so no full-size array is ever built; raises
   naming the parameter if a sharded dimension does not divide by its mesh axes.
   """
-  known = {name for name, _ in PARAM_RULES}
   with nnx.logical_axis_rules(PARAM_RULES):
     specs = nnx.get_partition_spec(abstract_state)
+  specs_by_path = dict(nnx.to_flat_state(specs))
   for path, var in nnx.to_flat_state(abstract_state):
-    name = '.'.join(map(str, path))
-    if unknown := set(var.out_sharding or ()) - known:
-      raise ValueError(f'parameter {name} names logical axes {sorted(unknown)} that '
-                       'sharding/rules.py PARAM_RULES does not map')
-  _check_divisible(abstract_state, specs, mesh)
+    _check_param('.'.join(map(str, path)), var, specs_by_path[path].get_value(), mesh)
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
-def _check_divisible(abstract_state, specs, mesh):
-  shapes = dict(nnx.to_flat_state(abstract_state))
-  for path, spec_var in nnx.to_flat_state(specs):
-    var = shapes[path]
-    for dim, (size, axes) in enumerate(zip(var.shape, spec_var.get_value())):
-      axes = (axes,) if isinstance(axes, str) else (axes or ())
-      parts = math.prod(mesh.shape[a] for a in axes)
-      if size % parts:
-        raise ValueError(
-            f'parameter {".".join(map(str, path))} dimension {dim} '
-            f'(logical {var.out_sharding[dim]!r}, size {size}) does not divide by mesh axes '
-            f'{axes} (size {parts}); change config.model or config.mesh')
+def _check_param(name, var, spec, mesh):
+  """Every logical name is mapped, and every sharded dimension divides by its mesh axes."""
+  if unknown := set(var.out_sharding or ()) - {logical for logical, _ in PARAM_RULES}:
+    raise ValueError(f'parameter {name} names logical axes {sorted(unknown)} that '
+                     'sharding/rules.py PARAM_RULES does not map')
+  for dim, (size, axes) in enumerate(zip(var.shape, spec)):
+    axes = (axes,) if isinstance(axes, str) else (axes or ())
+    parts = math.prod(mesh.shape[a] for a in axes)
+    if size % parts:
+      raise ValueError(
+          f'parameter {name} dimension {dim} (logical {var.out_sharding[dim]!r}, size {size}) '
+          f'does not divide by mesh axes {axes} (size {parts}); change config.model or '
+          'config.mesh')
 
 
 def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict) -> None:
