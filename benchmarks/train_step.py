@@ -30,6 +30,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import sharding  # noqa: E402
+from data import tokenizers  # noqa: E402
 from training import flops, step as step_lib  # noqa: E402
 from training.state import build, param_count  # noqa: E402
 
@@ -56,7 +57,7 @@ def random_batch(config, mesh):
 
 def main(argv):
   del argv
-  config = _CONFIG.value
+  config = tokenizers.with_vocab_size(_CONFIG.value, tokenizers.load(_CONFIG.value.data))
   setup = build(config)
   t0 = time.perf_counter()
   state = setup.init_state()

@@ -16,12 +16,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.train_steps = 100
   c.log_every = 10
   c.eval_every = 50  # 0 turns evaluation off
-  c.eval_batches = 4
+  c.eval_batches = 4  # batches of the validation split per evaluation; 0: all of it
   c.batch_size = 16  # global, in sequences
   c.seq_len = 128
 
   c.model = m = ml_collections.ConfigDict()
-  m.vocab_size = 384  # byte tokenizer (256 bytes + BOS/EOS/PAD) padded to a multiple of 128
+  m.vocab_size = 0  # 0: the tokenizer's size padded to a multiple of 128 (byte: 259 → 384)
   m.d_model = 64
   m.n_layers = 2
   m.n_heads = 4
@@ -57,6 +57,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.z_loss = 1e-4  # weight of log(Z)^2, keeps the softmax normaliser near 1
 
   c.data = d = ml_collections.ConfigDict()
-  d.corpus = 'stdlib'  # the Python standard library's own .py files, byte-level
-  d.eval_every_nth_file = 50  # every 50th file (sorted by path) is held out for evaluation
+  d.paths = 'stdlib'  # files, dirs or globs, comma-separated; stdlib: the Python stdlib's .py files
+  d.name = ''  # a TFDS dataset already prepared in data_dir (array_record); replaces `paths`
+  d.text_key = 'text'  # the text feature of a named dataset
+  d.train_split = 'train'  # splits of a named dataset (`paths` corpora have train and validation)
+  d.eval_split = 'validation'
+  d.validation_fraction = 0.02  # of the files in `paths` held out, chosen by a hash of the path
+  d.data_dir = ''  # TFDS data dir; '' is TFDS's default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
+  d.tokenizer = 'byte'  # byte | sentencepiece
+  d.tokenizer_model = ''  # the .model file for sentencepiece (python -m data.train_tokenizer)
+  d.workers = 0  # grain worker processes (0: in the training process); batches are the same
+  d.prefetch = 2  # batches each worker prepares ahead
   return c

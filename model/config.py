@@ -28,6 +28,9 @@ class ModelConfig:
   remat_policy: str
 
   def __post_init__(self):
+    if self.vocab_size == 0:
+      raise ValueError('config.model.vocab_size=0 means "follow the tokenizer" and must be resolved '
+                       'first: data.tokenizers.with_vocab_size(config, tokenizer) (train.py does)')
     for name in ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff'):
       if getattr(self, name) < 1:
         raise ValueError(f'config.model.{name} must be a positive integer, got {getattr(self, name)}')

@@ -1,18 +1,26 @@
-"""Tests run on 8 CPU devices: XLA_FLAGS must be set before jax is first imported."""
+"""Tests run on 8 CPU devices: XLA_FLAGS must be set before jax is first imported. Prepared
+datasets go to a temporary TFDS data dir (TFDS_DATA_DIR, also seen by subprocesses), removed at
+the end, so tests never write under the user's home."""
 
 import os
+import shutil
 import sys
+import sysconfig
+import tempfile
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+DATA_DIR = tempfile.mkdtemp(prefix='meshlm-tests-tfds-')
+os.environ['TFDS_DATA_DIR'] = DATA_DIR
+STDLIB = sysconfig.get_paths()['stdlib']
+SMALL_CORPUS = f'{STDLIB}/json/*.py,{STDLIB}/email/*.py'  # 25 real files, ~330 kB
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from configs import base  # noqa: E402
-from data import stdlib_bytes  # noqa: E402
 
 assert jax.device_count() == 8, 'tests expect 8 CPU devices (XLA_FLAGS was set too late)'
 
@@ -28,10 +36,17 @@ def tiny_config(**mesh):
   c.train_steps = 10
   c.mesh.update(dict(data=1, fsdp=1, tensor=1, sequence=1))
   c.mesh.update(mesh)
+  c.model.vocab_size = 384  # the byte tokenizer's, padded
+  c.data.paths, c.data.validation_fraction = SMALL_CORPUS, 0.1
   return c
+
+
+def pytest_sessionfinish(session, exitstatus):
+  shutil.rmtree(DATA_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')
 def small_corpus():
-  """A real corpus, small: the first 40 of the standard library's .py files."""
-  return stdlib_bytes.ByteCorpus.from_files(stdlib_bytes.stdlib_files()[:40])
+  """A real corpus, small, prepared once: the json and email packages of the standard library."""
+  from data import corpus
+  return corpus.load(tiny_config().data)

@@ -11,7 +11,7 @@ import sharding
 from training import step as step_lib
 from training.state import build
 from tests.conftest import tiny_config
-from data import stdlib_bytes
+from data import pipeline, tokenizers
 
 MESHES = {
     'data=8': dict(data=8),
@@ -27,11 +27,11 @@ def train_losses(config, devices, corpus):
   setup = build(config, devices)
   state = setup.init_state()
   step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
-  batches = stdlib_bytes.Batches(corpus, batch_size=config.batch_size, seq_len=config.seq_len,
-                                 seed=0, sharding=sharding.batch_sharding(setup.mesh))
+  batches = pipeline.train_batches(corpus, tokenizers.ByteTokenizer(), config,
+                                   sharding.batch_sharding(setup.mesh))
   losses = []
-  for i in range(STEPS):
-    state, metrics = step(state, batches(i))
+  for _ in range(STEPS):
+    state, metrics = step(state, next(batches))
     losses.append([float(metrics['loss']), float(metrics['grad_norm'])])
   return np.array(losses), state
 
@@ -130,13 +130,18 @@ def test_fsdp_hlo_gathers_each_layers_weights_inside_the_scan():
 
 
 def test_batch_is_split_over_data_and_fsdp_and_length_over_sequence():
+  import grain
   setup = build(tiny_config(data=2, fsdp=2, sequence=2))
-  corpus = stdlib_bytes.ByteCorpus([b'x' * 1000])
-  batch = stdlib_bytes.Batches(corpus, batch_size=8, seq_len=32, seed=0,
-                               sharding=sharding.batch_sharding(setup.mesh))(0)
+  docs = grain.MapDataset.source([np.arange(1000, dtype=np.int32)])
+  batches = pipeline.Batches(docs, batch_sharding=sharding.batch_sharding(setup.mesh),
+                             batch_size=8, seq_len=32, pad_id=-1)
+  local = batches.next_local()
+  batch = batches.to_global(local)
   shards = batch['inputs'].addressable_shards
   assert {s.data.shape for s in shards} == {(2, 16)}
   assert len({repr(s.index) for s in shards}) == 8
+  for s in shards:  # each device holds exactly its slice of the rows the pipeline built
+    np.testing.assert_array_equal(s.data, local['inputs'][s.index])
 
 
 @pytest.mark.parametrize('mesh,n,expected', [

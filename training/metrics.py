@@ -1,22 +1,14 @@
 """metrics.jsonl (one JSON object per logged step) and the readable stdout line."""
 
 import json
-import os
 import pathlib
+
+from data.corpus import writable_dir
 
 
 def prepare_workdir(workdir: str) -> pathlib.Path:
   """Create the workdir and prove it is writable, before anything expensive happens."""
-  path = pathlib.Path(workdir).expanduser()
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-    probe = path / f'.write-test-{os.getpid()}'
-    probe.write_text('ok')
-    probe.unlink()
-  except OSError as e:
-    raise ValueError(f'config.workdir={workdir!r} is not a writable directory ({e}); '
-                     'pass --config.workdir=DIR with a directory you can write') from None
-  return path
+  return writable_dir(workdir, 'config.workdir')
 
 
 class MetricsWriter:
@@ -34,9 +26,9 @@ class MetricsWriter:
 
 def format_line(record: dict, train_steps: int) -> str:
   parts = [f'step {record["step"]:>{len(str(train_steps))}}/{train_steps}']
-  formats = {'loss': '.4f', 'eval_loss': '.4f', 'grad_norm': '.3f', 'learning_rate': '.2e',
+  formats = {'loss': '.4f', 'eval_loss': '.4f', 'eval_bits_per_byte': '.3f', 'grad_norm': '.3f', 'learning_rate': '.2e',
              'tokens_per_sec': ',.0f', 'step_time_s': '.3f'}
-  labels = {'learning_rate': 'lr', 'tokens_per_sec': 'tok/s', 'step_time_s': 's/step'}
+  labels = {'eval_bits_per_byte': 'bits/byte', 'learning_rate': 'lr', 'tokens_per_sec': 'tok/s', 'step_time_s': 's/step'}
   for key, fmt in formats.items():
     if key in record:
       parts.append(f'{labels.get(key, key)} {record[key]:{fmt}}')

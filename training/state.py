@@ -3,6 +3,7 @@ shardings → initialised state. Everything that can be wrong with a config is f
 anything is compiled or allocated."""
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -51,9 +52,12 @@ def build(config, devices=None) -> Setup:
   """Validate `config` and derive the mesh, model, optimizer and state shardings (all abstract)."""
   devices = jax.devices() if devices is None else list(devices)
   model_cfg = ModelConfig.from_config(config.model)
-  for field in ('train_steps', 'batch_size', 'seq_len', 'log_every'):
-    if config[field] < 1:
-      raise ValueError(f'config.{field}={config[field]} must be at least 1')
+  for field, low in (('train_steps', 1), ('batch_size', 1), ('seq_len', 1), ('log_every', 1),
+                     ('eval_every', 0), ('eval_batches', 0), ('data.workers', 0),
+                     ('data.prefetch', 1)):
+    value = functools.reduce(getattr, field.split('.'), config)
+    if value < low:
+      raise ValueError(f'config.{field}={value} must be at least {low}')
   sizes = sharding.mesh_shape(config.mesh, len(devices))
   sharding.check_fits_mesh(model_cfg, config.batch_size, config.seq_len, sizes)
   if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':

@@ -14,22 +14,32 @@ BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
 UNPACKED_KEYS = {k: v for k, v in BATCH_KEYS.items() if k != 'segment_ids'}  # one document a row
 
 
-def cross_entropy(logits_BLV, targets_BL, weights_BL, z_loss: float):
-  """Mean next-token cross-entropy over weighted tokens, and the z-loss z_loss·mean(log Z)²."""
+def token_nll(logits_BLV, targets_BL):
+  """Per-token negative log-likelihood of the targets, and log Z."""
   logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
   target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+  return logz_BL - target_logit_BL, logz_BL
+
+
+def cross_entropy(logits_BLV, targets_BL, weights_BL, z_loss: float):
+  """Mean next-token cross-entropy over weighted tokens, and the z-loss z_loss·mean(log Z)²."""
+  nll_BL, logz_BL = token_nll(logits_BLV, targets_BL)
   total = jnp.maximum(weights_BL.sum(), 1.0)
-  ce = ((logz_BL - target_logit_BL) * weights_BL).sum() / total
+  ce = (nll_BL * weights_BL).sum() / total
   return ce, z_loss * (jnp.square(logz_BL) * weights_BL).sum() / total
 
 
-def _loss(graphdef, params, batch, z_loss):
+def _logits(graphdef, params, batch):
   # Activations are pinned through ACTIVATION_RULES while the model is traced.
   with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
     model = nnx.merge(graphdef, params)
     # A batch without segment ids holds one document a row (no packing mask to apply).
-    logits_BLV = model(batch['inputs'], batch['positions'], batch.get('segment_ids'))
-  ce, zl = cross_entropy(logits_BLV, batch['targets'], batch['weights'], z_loss)
+    return model(batch['inputs'], batch['positions'], batch.get('segment_ids'))
+
+
+def _loss(graphdef, params, batch, z_loss):
+  ce, zl = cross_entropy(_logits(graphdef, params, batch), batch['targets'], batch['weights'],
+                         z_loss)
   return ce + zl, (ce, zl)
 
 
@@ -45,10 +55,16 @@ def make_train_step(setup: Setup, z_loss: float):
   return train_step
 
 
-def make_eval_step(setup: Setup):
+def make_eval_step(setup: Setup, token_bytes_V):
+  """Sums over the batch's weighted targets: nats, tokens, and the bytes of text they stand for
+  (`token_bytes_V[id]`, from the tokenizer), so a pass can report loss and bits per byte."""
+  token_bytes_V = jnp.asarray(token_bytes_V, jnp.float32)
+
   def eval_step(params, batch):
-    ce, _ = _loss(setup.graphdef, params, batch, 0.0)[1]
-    return {'eval_loss': ce}
+    nll_BL, _ = token_nll(_logits(setup.graphdef, params, batch), batch['targets'])
+    weights_BL = batch['weights']
+    return {'nats': (nll_BL * weights_BL).sum(), 'tokens': weights_BL.sum(),
+            'bytes': (token_bytes_V[batch['targets']] * weights_BL).sum()}
   return eval_step
 
 
@@ -71,9 +87,9 @@ def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: floa
     return jitted.lower(setup.abstract_state, batch).compile()
 
 
-def compile_eval_step(setup: Setup, batch_size: int, seq_len: int):
+def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V):
   batch = abstract_batch(setup.mesh, batch_size, seq_len)
-  jitted = jax.jit(make_eval_step(setup),
+  jitted = jax.jit(make_eval_step(setup, token_bytes_V),
                    in_shardings=(setup.state_shardings.params,
                                  jax.tree.map(lambda x: x.sharding, batch)),
                    out_shardings=sharding.replicated(setup.mesh))

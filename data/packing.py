@@ -1,0 +1,77 @@
+"""Packing documents into fixed-length rows, one lane per batch row.
+
+A document of n tokens `BOS t1 … EOS` gives n-1 (input, target) pairs. Lane j of a global batch of
+B rows reads documents j, j+B, j+2B, … of the (shuffled, repeating) document sequence and lays
+their pairs end to end, one row of seq_len pairs per step: a document longer than what is left of a
+row continues at the start of the lane's next row, so nothing is dropped or padded in training (an
+evaluation pass pads its lanes' last rows, with weight 0). Within a row, segment_ids number the
+pieces from 1 (0 is padding) and positions count from the document's start, continuing across rows.
+
+Because each lane is independent, a process builds only its own lanes, worker processes can split
+them among themselves, and the global batch is the same for any number of processes or workers.
+A lane's whole state is two integers: documents started, and pairs of the current one emitted.
+"""
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+ROW_KEYS = ('inputs', 'targets', 'positions', 'segment_ids', 'weights')
+
+
+@dataclasses.dataclass
+class LaneState:
+  docs_started: int = 0
+  offset: int = 0  # pairs of the current document already emitted
+
+
+class Lane:
+  """Row after row of packed pairs for one batch row.
+
+  `document(g)` returns the tokens (int32, BOS…EOS) of the g-th document of the sequence, or None
+  past its end (a finite pass); this lane reads g = lane, lane + stride, lane + 2·stride, …
+  """
+
+  def __init__(self, document: Callable[[int], np.ndarray | None], lane: int, stride: int,
+               seq_len: int, pad_id: int, state: LaneState | None = None):
+    self.document, self.lane, self.stride = document, lane, stride
+    self.seq_len, self.pad_id = seq_len, pad_id
+    self.state = dataclasses.replace(state) if state else LaneState()
+    self._tokens = None  # the current document, re-read after a restore
+    self.exhausted = False
+
+  def _current(self) -> np.ndarray | None:
+    """The document being emitted, moving on to the next when it is used up."""
+    s = self.state
+    while not self.exhausted:
+      if s.docs_started and self._tokens is None:
+        self._tokens = self.document((s.docs_started - 1) * self.stride + self.lane)
+      if self._tokens is not None and s.offset < len(self._tokens) - 1:
+        return self._tokens
+      tokens = self.document(s.docs_started * self.stride + self.lane)
+      if tokens is None:
+        self.exhausted = True
+        break
+      s.docs_started, s.offset, self._tokens = s.docs_started + 1, 0, tokens
+    return None
+
+  def next_row(self) -> dict[str, np.ndarray]:
+    L = self.seq_len
+    row = {'inputs': np.full(L, self.pad_id, np.int32), 'targets': np.full(L, self.pad_id, np.int32),
+           'positions': np.zeros(L, np.int32), 'segment_ids': np.zeros(L, np.int32),
+           'weights': np.zeros(L, np.float32)}
+    filled, segment = 0, 0
+    while filled < L and (tokens := self._current()) is not None:
+      start = self.state.offset
+      n = min(L - filled, len(tokens) - 1 - start)
+      end = filled + n
+      segment += 1
+      row['inputs'][filled:end] = tokens[start:start + n]
+      row['targets'][filled:end] = tokens[start + 1:start + n + 1]
+      row['positions'][filled:end] = np.arange(start, start + n, dtype=np.int32)
+      row['segment_ids'][filled:end] = segment
+      row['weights'][filled:end] = 1.0
+      self.state.offset += n
+      filled = end
+    return row

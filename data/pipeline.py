@@ -1,0 +1,188 @@
+"""The grain pipeline: random-access source → seeded global shuffle → tokenize → pack → batch →
+one global jax.Array per key, of which this process builds only its own rows.
+
+  docs = grain.MapDataset.source(split).shuffle(seed).map(tokenize)   # index g ≥ len: next epoch
+  PackedRows(docs, lanes=this process's rows)                          # data/packing.py
+    [.mp_prefetch(workers) .batch(workers, concatenate)]               # workers split the lanes
+  → Batches: numpy rows → jax.make_array_from_callback(batch sharding)
+
+grain's ShuffleMapDataset reshuffles every epoch (seed + epoch) when indexed past its length, so
+the training sequence of documents is endless and never repeats an order. The order of batches
+depends only on the seed: each lane reads a fixed subsequence of documents, so neither the number
+of processes nor of workers changes what a global row holds.
+"""
+
+import dataclasses
+import functools
+
+from absl import flags
+import grain
+import jax
+import numpy as np
+
+from data.packing import ROW_KEYS, Lane, LaneState
+
+
+def _tokenize(example, *, text_key, tokenizer):
+  ids = tokenizer.encode(example[text_key])
+  tokens = np.empty(len(ids) + 2, np.int32)
+  tokens[0], tokens[1:-1], tokens[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
+  return tokens
+
+
+def documents(source, text_key: str, tokenizer, seed: int | None) -> grain.MapDataset:
+  """Tokenized documents `BOS … EOS`; shuffled per epoch when `seed` is given (training), in
+  stored order otherwise (evaluation)."""
+  ds = grain.MapDataset.source(source)
+  if seed is not None:
+    ds = ds.shuffle(seed=seed)
+  return ds.map(functools.partial(_tokenize, text_key=text_key, tokenizer=tokenizer))
+
+
+class PackedRows(grain.IterDataset):
+  """One element per step: this process's rows (or a worker's block of them) as [rows, L] arrays,
+  plus each lane's state after the row, so the consumer can checkpoint exactly what it used."""
+
+  def __init__(self, docs: grain.MapDataset, *, lanes, batch_size: int, seq_len: int,
+               pad_id: int, epochs: int | None, states=None):
+    super().__init__(docs)
+    self.docs, self.lanes, self.batch_size = docs, list(lanes), batch_size
+    self.seq_len, self.pad_id, self.epochs = seq_len, pad_id, epochs
+    self.states = list(states) if states is not None else [LaneState() for _ in self.lanes]
+
+  def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+    """grain calls this in worker i of n with slice(i, None, n): take the i-th block of lanes, so
+    concatenating the workers' blocks in order rebuilds the rows in order."""
+    del sequential_slice
+    i, n = sl.start or 0, sl.step or 1
+    block = len(self.lanes) // n
+    self.lanes = self.lanes[i * block:(i + 1) * block]
+    self.states = self.states[i * block:(i + 1) * block]
+
+  def __iter__(self):
+    return _PackedRowsIterator(self)
+
+
+class _PackedRowsIterator(grain.DatasetIterator):
+
+  def __init__(self, ds: PackedRows):
+    super().__init__()
+    n_docs = len(ds.docs)
+    limit = None if ds.epochs is None else ds.epochs * n_docs
+
+    def document(g):
+      return None if limit is not None and g >= limit else ds.docs[g]
+
+    self._lanes = [Lane(document, lane, ds.batch_size, ds.seq_len, ds.pad_id, state)
+                   for lane, state in zip(ds.lanes, ds.states)]
+
+  def __next__(self):
+    rows = [lane.next_row() for lane in self._lanes]
+    element = {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
+    element['docs_started'] = np.array([l.state.docs_started for l in self._lanes], np.int64)
+    element['offset'] = np.array([l.state.offset for l in self._lanes], np.int64)
+    return element
+
+  def get_state(self):
+    return {'lanes': [dataclasses.asdict(l.state) for l in self._lanes]}
+
+  def set_state(self, state):
+    for lane, s in zip(self._lanes, state['lanes']):
+      lane.state, lane._tokens, lane.exhausted = LaneState(**s), None, False
+
+
+def _concatenate(pieces):
+  return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+
+
+def process_rows(batch_sharding, batch_size: int, seq_len: int, devices=None) -> list[int]:
+  """The global rows that `devices` (default: this process's) hold a part of."""
+  devices = batch_sharding.addressable_devices if devices is None else set(devices)
+  rows = set()
+  for device, index in batch_sharding.devices_indices_map((batch_size, seq_len)).items():
+    if device in devices:
+      rows.update(range(*index[0].indices(batch_size)))
+  return sorted(rows)
+
+
+class Batches:
+  """This process's share of the global batches, as global jax.Arrays (or numpy with `local`).
+
+  `state()` is a small JSON-able dict; `Batches(..., state=saved)` continues exactly after the
+  last batch handed out before it was taken, whatever was prefetched.
+  """
+
+  def __init__(self, docs: grain.MapDataset, *, batch_sharding, batch_size: int, seq_len: int,
+               pad_id: int, workers: int = 0, prefetch: int = 2, epochs: int | None = None,
+               state: dict | None = None, rows=None):
+    self.sharding, self.shape = batch_sharding, (batch_size, seq_len)
+    self.rows = process_rows(batch_sharding, batch_size, seq_len) if rows is None else list(rows)
+    if workers < 0 or (workers and len(self.rows) % workers):
+      raise ValueError(f'config.data.workers={workers} must be 0 or divide the {len(self.rows)} '
+                       'rows of the batch this process builds')
+    self._states = [LaneState() for _ in self.rows]
+    if state is not None:
+      if state.get('rows') != self.rows:
+        raise ValueError(f'the saved data state is for batch rows {state.get("rows")} but this '
+                         f'process builds rows {self.rows}; keep config.batch_size and the mesh '
+                         'of the run that saved it')
+      self._states = [LaneState(**s) for s in state['lanes']]
+    ds = PackedRows(docs, lanes=self.rows, batch_size=batch_size, seq_len=seq_len, pad_id=pad_id,
+                    epochs=epochs, states=self._states)
+    if workers:
+      if not flags.FLAGS.is_parsed():  # grain's workers read absl flags (a notebook parses none)
+        flags.FLAGS(['meshlm'], known_only=True)
+      ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
+                                                       per_worker_buffer_size=prefetch))
+      ds = ds.batch(workers, batch_fn=_concatenate)
+    self._iterator = iter(ds)
+    self._position = {r: i for i, r in enumerate(self.rows)}
+
+  def next_local(self) -> dict[str, np.ndarray]:
+    element = next(self._iterator)
+    started, offset = element.pop('docs_started'), element.pop('offset')
+    self._states = [LaneState(int(d), int(o)) for d, o in zip(started, offset)]
+    return element
+
+  def state(self) -> dict:
+    return {'rows': self.rows, 'lanes': [dataclasses.asdict(s) for s in self._states]}
+
+  def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def arrays(x):
+      def shard(index):
+        rows = range(*index[0].indices(self.shape[0]))
+        first = self._position[rows.start]
+        return x[first:first + len(rows), index[1]]  # a process's rows are contiguous
+      return jax.make_array_from_callback(self.shape, self.sharding, shard)
+    return {k: arrays(v) for k, v in local.items()}
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    return self.to_global(self.next_local())
+
+  def close(self):
+    """Stops grain's worker processes. Dropping the iterator here, rather than at interpreter
+    exit, also lets grain's own finalisers run while the modules they need still exist."""
+    close = getattr(self._iterator, 'close', None)
+    if close:
+      close()
+    self._iterator = None
+
+
+def pass_length(docs: grain.MapDataset, batch_size: int, seq_len: int) -> int:
+  """Batches that one pass over `docs` (unshuffled, as evaluation reads them) takes."""
+  pairs = np.zeros(batch_size, np.int64)
+  for g in range(len(docs)):
+    pairs[g % batch_size] += len(docs[g]) - 1
+  return int(-(-pairs.max() // seq_len))
+
+
+def train_batches(corpus, tokenizer, config, batch_sharding, state=None) -> Batches:
+  """The endless, per-epoch reshuffled training batches config.data describes."""
+  docs = documents(corpus.train, corpus.text_key, tokenizer, seed=config.seed)
+  return Batches(docs, batch_sharding=batch_sharding, batch_size=config.batch_size,
+                 seq_len=config.seq_len, pad_id=tokenizer.pad_id, workers=config.data.workers,
+                 prefetch=config.data.prefetch, state=state)
+

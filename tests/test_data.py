@@ -1,0 +1,305 @@
+"""The data pipeline: packing keeps every token once, batches depend only on the seed, resume is
+exact, processes split the batch, tokenizers round-trip, and bad input fails early by name."""
+
+import json
+import math
+import pathlib
+
+import grain
+import jax
+import numpy as np
+import pytest
+
+import sharding
+from data import corpus as corpus_lib
+from data import pipeline, tokenizers, train_tokenizer
+from data.packing import ROW_KEYS
+from training import loop
+from training.state import build
+from tests.conftest import tiny_config
+
+BYTES = tokenizers.ByteTokenizer()
+
+
+def one_device_sharding():
+  return sharding.batch_sharding(sharding.make_mesh(tiny_config().mesh, jax.devices()[:1]))
+
+
+def synthetic_docs(n=23, seed=0):
+  """Documents of very different lengths (1 to 150 pairs), each token tagged with its document:
+  token = 1000·doc + index, so any misplaced token is visible."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.choice([2, 3, 17, 40, 64, 65, 151], size=n)
+  return [(1000 * d + np.arange(n_tok)).astype(np.int32) for d, n_tok in enumerate(lengths)]
+
+
+def pieces(rows_by_step):
+  """Split rows into (lane, step, segment) pieces: (inputs, targets, positions)."""
+  out = []
+  for step, batch in enumerate(rows_by_step):
+    for lane in range(batch['inputs'].shape[0]):
+      seg = batch['segment_ids'][lane]
+      for s in range(1, seg.max() + 1):
+        where = seg == s
+        assert np.all(np.flatnonzero(where) == np.arange(where.argmax(), where.argmax() +
+                                                          where.sum()))  # contiguous
+        out.append((lane, step, *(batch[k][lane][where] for k in ('inputs', 'targets',
+                                                                   'positions'))))
+  return out
+
+
+def test_packing_keeps_every_pair_once_with_right_segments_and_positions():
+  docs = synthetic_docs()
+  B, L = 4, 32
+  batches = pipeline.Batches(grain.MapDataset.source(docs), batch_sharding=one_device_sharding(),
+                             batch_size=B, seq_len=L, pad_id=-1, epochs=1)
+  steps = [batches.next_local() for _ in range(60)]
+  assert steps[-1]['weights'].sum() == 0  # the pass is over well before 60 steps
+  seen = {}
+  for lane, step, inputs, targets, positions in pieces(steps):
+    d = int(inputs[0]) // 1000
+    assert d % B == lane  # lane j reads documents j, j+B, ...
+    np.testing.assert_array_equal(inputs // 1000, d)  # a segment never mixes documents
+    np.testing.assert_array_equal(inputs % 1000, positions)  # positions count from the doc start
+    np.testing.assert_array_equal(targets, inputs + 1)  # the target is the next token
+    seen.setdefault(d, []).append((step, positions))
+  for d, doc in enumerate(docs):
+    chunks = sorted(seen[d], key=lambda x: x[0])
+    got = np.concatenate([p for _, p in chunks])
+    np.testing.assert_array_equal(got, np.arange(len(doc) - 1))  # every pair once, in order
+    for (s0, p0), (s1, p1) in zip(chunks, chunks[1:]):
+      assert s1 == s0 + 1 and p1[0] == p0[-1] + 1  # a split document continues in the next row
+  for batch in steps:  # padding only after the data, weight 0, segment 0
+    pad = batch['segment_ids'] == 0
+    assert np.all(batch['weights'][pad] == 0) and np.all(batch['weights'][~pad] == 1)
+    assert np.all(batch['inputs'][pad] == -1)
+
+
+def test_training_rows_are_fully_packed_and_the_next_epoch_reshuffles():
+  docs = synthetic_docs(n=8)
+  source = grain.MapDataset.source(docs).shuffle(seed=3)
+  assert sorted(int(source[i][0]) for i in range(8)) == sorted(int(d[0]) for d in docs)
+  assert [int(source[i][0]) for i in range(8)] != [int(source[i][0]) for i in range(8, 16)]
+  assert sorted(int(source[i][0]) for i in range(8, 16)) == sorted(int(d[0]) for d in docs)
+  batches = pipeline.Batches(source, batch_sharding=one_device_sharding(), batch_size=2,
+                             seq_len=16, pad_id=-1)
+  assert all(batches.next_local()['weights'].all() for _ in range(50))  # no padding, endless
+
+
+def train_batches(config, corpus, n, workers=0, state=None, rows=None, sharding_=None):
+  docs = pipeline.documents(corpus.train, corpus.text_key, BYTES, seed=config.seed)
+  batches = pipeline.Batches(docs, batch_sharding=sharding_ or one_device_sharding(),
+                             batch_size=config.batch_size, seq_len=config.seq_len,
+                             pad_id=BYTES.pad_id, workers=workers, state=state, rows=rows)
+  out = [batches.next_local() for _ in range(n)]
+  saved = json.loads(json.dumps(batches.state()))  # it must survive being written as JSON
+  batches.close()
+  return out, saved
+
+
+def assert_same(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    for k in ROW_KEYS:
+      np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_same_seed_same_batches_for_any_number_of_workers(small_corpus):
+  config = tiny_config()
+  reference, _ = train_batches(config, small_corpus, 12)
+  for workers in (1, 2):
+    assert_same(train_batches(config, small_corpus, 12, workers=workers)[0], reference)
+  config.seed = 1
+  other, _ = train_batches(config, small_corpus, 12)
+  assert not np.array_equal(other[0]['inputs'], reference[0]['inputs'])
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_resume_from_saved_state_continues_exactly(small_corpus, workers):
+  config = tiny_config()
+  config.seq_len = 2048  # long rows, so the lanes cross documents before the stop
+  uninterrupted, _ = train_batches(config, small_corpus, 30)
+  first, state = train_batches(config, small_corpus, 17, workers=workers)
+  assert sum(s['docs_started'] for s in state['lanes']) > config.batch_size  # docs were crossed
+  rest, _ = train_batches(config, small_corpus, 13, workers=workers, state=state)
+  assert_same(first + rest, uninterrupted)
+
+
+@pytest.mark.parametrize('n_processes', [2, 4])
+def test_process_shares_are_disjoint_and_rebuild_the_global_batch(small_corpus, n_processes):
+  """Processes own consecutive blocks of devices; each builds only the rows its devices hold."""
+  config = tiny_config(data=2, fsdp=2, tensor=2)
+  batch_sharding = sharding.batch_sharding(build(config).mesh)
+  devices = list(batch_sharding.mesh.devices.flat)
+  per = len(devices) // n_processes
+  shares = [pipeline.process_rows(batch_sharding, config.batch_size, config.seq_len,
+                                  devices[p * per:(p + 1) * per]) for p in range(n_processes)]
+  assert sorted(sum(shares, [])) == list(range(config.batch_size))  # disjoint, and they cover it
+  reference, _ = train_batches(config, small_corpus, 5)
+  built = [train_batches(config, small_corpus, 5, rows=rows, sharding_=batch_sharding)[0]
+           for rows in shares]
+  for step in range(5):
+    for k in ROW_KEYS:
+      whole = np.empty_like(reference[step][k])
+      for rows, batches in zip(shares, built):
+        whole[rows] = batches[step][k]
+      np.testing.assert_array_equal(whole, reference[step][k])
+
+
+def test_global_array_shards_hold_the_rows_the_pipeline_built(small_corpus):
+  config = tiny_config(data=2, fsdp=2, sequence=2)
+  batch_sharding = sharding.batch_sharding(build(config).mesh)
+  docs = pipeline.documents(small_corpus.train, 'text', BYTES, seed=0)
+  batches = pipeline.Batches(docs, batch_sharding=batch_sharding, batch_size=8, seq_len=32,
+                             pad_id=BYTES.pad_id)
+  local = batches.next_local()
+  arrays = batches.to_global(local)
+  for k in ROW_KEYS:
+    for shard in arrays[k].addressable_shards:
+      np.testing.assert_array_equal(shard.data, local[k][shard.index])
+
+
+def test_a_full_eval_pass_reads_every_validation_token_and_reports_bits_per_byte(
+    small_corpus, tmp_path):
+  config = tiny_config(fsdp=8)
+  config.train_steps, config.eval_every, config.eval_batches = 2, 2, 0
+  config.workdir = str(tmp_path)
+  record = loop.run(config)[-1]
+  texts = [small_corpus.validation[i]['text'] for i in range(len(small_corpus.validation))]
+  assert record['eval_tokens'] == sum(len(t) + 1 for t in texts)  # every (input, target) pair
+  n_bytes = sum(len(t) for t in texts)  # EOS targets carry loss but no bytes
+  expected_bpb = record['eval_loss'] * record['eval_tokens'] / math.log(2) / n_bytes
+  np.testing.assert_allclose(record['eval_bits_per_byte'], expected_bpb, rtol=1e-6)
+
+
+TEXTS = {
+    'a.py': 'def greet(name):\n    """Say hello — in Unicode: héllo, 你好."""\n    return f"hi {name}"\n',
+    'b.txt': 'The quick brown fox jumps over the lazy dog.\n\n  Indented   spaces\tand tabs.\n' * 20,
+    'sub/c.md': '# Title\n\n* item one\n* item two ✓\n\n```\ncode = 1  # comment\n```\n' * 10,
+}
+
+
+def write_texts(root: pathlib.Path, texts=TEXTS):
+  for name, text in texts.items():
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text(text, encoding='utf-8')
+  return root
+
+
+def test_sentencepiece_trains_on_the_corpus_and_round_trips_exactly(tmp_path):
+  config = tiny_config()
+  config.data.paths = str(write_texts(tmp_path / 'corpus'))
+  config.data.data_dir = str(tmp_path / 'tfds')
+  model = train_tokenizer.train(config.data, 400, str(tmp_path / 'spm' / 'm'))
+  config.data.tokenizer, config.data.tokenizer_model = 'sentencepiece', model
+  sp = tokenizers.load(config.data)
+  assert sp.vocab_size == 400 and (sp.bos_id, sp.eos_id, sp.pad_id) == (1, 2, 3)
+  for text in TEXTS.values():
+    ids = sp.encode(text.encode())
+    assert sp.decode(ids) == text  # lossless, whitespace and Unicode included
+    assert sp.token_bytes()[ids].sum() == len(text.encode())
+  assert len(sp.encode(TEXTS['b.txt'].encode())) < len(TEXTS['b.txt']) / 2  # it compresses
+  config.model.vocab_size = 0
+  assert tokenizers.with_vocab_size(config, sp).model.vocab_size == 512  # padded to 128s
+  # Through the pipeline: the rows decode back to the documents.
+  corpus = corpus_lib.load(config.data)
+  docs = pipeline.documents(corpus.train, 'text', sp, seed=None)
+  batches = pipeline.Batches(docs, batch_sharding=one_device_sharding(), batch_size=1,
+                             seq_len=64, pad_id=sp.pad_id, epochs=1)
+  targets = np.concatenate([b['targets'][b['weights'] > 0] for b in
+                            (batches.next_local() for _ in range(40))])
+  text = sp.decode(targets[targets != sp.eos_id])
+  assert text == ''.join(corpus.train[i]['text'].decode() for i in range(len(corpus.train)))
+
+
+def test_checkpoint_vocab_mismatch_is_a_clear_error():
+  with pytest.raises(ValueError, match='config.data.tokenizer'):
+    tokenizers.check_checkpoint_vocab(50304, BYTES, 384)
+
+
+def test_undecodable_files_are_skipped_with_a_warning_and_blank_ones_silently(tmp_path):
+  root = write_texts(tmp_path / 'corpus')
+  (root / 'latin1.txt').write_bytes('caf\xe9'.encode('latin-1'))
+  (root / 'blank.txt').write_text('  \n')
+  config = tiny_config()
+  config.data.paths, config.data.data_dir = str(root), str(tmp_path / 'tfds')
+  with pytest.warns(corpus_lib.DataWarning, match='latin1.txt'):
+    corpus = corpus_lib.load(config.data)
+  paths = {corpus.train[i]['path'].decode() for i in range(len(corpus.train))} | {
+      corpus.validation[i]['path'].decode() for i in range(len(corpus.validation))}
+  assert paths == set(TEXTS)
+
+
+def test_seq_len_longer_than_every_document_warns(tmp_path):
+  config = tiny_config()
+  config.data.paths = str(write_texts(tmp_path / 'corpus'))
+  config.data.data_dir = str(tmp_path / 'tfds')
+  corpus = corpus_lib.load(config.data)
+  config.seq_len = 4096
+  with pytest.warns(corpus_lib.DataWarning, match='config.seq_len'):
+    loop.warn_about_data(config, corpus)
+
+
+def bad(tmp_path):
+  (tmp_path / 'empty').mkdir()
+  (tmp_path / 'binary').mkdir()
+  (tmp_path / 'binary' / 'x.bin').write_bytes(bytes(range(128, 256)))
+  (tmp_path / 'file').write_text('not a directory')
+  return [
+      (dict(paths=str(tmp_path / 'missing.txt')), 'config.data.paths'),
+      (dict(paths=str(tmp_path / 'empty')), 'config.data.paths.*matches no files'),
+      (dict(paths=''), 'config.data.paths is empty'),
+      (dict(paths=str(tmp_path / 'binary')), 'config.data.paths: none of its'),
+      (dict(data_dir=str(tmp_path / 'file' / 'tfds')), 'config.data.data_dir'),
+      (dict(name='no_such_dataset_anywhere'), 'config.data.name'),
+      (dict(name='lm1b'), "config.data.name='lm1b' is not prepared"),
+      (dict(tokenizer='sentencepiece', tokenizer_model=str(tmp_path / 'none.model')),
+       'config.data.tokenizer_model'),
+      (dict(tokenizer='bpe'), 'config.data.tokenizer'),
+      (dict(workers=3), 'config.data.workers'),
+      (dict(validation_fraction=1.5), 'config.data.validation_fraction'),
+  ]
+
+
+@pytest.mark.parametrize('index', range(11))
+def test_bad_data_settings_fail_before_training_naming_the_setting(tmp_path, index):
+  change, message = bad(tmp_path)[index]
+  config = tiny_config(fsdp=8)
+  config.workdir = str(tmp_path / 'run')
+  config.data.data_dir = str(tmp_path / 'tfds')
+  config.data.update(change)
+  if 'paths' in change:  # a fresh corpus each time, never the prepared one
+    config.data.validation_fraction = 0.5
+  with pytest.raises(ValueError, match=message):
+    loop.run(config)
+  assert not (tmp_path / 'run' / 'metrics.jsonl').exists()
+
+
+def test_vocab_smaller_than_the_tokenizer_is_an_error():
+  config = tiny_config()
+  config.model.vocab_size = 200
+  with pytest.raises(ValueError, match='config.model.vocab_size'):
+    tokenizers.with_vocab_size(config, BYTES)
+
+
+def test_a_failed_preparation_leaves_nothing_a_later_run_would_read(tmp_path, monkeypatch):
+  config = tiny_config()
+  config.data.paths = str(write_texts(tmp_path / 'corpus'))
+  config.data.data_dir = str(tmp_path / 'tfds')
+  real = corpus_lib.TextFiles._generate_examples
+
+  def fail_midway(self, files):
+    for i, example in enumerate(real(self, files)):
+      if i == 1:
+        raise OSError('disk full')
+      yield example
+
+  monkeypatch.setattr(corpus_lib.TextFiles, '_generate_examples', fail_midway)
+  with pytest.raises(OSError, match='disk full'):
+    corpus_lib.load(config.data)
+  assert not corpus_lib.text_files_builder(config.data).is_prepared()
+  leftovers = [p for p in (tmp_path / 'tfds').rglob('*') if p.is_file()]
+  assert not leftovers, leftovers
+  monkeypatch.undo()
+  corpus = corpus_lib.load(config.data)  # a later run prepares it afresh
+  assert len(corpus.train) + len(corpus.validation) == len(TEXTS)

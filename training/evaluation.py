@@ -1,0 +1,38 @@
+"""Evaluation: a fixed pass over the validation split, reported as loss and bits per byte.
+
+Bits per byte = total nats / ln 2 / bytes of text the targets stand for (EOS targets count their
+loss and no bytes), which compares runs with different tokenizers on the same text.
+"""
+
+import math
+
+import jax
+import numpy as np
+
+from data import pipeline
+from training import step as step_lib
+
+
+class Evaluator:
+  """`evaluator(params)` → {'eval_loss', 'eval_bits_per_byte', 'eval_tokens'}; every call reads
+  the same batches: the first config.eval_batches of the split, or all of it when that is 0."""
+
+  def __init__(self, setup, config, corpus, tokenizer, batch_sharding):
+    self.docs = pipeline.documents(corpus.validation, corpus.text_key, tokenizer, seed=None)
+    self.shape = (config.batch_size, config.seq_len)
+    self.n_batches = config.eval_batches or pipeline.pass_length(self.docs, *self.shape)
+    self.sharding, self.pad_id = batch_sharding, tokenizer.pad_id
+    self.step = step_lib.compile_eval_step(setup, *self.shape, tokenizer.token_bytes())
+
+  def __call__(self, params) -> dict:
+    # A pass is short: it runs in this process, since starting workers would cost more.
+    batches = pipeline.Batches(self.docs, batch_sharding=self.sharding, batch_size=self.shape[0],
+                               seq_len=self.shape[1], pad_id=self.pad_id, epochs=1)
+    totals = np.zeros(3, np.float64)  # nats, tokens, bytes
+    for _ in range(self.n_batches):
+      # Waiting for each batch bounds the work in flight (XLA:CPU deadlocks with hundreds queued).
+      sums = jax.device_get(self.step(params, next(batches)))
+      totals += [sums['nats'], sums['tokens'], sums['bytes']]
+    nats, tokens, n_bytes = totals
+    return {'eval_loss': nats / max(tokens, 1), 'eval_bits_per_byte': nats / math.log(2) /
+            max(n_bytes, 1), 'eval_tokens': int(tokens)}
