@@ -33,7 +33,9 @@ def get_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = False
   m.param_dtype = 'float32'
   m.compute_dtype = 'bfloat16'
-  m.attention = 'xla'  # xla | cudnn
+  m.attention = 'xla'  # xla | cudnn | pallas (ours: kernels/flash_attention.py)
+  m.attention_block_q = 0  # pallas query/key tile rows; 0: a default for the device and head_dim
+  m.attention_block_k = 0
   m.scan_layers = True  # False unrolls the layer scan (same parameters, longer compile)
   m.remat_policy = 'none'  # none | full | dots
 

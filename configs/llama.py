@@ -1,7 +1,7 @@
 """Llama-shaped presets with real sizes: 125m (GPT-2-small sized, 124M), 1b (Llama-3.2-1B shapes,
 1.24B) and 8b (Llama-3-8B shapes, 8.03B).
 
-Run (pick the preset after the colon; on GPU, add --config.model.attention=cudnn):
+Run (pick the preset after the colon; on GPU, add --config.model.attention=cudnn or =pallas):
   python train.py --config=configs/llama.py:125m --config.workdir=/tmp/meshlm-125m
   python train.py --config=configs/llama.py:1b --config.workdir=/tmp/meshlm-1b
   python train.py --config=configs/llama.py:8b --config.workdir=/tmp/meshlm-8b

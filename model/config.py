@@ -4,7 +4,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn')
+ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
 REMAT_POLICIES = ('none', 'full', 'dots')
 DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -24,6 +24,8 @@ class ModelConfig:
   param_dtype: str
   compute_dtype: str
   attention: str
+  attention_block_q: int
+  attention_block_k: int
   scan_layers: bool
   remat_policy: str
 
@@ -41,6 +43,11 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f'config.model.head_dim ({self.head_dim}) must be even for rotary embeddings')
     _check_choice('attention', self.attention, ATTENTION_IMPLEMENTATIONS)
+    for name in ('attention_block_q', 'attention_block_k'):
+      block = getattr(self, name)
+      if block < 0 or block & (block - 1):
+        raise ValueError(f'config.model.{name}={block} must be 0 (the default for the device) or '
+                         'a power of two such as 64 or 128')
     _check_choice('remat_policy', self.remat_policy, REMAT_POLICIES)
     _check_choice('param_dtype', self.param_dtype, DTYPES)
     _check_choice('compute_dtype', self.compute_dtype, DTYPES)

@@ -17,16 +17,19 @@ import kernels
 from model.config import ModelConfig
 
 
-def constrain(x, names: tuple):
-  """Pin activation `x` to logical axes `names` under the active logical→mesh rules.
-
-  A no-op outside a mesh or without rules, so the model runs unchanged on one device.
-  """
+def mesh_spec(names: tuple):
+  """The PartitionSpec that logical axes `names` map to under the active rules, or None outside
+  a mesh or without rules (the model then runs unchanged on one device)."""
   rules = flax.core.spmd.get_logical_axis_rules()
   if not rules or jax.sharding.get_abstract_mesh().empty:
-    return x
-  spec = jax.sharding.PartitionSpec(*flax.core.spmd.from_sharding_rules(names, rules))
-  return jax.lax.with_sharding_constraint(x, spec)
+    return None
+  return jax.sharding.PartitionSpec(*flax.core.spmd.from_sharding_rules(names, rules))
+
+
+def constrain(x, names: tuple):
+  """Pin activation `x` to logical axes `names` under the active logical→mesh rules."""
+  spec = mesh_spec(names)
+  return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
 
 
 def param(rngs: nnx.Rngs, shape: tuple, names: tuple, dtype, stddev: float | None = None):
@@ -93,9 +96,13 @@ class Attention(nnx.Module):
     # Keys and values span the whole length: under sequence parallelism they are all-gathered.
     k_BLKH = constrain(k_BLKH, ('batch', 'kv_length', 'kv_heads', 'head_dim'))
     v_BLKH = constrain(v_BLKH, ('batch', 'kv_length', 'kv_heads', 'head_dim'))
+    # A Pallas kernel runs per shard: whole rows (length unsplit), batch and heads as sharded.
+    specs = (mesh_spec(('batch', None, 'heads', 'head_dim')),
+             mesh_spec(('batch', None, 'kv_heads', 'head_dim')), mesh_spec(('batch', None)))
     out_BLNH = kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True,
-                                            segment_ids_BL=segment_ids_BL,
-                                            implementation=cfg.attention)
+                                 segment_ids_BL=segment_ids_BL, implementation=cfg.attention,
+                                 block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
+                                 specs=None if specs[0] is None else specs)
     out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
                                'attention_out')
     return jnp.einsum('blnh,nhd->bld', out_BLNH, self.wo[...].astype(dt))

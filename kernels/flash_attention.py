@@ -1,0 +1,318 @@
+"""Flash attention in Pallas: fused forward and backward, causal or not, grouped-query heads
+without copying K/V, packed rows (segment ids), any lengths.
+
+  flash_attention(q[B, L, N, H], k[B, S, K, H], v[B, S, K, H], causal=..., segment_ids=[B, L])
+    → o[B, L, N, H]
+
+Forward (grid B × N × L/bq): one query block against the key blocks it can see, online softmax in
+fp32 (running max m, sum l, accumulator), writing o and the log-sum-exp lse[B, N, L]. Query head n
+reads key/value head n // G through the BlockSpec index map, so K/V are never repeated.
+Backward (jax.custom_vjp) recomputes p = exp(s − lse) block by block instead of storing [L, S]:
+  dq kernel (grid B × N × L/bq): dq = Σ_j ds_ij k_j · scale, ds = p ⊙ (do·vᵀ − Δ), Δ = rowsum(do ⊙ o)
+  dkv kernel (grid B × K × S/bk): for each of the G query heads sharing the kv head and each query
+    block: dv += pᵀ do, dk += dsᵀ q · scale; so dk, dv are summed over the group in registers.
+Causal is bottom-right aligned (queries are the last L of the S positions), matching the xla
+reference; causal loops stop at the diagonal, so fully masked blocks cost nothing. Lengths are
+padded up to the block sizes and the padding masked; a row with nothing to attend to gives zeros.
+
+GPU lowering: Pallas's Triton backend, chosen explicitly with `pltriton.CompilerParams` (JAX
+0.10+ defaults pallas_call to Mosaic GPU, where pallas_call itself is deprecated for
+`plgpu.kernel`). Why Triton for now: this block-level kernel body is the one Pallas runs in
+interpret mode on CPU, so every line the GPU executes is also what the CPU tests check; a Mosaic
+GPU kernel (warpgroup wgmma, TMA pipelines) needs a separate, warpgroup-level body that can only be
+tested on Hopper. The choice is to be revisited with the numbers from benchmarks/attention.py on
+an H100/H200 (none was available when this was written).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+NEG = -1e30  # a finite "minus infinity": exp(NEG - NEG) never makes a NaN
+
+
+def _on_gpu() -> bool:
+  return jax.devices()[0].platform == 'gpu'
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+  if not _on_gpu():
+    return None
+  from jax.experimental.pallas import triton as pltriton
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def default_blocks(head_dim: int) -> tuple[int, int, int, int]:
+  """(block_q, block_k, num_warps, num_stages) for this device and head_dim.
+
+  GPU: FlashAttention-2-style tiles that keep q, the accumulator and one k/v tile in registers and
+  shared memory on A100/H100 (larger head dims take narrower key tiles); to be tuned with
+  benchmarks/attention.py. CPU (interpret mode): large blocks, since each program is a Python-
+  level loop step."""
+  if not _on_gpu():
+    return 128, 128, 4, 1
+  if head_dim <= 64:
+    return 128, 128, 4, 3
+  if head_dim <= 128:
+    return 128, 64, 8, 2
+  return 64, 32, 8, 2
+
+
+def _block(size: int, requested: int) -> int:
+  """The block for a dimension: `requested`, or for a short one the next power of two ≥ 16."""
+  return min(requested, max(16, 1 << (size - 1).bit_length()))
+
+
+def _mask(q_idx, k_idx, *, causal, offset, kv_len, q_seg=None, k_seg=None):
+  """[bq, bk] True where query q_idx may attend to key k_idx (both global indices)."""
+  mask = k_idx[None, :] < kv_len
+  if causal:
+    mask &= q_idx[:, None] + offset >= k_idx[None, :]
+  if q_seg is not None:
+    mask &= q_seg[:, None] == k_seg[None, :]
+  return mask
+
+
+def _kv_blocks_to_visit(i, *, causal, offset, bq, bk, n_kv):
+  """Key blocks that query block i can see: all, or up to its last query's diagonal."""
+  if not causal:
+    return n_kv
+  last_key = (i + 1) * bq - 1 + offset
+  return jnp.clip(last_key // bk + 1, 0, n_kv)
+
+
+def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments):
+  if segments:
+    q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref = refs
+  else:
+    (q_ref, k_ref, v_ref, o_ref, lse_ref), qs_ref, ks_ref = refs, None, None
+  i = pl.program_id(2)
+  q = q_ref[...]
+  q_idx = i * bq + jnp.arange(bq)
+  q_seg = qs_ref[...] if segments else None
+
+  def body(j, carry):
+    m, l, acc = carry
+    k = k_ref[pl.ds(j * bk, bk), :]
+    v = v_ref[pl.ds(j * bk, bk), :]
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+    k_seg = ks_ref[pl.ds(j * bk, bk)] if segments else None
+    mask = _mask(q_idx, j * bk + jnp.arange(bk), causal=causal, offset=offset, kv_len=kv_len,
+                 q_seg=q_seg, k_seg=k_seg)
+    s = jnp.where(mask, s, NEG)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l * alpha + p.sum(axis=1), acc
+
+  H = q.shape[-1]
+  init = (jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, H), jnp.float32))
+  upper = _kv_blocks_to_visit(i, causal=causal, offset=offset, bq=bq, bk=bk, n_kv=n_kv)
+  m, l, acc = jax.lax.fori_loop(0, upper, body, init)
+  seen = l > 0  # False for a row that may attend to nothing (all padding): output zeros
+  o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None],
+                         0.0).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+
+
+def _dq_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments):
+  if segments:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref = refs
+  else:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref), qs_ref, ks_ref = refs, None, None
+  i = pl.program_id(2)
+  q, do = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+  q_idx = i * bq + jnp.arange(bq)
+  q_seg = qs_ref[...] if segments else None
+
+  def body(j, dq):
+    k = k_ref[pl.ds(j * bk, bk), :]
+    v = v_ref[pl.ds(j * bk, bk), :]
+    k_seg = ks_ref[pl.ds(j * bk, bk)] if segments else None
+    mask = _mask(q_idx, j * bk + jnp.arange(bk), causal=causal, offset=offset, kv_len=kv_len,
+                 q_seg=q_seg, k_seg=k_seg)
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+    p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+    dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[:, None])
+    return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  upper = _kv_blocks_to_visit(i, causal=causal, offset=offset, bq=bq, bk=bk, n_kv=n_kv)
+  dq = jax.lax.fori_loop(0, upper, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segments):
+  if segments:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref = refs
+  else:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = refs
+    qs_ref = ks_ref = None
+  b, kv_head, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  k, v = k_ref[...], v_ref[...]
+  k_idx = j * bk + jnp.arange(bk)
+  k_seg = ks_ref[...] if segments else None
+  # The first query block that can see key block j (causal), else 0.
+  first = jnp.clip((j * bk - offset) // bq, 0, n_q) if causal else 0
+
+  def body(t, carry):
+    dk, dv = carry
+    g, i = t // (n_q - first), first + t % (n_q - first)
+    head = kv_head * group + g
+    rows = pl.ds(i * bq, bq)
+    q = q_ref[b, rows, head, :]
+    do = do_ref[b, rows, head, :]
+    lse = lse_ref[b, head, rows]
+    delta = delta_ref[b, head, rows]
+    q_seg = qs_ref[b, rows] if segments else None
+    mask = _mask(i * bq + jnp.arange(bq), k_idx, causal=causal, offset=offset, kv_len=kv_len,
+                 q_seg=q_seg, k_seg=k_seg)
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+    p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+    dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[:, None])
+    dk = dk + jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    return dk, dv
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = jax.lax.fori_loop(0, group * (n_q - first), body, (zeros, zeros))
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _pad(x, axis, to):
+  if x is None or x.shape[axis] == to:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, to - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_seg, kv_seg, static):
+  return _forward(q, k, v, q_seg, kv_seg, static)[0]
+
+
+def _statics(static):
+  causal, bq, bk, L, S, interpret, warps, stages = static
+  return dict(causal=causal, bq=bq, bk=bk, L=L, S=S, interpret=interpret,
+              params=_compiler_params(warps, stages))
+
+
+def _forward(q, k, v, q_seg, kv_seg, static):
+  st = _statics(static)
+  B, Lp, N, H = q.shape
+  Sp, K = k.shape[1], k.shape[2]
+  G, bq, bk = N // K, st['bq'], st['bk']
+  segments = q_seg is not None
+  kernel = functools.partial(_fwd_kernel, causal=st['causal'], scale=1 / math.sqrt(H),
+                             offset=st['S'] - st['L'], kv_len=st['S'], bq=bq, bk=bk,
+                             n_kv=Sp // bk, segments=segments)
+  sq = pl.squeezed
+  in_specs = [pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
+              pl.BlockSpec((sq, Sp, sq, H), lambda b, n, i: (b, 0, n // G, 0)),
+              pl.BlockSpec((sq, Sp, sq, H), lambda b, n, i: (b, 0, n // G, 0))]
+  args = [q, k, v]
+  if segments:
+    in_specs += [pl.BlockSpec((sq, bq), lambda b, n, i: (b, i)),
+                 pl.BlockSpec((sq, Sp), lambda b, n, i: (b, 0))]
+    args += [q_seg, kv_seg]
+  o, lse = pl.pallas_call(
+      kernel, grid=(B, N, Lp // bq), in_specs=in_specs,
+      out_specs=[pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
+                 pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((B, N, Lp), jnp.float32)],
+      interpret=st['interpret'], compiler_params=st['params'], name='flash_attention_fwd',
+  )(*args)
+  return o, (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _backward(static, residuals, do):
+  q, k, v, q_seg, kv_seg, o, lse = residuals
+  st = _statics(static)
+  B, Lp, N, H = q.shape
+  Sp, K = k.shape[1], k.shape[2]
+  G, bq, bk = N // K, st['bq'], st['bk']
+  segments = q_seg is not None
+  delta = jnp.einsum('blnh,blnh->bnl', o.astype(jnp.float32), do.astype(jnp.float32))
+  common = dict(causal=st['causal'], scale=1 / math.sqrt(H), offset=st['S'] - st['L'],
+                kv_len=st['S'], bq=bq, bk=bk, segments=segments)
+  sq = pl.squeezed
+  seg_args = [q_seg, kv_seg] if segments else []
+
+  dq_specs = [pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
+              pl.BlockSpec((sq, Sp, sq, H), lambda b, n, i: (b, 0, n // G, 0)),
+              pl.BlockSpec((sq, Sp, sq, H), lambda b, n, i: (b, 0, n // G, 0)),
+              pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
+              pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i)),
+              pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i))]
+  if segments:
+    dq_specs += [pl.BlockSpec((sq, bq), lambda b, n, i: (b, i)),
+                 pl.BlockSpec((sq, Sp), lambda b, n, i: (b, 0))]
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, n_kv=Sp // bk, **common), grid=(B, N, Lp // bq),
+      in_specs=dq_specs, out_specs=pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      interpret=st['interpret'], compiler_params=st['params'], name='flash_attention_dq',
+  )(q, k, v, do, lse, delta, *seg_args)
+
+  # q, do, lse, delta and the query segment ids are read whole and indexed in the kernel: one
+  # program walks all G query heads of its kv head.
+  whole = pl.BlockSpec()  # no block shape: the kernel sees the whole array
+  dkv_specs = [whole,
+               pl.BlockSpec((sq, bk, sq, H), lambda b, h, j: (b, j, h, 0)),
+               pl.BlockSpec((sq, bk, sq, H), lambda b, h, j: (b, j, h, 0)),
+               whole, whole, whole]
+  if segments:
+    dkv_specs += [whole, pl.BlockSpec((sq, bk), lambda b, h, j: (b, j))]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, n_q=Lp // bq, group=G, **common), grid=(B, K, Sp // bk),
+      in_specs=dkv_specs,
+      out_specs=[pl.BlockSpec((sq, bk, sq, H), lambda b, h, j: (b, j, h, 0))] * 2,
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      interpret=st['interpret'], compiler_params=st['params'], name='flash_attention_dkv',
+  )(q, k, v, do, lse, delta, *seg_args)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_forward, _backward)
+
+
+def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,
+                    kv_segment_ids_BS=None, block_q: int = 0, block_k: int = 0,
+                    num_warps: int = 0, num_stages: int = 0, interpret: bool | None = None):
+  """Fused attention with the layout of jax.nn.dot_product_attention (see the module docstring).
+
+  block_q, block_k: query and key rows per program (powers of two; shorter inputs use less).
+  num_warps, num_stages: Triton launch settings on GPU. 0 takes default_blocks(head_dim).
+  interpret: Pallas interpret mode (default: on when not on a GPU).
+  """
+  B, L, N, H = q_BLNH.shape
+  defaults = default_blocks(H)
+  block_q, block_k = block_q or defaults[0], block_k or defaults[1]
+  num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  if N % K or k_BSKH.shape != v_BSKH.shape or k_BSKH.shape[0] != B or k_BSKH.shape[3] != H:
+    raise ValueError(f'flash_attention: q {q_BLNH.shape} and k, v {k_BSKH.shape}, '
+                     f'{v_BSKH.shape} must be [B, L, N, H] and [B, S, K, H] with N % K == 0')
+  if segment_ids_BL is not None and kv_segment_ids_BS is None:
+    kv_segment_ids_BS = segment_ids_BL
+  bq, bk = _block(L, block_q), _block(S, block_k)
+  Lp, Sp = -(-L // bq) * bq, -(-S // bk) * bk
+  q, k, v = _pad(q_BLNH, 1, Lp), _pad(k_BSKH, 1, Sp), _pad(v_BSKH, 1, Sp)
+  q_seg = kv_seg = None
+  if segment_ids_BL is not None:
+    q_seg = _pad(segment_ids_BL.astype(jnp.int32), 1, Lp)
+    kv_seg = _pad(kv_segment_ids_BS.astype(jnp.int32), 1, Sp)
+  interpret = (not _on_gpu()) if interpret is None else interpret
+  static = (causal, bq, bk, L, S, interpret, num_warps, num_stages)
+  return _flash(q, k, v, q_seg, kv_seg, static)[:, :L]

@@ -1,0 +1,158 @@
+"""Our Pallas flash attention (interpret mode on CPU) against the xla reference: values and
+gradients, GQA, packed rows, padding, odd lengths, bf16; in the model, and under a sharded mesh."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sharding
+from kernels import flash_attention, xla_attention
+from model.layers import mesh_spec
+from tests.conftest import tiny_config
+from training import step as step_lib
+from training.state import build
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # bf16: inputs rounded, fp32 softmax
+
+
+def inputs(B=2, L=40, S=40, N=4, K=4, H=16, dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (B, L, N, H), dtype)
+  k = jax.random.normal(ks[1], (B, S, K, H), dtype)
+  v = jax.random.normal(ks[2], (B, S, K, H), dtype)
+  return q, k, v, jax.random.normal(ks[3], (B, L, N, H), jnp.float32)
+
+
+def packed_segments(B, L):
+  """Row 0: three documents; row 1: one document then padding (segment 0)."""
+  seg = np.zeros((B, L), np.int32)
+  seg[0, :L // 4], seg[0, L // 4:L - 5], seg[0, L - 5:] = 1, 2, 3
+  seg[1, :L // 2] = 1
+  return jnp.asarray(seg)
+
+
+def compare(q, k, v, cotangent, *, causal, seg=None, kv_seg=None, **blocks):
+  """Outputs and (dq, dk, dv) of both implementations for loss = Σ out · cotangent."""
+  def loss(fn, q, k, v):
+    out = fn(q, k, v, causal=causal, segment_ids_BL=seg, kv_segment_ids_BS=kv_seg)
+    return (out.astype(jnp.float32) * cotangent).sum(), out
+
+  results = []
+  for fn in (functools.partial(flash_attention, **blocks), xla_attention):
+    (_, out), grads = jax.value_and_grad(functools.partial(loss, fn), (0, 1, 2), has_aux=True)(
+        q, k, v)
+    results.append((out, *grads))
+  tol = TOLERANCE[q.dtype.type]
+  for name, ours, ref in zip(('out', 'dq', 'dk', 'dv'), *results):
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, name
+    assert np.all(np.isfinite(np.asarray(ours, np.float32))), name
+    scale = max(1.0, float(jnp.abs(ref.astype(jnp.float32)).max()))
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32),
+                               atol=tol * scale, rtol=tol, err_msg=name)
+  return results
+
+
+@pytest.mark.parametrize('causal', [True, False])
+@pytest.mark.parametrize('kv_heads', [4, 1])
+@pytest.mark.parametrize('packed', [False, True])
+def test_matches_reference_values_and_gradients(causal, kv_heads, packed):
+  q, k, v, ct = inputs(K=kv_heads)  # L = 40: not a multiple of the 16-row blocks
+  seg = packed_segments(2, 40) if packed else None
+  compare(q, k, v, ct, causal=causal, seg=seg, block_q=16, block_k=16)
+
+
+def test_grouped_query_heads_with_unequal_blocks_and_long_rows():
+  q, k, v, ct = inputs(B=1, L=100, S=100, N=8, K=2, H=32)  # G = 4 = N / 4
+  compare(q, k, v, ct, causal=True, seg=packed_segments(2, 100)[:1], block_q=32, block_k=16)
+
+
+@pytest.mark.parametrize('L,S', [(24, 40), (40, 24)])
+def test_query_and_key_lengths_may_differ(L, S):
+  """Causal is bottom-right aligned; with L > S the first L - S queries see nothing: zeros."""
+  q, k, v, ct = inputs(L=L, S=S, K=2)
+  out = compare(q, k, v, ct, causal=True, block_q=16, block_k=16)[0][0]
+  if L > S:
+    assert np.all(np.asarray(out[:, :L - S]) == 0)
+  compare(q, k, v, ct, causal=False, block_q=16, block_k=16)
+
+
+def test_a_row_with_nothing_to_attend_to_gives_zeros_and_zero_gradients():
+  q, k, v, ct = inputs(K=2)
+  seg = jnp.ones((2, 40), jnp.int32)
+  kv_seg = seg.at[1].set(2)  # row 1's queries match no key
+  out, dq, dk, dv = compare(q, k, v, ct, causal=True, seg=seg, kv_seg=kv_seg, block_q=16,
+                            block_k=16)[0]
+  assert not np.any(out[1]) and not np.any(dq[1]) and not np.any(dk[1]) and not np.any(dv[1])
+
+
+def test_bf16_inputs():
+  q, k, v, ct = inputs(K=2, dtype=jnp.bfloat16)
+  compare(q, k, v, ct, causal=True, seg=packed_segments(2, 40), block_q=16, block_k=16)
+
+
+def test_one_training_step_with_pallas_equals_xla_on_one_device_and_sharded():
+  """Sharded: fsdp=2 × tensor=2 × sequence=2, so batch rows and heads are split per shard and the
+  length split is gathered for the kernel."""
+  runs = {}
+  for name, implementation, mesh, devices in [
+      ('xla', 'xla', {}, jax.devices()[:1]), ('pallas', 'pallas', {}, jax.devices()[:1]),
+      ('pallas sharded', 'pallas', dict(fsdp=2, tensor=2, sequence=2), jax.devices())]:
+    config = tiny_config(**mesh)
+    config.model.attention = implementation
+    setup = build(config, devices)
+    step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
+    state, metrics = step(setup.init_state(), random_batch(setup, config))
+    runs[name] = (float(metrics['loss']), float(metrics['grad_norm']),
+                  np.asarray(state.params['blocks']['attn']['wq'][...]))
+  for name in ('pallas', 'pallas sharded'):
+    np.testing.assert_allclose(runs[name][0], runs['xla'][0], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(runs[name][1], runs['xla'][1], rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(runs[name][2], runs['xla'][2], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def random_batch(setup, config):
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  segments = np.repeat(np.arange(1, 5), config.seq_len // 4)[None].repeat(shape[0], 0)
+  host = {'inputs': rng.integers(0, 256, shape), 'targets': rng.integers(0, 256, shape),
+          'positions': np.tile(np.arange(config.seq_len // 4), 4)[None].repeat(shape[0], 0),
+          'segment_ids': segments, 'weights': np.ones(shape)}
+  s = sharding.batch_sharding(setup.mesh)
+  return {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
+
+
+def test_sharded_over_batch_and_heads_equals_unsharded():
+  """Under data=2 × tensor=4 the kernel runs per shard (shard_map): each device holds 1 of the
+  batch rows and N/4 heads, and the result equals one device's."""
+  q, k, v, _ = inputs(B=2, L=32, S=32, N=8, K=4, H=16)
+  seg = packed_segments(2, 32)
+  reference = flash_attention(q, k, v, causal=True, segment_ids_BL=seg)
+  mesh = sharding.make_mesh(tiny_config(data=2, tensor=4).mesh, jax.devices())
+  with jax.set_mesh(mesh), flax_rules():
+    specs = (mesh_spec(('batch', None, 'heads', 'head_dim')),
+             mesh_spec(('batch', None, 'kv_heads', 'head_dim')), mesh_spec(('batch', None)))
+    from kernels import attention
+    fn = jax.jit(lambda q, k, v, s: attention(q, k, v, causal=True, segment_ids_BL=s,
+                                              implementation='pallas', specs=specs))
+    put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    args = (put(q, specs[0]), put(k, specs[1]), put(v, specs[1]), put(seg, specs[2]))
+    out = fn(*args)
+    hlo = fn.lower(*args).compile().as_text()
+  assert {s.data.shape for s in out.addressable_shards} == {(1, 32, 2, 16)}
+  np.testing.assert_allclose(np.asarray(out), np.asarray(reference), rtol=1e-5, atol=1e-6)
+  assert 'all-gather' not in hlo  # no device needed another's q, k or v
+
+
+def flax_rules():
+  from flax import nnx
+  return nnx.logical_axis_rules(sharding.ACTIVATION_RULES)
+
+
+def test_bad_block_size_names_the_field():
+  config = tiny_config()
+  config.model.attention_block_q = 48
+  with pytest.raises(ValueError, match='config.model.attention_block_q'):
+    build(config)
