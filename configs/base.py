@@ -17,6 +17,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.log_every = 10
   c.eval_every = 50  # 0 turns evaluation off
   c.eval_batches = 4  # batches of the validation split per evaluation; 0: all of it
+  c.checkpoint_every = 50  # steps between asynchronous checkpoints (and one at the end); 0: none
+  c.keep_checkpoints = 3  # the newest this many are kept
   c.batch_size = 16  # global, in sequences
   c.seq_len = 128
 

@@ -18,6 +18,7 @@ def get_config():
   c.log_every = 20
   c.eval_every = 100
   c.eval_batches = 16  # 65k validation tokens
+  c.checkpoint_every = 100
   c.batch_size = 16
   c.seq_len = 256
   c.model.d_model = 256

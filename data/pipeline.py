@@ -105,6 +105,12 @@ def process_rows(batch_sharding, batch_size: int, seq_len: int, devices=None) ->
   return sorted(rows)
 
 
+def check_workers(workers: int, n_rows: int) -> None:
+  if workers < 0 or (workers and n_rows % workers):
+    raise ValueError(f'config.data.workers={workers} must be 0 or divide the {n_rows} rows of '
+                     'the batch this process builds')
+
+
 class Batches:
   """This process's share of the global batches, as global jax.Arrays (or numpy with `local`).
 
@@ -117,9 +123,7 @@ class Batches:
                state: dict | None = None, rows=None):
     self.sharding, self.shape = batch_sharding, (batch_size, seq_len)
     self.rows = process_rows(batch_sharding, batch_size, seq_len) if rows is None else list(rows)
-    if workers < 0 or (workers and len(self.rows) % workers):
-      raise ValueError(f'config.data.workers={workers} must be 0 or divide the {len(self.rows)} '
-                       'rows of the batch this process builds')
+    check_workers(workers, len(self.rows))
     self._states = [LaneState() for _ in self.rows]
     if state is not None:
       if state.get('rows') != self.rows:

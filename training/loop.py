@@ -12,6 +12,7 @@ from data import corpus as corpus_lib
 from data import pipeline, tokenizers
 from training import metrics as metrics_lib
 from training import step as step_lib
+from training.checkpoint import Checkpointer
 from training.evaluation import Evaluator
 from training.state import build, param_count
 
@@ -49,14 +50,24 @@ def run(config, devices=None) -> list[dict]:
   log = print if is_main else (lambda *a, **k: None)
 
   batch_sharding = sharding.batch_sharding(setup.mesh)
-  batches = pipeline.train_batches(corpus, tokenizer, config, batch_sharding)
+  pipeline.check_workers(config.data.workers, len(pipeline.process_rows(
+      batch_sharding, config.batch_size, config.seq_len)))
   mesh_desc = ' × '.join(f'{a}={n}' for a, n in setup.mesh.shape.items())
   log(f'meshlm: {param_count(setup.abstract_state.params) / 1e6:.2f}M parameters on '
       f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh {mesh_desc}; workdir {workdir}')
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
       f'model vocab {config.model.vocab_size}), {config.data.workers} worker(s)')
   t0 = time.perf_counter()
-  state = setup.init_state()
+  checkpointer = (Checkpointer(workdir, keep=config.keep_checkpoints)
+                  if config.checkpoint_every else None)
+  restored = checkpointer.restore_latest(setup.abstract_state) if checkpointer else None
+  if restored:
+    start_step, state, data_state = restored
+    writer.drop_after(start_step)
+    log(f'resuming from step {start_step} ({checkpointer.directory / str(start_step)})')
+  else:
+    start_step, state, data_state = 0, setup.init_state(), None
+  batches = pipeline.train_batches(corpus, tokenizer, config, batch_sharding, state=data_state)
   train_step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
                                            config.loss.z_loss)
   evaluate = (Evaluator(setup, config, corpus, tokenizer, batch_sharding)
@@ -64,10 +75,10 @@ def run(config, devices=None) -> list[dict]:
   log(f'initialised and compiled in {time.perf_counter() - t0:.1f}s')
 
   records, tokens_per_step = [], config.batch_size * config.seq_len
-  last_time, last_step = time.perf_counter(), 0
+  last_time, last_step = time.perf_counter(), start_step
   in_flight = None
   try:
-    for step in range(config.train_steps):
+    for step in range(start_step, config.train_steps):
       state, metrics = train_step(state, next(batches))
       # At most two steps in flight: the device stays busy and the host never runs far ahead.
       jax.block_until_ready(in_flight)
@@ -91,6 +102,10 @@ def run(config, devices=None) -> list[dict]:
         log(metrics_lib.format_line(record, config.train_steps))
         records.append(record)
         last_time = time.perf_counter()  # evaluation time is not step time
+      if checkpointer and (done % config.checkpoint_every == 0 or done == config.train_steps):
+        checkpointer.save(done, state, batches.state(), config.to_dict())
   finally:
     batches.close()
+    if checkpointer:
+      checkpointer.close()  # waits for the save in flight
   return records

@@ -18,6 +18,16 @@ class MetricsWriter:
     self.path = workdir / 'metrics.jsonl'
     self.enabled = enabled
 
+  def drop_after(self, step: int) -> None:
+    """Forget records of steps after `step` (a resumed run logs them again), atomically."""
+    if not self.enabled or not self.path.exists():
+      return
+    kept = [line for line in self.path.read_text().splitlines()
+            if line and json.loads(line)['step'] <= step]
+    tmp = self.path.with_suffix('.tmp')
+    tmp.write_text(''.join(line + '\n' for line in kept))
+    tmp.replace(self.path)
+
   def write(self, record: dict) -> None:
     if self.enabled:
       with self.path.open('a') as f:

@@ -54,6 +54,7 @@ def build(config, devices=None) -> Setup:
   model_cfg = ModelConfig.from_config(config.model)
   for field, low in (('train_steps', 1), ('batch_size', 1), ('seq_len', 1), ('log_every', 1),
                      ('eval_every', 0), ('eval_batches', 0), ('data.workers', 0),
+                     ('checkpoint_every', 0), ('keep_checkpoints', 1),
                      ('data.prefetch', 1)):
     value = functools.reduce(getattr, field.split('.'), config)
     if value < low:
