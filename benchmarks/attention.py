@@ -18,7 +18,6 @@ ratio for every shape.
 
 import functools
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
+
+from benchmarks import report  # noqa: E402
 
 from kernels import attention  # noqa: E402
 
@@ -117,10 +118,7 @@ def main(argv):
              'jax': jax.__version__, 'dtype': 'bfloat16', 'tokens_per_call': _TOKENS.value,
              'results': results, 'pallas_over_cudnn': ratios,
              'command': 'python ' + ' '.join(sys.argv)}
-  if _OUT.value:
-    with open(_OUT.value, 'w') as f:
-      f.write(json.dumps(figures, indent=2) + '\n')
-  print(json.dumps(figures))
+  report.emit(figures, _OUT.value)
 
 
 if __name__ == '__main__':

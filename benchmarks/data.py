@@ -16,7 +16,6 @@ Goal: â‰¥ 1M packed tokens/s with the byte tokenizer on a 2-core machine, and â‰
 host (the 1B preset at the MFU goal on its 8 GPUs).
 """
 
-import json
 import os
 import platform
 import sys
@@ -30,6 +29,7 @@ from absl import app, flags  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from benchmarks import report  # noqa: E402
 from data import corpus as corpus_lib  # noqa: E402
 from data import pipeline, tokenizers, train_tokenizer  # noqa: E402
 
@@ -92,10 +92,7 @@ def main(argv):
   for r in results:
     print(f'{r["tokenizer"]:<14}{r["workers"]:>8}{r["tokens_per_sec"]:>14,.0f}'
           f'{r["packing_efficiency"]:>9.1%}{r["first_batch_s"]:>12.2f}s')
-  if _OUT.value:
-    with open(_OUT.value, 'w') as f:
-      f.write(json.dumps(figures, indent=2) + '\n')
-  print(json.dumps(figures))
+  report.emit(figures, _OUT.value)
 
 
 if __name__ == '__main__':

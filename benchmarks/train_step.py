@@ -16,7 +16,6 @@ MFU = achieved FLOP/s per device / the device's dense bf16 peak:
   A100 312, H100 SXM 989 (PCIe 756), H200 989 TFLOP/s. No MFU is reported for other devices (CPU).
 """
 
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import sharding  # noqa: E402
+from benchmarks import report  # noqa: E402
 from data import tokenizers  # noqa: E402
 from training import flops, step as step_lib  # noqa: E402
 from training.state import build, param_count  # noqa: E402
@@ -110,11 +110,7 @@ def main(argv):
   width = max(len(k) for k, _ in rows)
   for key, value in rows:
     print(f'{key:<{width}}  {value}')
-  line = json.dumps(figures)
-  if _OUT.value:
-    with open(_OUT.value, 'w') as f:
-      f.write(json.dumps(figures, indent=2) + '\n')
-  print(line)
+  report.emit(figures, _OUT.value)
 
 
 if __name__ == '__main__':

@@ -241,8 +241,8 @@ class Corpus:
   max_document_bytes: int | None  # known for `paths` corpora
 
 
-def load(data_config, prepare: bool = True) -> Corpus:
-  """Open config.data's corpus, preparing it first if needed (and `prepare` allows it)."""
+def load(data_config) -> Corpus:
+  """Open config.data's corpus, preparing it first if needed."""
   if data_config.name:
     builder = _named_builder(data_config)
     splits = (data_config.train_split, data_config.eval_split)
@@ -252,8 +252,6 @@ def load(data_config, prepare: bool = True) -> Corpus:
     with _quiet_tfds():
       prepared = builder.is_prepared()
     if not prepared:
-      if not prepare:
-        raise ValueError(f'config.data.paths={data_config.paths!r} is not prepared yet')
       tfds.disable_progress_bar()
       builder.download_and_prepare(file_format='array_record')
     splits, text_key = ('train', 'validation'), 'text'
