@@ -65,6 +65,7 @@ def main(argv):
                                      packed=_PACKED.value)
   compile_s = time.perf_counter() - t0
   batch = random_batch(config, setup.mesh)
+  metrics = None  # --warmup=0 runs none
   for _ in range(_WARMUP.value):
     state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
