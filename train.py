@@ -6,7 +6,7 @@
 
 import os
 
-from absl import app
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from training import loop
@@ -19,6 +19,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', _DEFAULT,
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not flags.FLAGS['verbosity'].present:  # orbax logs every save at INFO; --verbosity=0 shows it
+    logging.set_verbosity(logging.WARNING)
   loop.run(_CONFIG.value)
 
 

@@ -19,6 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_batches = 4  # batches of the validation split per evaluation; 0: all of it
   c.checkpoint_every = 50  # steps between asynchronous checkpoints (and one at the end); 0: none
   c.keep_checkpoints = 3  # the newest this many are kept
+  c.init_from = ''  # a run's workdir (or checkpoints/<step>): start from its parameters only
+  c.max_bad_steps = 5  # steps in a row with a non-finite loss or gradient (skipped) that stop the run
   c.batch_size = 16  # global, in sequences
   c.seq_len = 128
 

@@ -13,6 +13,7 @@ of processes nor of workers changes what a global row holds.
 """
 
 import dataclasses
+import signal
 import functools
 
 from absl import flags
@@ -137,7 +138,8 @@ class Batches:
       if not flags.FLAGS.is_parsed():  # grain's workers read absl flags (a notebook parses none)
         flags.FLAGS(['meshlm'], known_only=True)
       ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
-                                                       per_worker_buffer_size=prefetch))
+                                                       per_worker_buffer_size=prefetch),
+                          worker_init_fn=_ignore_interrupts)
       ds = ds.batch(workers, batch_fn=_concatenate)
     self._iterator = iter(ds)
     self._position = {r: i for i, r in enumerate(self.rows)}
@@ -173,6 +175,12 @@ class Batches:
     if close:
       close()
     self._iterator = None
+
+
+def _ignore_interrupts(worker_index: int, worker_count: int) -> None:
+  """Ctrl-C reaches every process of the terminal's group; the training process decides how
+  to stop (training/preemption.py) and closes its workers itself."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def pass_length(docs: grain.MapDataset, batch_size: int, seq_len: int) -> int:

@@ -1,5 +1,8 @@
-"""Checkpoints: a run killed with SIGKILL and restarted matches an uninterrupted one exactly;
-checkpoints restore under other meshes; a corrupted newest checkpoint falls back to the previous."""
+"""Checkpoints and fault tolerance: a run killed with SIGKILL (or stopped by SIGTERM) and restarted
+matches an uninterrupted one exactly; a second signal exits at once and leaves good checkpoints;
+checkpoints restore under other meshes; a corrupted newest checkpoint falls back to the previous;
+another model's checkpoint is a clear error before training; non-finite steps are skipped and
+counted, and too many in a row stop the run with its last good checkpoint intact."""
 
 import json
 import os
@@ -7,13 +10,16 @@ import pathlib
 import signal
 import subprocess
 import sys
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tests.conftest import SMALL_CORPUS, tiny_config
-from training.checkpoint import Checkpointer, CheckpointWarning
+from training import loop
+from training.checkpoint import Checkpointer, CheckpointMismatch, CheckpointWarning
 from training.state import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -27,11 +33,27 @@ def command(workdir):
           '--config.data.validation_fraction=0.1', '--config.seed=4']
 
 
+ENV = {**os.environ, 'PYTHONUNBUFFERED': '1'}
+
+
 def run_to_end(workdir):
   result = subprocess.run(command(workdir), cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, 'PYTHONUNBUFFERED': '1'})
+                          env=ENV)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
+
+
+def start(workdir):
+  """train.py in a subprocess, its stdout and stderr as one stream of lines."""
+  return subprocess.Popen(command(workdir), cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=ENV)
+
+
+def read_until(process, prefix):
+  for line in process.stdout:
+    if line.startswith(prefix):
+      return line
+  raise AssertionError(f'the run ended before printing {prefix!r}')
 
 
 def metrics(workdir):
@@ -39,40 +61,81 @@ def metrics(workdir):
   return {r['step']: (r['loss'], r['grad_norm'], r['learning_rate']) for r in records}
 
 
-def final_params(workdir):
+def base_config():
   from configs import base
   config = base.get_config()  # as the runs built it: 8 devices, fsdp=-1
   config.model.vocab_size = 384
-  step, state, _ = Checkpointer(workdir, keep=3).restore_latest(build(config).abstract_state)
+  return config
+
+
+def latest(workdir, config=None):
+  config = config or base_config()
+  return Checkpointer(workdir / 'checkpoints').restore_latest(build(config).abstract_state,
+                                                             config.model)
+
+
+def final_params(workdir):
+  step, state, _ = latest(workdir)
   assert step == STEPS
   return state.params
 
 
-def test_sigkill_then_restart_continues_exactly_as_an_uninterrupted_run(tmp_path):
-  straight = tmp_path / 'straight'
-  run_to_end(straight)
-
-  killed = tmp_path / 'killed'
-  process = subprocess.Popen(command(killed), cwd=REPO, stdout=subprocess.PIPE, text=True,
-                             stderr=subprocess.DEVNULL, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
-  for line in process.stdout:
-    if line.startswith('step 25/'):  # checkpoints 5, 10, 15, 20 were started by now
-      process.send_signal(signal.SIGKILL)
-      break
-  process.wait(timeout=60)
-  assert process.returncode == -signal.SIGKILL
-  resumed = run_to_end(killed)
-  assert 'resuming from step ' in resumed
-
-  ours, reference = metrics(killed), metrics(straight)
+def assert_same_as_uninterrupted(workdir, straight):
+  ours, reference = metrics(workdir), metrics(straight)
   assert sorted(ours) == list(range(1, STEPS + 1))  # steps after the checkpoint are logged once
   assert ours == reference  # bit for bit
-  for a, b in zip(jax.tree.leaves(final_params(killed)), jax.tree.leaves(final_params(straight))):
+  for a, b in zip(jax.tree.leaves(final_params(workdir)), jax.tree.leaves(final_params(straight))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory):
+  """The reference: STEPS steps without interruption."""
+  workdir = tmp_path_factory.mktemp('straight')
+  run_to_end(workdir)
+  return workdir
+
+
+def test_sigkill_then_restart_continues_exactly_as_an_uninterrupted_run(tmp_path, straight):
+  process = start(tmp_path)
+  read_until(process, 'step 25/')  # checkpoints 5, 10, 15, 20 were started by now
+  process.send_signal(signal.SIGKILL)
+  process.wait(timeout=60)
+  assert process.returncode == -signal.SIGKILL
+  resumed = run_to_end(tmp_path)
+  assert 'resuming from step ' in resumed
+  assert_same_as_uninterrupted(tmp_path, straight)
+
+
+def test_sigterm_saves_at_the_step_reached_and_exits_0_then_resumes_exactly(tmp_path, straight):
+  process = start(tmp_path)
+  read_until(process, 'step 12/')
+  process.send_signal(signal.SIGTERM)
+  stopped = read_until(process, 'stopped by SIGTERM after step ')
+  assert process.wait(timeout=60) == 0
+  step = int(stopped.split('after step ')[1].split(';')[0])
+  assert 12 <= step < STEPS and step % 5  # not a regular checkpoint step: saved for the signal
+  assert latest(tmp_path)[0] == step
+  assert f'resuming from step {step} ' in run_to_end(tmp_path)
+  assert_same_as_uninterrupted(tmp_path, straight)
+
+
+def test_a_second_signal_exits_at_once_and_keeps_the_last_complete_checkpoint(tmp_path):
+  process = start(tmp_path)
+  read_until(process, 'step 12/')
+  process.send_signal(signal.SIGINT)
+  read_until(process, 'meshlm: SIGINT received')
+  process.send_signal(signal.SIGINT)
+  assert process.wait(timeout=30) == -signal.SIGINT
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', CheckpointWarning)  # the newest complete one restores
+    step, _, _ = latest(tmp_path)
+  assert 10 <= step < STEPS
+
+
 def test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint(tmp_path):
-  saved_setup = build(tiny_config(fsdp=8))
+  config = tiny_config(fsdp=8)
+  saved_setup = build(config)
   state = saved_setup.init_state()
   checkpointer = Checkpointer(tmp_path, keep=3)
   for step in (1, 2):
@@ -82,28 +145,122 @@ def test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint(tm
 
   for mesh, devices in ((dict(fsdp=4, tensor=2), jax.devices()), ({}, jax.devices()[:1])):
     target = build(tiny_config(**mesh), devices)
-    step, restored, data = Checkpointer(tmp_path, keep=3).restore_latest(target.abstract_state)
+    step, restored, data = Checkpointer(tmp_path).restore_latest(target.abstract_state,
+                                                                 config.model)
     assert step == 2 and data == {'rows': [2]}
     for a, b, want in zip(jax.tree.leaves(restored.params), expected,
                           jax.tree.leaves(target.state_shardings.params)):
       assert a.sharding == want  # straight into the target shardings
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-  for f in (tmp_path / 'checkpoints' / '2' / 'state').rglob('*'):
+  for f in (tmp_path / '2' / 'state').rglob('*'):
     if f.is_file() and f.stat().st_size > 0:
       f.write_bytes(b'\0' * 7)  # truncated and corrupted
-  with pytest.warns(CheckpointWarning, match='checkpoints/2'):
-    step, _, data = Checkpointer(tmp_path, keep=3).restore_latest(saved_setup.abstract_state)
+  with pytest.warns(CheckpointWarning, match=f'{tmp_path.name}/2 does not restore'):
+    step, _, data = Checkpointer(tmp_path).restore_latest(saved_setup.abstract_state,
+                                                          config.model)
   assert step == 1 and data == {'rows': [1]}
 
 
-def test_checkpoints_of_another_model_shape_are_an_error_not_a_fresh_start(tmp_path):
-  setup = build(tiny_config(fsdp=8))
-  checkpointer = Checkpointer(tmp_path, keep=3)
-  checkpointer.save(1, setup.init_state(), {}, {})
-  checkpointer.close()
-  other = tiny_config(fsdp=8)
+
+
+def tiny_run(workdir, **changes):
+  c = tiny_config(fsdp=8)
+  c.workdir, c.eval_every, c.log_every, c.checkpoint_every = str(workdir), 0, 1, 2
+  c.update(changes)
+  return c
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """A tiny run's workdir, 4 steps, checkpoints at 2 and 4."""
+  workdir = tmp_path_factory.mktemp('trained')
+  loop.run(tiny_run(workdir, train_steps=4))
+  return workdir
+
+
+def test_another_models_checkpoint_is_a_clear_error_before_training(trained):
+  before = (trained / 'metrics.jsonl').read_text()
+  other = tiny_run(trained, train_steps=6)
   other.model.d_model = 32
-  with pytest.raises(ValueError, match='config.workdir'), pytest.warns(CheckpointWarning):
-    Checkpointer(tmp_path, keep=3).restore_latest(build(other).abstract_state)
-  assert (tmp_path / 'checkpoints' / '1').is_dir()  # nothing deleted
+  with pytest.raises(CheckpointMismatch, match=r'config.model differs: d_model 64 → 32') as e:
+    loop.run(other)
+  assert 'config.workdir' in str(e.value) and "params.blocks.attn.wk.value is (2, 64, 2, 16)" in str(e.value)
+  other = tiny_run(trained, train_steps=6)
+  other.model.vocab_size = 512
+  with pytest.raises(ValueError, match='vocabulary of 384 .* byte tokenizer'):
+    loop.run(other)
+  assert (trained / 'metrics.jsonl').read_text() == before  # nothing trained, nothing written
+  assert Checkpointer(trained / 'checkpoints').steps() == [4, 2]
+
+
+def test_init_from_takes_the_parameters_only(trained, tmp_path):
+  config = tiny_run(tmp_path, init_from=str(trained))
+  setup = build(config)
+  step, state, data = loop.initial_state(setup, config, None, log=lambda *_: None)
+  _, saved, _ = Checkpointer(trained / 'checkpoints').restore_latest(setup.abstract_state,
+                                                                   config.model)
+  assert step == 0 and data is None and int(state.step) == 0 and int(saved.step) == 4
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(saved.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  fresh = setup.init_state()
+  for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(fresh.opt_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # a fresh optimizer
+  with pytest.raises(ValueError, match='config.init_from=.* holds no checkpoint'):
+    loop.run(tiny_run(tmp_path / 'b', init_from=str(tmp_path / 'nowhere')))
+
+
+def poison(steps):
+  """Wraps the loop's training batches: the batches of `steps` (1-based) get NaN weights."""
+  real = loop.pipeline.train_batches
+
+  def train_batches(*args, **kwargs):
+    batches = real(*args, **kwargs)
+    step = 0
+
+    class Poisoned:
+      state, close = batches.state, batches.close
+
+      def __next__(self):
+        nonlocal step
+        step += 1
+        batch = next(batches)
+        if step in steps:
+          batch['weights'] = batch['weights'] * jnp.float32('nan')
+        return batch
+    return Poisoned()
+  return train_batches
+
+
+def test_a_non_finite_step_is_skipped_and_counted_and_the_run_goes_on(tmp_path, monkeypatch):
+  monkeypatch.setattr(loop.pipeline, 'train_batches', poison({3}))
+  with pytest.warns(RuntimeWarning, match='step 3: the loss or gradient is not finite'):
+    records = loop.run(tiny_run(tmp_path, train_steps=6, max_bad_steps=2))
+  assert [r['bad_steps'] for r in records] == [0, 0, 1, 1, 1, 1]
+  assert np.isnan(records[2]['loss']) and np.isfinite(records[-1]['loss'])
+
+
+def test_skipped_step_leaves_parameters_and_optimizer_state_as_they_were(small_corpus):
+  from training import step as step_lib
+  config = tiny_config(fsdp=8)
+  setup = build(config)
+  state = setup.init_state()
+  train_step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
+  batch = {k: jnp.zeros(x.shape, x.dtype, device=x.sharding)
+           for k, x in step_lib.abstract_batch(setup.mesh, config.batch_size, config.seq_len).items()}
+  batch['weights'] = jnp.full_like(batch['weights'], jnp.nan)
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  after, metrics = train_step(state, batch)
+  assert bool(metrics['skipped']) and int(after.bad_steps) == 1 and int(after.step) == 1
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves((after.params, after.opt_state))):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_max_bad_steps_in_a_row_stop_the_run_keeping_the_last_good_checkpoint(tmp_path,
+                                                                                monkeypatch):
+  monkeypatch.setattr(loop.pipeline, 'train_batches', poison({3, 4}))
+  with pytest.raises(FloatingPointError, match=r'steps 3..4: 2 steps in a row .*'
+                     r'config.max_bad_steps=2.*last good checkpoint, step 2'), \
+       pytest.warns(RuntimeWarning):
+    loop.run(tiny_run(tmp_path, train_steps=8, max_bad_steps=2))
+  assert Checkpointer(tmp_path / 'checkpoints').steps() == [2]  # nothing saved after step 2

@@ -12,8 +12,9 @@ from data import corpus as corpus_lib
 from data import pipeline, tokenizers
 from training import metrics as metrics_lib
 from training import step as step_lib
-from training.checkpoint import Checkpointer
+from training import checkpoint as checkpoint_lib
 from training.evaluation import Evaluator
+from training.preemption import StopSignals
 from training.state import build, param_count
 
 
@@ -35,12 +36,89 @@ def warn_about_data(config, corpus: corpus_lib.Corpus) -> None:
                   corpus_lib.DataWarning, stacklevel=2)
 
 
+def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
+  """Before data or memory are touched: the workdir's checkpoints (else `config.init_from`'s)
+  hold this config's model; another vocabulary is named as a tokenizer mistake."""
+  try:
+    steps = checkpointer.steps() if checkpointer else []
+    for step in steps:  # the newest whose metadata reads; older ones are fallbacks
+      if checkpointer.check(setup.abstract_state, step, setting='config.workdir',
+                            model_config=config.model):
+        return
+    if config.init_from and not steps:
+      directory, step = checkpoint_lib.step_directory(config.init_from)
+      checkpoint_lib.Checkpointer(directory, read_only=True).check(
+          {'params': setup.abstract_state.params}, step, setting='config.init_from',
+          model_config=config.model)
+  except checkpoint_lib.CheckpointMismatch as e:
+    if 'vocab_size' in e.saved_model:
+      tokenizers.check_checkpoint_vocab(e.saved_model['vocab_size'], tokenizer,
+                                        config.model.vocab_size)
+    raise
+
+
+def initial_state(setup, config, checkpointer, log):
+  """(step, state, data state): resumed from the workdir's newest checkpoint that restores, else
+  a new run from `config.init_from`'s parameters or from scratch."""
+  restored = (checkpointer.restore_latest(setup.abstract_state, config.model)
+              if checkpointer else None)
+  if restored:
+    log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')
+    return restored
+  if config.init_from:
+    params, path = checkpoint_lib.restore_params(config.init_from, setup.abstract_state.params,
+                                                 config.model)
+    log(f'starting from the parameters of {path} (fresh optimizer, step 0)')
+    return 0, setup.init_state(params), None
+  return 0, setup.init_state(), None
+
+
+class BadStepGuard:
+  """Counts steps in a row whose loss or gradient was not finite (the step skipped them);
+  `config.max_bad_steps` in a row stop the run."""
+
+  def __init__(self, max_bad_steps: int, checkpointer):
+    self.limit, self.in_a_row, self.checkpointer = max_bad_steps, 0, checkpointer
+    self.checked = -1
+
+  def check(self, step: int, metrics) -> None:
+    if step <= self.checked:
+      return
+    self.checked = step
+    if not bool(jax.device_get(metrics['skipped'])):  # waits for that step
+      self.in_a_row = 0
+      return
+    self.in_a_row += 1
+    warnings.warn(f'step {step}: the loss or gradient is not finite; the step was skipped',
+                  RuntimeWarning, stacklevel=2)
+    if self.in_a_row >= self.limit:
+      saved = self.checkpointer.steps() if self.checkpointer else []
+      kept = (f'the last good checkpoint, step {saved[0]}, is in {self.checkpointer.directory}'
+              if saved else 'no checkpoint was saved')
+      raise FloatingPointError(
+          f'steps {step - self.in_a_row + 1}..{step}: {self.in_a_row} steps in a row had a '
+          f'non-finite loss or gradient (config.max_bad_steps={self.limit}); {kept}. Lower '
+          'config.optimizer.learning_rate, raise config.optimizer.warmup_steps or check the data')
+
+
 def run(config, devices=None) -> list[dict]:
   """Train per `config`; returns the logged records (also in workdir/metrics.jsonl)."""
   tokenizer = tokenizers.load(config.data)
   config = tokenizers.with_vocab_size(config, tokenizer)
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
   workdir = metrics_lib.prepare_workdir(config.workdir)
+  checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints', keep=config.keep_checkpoints)
+                  if config.checkpoint_every else None)
+  try:
+    check_checkpoints(checkpointer, setup, config, tokenizer)
+    with StopSignals() as stop:
+      return _train(config, setup, workdir, tokenizer, checkpointer, stop)
+  finally:
+    if checkpointer:
+      checkpointer.close()  # waits for the save in flight
+
+
+def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   corpus = load_corpus(config.data)
   warn_about_data(config, corpus)
   is_main = jax.process_index() == 0
@@ -58,15 +136,9 @@ def run(config, devices=None) -> list[dict]:
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
       f'model vocab {config.model.vocab_size}), {config.data.workers} worker(s)')
   t0 = time.perf_counter()
-  checkpointer = (Checkpointer(workdir, keep=config.keep_checkpoints)
-                  if config.checkpoint_every else None)
-  restored = checkpointer.restore_latest(setup.abstract_state) if checkpointer else None
-  if restored:
-    start_step, state, data_state = restored
-    writer.drop_after(start_step)
-    log(f'resuming from step {start_step} ({checkpointer.directory / str(start_step)})')
-  else:
-    start_step, state, data_state = 0, setup.init_state(), None
+  start_step, state, data_state = initial_state(setup, config, checkpointer, log)
+  if start_step:
+    writer.drop_after(start_step)  # a resumed run logs the steps after its checkpoint again
   batches = pipeline.train_batches(corpus, tokenizer, config, batch_sharding, state=data_state)
   train_step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
                                            config.loss.z_loss)
@@ -76,36 +148,47 @@ def run(config, devices=None) -> list[dict]:
 
   records, tokens_per_step = [], config.batch_size * config.seq_len
   last_time, last_step = time.perf_counter(), start_step
-  in_flight = None
+  guard = BadStepGuard(config.max_bad_steps, checkpointer)
+  previous = None  # (step, metrics) of the step dispatched before this one
   try:
     for step in range(start_step, config.train_steps):
       state, metrics = train_step(state, next(batches))
       # At most two steps in flight: the device stays busy and the host never runs far ahead.
-      jax.block_until_ready(in_flight)
-      in_flight, done = metrics, step + 1
+      if previous:
+        guard.check(*previous)
+      done = step + 1
+      previous = (done, metrics)
       if done % config.log_every == 0 or done == config.train_steps:
         metrics = jax.device_get(metrics)  # waits for the step
         now = time.perf_counter()
         step_time = (now - last_time) / (done - last_step)
-        record = {'step': done, **{k: float(v) for k, v in metrics.items()},
+        record = {'step': done, **{k: float(v) for k, v in metrics.items() if k != 'skipped'},
                   'tokens_per_sec': tokens_per_step / step_time, 'step_time_s': step_time}
-        if not np.isfinite(record['loss']):
-          raise FloatingPointError(f'loss is {record["loss"]} at step {done}; lower '
-                                   'config.optimizer.learning_rate or check the data')
         writer.write(record)
         log(metrics_lib.format_line(record, config.train_steps))
         records.append(record)
         last_time, last_step = time.perf_counter(), done
-      if evaluate and (done % config.eval_every == 0 or done == config.train_steps):
+      stopping = stop.requested(done)
+      if evaluate and not stopping and (done % config.eval_every == 0
+                                        or done == config.train_steps):
         record = {'step': done, **evaluate(state.params)}
         writer.write(record)
         log(metrics_lib.format_line(record, config.train_steps))
         records.append(record)
         last_time = time.perf_counter()  # evaluation time is not step time
-      if checkpointer and (done % config.checkpoint_every == 0 or done == config.train_steps):
+      if checkpointer and (stopping or done % config.checkpoint_every == 0
+                           or done == config.train_steps):
+        if previous:
+          guard.check(*previous)  # never save after the run should have stopped
         checkpointer.save(done, state, batches.state(), config.to_dict())
+      if stopping:
+        log(f'stopped by {stop.received or "a preemption notice"} after step {done}'
+            + (f'; checkpoint {checkpointer.directory / str(done)}' if checkpointer else
+               ' (config.checkpoint_every=0: nothing saved)'))
+        break
+    else:
+      if previous:
+        guard.check(*previous)
   finally:
     batches.close()
-    if checkpointer:
-      checkpointer.close()  # waits for the save in flight
   return records

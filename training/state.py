@@ -22,6 +22,7 @@ class TrainState:
   step: jax.Array  # int32 scalar
   params: nnx.State  # the model's parameters, Variables holding arrays
   opt_state: optax.OptState
+  bad_steps: jax.Array  # int32 scalar: steps not applied because their loss or gradient was not finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +37,19 @@ class Setup:
   state_shardings: TrainState  # NamedShardings, same tree
   seed: int
 
-  def init_state(self) -> TrainState:
-    """Initialise parameters and optimizer state directly into their shardings."""
+  def init_state(self, params=None) -> TrainState:
+    """Initialise parameters (or start from `params`, already in their shardings) and the
+    optimizer state, directly into their shardings, at step 0."""
     cfg, tx, seed = self.model_cfg, self.tx, self.seed
 
-    def init():
-      params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
-      return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    def init(params):
+      if params is None:
+        params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+      zero = jnp.zeros((), jnp.int32)
+      return TrainState(step=zero, params=params, opt_state=tx.init(params), bad_steps=zero)
 
     with jax.set_mesh(self.mesh):
-      return jax.jit(init, out_shardings=self.state_shardings)()
+      return jax.jit(init, out_shardings=self.state_shardings)(params)
 
 
 def build(config, devices=None) -> Setup:
@@ -54,7 +58,7 @@ def build(config, devices=None) -> Setup:
   model_cfg = ModelConfig.from_config(config.model)
   for field, low in (('train_steps', 1), ('batch_size', 1), ('seq_len', 1), ('log_every', 1),
                      ('eval_every', 0), ('eval_batches', 0), ('data.workers', 0),
-                     ('checkpoint_every', 0), ('keep_checkpoints', 1),
+                     ('checkpoint_every', 0), ('keep_checkpoints', 1), ('max_bad_steps', 1),
                      ('data.prefetch', 1)):
     value = functools.reduce(getattr, field.split('.'), config)
     if value < low:
@@ -77,10 +81,11 @@ def build(config, devices=None) -> Setup:
   opt_shardings = optax.tree_map_params(
       tx, lambda _, s: s, abstract_opt, param_shardings,
       transform_non_params=lambda _: sharding.replicated(mesh))
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
   state_shardings = TrainState(step=sharding.replicated(mesh), params=param_shardings,
-                               opt_state=opt_shardings)
-  abstract_state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
-                              opt_state=abstract_opt)
+                               opt_state=opt_shardings, bad_steps=sharding.replicated(mesh))
+  abstract_state = TrainState(step=scalar, params=abstract_params, opt_state=abstract_opt,
+                              bad_steps=scalar)
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract_state, state_shardings)
   return Setup(model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,

@@ -46,12 +46,22 @@ def _loss(graphdef, params, batch, z_loss):
 def make_train_step(setup: Setup, z_loss: float):
   def train_step(state: TrainState, batch):
     grad_fn = jax.value_and_grad(lambda p: _loss(setup.graphdef, p, batch, z_loss), has_aux=True)
-    (_, (ce, zl)), grads = grad_fn(state.params)
+    (loss, (ce, zl)), grads = grad_fn(state.params)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {'loss': ce, 'z_loss': zl, 'grad_norm': optax.tree.norm(grads),
-               'learning_rate': setup.schedule(state.step)}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    # A step whose loss or gradient is not finite is not applied: parameters and optimizer state
+    # (its step count too, so the schedule waits) stay as they were. The selects fuse into the
+    # update's elementwise loops, so they cost no extra memory.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    bad_steps = state.bad_steps + jnp.where(finite, 0, 1).astype(jnp.int32)
+    metrics = {'loss': ce, 'z_loss': zl, 'grad_norm': grad_norm,
+               'learning_rate': setup.schedule(state.step - state.bad_steps),
+               'skipped': ~finite, 'bad_steps': bad_steps}
+    return TrainState(step=state.step + 1, params=keep_if_bad(params, state.params),
+                      opt_state=keep_if_bad(opt_state, state.opt_state),
+                      bad_steps=bad_steps), metrics
   return train_step
 
 
