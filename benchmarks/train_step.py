@@ -24,15 +24,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-import sharding  # noqa: E402
-from benchmarks import report  # noqa: E402
-from data import tokenizers  # noqa: E402
-from training import flops, step as step_lib  # noqa: E402
-from training.state import build, param_count  # noqa: E402
+from benchmarks import inputs, report  # noqa: E402
+from training import flops  # noqa: E402
+from training.state import param_count  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.',
                                           lock_config=True)
@@ -42,29 +39,11 @@ _PACKED = flags.DEFINE_bool('packed', False, 'Feed segment ids (packed rows).')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
 
 
-def random_batch(config, mesh):
-  rng = np.random.default_rng(0)
-  shape = (config.batch_size, config.seq_len)
-  tokens = rng.integers(0, min(256, config.model.vocab_size), size=(shape[0], shape[1] + 1))
-  host = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-          'positions': np.broadcast_to(np.arange(shape[1]), shape),
-          'weights': np.ones(shape)}
-  if _PACKED.value:
-    host['segment_ids'] = np.ones(shape)
-  s = sharding.batch_sharding(mesh)
-  return {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
-
-
 def main(argv):
   del argv
-  config = tokenizers.with_vocab_size(_CONFIG.value, tokenizers.load(_CONFIG.value.data))
-  setup = build(config)
-  t0 = time.perf_counter()
-  state = setup.init_state()
-  step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
-                                     packed=_PACKED.value)
-  compile_s = time.perf_counter() - t0
-  batch = random_batch(config, setup.mesh)
+  prepared = inputs.prepare(_CONFIG.value, packed=_PACKED.value)
+  config, setup, state, step = prepared.config, prepared.setup, prepared.state, prepared.train_step
+  batch, compile_s = prepared.batch, prepared.compile_s
   metrics = None  # --warmup=0 runs none
   for _ in range(_WARMUP.value):
     state, metrics = step(state, batch)
@@ -108,9 +87,7 @@ def main(argv):
           ('tokens / s', f'{tokens / step_s:,.0f}'),
           ('TFLOP/s per device', f'{tflops:,.3g}'),
           ('MFU', f'{figures["mfu"]:.1%} of {peak:g}' if peak else 'n/a (no known peak)')]
-  width = max(len(k) for k, _ in rows)
-  for key, value in rows:
-    print(f'{key:<{width}}  {value}')
+  report.table(rows)
   report.emit(figures, _OUT.value)
 
 

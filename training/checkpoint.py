@@ -35,7 +35,7 @@ class CheckpointMismatch(ValueError):
 def _manager(directory: pathlib.Path, **options) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
       directory.absolute(), options=ocp.CheckpointManagerOptions(**options),
-      item_handlers={'state': ocp.PyTreeCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+      item_handlers={'state': ocp.PyTreeCheckpointHandler(use_compression=False), 'data': ocp.JsonCheckpointHandler(),
                      'config': ocp.JsonCheckpointHandler()})
 
 
@@ -148,26 +148,40 @@ def step_directory(path: str) -> tuple[pathlib.Path, int]:
     return path.parent, int(path.name)
   for directory in (path / 'checkpoints', path):
     if directory.is_dir():
-      steps = Checkpointer(directory, read_only=True).steps()
+      checkpointer = Checkpointer(directory, read_only=True)
+      steps = checkpointer.steps()
+      checkpointer.close()
       if steps:
         return directory, steps[0]
   raise ValueError(f'config.init_from={str(path)!r} holds no checkpoint; give a run\'s workdir, '
                    'its checkpoints/ dir, or one checkpoints/<step> dir')
 
 
+def _init_from(path: str, abstract_params, model_config):
+  """The read-only Checkpointer, step and wanted tree of `config.init_from`, checked."""
+  directory, step = step_directory(path)
+  checkpointer, wanted = Checkpointer(directory, read_only=True), {'params': abstract_params}
+  if not checkpointer.check(wanted, step, setting='config.init_from', model_config=model_config):
+    checkpointer.close()
+    raise ValueError(f'config.init_from: checkpoint {directory / str(step)} does not read '
+                     '(truncated or corrupted?); point it at another step')
+  return checkpointer, step, wanted
+
+
+def check_init_from(path: str, abstract_params, model_config) -> None:
+  """CheckpointMismatch (or ValueError) unless `path` holds parameters of this model."""
+  _init_from(path, abstract_params, model_config)[0].close()
+
+
 def restore_params(path: str, abstract_params, model_config):
   """The parameters alone of the checkpoint at `path` (see step_directory), into the shardings
-  of `abstract_params`: a new run's starting point, with a fresh optimizer and step 0."""
-  directory, step = step_directory(path)
-  checkpointer = Checkpointer(directory, read_only=True)
+  of `abstract_params`, and the step directory they came from: a new run's starting point, with
+  a fresh optimizer and step 0."""
+  checkpointer, step, wanted = _init_from(path, abstract_params, model_config)
   try:
-    wanted = {'params': abstract_params}
-    if not checkpointer.check(wanted, step, setting='config.init_from', model_config=model_config):
-      raise ValueError(f'config.init_from: checkpoint {directory / str(step)} does not read '
-                       '(truncated or corrupted?); point it at another step')
     restored = checkpointer.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(wanted, ocp.checkpoint_utils.construct_restore_args(wanted),
                                      partial_restore=True)))
-    return restored.state['params'], directory / str(step)
+    return restored.state['params'], checkpointer.directory / str(step)
   finally:
-    checkpointer.manager.close()
+    checkpointer.close()

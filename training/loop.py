@@ -46,10 +46,7 @@ def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
                             model_config=config.model):
         return
     if config.init_from and not steps:
-      directory, step = checkpoint_lib.step_directory(config.init_from)
-      checkpoint_lib.Checkpointer(directory, read_only=True).check(
-          {'params': setup.abstract_state.params}, step, setting='config.init_from',
-          model_config=config.model)
+      checkpoint_lib.check_init_from(config.init_from, setup.abstract_state.params, config.model)
   except checkpoint_lib.CheckpointMismatch as e:
     if 'vocab_size' in e.saved_model:
       tokenizers.check_checkpoint_vocab(e.saved_model['vocab_size'], tokenizer,

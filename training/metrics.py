@@ -42,4 +42,6 @@ def format_line(record: dict, train_steps: int) -> str:
   for key, fmt in formats.items():
     if key in record:
       parts.append(f'{labels.get(key, key)} {record[key]:{fmt}}')
+  if record.get('bad_steps'):
+    parts.append(f'{record["bad_steps"]:.0f} skipped (non-finite)')
   return ' | '.join(parts)

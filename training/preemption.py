@@ -1,7 +1,8 @@
 """SIGTERM (a scheduler's preemption notice) or SIGINT (Ctrl-C) stops training cleanly: the loop
-finishes its step, saves a checkpoint and returns. A second signal exits at once, by the signal's
-default action; the last complete checkpoint is untouched (orbax renames a save into place only
-when it is whole).
+finishes its step, saves a checkpoint and returns. A second signal stops at once, as it would
+have without us (SIGINT raises KeyboardInterrupt, so a notebook's kernel survives; SIGTERM
+kills); the last complete checkpoint is untouched (orbax renames a save into place only when it
+is whole).
 
 On a multi-process job every process must save at the same step, or the collectives of the save
 and of the next step hang. JAX's preemption service (started by `jax.distributed.initialize`)
@@ -30,9 +31,12 @@ class StopSignals:
 
   def _handle(self, signum, frame):
     name = signal.Signals(signum).name
-    if self.received:  # the second signal: stop now, as if no handler had been installed
-      print(f'meshlm: second {name}, exiting now; the last complete checkpoint is kept',
+    if self.received:  # the second signal: what it would have done without us
+      print(f'meshlm: second {name}, stopping now; the last complete checkpoint is kept',
             file=sys.stderr, flush=True)
+      previous = self._previous.get(signum)
+      if callable(previous):  # Python's SIGINT handler: KeyboardInterrupt (a notebook survives)
+        previous(signum, frame)
       signal.signal(signum, signal.SIG_DFL)
       os.kill(os.getpid(), signum)
       return

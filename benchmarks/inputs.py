@@ -1,0 +1,49 @@
+"""What the step benchmarks share: a config's setup, state and compiled step as train.py builds
+them, and a batch of random tokens placed as train.py places batches."""
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+import sharding
+from data import tokenizers
+from training import step as step_lib
+from training.state import Setup, TrainState, build
+
+
+@dataclasses.dataclass
+class Prepared:
+  config: object  # with the model's vocabulary resolved
+  setup: Setup
+  state: TrainState
+  train_step: object  # compiled: (state, batch) → (state, metrics), state donated
+  batch: dict
+  compile_s: float  # initialising the state and compiling the step
+
+
+def prepare(config, packed: bool = False) -> Prepared:
+  config = tokenizers.with_vocab_size(config, tokenizers.load(config.data))
+  setup = build(config)
+  t0 = time.perf_counter()
+  state = setup.init_state()
+  train_step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
+                                           config.loss.z_loss, packed=packed)
+  return Prepared(config, setup, state, train_step, random_batch(config, setup.mesh, packed),
+                  time.perf_counter() - t0)
+
+
+def random_batch(config, mesh, packed: bool = False) -> dict:
+  """Random tokens (a step's time does not depend on their values), one document a row as in
+  the peers' figures; `packed` adds segment ids (one segment a row)."""
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  tokens = rng.integers(0, min(256, config.model.vocab_size), size=(shape[0], shape[1] + 1))
+  host = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+          'positions': np.broadcast_to(np.arange(shape[1]), shape),
+          'weights': np.ones(shape)}
+  if packed:
+    host['segment_ids'] = np.ones(shape)
+  s = sharding.batch_sharding(mesh)
+  return {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
