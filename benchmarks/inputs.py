@@ -29,7 +29,8 @@ def prepare(config, packed: bool = False) -> Prepared:
   t0 = time.perf_counter()
   state = setup.init_state()
   train_step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
-                                           config.loss.z_loss, packed=packed)
+                                           config.loss.z_loss, packed=packed,
+                                           microbatches=config.microbatches)
   return Prepared(config, setup, state, train_step, random_batch(config, setup.mesh, packed),
                   time.perf_counter() - t0)
 

@@ -20,8 +20,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 50  # steps between asynchronous checkpoints (and one at the end); 0: none
   c.keep_checkpoints = 3  # the newest this many are kept
   c.init_from = ''  # a run's workdir (or checkpoints/<step>): start from its parameters only
+  c.dry_run = False  # compile the step, print its memory/FLOPs/collectives plan, and stop
   c.max_bad_steps = 5  # this many steps in a row with a non-finite loss or gradient stop the run
   c.batch_size = 16  # global, in sequences
+  c.microbatches = 1  # gradient accumulation: the batch runs as this many slices inside the step
   c.seq_len = 128
 
   c.model = m = ml_collections.ConfigDict()
@@ -41,7 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.attention_block_q = 0  # pallas query/key tile rows; 0: a default for the device and head_dim
   m.attention_block_k = 0
   m.scan_layers = True  # False unrolls the layer scan (same parameters, longer compile)
-  m.remat_policy = 'none'  # none | full | dots
+  m.remat_policy = 'none'  # none | full | dots | save_qkv_proj | save_attention | offload_* (README)
 
   c.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = 1  # pure data parallelism: parameters replicated
@@ -61,6 +63,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.loss = ml_collections.ConfigDict()
   c.loss.z_loss = 1e-4  # weight of log(Z)^2, keeps the softmax normaliser near 1
+
+  c.plan = ml_collections.ConfigDict()  # what the compiled step must fit (training/plan.py)
+  c.plan.target = ''  # A100 | H100 | H200: plan for that device (e.g. on CPU); '': the devices here
+  c.plan.memory_gb = 0.0  # per-device memory to fit; 0: the target's, or the backend's own
 
   c.data = d = ml_collections.ConfigDict()
   d.paths = 'stdlib'  # files, dirs or globs, comma-separated; stdlib: the Python stdlib's .py files

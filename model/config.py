@@ -5,7 +5,8 @@ import dataclasses
 import jax.numpy as jnp
 
 ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
-REMAT_POLICIES = ('none', 'full', 'dots')
+REMAT_POLICIES = ('none', 'full', 'dots', 'save_qkv_proj', 'save_attention', 'offload_dots',
+                  'offload_qkv_proj', 'offload_attention')
 DTYPES = ('float32', 'bfloat16', 'float16')
 
 

@@ -4,14 +4,32 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.config import ModelConfig
+from model.config import REMAT_POLICIES, ModelConfig
 from model.layers import Block, RMSNorm, constrain, param
 
+_policies = jax.checkpoint_policies
+_QKV = ('query_proj', 'key_proj', 'value_proj')  # checkpoint_name tags in model/layers.py
+_ATTENTION = _QKV + ('attention_out',)
+
+
+def _offload(names):
+  return _policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+      offload_src='device', offload_dst='pinned_host')
+
+
+# What each layer keeps for the backward pass (the rest is recomputed); README has the table.
 REMAT = {
-    'none': None,
-    'full': jax.checkpoint_policies.nothing_saveable,
-    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'none': None,  # everything
+    'full': _policies.nothing_saveable,  # only the layer's input
+    'dots': _policies.dots_with_no_batch_dims_saveable,  # every projection's output
+    'save_qkv_proj': _policies.save_only_these_names(*_QKV),
+    'save_attention': _policies.save_only_these_names(*_ATTENTION),
+    'offload_dots': _policies.offload_dot_with_no_batch_dims('device', 'pinned_host'),
+    'offload_qkv_proj': _offload(_QKV),
+    'offload_attention': _offload(_ATTENTION),
 }
+assert tuple(REMAT) == REMAT_POLICIES
 
 
 class Transformer(nnx.Module):

@@ -82,7 +82,8 @@ def _check_param(name, var, spec, mesh):
           'config.mesh')
 
 
-def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict) -> None:
+def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
+                    microbatches: int = 1) -> None:
   """Config-level checks, before anything is built, naming the fields to change."""
   t, dp = mesh_sizes['tensor'], mesh_sizes['data'] * mesh_sizes['fsdp']
   for field in ('n_heads', 'n_kv_heads', 'd_ff', 'vocab_size'):
@@ -96,6 +97,10 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict) 
   if batch_size % dp:
     raise ValueError(f'config.batch_size={batch_size} is not divisible by config.mesh.data×'
                      f'config.mesh.fsdp={dp}; each of those shards takes an equal slice')
+  if batch_size % (dp * microbatches):
+    raise ValueError(f'config.batch_size={batch_size} is not divisible by config.microbatches='
+                     f'{microbatches} × config.mesh.data×config.mesh.fsdp={dp}; every device takes '
+                     'an equal share of each microbatch')
   if seq_len % mesh_sizes['sequence']:
     raise ValueError(f'config.seq_len={seq_len} is not divisible by '
                      f'config.mesh.sequence={mesh_sizes["sequence"]}')

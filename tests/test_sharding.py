@@ -1,13 +1,13 @@
 """Sharded training equals single-device training, and the shards and collectives are the ones
 the rules imply (checked on the arrays and the compiled HLO, not on the requested specs)."""
 
-import re
 
 import jax
 import numpy as np
 import pytest
 
 import sharding
+from sharding import collectives
 from training import step as step_lib
 from training.state import build
 from tests.conftest import tiny_config
@@ -78,16 +78,6 @@ def compiled_hlo(mesh_axes, **model):
   return compiled.as_text(), setup
 
 
-def collective_shapes(hlo, op):
-  """Result shapes of every `op` (e.g. all-gather) in the HLO text, tuple results included."""
-  shapes = []
-  for line in hlo.splitlines():
-    if m := re.search(rf'= (.*?) {op}(?:-start)?\(', line):
-      shapes += [tuple(int(d) for d in dims.split(',') if d)
-                 for dims in re.findall(r'\[([0-9,]*)\]', m.group(1))]
-  return shapes
-
-
 def weight_shapes(setup):
   """Full shapes of the weight matrices: stacked arrays and one layer's slice."""
   shapes = set()
@@ -104,9 +94,9 @@ def test_tensor_parallel_hlo_has_row_parallel_all_reduce_and_no_full_weight_coll
   hlo, setup = compiled_hlo(dict(data=4, tensor=2), n_kv_heads=4)
   config = tiny_config()
   local_activation = (config.batch_size // 4, config.seq_len, config.model.d_model)
-  reduced = collective_shapes(hlo, 'all-reduce')
+  reduced = collectives.shapes(hlo, 'all-reduce')
   assert local_activation in reduced, 'row-parallel Wo/Wdown outputs must be all-reduced'
-  assert not collective_shapes(hlo, 'all-gather'), 'tensor parallelism gathers nothing here'
+  assert not collectives.shapes(hlo, 'all-gather'), 'tensor parallelism gathers nothing here'
   full = weight_shapes(setup)
   assert not set(reduced) & full, f'full weights in all-reduce: {set(reduced) & full}'
   wq = setup.abstract_state.params['blocks']['attn']['wq']
@@ -118,11 +108,11 @@ def test_fsdp_hlo_gathers_each_layers_weights_inside_the_scan():
   stack; gradients are reduced (reduce-scatter on GPU; all-reduce + slice on the CPU backend)."""
   hlo, setup = compiled_hlo(dict(fsdp=8))
   blocks = setup.abstract_state.params['blocks']
-  gathered = set(collective_shapes(hlo, 'all-gather'))
+  gathered = set(collectives.shapes(hlo, 'all-gather'))
   for name in ('wq', 'wk', 'wv', 'wo'):
     w = blocks['attn'][name]
     assert w.shape[1:] in gathered and w.shape not in gathered, name
-  reduced = set(collective_shapes(hlo, 'all-reduce')) | set(collective_shapes(hlo,
+  reduced = set(collectives.shapes(hlo, 'all-reduce')) | set(collectives.shapes(hlo,
                                                                              'reduce-scatter'))
   assert blocks['mlp']['w_gate'].shape[1:] in reduced or any(
       s[-2:] == (blocks['mlp']['w_gate'].shape[1], blocks['mlp']['w_gate'].shape[2] // 8)

@@ -156,3 +156,35 @@ def test_unpacked_batches_train_like_packed_rows_of_one_document():
     feed = batch if packed else {k: v for k, v in batch.items() if k != 'segment_ids'}
     losses.append(float(step(setup.init_state(), feed)[1]['loss']))
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+
+
+def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpus):
+  from data import pipeline, tokenizers
+  from training import step as step_lib
+  import sharding
+  results = []
+  for microbatches in (1, 4):
+    config = tiny_config(fsdp=2, tensor=2, data=2)
+    config.microbatches, config.batch_size = microbatches, 16
+    setup = build(config)
+    batches = pipeline.train_batches(small_corpus, tokenizers.load(config.data), config,
+                                     sharding.batch_sharding(setup.mesh))
+    step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
+                                       config.loss.z_loss, microbatches=microbatches)
+    local = batches.next_local()
+    local['weights'][0, 5:] = 0  # uneven weights: the mean is over the batch's tokens
+    state, metrics = step(setup.init_state(), batches.to_global(local))
+    batches.close()
+    results.append((jax.device_get(metrics), jax.tree.map(np.asarray, state.params)))
+  (one, params_one), (four, params_four) = results
+  for key in ('loss', 'z_loss', 'grad_norm'):
+    np.testing.assert_allclose(four[key], one[key], rtol=1e-5, err_msg=key)
+  for a, b in zip(jax.tree.leaves(params_four), jax.tree.leaves(params_one)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_microbatches_must_split_each_devices_rows(tmp_path):
+  c = tiny_config(fsdp=8)
+  c.microbatches, c.workdir = 2, str(tmp_path / 'run')
+  with pytest.raises(ValueError, match='config.microbatches=2'):
+    loop.run(c)

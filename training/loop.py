@@ -1,5 +1,6 @@
 """The training loop: config → tokenizer → setup → data → compiled steps → steps, logs, evals."""
 
+import dataclasses
 import time
 import warnings
 
@@ -11,7 +12,7 @@ import sharding
 from data import corpus as corpus_lib
 from data import pipeline, tokenizers
 from training import metrics as metrics_lib
-from training import step as step_lib
+from training import plan as plan_lib
 from training import checkpoint as checkpoint_lib
 from training.evaluation import Evaluator
 from training.preemption import StopSignals
@@ -103,19 +104,23 @@ def run(config, devices=None) -> list[dict]:
   tokenizer = tokenizers.load(config.data)
   config = tokenizers.with_vocab_size(config, tokenizer)
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
+  if config.dry_run:
+    _, the_plan = plan_lib.compile_and_plan(setup, config, devices)
+    plan_lib.report(the_plan)
+    return [dataclasses.asdict(the_plan)]
   workdir = metrics_lib.prepare_workdir(config.workdir)
   checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints', keep=config.keep_checkpoints)
                   if config.checkpoint_every else None)
   try:
     check_checkpoints(checkpointer, setup, config, tokenizer)
     with StopSignals() as stop:
-      return _train(config, setup, workdir, tokenizer, checkpointer, stop)
+      return _train(config, setup, devices, workdir, tokenizer, checkpointer, stop)
   finally:
     if checkpointer:
       checkpointer.close()  # waits for the save in flight
 
 
-def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
+def _train(config, setup, devices, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   corpus = load_corpus(config.data)
   warn_about_data(config, corpus)
   is_main = jax.process_index() == 0
@@ -133,12 +138,12 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
       f'model vocab {config.model.vocab_size}), {config.data.workers} worker(s)')
   t0 = time.perf_counter()
+  train_step, the_plan = plan_lib.compile_and_plan(setup, config, devices)
+  plan_lib.check_fits(the_plan)  # before the state is allocated
   start_step, state, data_state = initial_state(setup, config, checkpointer, log)
   if start_step:
     writer.drop_after(start_step)  # a resumed run logs the steps after its checkpoint again
   batches = pipeline.train_batches(corpus, tokenizer, config, batch_sharding, state=data_state)
-  train_step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
-                                           config.loss.z_loss)
   evaluate = (Evaluator(setup, config, corpus, tokenizer, batch_sharding)
               if config.eval_every else None)
   log(f'initialised and compiled in {time.perf_counter() - t0:.1f}s')

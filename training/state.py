@@ -56,7 +56,8 @@ def build(config, devices=None) -> Setup:
   """Validate `config` and derive the mesh, model, optimizer and state shardings (all abstract)."""
   devices = jax.devices() if devices is None else list(devices)
   model_cfg = ModelConfig.from_config(config.model)
-  for field, low in (('train_steps', 1), ('batch_size', 1), ('seq_len', 1), ('log_every', 1),
+  for field, low in (('train_steps', 1), ('batch_size', 1), ('microbatches', 1), ('seq_len', 1),
+                     ('log_every', 1),
                      ('eval_every', 0), ('eval_batches', 0), ('data.workers', 0),
                      ('checkpoint_every', 0), ('keep_checkpoints', 1), ('max_bad_steps', 1),
                      ('data.prefetch', 1)):
@@ -64,10 +65,15 @@ def build(config, devices=None) -> Setup:
     if value < low:
       raise ValueError(f'config.{field}={value} must be at least {low}')
   sizes = sharding.mesh_shape(config.mesh, len(devices))
-  sharding.check_fits_mesh(model_cfg, config.batch_size, config.seq_len, sizes)
+  sharding.check_fits_mesh(model_cfg, config.batch_size, config.seq_len, sizes,
+                           config.microbatches)
   if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':
     raise ValueError(f"config.model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
                      f"{devices[0].platform}; use --config.model.attention=xla")
+  if model_cfg.remat_policy.startswith('offload_') and not has_host_memory(devices[0]):
+    raise ValueError(f'config.model.remat_policy={model_cfg.remat_policy!r} offloads to pinned '
+                     f'host memory, which this {devices[0].platform} backend does not offer; use '
+                     'a policy without offload_, such as full or dots')
   mesh = sharding.make_mesh(config.mesh, devices)
 
   abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
@@ -90,6 +96,10 @@ def build(config, devices=None) -> Setup:
                                 abstract_state, state_shardings)
   return Setup(model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
                abstract_state=abstract_state, state_shardings=state_shardings, seed=config.seed)
+
+
+def has_host_memory(device) -> bool:
+  return 'pinned_host' in {m.kind for m in device.addressable_memories()}
 
 
 def param_count(abstract_params) -> int:

@@ -7,6 +7,7 @@ import optax
 from flax import nnx
 
 import sharding
+from model.layers import constrain
 from training.state import Setup, TrainState
 
 BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
@@ -21,10 +22,13 @@ def token_nll(logits_BLV, targets_BL):
   return logz_BL - target_logit_BL, logz_BL
 
 
-def cross_entropy(logits_BLV, targets_BL, weights_BL, z_loss: float):
-  """Mean next-token cross-entropy over weighted tokens, and the z-loss z_loss·mean(log Z)²."""
+def cross_entropy(logits_BLV, targets_BL, weights_BL, z_loss: float, total=None):
+  """Mean next-token cross-entropy over weighted tokens, and the z-loss z_loss·mean(log Z)².
+  `total` is the weight the means divide by (default: this batch's); a microbatch passes its
+  whole batch's, so that the microbatches' terms add up to the batch's."""
   nll_BL, logz_BL = token_nll(logits_BLV, targets_BL)
-  total = jnp.maximum(weights_BL.sum(), 1.0)
+  if total is None:
+    total = jnp.maximum(weights_BL.sum(), 1.0)
   ce = (nll_BL * weights_BL).sum() / total
   return ce, z_loss * (jnp.square(logz_BL) * weights_BL).sum() / total
 
@@ -37,16 +41,44 @@ def _logits(graphdef, params, batch):
     return model(batch['inputs'], batch['positions'], batch.get('segment_ids'))
 
 
-def _loss(graphdef, params, batch, z_loss):
+def _loss(graphdef, params, batch, z_loss, total=None):
   ce, zl = cross_entropy(_logits(graphdef, params, batch), batch['targets'], batch['weights'],
-                         z_loss)
+                         z_loss, total)
   return ce + zl, (ce, zl)
 
 
-def make_train_step(setup: Setup, z_loss: float):
+def split_microbatches(batch, microbatches: int):
+  """[B, L] → [M, B/M, L] with microbatch m = rows m, m+M, m+2M, …: each device's rows hold an
+  equal share of every microbatch, so splitting moves no data (B divides by M × data × fsdp)."""
+  def split(x_BL):
+    B, L = x_BL.shape
+    x_MbL = x_BL.reshape(B // microbatches, microbatches, L).swapaxes(0, 1)
+    with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
+      return constrain(x_MbL, (None, 'batch', 'length'))
+  return jax.tree.map(split, batch)
+
+
+def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1):
+  """((loss, (ce, z_loss)), grads) of the batch; with microbatches > 1, accumulated over a
+  `lax.scan` of microbatches (only one microbatch's activations live at a time), giving the
+  same result as one pass over the whole batch."""
+  if microbatches == 1:
+    return jax.value_and_grad(lambda p: _loss(graphdef, p, batch, z_loss), has_aux=True)(params)
+  total = jnp.maximum(batch['weights'].sum(), 1.0)
+  grad_fn = jax.value_and_grad(lambda p, mb: _loss(graphdef, p, mb, z_loss, total), has_aux=True)
+
+  def accumulate(carry, microbatch):
+    (loss, (ce, zl)), grads = grad_fn(params, microbatch)
+    return jax.tree.map(jnp.add, carry, ((loss, (ce, zl)), grads)), None
+
+  zeros = ((0.0, (0.0, 0.0)), jax.tree.map(jnp.zeros_like, params))
+  return jax.lax.scan(accumulate, zeros, split_microbatches(batch, microbatches))[0]
+
+
+def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   def train_step(state: TrainState, batch):
-    grad_fn = jax.value_and_grad(lambda p: _loss(setup.graphdef, p, batch, z_loss), has_aux=True)
-    (loss, (ce, zl)), grads = grad_fn(state.params)
+    (loss, (ce, zl)), grads = loss_and_grads(setup.graphdef, state.params, batch, z_loss,
+                                             microbatches)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -85,11 +117,11 @@ def abstract_batch(mesh, batch_size: int, seq_len: int, packed: bool = True) -> 
 
 
 def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
-                       packed: bool = True):
+                       packed: bool = True, microbatches: int = 1):
   """Ahead-of-time compiled train step: (state, batch) → (state, metrics); state is donated.
   `packed=False` compiles for batches without segment ids (one document a row)."""
   batch = abstract_batch(setup.mesh, batch_size, seq_len, packed)
-  jitted = jax.jit(make_train_step(setup, z_loss),
+  jitted = jax.jit(make_train_step(setup, z_loss, microbatches),
                    in_shardings=(setup.state_shardings, jax.tree.map(lambda x: x.sharding, batch)),
                    out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
                    donate_argnums=0)

@@ -1,0 +1,70 @@
+"""The AOT planner and the memory settings, from the compiled program's own memory analysis on
+CPU: remat policies trade temporaries for recomputation, FSDP divides the state, the planner
+reports what the compiler says, and a run that cannot fit stops before allocating."""
+
+import json
+
+import jax
+import pytest
+
+from tests.conftest import tiny_config
+from training import loop, plan
+from training.state import build
+
+
+def planned(mesh=None, devices=None, **changes):
+  """A 6-layer model's compiled plan; on one device unless `mesh` says otherwise."""
+  if mesh is None:
+    devices = jax.devices()[:1]
+  config = tiny_config(**(mesh or {}))
+  config.model.n_layers, config.seq_len, config.batch_size = 6, 128, 8
+  for key, value in changes.items():
+    target, name = (config.model, key[6:]) if key.startswith('model_') else (config, key)
+    target[name] = value
+  setup = build(config, devices)
+  return plan.compile_and_plan(setup, config, devices)
+
+
+def test_temporaries_decrease_none_dots_full():
+  temps = {policy: planned(model_remat_policy=policy)[1].temp_bytes
+           for policy in ('none', 'dots', 'full')}
+  assert temps['none'] > temps['dots'] > temps['full'], temps
+
+
+def test_fsdp_divides_the_arguments_by_the_devices():
+  one = planned()[1].argument_bytes
+  eight = planned(dict(fsdp=8))[1].argument_bytes
+  assert abs(eight - one / 8) <= 0.15 * one / 8, (one, eight)
+
+
+def test_dry_run_prints_the_compiled_figures_and_allocates_nothing(tmp_path, capsys):
+  config = tiny_config(fsdp=8)
+  config.dry_run, config.workdir = True, str(tmp_path / 'run')
+  config.plan.target = 'H100'
+  loop.run(config)
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  compiled, _ = plan.compile_and_plan(build(config), config)
+  memory = compiled.memory_analysis()
+  assert figures['argument_bytes'] == memory.argument_size_in_bytes
+  assert figures['temp_bytes'] == memory.temp_size_in_bytes
+  assert figures['output_bytes'] == memory.output_size_in_bytes
+  assert figures['total_bytes'] == (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                    + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  assert figures['compiled_flops'] == compiled.cost_analysis()['flops']
+  assert figures['collectives']['all-gather']['count'] > 0  # FSDP gathers weights
+  assert figures['memory_bytes'] == 80 * 10**9 and figures['fits'] is True
+  assert not (tmp_path / 'run').exists()
+
+
+def test_a_run_that_cannot_fit_stops_before_allocating_naming_the_settings(tmp_path):
+  config = tiny_config(fsdp=8)
+  config.workdir, config.plan.memory_gb = str(tmp_path), 0.001
+  with pytest.raises(ValueError, match=r'needs .* per device.*remat_policy=.*config.mesh.fsdp'
+                                       r'.*config.microbatches'):
+    loop.run(config)
+  assert not (tmp_path / 'checkpoints').exists() or not any((tmp_path / 'checkpoints').iterdir())
+
+
+def test_offload_remat_policies_compile_and_move_activations_to_host():
+  _, the_plan = planned(model_remat_policy='offload_dots')
+  assert the_plan.temp_bytes < planned(model_remat_policy='none')[1].temp_bytes
