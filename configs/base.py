@@ -60,6 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
   o.eps = 1e-8
   o.weight_decay = 0.1  # not applied to norm scales
   o.grad_clip = 1.0  # global-norm clipping; 0 turns it off
+  o.offload_state = False  # keep Adam's moments in pinned host memory between steps (ZeRO-Offload)
 
   c.loss = ml_collections.ConfigDict()
   c.loss.z_loss = 1e-4  # weight of log(Z)^2, keeps the softmax normaliser near 1

@@ -68,3 +68,26 @@ def test_a_run_that_cannot_fit_stops_before_allocating_naming_the_settings(tmp_p
 def test_offload_remat_policies_compile_and_move_activations_to_host():
   _, the_plan = planned(model_remat_policy='offload_dots')
   assert the_plan.temp_bytes < planned(model_remat_policy='none')[1].temp_bytes
+
+
+def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corpus):
+  from data import pipeline, tokenizers
+  import numpy as np
+  import sharding
+  results = []
+  for offload in (False, True):
+    config = tiny_config(fsdp=8)
+    config.optimizer.offload_state = offload
+    setup = build(config)
+    state = setup.init_state()
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim}
+    assert kinds == ({'pinned_host'} if offload else {'device'})
+    compiled, _ = plan.compile_and_plan(setup, config)
+    batches = pipeline.train_batches(small_corpus, tokenizers.load(config.data), config,
+                                     sharding.batch_sharding(setup.mesh))
+    state, _ = compiled(state, next(batches))
+    batches.close()
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim} == kinds
+    results.append(jax.tree.map(np.asarray, (state.params, state.opt_state)))
+  for a, b in zip(*map(jax.tree.leaves, results)):
+    np.testing.assert_array_equal(a, b)

@@ -39,6 +39,7 @@ class Plan:
   temp_bytes: int
   alias_bytes: int
   total_bytes: int
+  host_bytes: int  # in pinned host memory (offloaded optimizer state or activations), if reported
   flops: float  # per device per step, the model's (training/flops.py)
   compiled_flops: float  # XLA's cost analysis of the per-device program
   collectives: dict  # {op: {'count', 'bytes'}} in the program text
@@ -80,6 +81,8 @@ def make_plan(compiled, setup: Setup, config, devices) -> Plan:
       temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
       total_bytes=(memory.argument_size_in_bytes + memory.output_size_in_bytes
                    + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
+      host_bytes=(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
+                  + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
       flops=flops_lib.flops_per_token(setup.model_cfg, config.seq_len) * tokens / n,
       compiled_flops=float((cost or {}).get('flops', 0.0)),
       collectives=collectives.summary(compiled.as_text()),
@@ -116,6 +119,7 @@ def report(plan: Plan) -> None:
           ('total / device', f'{readable_bytes(plan.total_bytes)} of {readable_bytes(plan.memory_bytes)}: '
                              + {True: 'fits', False: 'does NOT fit', None: 'device memory unknown'}
                              [plan.fits]),
+          ('host memory / device', readable_bytes(plan.host_bytes)),
           ('FLOPs / device / step', f'{plan.flops:.3e} (XLA counts {plan.compiled_flops:.3e}, '
                                     'a scanned layer once)')]
   rows += [(f'{op} in the program', f'{c["count"]} ({readable_bytes(c["bytes"])} of results)')

@@ -35,6 +35,8 @@ class Setup:
   schedule: optax.Schedule
   abstract_state: TrainState  # ShapeDtypeStructs, no memory
   state_shardings: TrainState  # NamedShardings, same tree
+  opt_compute_shardings: object | None  # where the step computes the optimizer update, when
+                                        # the state lives in host memory between steps
   seed: int
 
   def init_state(self, params=None) -> TrainState:
@@ -88,6 +90,13 @@ def build(config, devices=None) -> Setup:
       tx, lambda _, s: s, abstract_opt, param_shardings,
       transform_non_params=lambda _: sharding.replicated(mesh))
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  opt_compute_shardings = None
+  if config.optimizer.offload_state:  # ZeRO-Offload style: moments in pinned host memory
+    if not has_host_memory(devices[0]):
+      raise ValueError(f'config.optimizer.offload_state=True needs pinned host memory, which '
+                       f'this {devices[0].platform} backend does not offer; set it to False')
+    opt_compute_shardings = opt_shardings
+    opt_shardings = jax.tree.map(lambda s: s.with_memory_kind('pinned_host'), opt_shardings)
   state_shardings = TrainState(step=sharding.replicated(mesh), params=param_shardings,
                                opt_state=opt_shardings, bad_steps=sharding.replicated(mesh))
   abstract_state = TrainState(step=scalar, params=abstract_params, opt_state=abstract_opt,
@@ -95,7 +104,8 @@ def build(config, devices=None) -> Setup:
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract_state, state_shardings)
   return Setup(model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
-               abstract_state=abstract_state, state_shardings=state_shardings, seed=config.seed)
+               abstract_state=abstract_state, state_shardings=state_shardings,
+               opt_compute_shardings=opt_compute_shardings, seed=config.seed)
 
 
 def has_host_memory(device) -> bool:

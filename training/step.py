@@ -80,7 +80,10 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
     (loss, (ce, zl)), grads = loss_and_grads(setup.graphdef, state.params, batch, z_loss,
                                              microbatches)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
+    old_opt_state = state.opt_state
+    if setup.opt_compute_shardings is not None:  # kept in host memory: bring it in for the update
+      old_opt_state = jax.device_put(old_opt_state, setup.opt_compute_shardings)
+    updates, opt_state = setup.tx.update(grads, old_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # A step whose loss or gradient is not finite is not applied: parameters and optimizer state
     # (its step count too, so the schedule waits) stay as they were. The selects fuse into the
@@ -92,7 +95,7 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
                'learning_rate': setup.schedule(state.step - state.bad_steps),
                'skipped': ~finite, 'bad_steps': bad_steps}
     return TrainState(step=state.step + 1, params=keep_if_bad(params, state.params),
-                      opt_state=keep_if_bad(opt_state, state.opt_state),
+                      opt_state=keep_if_bad(opt_state, old_opt_state),
                       bad_steps=bad_steps), metrics
   return train_step
 
