@@ -50,6 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.fsdp = -1  # ZeRO-3: parameters, gradients, optimizer state sharded; -1 takes the rest
   mesh.tensor = 1  # Megatron column/row-parallel attention heads and MLP
   mesh.sequence = 1  # activations split along the length
+  mesh.auto = False  # pick mesh, remat policy and microbatches that fit, fastest first (README)
 
   c.optimizer = o = ml_collections.ConfigDict()
   o.learning_rate = 3e-3

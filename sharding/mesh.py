@@ -11,7 +11,7 @@ AXES = ('data', 'fsdp', 'tensor', 'sequence')
 def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
   """{axis: size} from config.mesh, resolving at most one -1 to the devices left over."""
   sizes = {axis: int(mesh_config[axis]) for axis in AXES}
-  if unknown := set(mesh_config) - set(AXES):
+  if unknown := set(mesh_config) - set(AXES) - {'auto'}:  # auto: training/layout.py
     raise ValueError(f'config.mesh has unknown axes {sorted(unknown)}; the axes are {AXES}')
   free = [axis for axis, size in sizes.items() if size == -1]
   if len(free) > 1:

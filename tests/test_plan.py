@@ -91,3 +91,32 @@ def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corp
     results.append(jax.tree.map(np.asarray, (state.params, state.opt_state)))
   for a, b in zip(*map(jax.tree.leaves, results)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_estimate():
+  from training import layout
+  config = tiny_config()
+  config.plan.memory_gb = 0.003  # some layouts fit as they are, some split, some not at all
+  devices = jax.devices()[:2]
+  chosen, ranked = layout.choose(config, devices, log=lambda *_: None)
+  assert ranked and all(c.plan.fits for c in ranked)
+  assert [c.step_s for c in ranked] == sorted(c.step_s for c in ranked)
+  split = next(c for c in ranked if c.microbatches > 1)  # this memory makes some layouts split
+  fewer = layout.with_layout(config, split.mesh, split.remat_policy, split.microbatches // 2)
+  assert not plan.compile_and_plan(build(fewer, devices), fewer, devices)[1].fits
+  best = ranked[0]
+  assert dict(chosen.mesh) == {**best.mesh, 'auto': False}
+  assert (chosen.model.remat_policy, chosen.microbatches) == (best.remat_policy, best.microbatches)
+
+
+def test_layout_communication_estimate_by_hand():
+  from training import layout
+  setup = build(tiny_config(data=8))
+  params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
+  mesh = dict(data=8, fsdp=1, tensor=1, sequence=1)
+  assert layout.comm_bytes(setup.model_cfg, params, mesh, 'none', 1, 8, 32) == \
+      2 * 4 * params * 7 / 8  # pure data parallelism: one fp32 gradient all-reduce
+  mesh = dict(data=1, fsdp=8, tensor=1, sequence=1)
+  c = setup.model_cfg.dtype.itemsize
+  assert layout.comm_bytes(setup.model_cfg, params, mesh, 'full', 2, 8, 32) == \
+      3 * 2 * params * c * 7 / 8 + 4 * params * 7 / 8  # gathers per microbatch, one reduce

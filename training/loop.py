@@ -12,6 +12,7 @@ import sharding
 from data import corpus as corpus_lib
 from data import pipeline, tokenizers
 from training import metrics as metrics_lib
+from training import layout
 from training import plan as plan_lib
 from training import checkpoint as checkpoint_lib
 from training.evaluation import Evaluator
@@ -103,6 +104,9 @@ def run(config, devices=None) -> list[dict]:
   """Train per `config`; returns the logged records (also in workdir/metrics.jsonl)."""
   tokenizer = tokenizers.load(config.data)
   config = tokenizers.with_vocab_size(config, tokenizer)
+  if config.mesh.auto:
+    config, _ = layout.choose(config, jax.devices() if devices is None else list(devices),
+                              log=print if jax.process_index() == 0 else lambda *a: None)
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
   if config.dry_run:
     _, the_plan = plan_lib.compile_and_plan(setup, config, devices)
