@@ -1,4 +1,5 @@
-"""The training loop: config → tokenizer → setup → data → compiled steps → steps, logs, evals."""
+"""The training loop: config → tokenizer → [layout] → setup → checkpoints checked → data → the
+step compiled and its plan checked → state restored or initialised → steps, logs, evals, saves."""
 
 import dataclasses
 import time
