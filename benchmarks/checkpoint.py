@@ -31,6 +31,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from benchmarks import inputs, report  # noqa: E402
+from training.metrics import print_table  # noqa: E402
 from training.checkpoint import Checkpointer  # noqa: E402
 from training.state import param_count  # noqa: E402
 
@@ -127,7 +128,7 @@ def main(argv):
           ('steps overlapping the save', f'{len(overlap_s)} in {_SAVES.value} saves, each '
            f'{slowdown:+,.3f} s vs. the step time'),
           ('restore', f'{figures["restore_s"]:,.3f} s')]
-  report.table(rows)
+  print_table(rows)
   report.emit(figures, _OUT.value)
 
 

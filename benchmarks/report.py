@@ -1,5 +1,5 @@
-"""The end every benchmark shares: a two-column table for people, then its figures to --out
-(pretty JSON) and as stdout's last line."""
+"""The end every benchmark shares: its figures to --out (pretty JSON) and as stdout's last line
+(after a table for people: training.metrics.print_table)."""
 
 import json
 
@@ -10,8 +10,3 @@ def emit(figures: dict, out_path: str | None) -> None:
       f.write(json.dumps(figures, indent=2) + '\n')
   print(json.dumps(figures))
 
-
-def table(rows: list[tuple[str, str]]) -> None:
-  width = max(len(k) for k, _ in rows)
-  for key, value in rows:
-    print(f'{key:<{width}}  {value}')

@@ -28,6 +28,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from benchmarks import inputs, report  # noqa: E402
+from training.metrics import print_table  # noqa: E402
 from training import flops  # noqa: E402
 from training.state import param_count  # noqa: E402
 
@@ -87,7 +88,7 @@ def main(argv):
           ('tokens / s', f'{tokens / step_s:,.0f}'),
           ('TFLOP/s per device', f'{tflops:,.3g}'),
           ('MFU', f'{figures["mfu"]:.1%} of {peak:g}' if peak else 'n/a (no known peak)')]
-  report.table(rows)
+  print_table(rows)
   report.emit(figures, _OUT.value)
 
 

@@ -23,6 +23,7 @@ Step-time estimate, deliberately simple (no overlap of compute and communication
 
 import dataclasses
 import itertools
+import math
 
 from model import ModelConfig
 from sharding import AXES
@@ -54,10 +55,7 @@ def meshes(n_devices: int):
   """Every {axis: size} over AXES whose sizes multiply to n_devices."""
   divisors = [k for k in range(1, n_devices + 1) if n_devices % k == 0]
   for sizes in itertools.product(divisors, repeat=len(AXES)):
-    product = 1
-    for size in sizes:
-      product *= size
-    if product == n_devices:
+    if math.prod(sizes) == n_devices:
       yield dict(zip(AXES, sizes))
 
 

@@ -1,4 +1,5 @@
-"""metrics.jsonl (one JSON object per logged step) and the readable stdout line."""
+"""metrics.jsonl (one JSON object per logged step), the readable stdout line, and the two-column
+tables that plans and benchmarks print."""
 
 import json
 import pathlib
@@ -45,3 +46,9 @@ def format_line(record: dict, train_steps: int) -> str:
   if record.get('bad_steps'):
     parts.append(f'{record["bad_steps"]:.0f} skipped (non-finite)')
   return ' | '.join(parts)
+
+
+def print_table(rows: list[tuple[str, str]]) -> None:
+  width = max(len(k) for k, _ in rows)
+  for key, value in rows:
+    print(f'{key:<{width}}  {value}')

@@ -21,6 +21,7 @@ import jax
 
 from sharding import collectives
 from training import flops as flops_lib
+from training import metrics
 from training import step as step_lib
 from training.state import Setup
 
@@ -124,9 +125,7 @@ def report(plan: Plan) -> None:
                                     'a scanned layer once)')]
   rows += [(f'{op} in the program', f'{c["count"]} ({readable_bytes(c["bytes"])} of results)')
            for op, c in sorted(plan.collectives.items())]
-  width = max(len(k) for k, _ in rows)
-  for key, value in rows:
-    print(f'{key:<{width}}  {value}')
+  metrics.print_table(rows)
   print(json.dumps({**dataclasses.asdict(plan), 'fits': plan.fits}))
 
 
