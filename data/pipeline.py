@@ -19,6 +19,7 @@ import functools
 from absl import flags
 import grain
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from data.packing import ROW_KEYS, Lane, LaneState
@@ -127,11 +128,12 @@ class Batches:
     check_workers(workers, len(self.rows))
     self._states = [LaneState() for _ in self.rows]
     if state is not None:
-      if state.get('rows') != self.rows:
+      saved = dict(zip(state.get('rows', []), state.get('lanes', [])))
+      if state.get('batch_size', batch_size) != batch_size or not set(self.rows) <= set(saved):
         raise ValueError(f'the saved data state is for batch rows {state.get("rows")} but this '
-                         f'process builds rows {self.rows}; keep config.batch_size and the mesh '
-                         'of the run that saved it')
-      self._states = [LaneState(**s) for s in state['lanes']]
+                         f'process builds rows {self.rows} of {batch_size}; keep '
+                         'config.batch_size of the run that saved it')
+      self._states = [LaneState(**saved[r]) for r in self.rows]
     ds = PackedRows(docs, lanes=self.rows, batch_size=batch_size, seq_len=seq_len, pad_id=pad_id,
                     epochs=epochs, states=self._states)
     if workers:
@@ -151,7 +153,18 @@ class Batches:
     return element
 
   def state(self) -> dict:
-    return {'rows': self.rows, 'lanes': [dataclasses.asdict(s) for s in self._states]}
+    """Every global row's lane state, gathered from all processes (a collective: every process
+    calls it at the same step), so a checkpoint resumes under any number of processes."""
+    if jax.process_count() == 1 and len(self.rows) == self.shape[0]:
+      return {'batch_size': self.shape[0], 'rows': self.rows,
+              'lanes': [dataclasses.asdict(s) for s in self._states]}
+    table = np.full((self.shape[0], 2), -1, np.int32)  # rows this process does not build: -1
+    for row, s in zip(self.rows, self._states):
+      table[row] = s.docs_started, s.offset
+    if jax.process_count() > 1:  # a row held by several processes has one state: max is it
+      table = np.asarray(multihost_utils.process_allgather(table)).max(axis=0)
+    return {'batch_size': self.shape[0], 'rows': [int(r) for r in np.flatnonzero(table[:, 0] >= 0)],
+            'lanes': [dataclasses.asdict(LaneState(int(d), int(o))) for d, o in table if d >= 0]}
 
   def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     def arrays(x):

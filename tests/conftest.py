@@ -4,6 +4,7 @@ the end, so tests never write under the user's home."""
 
 import os
 import shutil
+import socket
 import sys
 import sysconfig
 import tempfile
@@ -39,6 +40,13 @@ def tiny_config(**mesh):
   c.model.vocab_size = 384  # the byte tokenizer's, padded
   c.data.paths, c.data.validation_fraction = SMALL_CORPUS, 0.1
   return c
+
+
+def free_port() -> int:
+  """A TCP port nobody listens on now, for a test's jax.distributed coordinator."""
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
 
 
 def pytest_sessionfinish(session, exitstatus):

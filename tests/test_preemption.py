@@ -4,11 +4,12 @@ step (JAX's preemption service agrees on it), whether it is a scheduler's SIGTER
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -29,12 +30,6 @@ with StopSignals() as stop:
       break
 jax.distributed.shutdown()
 '''
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])

@@ -16,6 +16,7 @@ from training import metrics as metrics_lib
 from training import layout
 from training import plan as plan_lib
 from training import checkpoint as checkpoint_lib
+from training import distributed
 from training.evaluation import Evaluator
 from training.preemption import StopSignals
 from training.state import build, param_count
@@ -103,6 +104,7 @@ class BadStepGuard:
 
 def run(config, devices=None) -> list[dict]:
   """Train per `config`; returns the logged records (also in workdir/metrics.jsonl)."""
+  distributed.initialize(config.distributed)  # before anything touches a device
   tokenizer = tokenizers.load(config.data)
   config = tokenizers.with_vocab_size(config, tokenizer)
   if config.mesh.auto:
@@ -118,7 +120,7 @@ def run(config, devices=None) -> list[dict]:
                   if config.checkpoint_every else None)
   try:
     check_checkpoints(checkpointer, setup, config, tokenizer)
-    with StopSignals() as stop:
+    with StopSignals() as stop, distributed.explain_failures(config.distributed):
       return _train(config, setup, devices, workdir, tokenizer, checkpointer, stop)
   finally:
     if checkpointer:

@@ -23,7 +23,7 @@ from sharding import collectives
 from training import flops as flops_lib
 from training import metrics
 from training import step as step_lib
-from training.state import Setup
+from training.state import Setup, local_device
 
 MEMORY_GB = {'A100': 80, 'H100': 80, 'H200': 141}  # HBM per device (the 80 GB A100 and H100)
 
@@ -65,7 +65,7 @@ def memory_bytes(config, devices) -> int | None:
       raise ValueError(f'config.plan.target={config.plan.target!r} is not one of '
                        f'{sorted(MEMORY_GB)}; or give config.plan.memory_gb')
     return MEMORY_GB[config.plan.target] * 10**9
-  stats = devices[0].memory_stats() or {}
+  stats = local_device(devices).memory_stats() or {}
   return stats.get('bytes_limit')
 
 

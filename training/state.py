@@ -72,7 +72,7 @@ def build(config, devices=None) -> Setup:
   if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':
     raise ValueError(f"config.model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
                      f"{devices[0].platform}; use --config.model.attention=xla")
-  if model_cfg.remat_policy.startswith('offload_') and not has_host_memory(devices[0]):
+  if model_cfg.remat_policy.startswith('offload_') and not has_host_memory(local_device(devices)):
     raise ValueError(f'config.model.remat_policy={model_cfg.remat_policy!r} offloads to pinned '
                      f'host memory, which this {devices[0].platform} backend does not offer; use '
                      'a policy without offload_, such as full or dots')
@@ -92,7 +92,7 @@ def build(config, devices=None) -> Setup:
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   opt_compute_shardings = None
   if config.optimizer.offload_state:  # ZeRO-Offload style: moments in pinned host memory
-    if not has_host_memory(devices[0]):
+    if not has_host_memory(local_device(devices)):
       raise ValueError(f'config.optimizer.offload_state=True needs pinned host memory, which '
                        f'this {devices[0].platform} backend does not offer; set it to False')
     opt_compute_shardings = opt_shardings
@@ -106,6 +106,11 @@ def build(config, devices=None) -> Setup:
   return Setup(model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
                abstract_state=abstract_state, state_shardings=state_shardings,
                opt_compute_shardings=opt_compute_shardings, seed=config.seed)
+
+
+def local_device(devices):
+  """The first of `devices` this process can address (only those report memory)."""
+  return next(d for d in devices if d.process_index == jax.process_index())
 
 
 def has_host_memory(device) -> bool:

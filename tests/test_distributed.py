@@ -1,0 +1,131 @@
+"""Multi-process jobs: two local processes × 4 CPU devices (gloo over localhost) train exactly as
+one process × 8 devices, save a checkpoint one process resumes, and a killed process makes the
+other exit with an error within the heartbeat timeout instead of hanging."""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import default
+from tests.conftest import SMALL_CORPUS, free_port
+from training import distributed, loop
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 6
+
+
+def default_overrides(workdir):
+  return {'workdir': str(workdir), 'train_steps': STEPS, 'log_every': 1, 'eval_every': 0,
+          'checkpoint_every': 3, 'batch_size': 8, 'data.paths': SMALL_CORPUS,
+          'data.validation_fraction': 0.1}
+
+
+def launch(config_file, overrides, n=2, devices_each=4, heartbeat_s=10, logs=None):
+  """`n` train.py processes joined by jax.distributed on this machine."""
+  port = free_port()
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1',
+         'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices_each}'}
+  flags = [f'--config.{k}={v}' for k, v in overrides.items()]
+  processes = []
+  for i in range(n):
+    dist = [f'--config.distributed.coordinator_address=localhost:{port}',
+            f'--config.distributed.num_processes={n}', f'--config.distributed.process_id={i}',
+            f'--config.distributed.heartbeat_timeout_s={heartbeat_s}']
+    out = open(logs / f'process{i}.txt', 'w')
+    processes.append(subprocess.Popen([sys.executable, 'train.py', f'--config={config_file}',
+                                       *flags, *dist], cwd=REPO, env=env, stdout=out,
+                                      stderr=subprocess.STDOUT))
+  return processes
+
+
+def losses(workdir):
+  lines = (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()
+  return {r['step']: r['loss'] for r in map(json.loads, lines) if 'loss' in r}
+
+
+def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path):
+  def config(workdir):
+    c = default.get_config()
+    c.update_from_flattened_dict(default_overrides(workdir))
+    return c
+
+  loop.run(config(tmp_path / 'one'))  # one process × 8 devices: the reference
+  reference = losses(tmp_path / 'one')
+
+  processes = launch('configs/default.py', default_overrides(tmp_path / 'two'), logs=tmp_path)
+  codes = [p.wait(timeout=600) for p in processes]
+  logs = [(tmp_path / f'process{i}.txt').read_text() for i in range(2)]
+  assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+  two = losses(tmp_path / 'two')
+  assert sorted(two) == list(range(1, STEPS + 1))
+  for step in reference:  # bf16 compute: the reduction order across processes differs slightly
+    assert two[step] == pytest.approx(reference[step], rel=2e-4), step
+  # Only process 0 logs and writes metrics.
+  assert 'step 6/6' in logs[0] and not any(l.startswith('step') for l in logs[1].splitlines())
+
+  # Both processes' data rows went into the checkpoint: one process resumes it exactly.
+  shutil.rmtree(tmp_path / 'two' / 'checkpoints' / str(STEPS))
+  loop.run(config(tmp_path / 'two'))
+  resumed = losses(tmp_path / 'two')
+  for step in range(4, STEPS + 1):
+    assert resumed[step] == pytest.approx(reference[step], rel=2e-4), step
+
+
+@pytest.mark.parametrize('victim', [1, 0], ids=['worker-killed', 'coordinator-killed'])
+def test_killing_one_process_stops_the_other_within_the_heartbeat_timeout(tmp_path, victim):
+  heartbeat_s = 10
+  overrides = {'workdir': str(tmp_path / 'run'), 'train_steps': 100_000, 'log_every': 1,
+               'eval_every': 0, 'checkpoint_every': 0, 'data.paths': SMALL_CORPUS,
+               'data.validation_fraction': 0.1}
+  processes = launch('configs/base.py', overrides, heartbeat_s=heartbeat_s, logs=tmp_path)
+  log0 = tmp_path / 'process0.txt'
+  try:
+    deadline = time.monotonic() + 300
+    while not re.search(r'^step +3/', log0.read_text(), re.M):
+      assert time.monotonic() < deadline and processes[0].poll() is None, log0.read_text()[-3000:]
+      time.sleep(0.2)
+    processes[victim].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    survivor = processes[1 - victim]
+    code = survivor.wait(timeout=heartbeat_s + 30)  # a hang fails here
+    took = time.monotonic() - killed
+  finally:
+    for p in processes:
+      p.kill()
+  log = (tmp_path / f'process{1 - victim}.txt').read_text()
+  assert code != 0
+  assert took < heartbeat_s + 15, took
+  assert f'meshlm: process {1 - victim} of 2 failed' in log, log[-3000:]
+
+
+def test_scheduler_detection_reads_what_jax_reads():
+  slurm = {'SLURM_JOB_ID': '7', 'SLURM_STEP_NODELIST': 'node[1-2]', 'SLURM_NTASKS': '16',
+           'SLURM_PROCID': '3', 'SLURM_LOCALID': '3'}
+  assert distributed.scheduler_process_count(slurm) == ('SLURM', 16)
+  # sbatch's own shell (no srun step) is not a multi-process job
+  assert distributed.scheduler_process_count({'SLURM_JOB_ID': '7', 'SLURM_NTASKS': '16'}) is None
+  ompi = {'OMPI_MCA_orte_hnp_uri': '1234.0;tcp://10.0.0.1:5000', 'OMPI_COMM_WORLD_SIZE': '4'}
+  assert distributed.scheduler_process_count(ompi) == ('Open MPI', 4)
+  assert distributed.scheduler_process_count({}) is None
+
+
+@pytest.mark.parametrize('settings, field', [
+    ({'num_processes': 2, 'process_id': 0}, 'coordinator_address'),
+    ({'coordinator_address': 'node1', 'num_processes': 2, 'process_id': 0}, 'host:port'),
+    ({'coordinator_address': 'node1:1234', 'num_processes': 2, 'process_id': 2}, 'process_id'),
+    ({'coordinator_address': 'node1:1234', 'num_processes': 0, 'process_id': 0}, 'num_processes'),
+    ({'heartbeat_timeout_s': 0}, 'heartbeat_timeout_s'),
+])
+def test_bad_distributed_settings_are_named(settings, field):
+  c = default.get_config()
+  c.distributed.update(settings)
+  with pytest.raises(ValueError, match=field):
+    loop.run(c)  # raised before jax.distributed or anything else starts
