@@ -60,8 +60,8 @@ def main(argv):
   n = setup.mesh.size
   step_s = statistics.median(times)
   tokens = config.batch_size * config.seq_len
-  tflops = flops.flops_per_token(setup.model_cfg, config.seq_len) * tokens / step_s / n / 1e12
-  peak = flops.peak_tflops(device.device_kind)
+  speed = flops.throughput(setup.model_cfg, config.seq_len, tokens / step_s, n, device.device_kind)
+  tflops, peak = speed['tflops_per_device'], flops.peak_tflops(device.device_kind)
   figures = {
       'benchmark': 'train_step',
       'config': config_flags.get_config_filename(flags.FLAGS['config']),
@@ -74,7 +74,7 @@ def main(argv):
       'compile_s': round(compile_s, 2), 'step_time_s': step_s,
       'step_time_s_min': min(times), 'step_time_s_max': max(times),
       'tokens_per_sec': tokens / step_s, 'tflops_per_device': tflops,
-      'peak_tflops_per_device': peak, 'mfu': tflops / peak if peak else None,
+      'peak_tflops_per_device': peak, 'mfu': speed.get('mfu'),
       'loss_after': float(metrics['loss']),
       'command': 'python ' + ' '.join(sys.argv),
   }

@@ -22,6 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.init_from = ''  # a run's workdir (or checkpoints/<step>): start from its parameters only
   c.dry_run = False  # compile the step, print its memory/FLOPs/collectives plan, and stop
   c.max_bad_steps = 5  # this many steps in a row with a non-finite loss or gradient stop the run
+  c.profile_steps = 0  # trace this many steps into workdir/profile (TensorBoard, Perfetto); 0: none
+  c.profile_start = 5  # the trace starts this many steps into the run, after compilation and warm-up
   c.batch_size = 16  # global, in sequences
   c.microbatches = 1  # gradient accumulation: the batch runs as this many slices inside the step
   c.seq_len = 128

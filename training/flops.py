@@ -30,3 +30,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
   dense = 6 * (cfg.n_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size)
   attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
   return dense + (attention / 2 if causal else attention)
+
+
+def throughput(cfg: ModelConfig, seq_len: int, tokens_per_sec: float, n_devices: int,
+               device_kind: str) -> dict[str, float]:
+  """{'tflops_per_device', and 'mfu' where the device's peak is known}: the model's FLOPs
+  (flops_per_token) at `tokens_per_sec` over `n_devices`, against the bf16 peak."""
+  tflops = flops_per_token(cfg, seq_len) * tokens_per_sec / n_devices / 1e12
+  peak = peak_tflops(device_kind)
+  return {'tflops_per_device': tflops, **({'mfu': tflops / peak} if peak else {})}

@@ -2,6 +2,7 @@
 step compiled and its plan checked → state restored or initialised → steps, logs, evals, saves."""
 
 import dataclasses
+import functools
 import time
 import warnings
 
@@ -16,10 +17,11 @@ from training import metrics as metrics_lib
 from training import layout
 from training import plan as plan_lib
 from training import checkpoint as checkpoint_lib
-from training import distributed
+from training import distributed, flops
 from training.evaluation import Evaluator
 from training.preemption import StopSignals
-from training.state import build, param_count
+from training.profiling import StepTrace
+from training.state import build, local_device, param_count
 
 
 def load_corpus(data_config) -> corpus_lib.Corpus:
@@ -134,7 +136,8 @@ def _train(config, setup, devices, workdir, tokenizer, checkpointer, stop) -> li
   if is_main:
     (workdir / 'config.json').write_text(config.to_json_best_effort(indent=2))
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
-  log = print if is_main else (lambda *a, **k: None)
+  console = metrics_lib.Console(config.train_steps, enabled=is_main)
+  log = console.log
 
   batch_sharding = sharding.batch_sharding(setup.mesh)
   pipeline.check_workers(config.data.workers, len(pipeline.process_rows(
@@ -158,21 +161,30 @@ def _train(config, setup, devices, workdir, tokenizer, checkpointer, stop) -> li
   records, tokens_per_step = [], config.batch_size * config.seq_len
   last_time, last_step = time.perf_counter(), start_step
   guard = BadStepGuard(config.max_bad_steps, checkpointer)
+  trace = StepTrace(workdir / 'profile', start_step + config.profile_start, config.profile_steps)
+  device_kind = local_device(setup.mesh.devices.flat).device_kind
+  speed = functools.partial(flops.throughput, setup.model_cfg, config.seq_len,
+                            n_devices=setup.mesh.size, device_kind=device_kind)
   previous = None  # (step, metrics) of the step dispatched before this one
   try:
     for step in range(start_step, config.train_steps):
+      trace.before_step(step)
       state, metrics = train_step(state, next(batches))
+      done = step + 1
+      trace.after_step(done, metrics)
       # At most two steps in flight: the device stays busy and the host never runs far ahead.
       if previous:
         guard.check(*previous)
-      done = step + 1
       previous = (done, metrics)
+      console.step(done)
       if done % config.log_every == 0 or done == config.train_steps:
         metrics = jax.device_get(metrics)  # waits for the step
-        now = time.perf_counter()
-        step_time = (now - last_time) / (done - last_step)
+        step_time = (time.perf_counter() - last_time) / (done - last_step)
         record = {'step': done, **{k: float(v) for k, v in metrics.items() if k != 'skipped'},
-                  'tokens_per_sec': tokens_per_step / step_time, 'step_time_s': step_time}
+                  'tokens_per_sec': tokens_per_step / step_time, 'step_time_s': step_time,
+                  **speed(tokens_per_step / step_time)}
+        if (peak := metrics_lib.peak_memory_bytes(setup.mesh.devices.flat)) is not None:
+          record['peak_memory_gib'] = peak / 2**30
         writer.write(record)
         log(metrics_lib.format_line(record, config.train_steps))
         records.append(record)
@@ -199,5 +211,7 @@ def _train(config, setup, devices, workdir, tokenizer, checkpointer, stop) -> li
       if previous:
         guard.check(*previous)
   finally:
+    trace.stop(state)
+    console.close()
     batches.close()
   return records

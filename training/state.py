@@ -59,7 +59,7 @@ def build(config, devices=None) -> Setup:
   devices = jax.devices() if devices is None else list(devices)
   model_cfg = ModelConfig.from_config(config.model)
   for field, low in (('train_steps', 1), ('batch_size', 1), ('microbatches', 1), ('seq_len', 1),
-                     ('log_every', 1),
+                     ('log_every', 1), ('profile_steps', 0), ('profile_start', 0),
                      ('eval_every', 0), ('eval_batches', 0), ('data.workers', 0),
                      ('checkpoint_every', 0), ('keep_checkpoints', 1), ('max_bad_steps', 1),
                      ('data.prefetch', 1)):
