@@ -67,13 +67,26 @@ def xla_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL=None, kv_seg
   """The reference: plain einsums and an fp32 softmax, materialising the [L, S] scores."""
   if segment_ids_BL is not None and kv_segment_ids_BS is None:
     kv_segment_ids_BS = segment_ids_BL
+  B, L, S = q_BLNH.shape[0], q_BLNH.shape[1], k_BSKH.shape[1]
+  return masked_attention(q_BLNH, k_BSKH, v_BSKH,
+                          _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS))
+
+
+def cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT):
+  """Decoding against a KV cache of S slots: query t of row b, at position positions_BT[b, t],
+  attends to the slots 0 … that position (slot s holds position s's key and value)."""
+  mask_BTS = positions_BT[:, :, None] >= jnp.arange(k_BSKH.shape[1])[None, None, :]
+  return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+
+
+def masked_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS):
+  """Softmax attention where boolean `mask_BLS` (True = attend; None = all) allows."""
   B, L, N, H = q_BLNH.shape
-  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  K = k_BSKH.shape[2]
   G = N // K
   q_BLKGH = q_BLNH.reshape(B, L, K, G, H)
   scores_BKGLS = jnp.einsum('blkgh,bskh->bkgls', q_BLKGH, k_BSKH,
                             preferred_element_type=jnp.float32) / np.sqrt(H).astype(np.float32)
-  mask_BLS = _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS)
   if mask_BLS is not None:
     # A large finite negative rather than -inf: a fully masked row gives zeros, never NaN.
     scores_BKGLS = jnp.where(mask_BLS[:, None, None], scores_BKGLS, -0.7 * np.finfo(np.float32).max)

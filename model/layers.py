@@ -84,13 +84,30 @@ class Attention(nnx.Module):
     self.wv = param(rngs, (D, K, H), ('embed', 'kv_heads', 'head_dim'), dt, D ** -0.5)
     self.wo = param(rngs, (N, H, D), ('heads', 'head_dim', 'embed'), dt, (N * H) ** -0.5)
 
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+  def _project(self, x_BLD, positions_BL):
+    """q, k, v with rotary embeddings applied to q and k."""
     cfg, dt = self.cfg, x_BLD.dtype
     q_BLNH = jnp.einsum('bld,dnh->blnh', x_BLD, self.wq[...].astype(dt))
     k_BLKH = jnp.einsum('bld,dkh->blkh', x_BLD, self.wk[...].astype(dt))
     v_BLKH = jnp.einsum('bld,dkh->blkh', x_BLD, self.wv[...].astype(dt))
-    q_BLNH = checkpoint_name(rotary(q_BLNH, positions_BL, cfg.rope_theta), 'query_proj')
-    k_BLKH = checkpoint_name(rotary(k_BLKH, positions_BL, cfg.rope_theta), 'key_proj')
+    return (rotary(q_BLNH, positions_BL, cfg.rope_theta),
+            rotary(k_BLKH, positions_BL, cfg.rope_theta), v_BLKH)
+
+  def decode(self, x_BTD, positions_BT, k_BSKH, v_BSKH):
+    """T new tokens per row against a cache of S slots: writes their keys and values into the
+    slots of their positions, attends to slots 0 … position. Returns (out, k cache, v cache)."""
+    q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT)
+    rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
+    k_BSKH = k_BSKH.at[rows_B1, positions_BT].set(k_BTKH.astype(k_BSKH.dtype))
+    v_BSKH = v_BSKH.at[rows_B1, positions_BT].set(v_BTKH.astype(v_BSKH.dtype))
+    out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
+    return jnp.einsum('btnh,nhd->btd', out_BTNH, self.wo[...].astype(x_BTD.dtype)), k_BSKH, v_BSKH
+
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+    cfg, dt = self.cfg, x_BLD.dtype
+    q_BLNH, k_BLKH, v_BLKH = self._project(x_BLD, positions_BL)
+    q_BLNH = checkpoint_name(q_BLNH, 'query_proj')
+    k_BLKH = checkpoint_name(k_BLKH, 'key_proj')
     v_BLKH = checkpoint_name(v_BLKH, 'value_proj')
     q_BLNH = constrain(q_BLNH, ('batch', 'length', 'heads', 'head_dim'))
     # Keys and values span the whole length: under sequence parallelism they are all-gathered.
@@ -134,6 +151,12 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg, rngs)
     self.mlp = MLP(cfg, rngs)
+
+  def decode(self, x_BTD, positions_BT, k_BSKH, v_BSKH):
+    """The block on T new tokens against its KV cache (Attention.decode)."""
+    out_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), positions_BT, k_BSKH, v_BSKH)
+    x_BTD = x_BTD + out_BTD
+    return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BSKH, v_BSKH
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
     x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)

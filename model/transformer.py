@@ -67,14 +67,40 @@ class Transformer(nnx.Module):
     x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(cfg.dtype)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
     x_BLD = self._run_blocks(x_BLD, positions_BL, segment_ids_BL)
+    return constrain(self._head(x_BLD), ('batch', 'length', 'vocab'))
+
+  def _head(self, x_BLD):
+    """Final norm and output projection: logits in fp32."""
+    cfg = self.cfg
     x_BLD = self.final_norm(x_BLD)
     if cfg.tie_embeddings:
-      logits_BLV = jnp.einsum('bld,vd->blv', x_BLD, self.embed[...].astype(cfg.dtype),
-                              preferred_element_type=jnp.float32) * cfg.d_model ** -0.5
-    else:
-      logits_BLV = jnp.einsum('bld,dv->blv', x_BLD, self.unembed[...].astype(cfg.dtype),
-                              preferred_element_type=jnp.float32)
-    return constrain(logits_BLV, ('batch', 'length', 'vocab'))
+      return jnp.einsum('bld,vd->blv', x_BLD, self.embed[...].astype(cfg.dtype),
+                        preferred_element_type=jnp.float32) * cfg.d_model ** -0.5
+    return jnp.einsum('bld,dv->blv', x_BLD, self.unembed[...].astype(cfg.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def init_cache(self, batch: int, slots: int) -> dict:
+    """An empty KV cache: k and v [layers, B, S, K, H] in the compute dtype."""
+    cfg = self.cfg
+    shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+    return {'k': jnp.zeros(shape, cfg.dtype), 'v': jnp.zeros(shape, cfg.dtype)}
+
+  def decode(self, tokens_BT, positions_BT, cache: dict):
+    """Logits[B, T, V] of T new tokens per row at `positions_BT`, reading and extending `cache`
+    (init_cache) in the slots of those positions; returns (logits, cache). Feeding a prompt and
+    then one token at a time gives the logits `__call__` gives the whole sequence."""
+    cfg = self.cfg
+    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(cfg.dtype)
+    graphdef, layers = nnx.split(self.blocks)
+
+    def body(x_BTD, layer_and_cache):
+      layer, k_BSKH, v_BSKH = layer_and_cache
+      x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, layer).decode(x_BTD, positions_BT, k_BSKH,
+                                                                v_BSKH)
+      return x_BTD, (k_BSKH, v_BSKH)
+
+    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (layers, cache['k'], cache['v']))
+    return self._head(x_BTD), {'k': k, 'v': v}
 
   def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL):
     """One `lax.scan` over the stacked layers, so compile time does not grow with depth;

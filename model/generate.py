@@ -1,0 +1,88 @@
+"""Sampling from the model with a KV cache: the prompts go through once (prefill), then each new
+token is one forward step of T=1 against the cache, so a token costs O(length), not O(length²).
+
+Prompts of different lengths share one batch: row b's prompt fills positions 0 … P_b−1 (the
+shorter rows are padded on the right, and the pad's cache slots are overwritten before any query
+can see them), its first new token is read from the logits at P_b−1 and written at P_b.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def sample(logits_BV, keys_B, temperature: float, top_k: int):
+  """Next tokens: the argmax when temperature is 0 (greedy), else a draw from
+  softmax(logits / temperature) over the top_k most likely tokens (all when top_k is 0), row b
+  with its own key keys_B[b] (so a row's draws do not depend on the rest of the batch)."""
+  if temperature == 0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = logits_BV / temperature
+  if top_k:
+    kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+    logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+  return jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
+
+
+def row_keys(key, i, rows: int):
+  """The keys that draw the i-th new token of rows 0 … rows−1."""
+  step = jax.random.fold_in(key, i)
+  return jax.vmap(lambda b: jax.random.fold_in(step, b))(jnp.arange(rows))
+
+
+def mask_vocab(logits_BV, vocab_size: int | None):
+  """Padding ids past the tokenizer's vocabulary are never sampled."""
+  if vocab_size is None or vocab_size >= logits_BV.shape[-1]:
+    return logits_BV
+  return jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab_size, logits_BV, -jnp.inf)
+
+
+def generate(model, prompts, max_new_tokens: int, *, key=None, temperature: float = 0.0,
+             top_k: int = 0, eos_id: int | None = None, pad_id: int = 0,
+             vocab_size: int | None = None) -> np.ndarray:
+  """New tokens [B, max_new_tokens] after each prompt (lists of token ids, each non-empty).
+  A row that produced `eos_id` is filled with `pad_id` after it."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError('generate: every prompt needs at least one token (e.g. BOS)')
+  if temperature < 0 or top_k < 0 or max_new_tokens < 1:
+    raise ValueError(f'generate: temperature={temperature} and top_k={top_k} must be ≥ 0 and '
+                     f'max_new_tokens={max_new_tokens} ≥ 1')
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  tokens = np.full((len(prompts), lengths.max()), pad_id, np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens[row, :len(prompt)] = prompt
+  graphdef, state = nnx.split(model)
+  key = jax.random.key(0) if key is None else key
+  out = _generate(graphdef, state, tokens, lengths, key, max_new_tokens=max_new_tokens,
+                  temperature=float(temperature), top_k=int(top_k),
+                  eos_id=-1 if eos_id is None else int(eos_id), pad_id=int(pad_id),
+                  vocab_size=vocab_size)
+  return np.asarray(out)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=(
+    'max_new_tokens', 'temperature', 'top_k', 'eos_id', 'pad_id', 'vocab_size'))
+def _generate(graphdef, state, tokens_BP, lengths_B, key, *, max_new_tokens, temperature, top_k,
+              eos_id, pad_id, vocab_size):
+  model = nnx.merge(graphdef, state)
+  B, P = tokens_BP.shape
+  cache = model.init_cache(B, P + max_new_tokens)
+  positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+  logits_BPV, cache = model.decode(tokens_BP, positions_BP, cache)
+  last_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
+
+  def one_token(carry, i):
+    last_BV, cache, done_B = carry
+    token_B = sample(mask_vocab(last_BV, vocab_size), row_keys(key, i, B), temperature,
+                     top_k)
+    token_B = jnp.where(done_B, pad_id, token_B)
+    done_B = done_B | (token_B == eos_id)
+    logits_B1V, cache = model.decode(token_B[:, None], (lengths_B + i)[:, None], cache)
+    return (logits_B1V[:, 0], cache, done_B), token_B
+
+  _, new_TB = jax.lax.scan(one_token, (last_BV, cache, jnp.zeros(B, bool)),
+                           jnp.arange(max_new_tokens))
+  return new_TB.T

@@ -1,0 +1,37 @@
+"""Sample text from a trained run's checkpoint (KV-cached decoding: model/generate.py).
+
+  python sample.py --workdir=/tmp/meshlm-default --prompt='def ' --max_new_tokens=300
+  python sample.py --workdir=/tmp/meshlm-default/checkpoints/100 --temperature=0 --prompt='import '
+
+--temperature=0 is greedy; otherwise a draw at that temperature from the --top_k most likely
+tokens (0: all). The model, tokenizer and data settings come from the config saved with the
+checkpoint.
+"""
+
+from absl import app, flags
+
+from training import sampling
+
+_WORKDIR = flags.DEFINE_string('workdir', None, "A run's workdir, checkpoints/ or checkpoints/STEP.",
+                               required=True)
+_PROMPT = flags.DEFINE_multi_string('prompt', [''], 'Text to continue; repeat for several.')
+_MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generate at most.')
+_TEMPERATURE = flags.DEFINE_float('temperature', 0.8, '0: greedy.')
+_TOP_K = flags.DEFINE_integer('top_k', 40, 'Sample among this many most likely tokens; 0: all.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Random seed of the draws.')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  loaded = sampling.load(_WORKDIR.value)
+  print(f'# {loaded.checkpoint}: temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
+        f'seed {_SEED.value}')
+  texts = sampling.complete(loaded, _PROMPT.value, _MAX_NEW_TOKENS.value,
+                            temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value)
+  for prompt, text in zip(_PROMPT.value, texts):
+    print(f'--- prompt {prompt!r}\n{prompt}{text}')
+
+
+if __name__ == '__main__':
+  app.run(main)

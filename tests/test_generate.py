@@ -1,0 +1,122 @@
+"""Generation with a KV cache equals generation by recomputing the whole sequence every step:
+greedy and sampled (same keys), prompts of different lengths in one batch, tied and untied heads."""
+
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import ModelConfig, Transformer
+from model import generate as gen
+from tests.conftest import tiny_config
+from training import loop, sampling
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_model(**model):
+  c = tiny_config()
+  c.model.update(model)
+  return Transformer(ModelConfig.from_config(c.model), rngs=nnx.Rngs(3))
+
+
+def recompute(model, prompts, n, key, temperature, top_k, vocab_size=None, eos_id=None,
+              pad_id=0):
+  """The reference: for every new token, the full forward pass over each row's whole sequence
+  so far (right-padded to one length, which causal attention never looks at)."""
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+  out, width = [], max(map(len, prompts)) + n
+  for row, prompt in enumerate(prompts):
+    tokens = np.full((1, width), pad_id, np.int32)
+    tokens[0, :len(prompt)] = prompt
+    length, new, done = len(prompt), [], False
+    for i in range(n):
+      logits = forward(state, jnp.asarray(tokens))[:, length - 1]
+      keys = gen.row_keys(key, i, len(prompts))[row:row + 1]
+      token = int(gen.sample(gen.mask_vocab(logits, vocab_size), keys, temperature, top_k)[0])
+      token = pad_id if done else token
+      done = done or token == eos_id
+      new.append(token)
+      tokens[0, length] = token
+      length += 1
+    out.append(new)
+  return out
+
+
+PROMPTS = [[1, 5, 9, 200, 7], [1], [1, 42, 42]]
+
+
+@pytest.mark.parametrize('temperature, top_k, tie', [(0.0, 0, False), (1.0, 0, True),
+                                                     (0.8, 5, False)])
+def test_cached_generation_equals_full_recompute(temperature, top_k, tie):
+  model = tiny_model(tie_embeddings=tie)
+  key = jax.random.key(7)
+  got = gen.generate(model, PROMPTS, 12, key=key, temperature=temperature, top_k=top_k,
+                     vocab_size=300)
+  assert got.tolist() == recompute(model, PROMPTS, 12, key, temperature, top_k, 300)
+  assert got.max() < 300  # padding ids past the tokenizer's vocabulary are never drawn
+
+
+def test_rows_stop_at_eos():
+  model = tiny_model()
+  key = jax.random.key(0)
+  first = gen.generate(model, PROMPTS, 10, key=key)
+  eos = int(first[0, 3])  # pretend the 4th greedy token of row 0 is EOS
+  got = gen.generate(model, PROMPTS, 10, key=key, eos_id=eos, pad_id=0)
+  assert list(got[0, :4]) == list(first[0, :4]) and (got[0, 4:] == 0).all()
+  assert got.tolist() == recompute(model, PROMPTS, 10, key, 0.0, 0, eos_id=eos)
+
+
+def test_top_k_draws_only_the_k_most_likely():
+  logits = jnp.array([[0.0, 3.0, 1.0, 2.5, -1.0]] * 4000)
+  draws = np.asarray(gen.sample(logits, gen.row_keys(jax.random.key(1), 0, 4000), 1.0, 2))
+  assert set(draws) == {1, 3}
+  assert list(np.asarray(gen.sample(logits[:1], None, 0.0, 0))) == [1]
+
+
+def test_cached_logits_match_the_full_pass():
+  model = tiny_model()
+  tokens = jnp.array([[1, 8, 20, 33, 2, 90, 17]])
+  full = model(tokens)
+  cache = model.init_cache(1, 10)
+  prefill, cache = model.decode(tokens[:, :4], jnp.arange(4)[None], cache)
+  steps = [prefill]
+  for t in range(4, 7):
+    logits, cache = model.decode(tokens[:, t:t + 1], jnp.array([[t]]), cache)
+    steps.append(logits)
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_generation_arguments_are_named():
+  with pytest.raises(ValueError, match='at least one token'):
+    gen.generate(tiny_model(), [[1], []], 4)
+  with pytest.raises(ValueError, match='temperature'):
+    gen.generate(tiny_model(), [[1]], 4, temperature=-1.0)
+
+
+def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path):
+  c = tiny_config(fsdp=8)
+  c.workdir, c.train_steps, c.checkpoint_every, c.eval_every = str(tmp_path), 4, 4, 0
+  loop.run(c)
+  command = [sys.executable, 'sample.py', f'--workdir={tmp_path}', '--prompt=def ',
+             '--prompt=import', '--max_new_tokens=16', '--temperature=0']
+  result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f'# {tmp_path}/checkpoints/4: temperature 0.0' in result.stdout
+  assert "--- prompt 'def '\ndef " in result.stdout and "--- prompt 'import'\nimport" in result.stdout
+  # The command's greedy text is what the function gives, on a mesh other than the run's.
+  loaded = sampling.load(str(tmp_path / 'checkpoints' / '4'))
+  texts = sampling.complete(loaded, ['def ', 'import'], 16, temperature=0)
+  expected = f"--- prompt 'def '\ndef {texts[0]}\n--- prompt 'import'\nimport{texts[1]}\n"
+  assert expected.replace('\r\n', '\n').replace('\r', '\n') in result.stdout  # text mode
+
+
+def test_sampling_from_a_workdir_without_checkpoints_is_a_clear_error(tmp_path):
+  with pytest.raises(ValueError, match='holds no checkpoint'):
+    sampling.load(str(tmp_path))

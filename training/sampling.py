@@ -1,0 +1,71 @@
+"""Text from a trained run: `load(path)` restores a checkpoint's model and tokenizer (the config
+saved with the checkpoint says which), `complete(...)` continues prompts with the KV-cached
+sampler in model/generate.py. sample.py is the command.
+
+The parameters are sharded FSDP-style over this process's devices when their dimensions divide,
+else kept on one device: sampling needs neither the training mesh nor its batch size.
+"""
+
+import dataclasses
+
+import jax
+import ml_collections
+from flax import nnx
+
+import sharding
+from data import tokenizers
+from model import ModelConfig, Transformer
+from model.generate import generate
+from training import checkpoint as checkpoint_lib
+
+
+@dataclasses.dataclass
+class Loaded:
+  model: Transformer
+  tokenizer: tokenizers.Tokenizer
+  config: ml_collections.ConfigDict  # the run's resolved config, as saved
+  checkpoint: str  # the step directory it came from
+
+
+def load(path: str) -> Loaded:
+  """A run's workdir (its newest checkpoint), its checkpoints/ dir, or one checkpoints/<step>."""
+  directory, step = checkpoint_lib.step_directory(path)
+  checkpointer = checkpoint_lib.Checkpointer(directory, read_only=True)
+  saved = checkpointer.saved_config(step)
+  checkpointer.close()
+  if not saved:
+    raise ValueError(f'checkpoint {directory / str(step)} holds no readable config; point at '
+                     'another step')
+  config = ml_collections.ConfigDict(saved)
+  tokenizer = tokenizers.load(config.data)
+  model_cfg = ModelConfig.from_config(config.model)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+  devices = jax.local_devices()
+  try:
+    mesh = sharding.make_mesh({'data': 1, 'fsdp': -1, 'tensor': 1, 'sequence': 1}, devices)
+    shardings = sharding.param_shardings(abstract, mesh)
+  except ValueError:  # a dimension does not divide by the device count
+    mesh = sharding.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1, 'sequence': 1}, devices[:1])
+    shardings = sharding.param_shardings(abstract, mesh)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+  params, step_dir = checkpoint_lib.restore_params(str(directory / str(step)), abstract,
+                                                   config.model)
+  return Loaded(nnx.merge(graphdef, params), tokenizer, config, str(step_dir))
+
+
+def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.8,
+             top_k: int = 40, seed: int = 0) -> list[str]:
+  """Each prompt's continuation (text after the prompt), up to the end of a document or
+  `max_new_tokens` tokens. Every prompt starts as a document does, after BOS."""
+  tok = loaded.tokenizer
+  ids = [[tok.bos_id, *tok.encode(p.encode())] for p in prompts]
+  new = generate(loaded.model, ids, max_new_tokens, key=jax.random.key(seed),
+                 temperature=temperature, top_k=top_k, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                 vocab_size=tok.vocab_size)
+  texts = []
+  for row in new.tolist():
+    if tok.eos_id in row:
+      row = row[:row.index(tok.eos_id)]
+    texts.append(tok.decode(row))
+  return texts
