@@ -129,3 +129,41 @@ def test_bad_distributed_settings_are_named(settings, field):
   c.distributed.update(settings)
   with pytest.raises(ValueError, match=field):
     loop.run(c)  # raised before jax.distributed or anything else starts
+
+
+FAKE_SRUN = '''#!/usr/bin/env bash
+# srun's stand-in: run the command once per task with the variables srun sets for it.
+while [[ $1 == -* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+  SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_NODELIST=localhost SLURM_STEP_NUM_NODES=1 "$@" &
+  pids+=($!)
+done
+code=0
+for pid in "${pids[@]}"; do wait "$pid" || code=1; done
+exit $code
+'''
+
+
+def test_the_sbatch_script_runs_a_slurm_job(tmp_path):
+  """scripts/slurm/train.sbatch under a stand-in srun (two tasks on this machine): its XLA flags
+  are accepted by this jaxlib, and JAX finds the job from SLURM's variables."""
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  (bin_dir / 'srun').write_text(FAKE_SRUN)
+  (bin_dir / 'srun').chmod(0o755)
+  (bin_dir / 'python').write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # this venv's
+  (bin_dir / 'python').chmod(0o755)
+  env = {**os.environ, 'PATH': f'{bin_dir}:{os.environ["PATH"]}', 'SLURM_JOB_ID': '4242',
+         'SLURM_NTASKS': '2', 'SLURM_SUBMIT_DIR': str(REPO), 'JAX_PLATFORMS': 'cpu',
+         'JAX_COORDINATOR_PORT': str(free_port()),
+         'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
+  result = subprocess.run(
+      ['bash', str(REPO / 'scripts/slurm/train.sbatch'), '--config=configs/base.py',
+       f'--config.workdir={tmp_path / "run"}', '--config.train_steps=3', '--config.log_every=1',
+       '--config.eval_every=0', f'--config.data.paths={SMALL_CORPUS}',
+       '--config.data.validation_fraction=0.1'],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  assert 'on 8 cpu devices' in result.stdout and 'step 3/3' in result.stdout
+  assert (tmp_path / 'run' / 'checkpoints' / '3').is_dir()

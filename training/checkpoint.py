@@ -13,6 +13,7 @@ compared with the state this config builds, so another model's checkpoint is a c
 naming what differs, not an orbax traceback after allocating memory.
 """
 
+import logging
 import pathlib
 import warnings
 
@@ -30,6 +31,14 @@ class CheckpointMismatch(ValueError):
   def __init__(self, message: str, saved_model: dict):
     super().__init__(message)
     self.saved_model = saved_model  # the checkpoint's config.model, {} if unreadable
+
+
+def _quiet_read_only(record) -> bool:
+  # orbax warns on every read-only open (sampling and init_from open checkpoints that way).
+  return not str(record.msg).startswith('Given directory is read only')
+
+
+logging.getLogger('absl').addFilter(_quiet_read_only)
 
 
 def _manager(directory: pathlib.Path, **options) -> ocp.CheckpointManager:
@@ -66,7 +75,8 @@ class Checkpointer:
 
   def __init__(self, directory: pathlib.Path, *, keep: int = 1, read_only: bool = False):
     self.directory = pathlib.Path(directory)
-    self.manager = _manager(self.directory, max_to_keep=keep, create=not read_only,
+    self.manager = _manager(self.directory, max_to_keep=None if read_only else keep,
+                            save_interval_steps=0 if read_only else 1, create=not read_only,
                             read_only=read_only, enable_async_checkpointing=not read_only,
                             cleanup_tmp_directories=not read_only)
 
