@@ -10,7 +10,7 @@ checkpoint.
 
 from absl import app, flags
 
-from training import sampling
+from training import checkpoint, sampling
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "A run's workdir, checkpoints/ or checkpoints/STEP.",
                                required=True)
@@ -24,6 +24,7 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Random seed of the draws.')
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  checkpoint.quiet_orbax_logs()
   loaded = sampling.load(_WORKDIR.value)
   print(f'# {loaded.checkpoint}: temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
         f'seed {_SEED.value}')

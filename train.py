@@ -6,10 +6,10 @@
 
 import os
 
-from absl import app, flags, logging
+from absl import app
 from ml_collections import config_flags
 
-from training import loop
+from training import checkpoint, loop
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
 _CONFIG = config_flags.DEFINE_config_file('config', _DEFAULT,
@@ -19,8 +19,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', _DEFAULT,
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:  # orbax logs every save at INFO; --verbosity=0 shows it
-    logging.set_verbosity(logging.WARNING)
+  checkpoint.quiet_orbax_logs()
   loop.run(_CONFIG.value)
 
 

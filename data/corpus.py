@@ -25,26 +25,13 @@ import warnings
 
 import tensorflow_datasets as tfds
 
+from data.paths import writable_dir
+
 STDLIB = 'stdlib'
 
 
 class DataWarning(UserWarning):
   """Input that is skipped, not fatal: undecodable files, documents shorter than a row."""
-
-
-def writable_dir(path: str, setting: str) -> pathlib.Path:
-  """Create `path` and prove it is writable, before anything expensive is done; the error names
-  the setting to change."""
-  directory = pathlib.Path(path).expanduser()
-  try:
-    directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / f'.write-test-{os.getpid()}'
-    probe.write_text('ok')
-    probe.unlink()
-  except OSError as e:
-    raise ValueError(f'{setting}={path!r} is not a writable directory ({e}); pass '
-                     f'--{setting}=DIR with a directory you can write') from None
-  return directory
 
 
 def data_dir(data_config) -> str:

@@ -22,10 +22,11 @@ def train(data_config, vocab_size: int, output: str, model_type: str = 'bpe',
   import sentencepiece
 
   from data import corpus as corpus_lib
+  from data.paths import writable_dir
   if vocab_size < 260:
     raise ValueError(f'--vocab_size={vocab_size} must be at least 260 (4 specials and 256 byte '
                      'pieces)')
-  corpus_lib.writable_dir(str(pathlib.Path(output).expanduser().parent), '--output (its folder)')
+  writable_dir(str(pathlib.Path(output).expanduser().parent), '--output (its folder)')
   source = corpus_lib.load(data_config)
 
   def lines():

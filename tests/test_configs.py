@@ -2,6 +2,8 @@
 
 import importlib
 import pathlib
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -49,3 +51,20 @@ def test_small_configs_run_one_step_on_8_devices(name, tmp_path):
   records = loop.run(config)
   assert records[0]['step'] == 1 and records[-1]['eval_loss'] > 0
   assert jax.device_count() == 8
+
+
+def test_model_sharding_kernels_and_the_step_benchmark_import_without_the_data_stack():
+  """The GPU image has jax, flax, optax and ml-collections but not tfds or grain."""
+  code = '''
+import sys
+class Block:
+  def find_spec(self, name, path=None, target=None):
+    if name.split('.')[0] in ('tensorflow_datasets', 'grain'):
+      raise ImportError('not on the GPU image: ' + name)
+sys.meta_path.insert(0, Block())
+import model, sharding, kernels, model.generate, training.flops, training.metrics
+import benchmarks.train_step
+'''
+  result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          cwd=pathlib.Path(__file__).resolve().parents[1], timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]

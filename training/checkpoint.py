@@ -41,6 +41,14 @@ def _quiet_read_only(record) -> bool:
 logging.getLogger('absl').addFilter(_quiet_read_only)
 
 
+def quiet_orbax_logs() -> None:
+  """For the entry points: orbax logs every save and restore at INFO; keep WARNING and up unless
+  the user asked for --verbosity."""
+  from absl import flags, logging as absl_logging
+  if not flags.FLAGS['verbosity'].present:
+    absl_logging.set_verbosity(absl_logging.WARNING)
+
+
 def _manager(directory: pathlib.Path, **options) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
       directory.absolute(), options=ocp.CheckpointManagerOptions(**options),

@@ -9,7 +9,7 @@ import time
 
 import jax
 
-from data.corpus import writable_dir
+from data.paths import writable_dir
 from training.tensorboard import EventWriter
 
 
