@@ -155,9 +155,6 @@ class Batches:
   def state(self) -> dict:
     """Every global row's lane state, gathered from all processes (a collective: every process
     calls it at the same step), so a checkpoint resumes under any number of processes."""
-    if jax.process_count() == 1 and len(self.rows) == self.shape[0]:
-      return {'batch_size': self.shape[0], 'rows': self.rows,
-              'lanes': [dataclasses.asdict(s) for s in self._states]}
     table = np.full((self.shape[0], 2), -1, np.int32)  # rows this process does not build: -1
     for row, s in zip(self.rows, self._states):
       table[row] = s.docs_started, s.offset

@@ -17,6 +17,8 @@ import logging
 import pathlib
 import warnings
 
+from absl import flags
+from absl import logging as absl_logging
 import jax
 import orbax.checkpoint as ocp
 
@@ -44,7 +46,6 @@ logging.getLogger('absl').addFilter(_quiet_read_only)
 def quiet_orbax_logs() -> None:
   """For the entry points: orbax logs every save and restore at INFO; keep WARNING and up unless
   the user asked for --verbosity."""
-  from absl import flags, logging as absl_logging
   if not flags.FLAGS['verbosity'].present:
     absl_logging.set_verbosity(absl_logging.WARNING)
 
