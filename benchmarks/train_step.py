@@ -12,8 +12,8 @@ segment ids, so cuDNN runs its plain causal kernel; --packed adds them), run --w
 FLOPs (training/flops.py, MaxText's convention): per token 6·(n_layers·matmul params per layer +
 d_model·vocab) for the matmuls, plus 12·n_layers·n_heads·head_dim·seq_len for attention, counted
 half because it is causal; recomputation from rematerialisation is not credited.
-MFU = achieved FLOP/s per device / the device's dense bf16 peak:
-  A100 312, H100 SXM 989 (PCIe 756), H200 989 TFLOP/s. No MFU is reported for other devices (CPU).
+MFU = achieved FLOP/s per device / the device's dense bf16 peak (training/gpus.py). No MFU is
+reported for devices not in that table (CPU).
 """
 
 import os

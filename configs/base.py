@@ -76,7 +76,8 @@ def get_config() -> ml_collections.ConfigDict:
   dist.heartbeat_timeout_s = 100  # a process silent this long is dead: the others stop with an error
 
   c.plan = ml_collections.ConfigDict()  # what the compiled step must fit (training/plan.py)
-  c.plan.target = ''  # A100 | H100 | H200: plan for that device (e.g. on CPU); '': the devices here
+  c.plan.target = ''  # A100 | H100 | H100-PCIe | H200 (training/gpus.py): plan for it; '': the devices here
+  c.plan.devices = 0  # how many of config.plan.target to plan for; 0: as many as there are devices here
   c.plan.memory_gb = 0.0  # per-device memory to fit; 0: the target's, or the backend's own
 
   c.data = d = ml_collections.ConfigDict()

@@ -7,10 +7,14 @@ Run (pick the preset after the colon; on GPU, add --config.model.attention=cudnn
   python train.py --config=configs/llama.py:8b --config.workdir=/tmp/meshlm-8b
 Time a step instead of training:
   python benchmarks/train_step.py --config=configs/llama.py:1b --config.model.attention=cudnn
+Plan on any machine, compiled for the H100s each preset is meant for (GPUS below):
+  python train.py --config=configs/llama.py:8b --config.dry_run=True --config.plan.target=H100 \
+      --config.plan.devices=8
 Should reach: the loss falls as the default run's does (they train byte-level on the default
-corpus until the tokenizer issue gives them a real vocabulary). On GPU, compare the benchmark's MFU
-with the peers' 33–50% in shared/ANCHORS.md; no GPU figure has been measured for these yet.
-8b needs FSDP over 8 GPUs of 80 GB (the default mesh, fsdp=-1).
+corpus until the tokenizer issue gives them a real vocabulary). Compiled for H100 (pallas or
+cudnn attention), a step needs 31.0 GiB (125m), 47.9 GiB (1b) and 55.4 GiB a GPU (8b, FSDP over
+8), within the 59.7 GiB JAX's allocator takes of each. On GPU, compare the benchmark's MFU with
+the peers' 33–50% MFU (MaxText, torchtitan); no GPU step has been timed for these yet.
 """
 
 from configs import base
@@ -29,6 +33,7 @@ RUNS = {  # name: global batch (sequences), seq_len, remat policy
     '1b': (8, 4096, 'full'),
     '8b': (32, 8192, 'full'),
 }
+GPUS = {'125m': 1, '1b': 1, '8b': 8}  # H100s each run is meant for (tests compile it so)
 
 
 def get_config(preset: str = '1b'):

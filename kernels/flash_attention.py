@@ -15,13 +15,12 @@ Causal is bottom-right aligned (queries are the last L of the S positions), matc
 reference; causal loops stop at the diagonal, so fully masked blocks cost nothing. Lengths are
 padded up to the block sizes and the padding masked; a row with nothing to attend to gives zeros.
 
-GPU lowering: Pallas's Triton backend, chosen explicitly with `pltriton.CompilerParams` (JAX
-0.10+ defaults pallas_call to Mosaic GPU, where pallas_call itself is deprecated for
-`plgpu.kernel`). Why Triton for now: this block-level kernel body is the one Pallas runs in
-interpret mode on CPU, so every line the GPU executes is also what the CPU tests check; a Mosaic
-GPU kernel (warpgroup wgmma, TMA pipelines) needs a separate, warpgroup-level body that can only be
-tested on Hopper. The choice is to be revisited with the numbers from benchmarks/attention.py on
-an H100/H200 (none was available when this was written).
+Lowering, chosen for the platform being compiled for (`jax.lax.platform_dependent`), not for
+the devices this process has: Pallas's Triton backend on CUDA (so a step compiled here for GPUs
+that are not here, training/gpu_compiler.py, contains the Triton kernels), interpret mode
+elsewhere (CPU tests). Triton rather than Mosaic GPU (JAX's default for pallas_call on GPU): this
+block-level body is the one interpret mode runs, so every line the GPU executes is what the CPU
+tests check; Mosaic GPU needs a separate warpgroup-level body, and it rejects this one.
 """
 
 import functools
@@ -29,37 +28,32 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30  # a finite "minus infinity": exp(NEG - NEG) never makes a NaN
 
 
-def _on_gpu() -> bool:
-  return jax.devices()[0].platform == 'gpu'
-
-
-def _compiler_params(num_warps: int, num_stages: int):
-  if not _on_gpu():
-    return None
-  from jax.experimental.pallas import triton as pltriton
-  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
 def default_blocks(head_dim: int) -> tuple[int, int, int, int]:
-  """(block_q, block_k, num_warps, num_stages) for this device and head_dim.
-
-  GPU: FlashAttention-2-style tiles that keep q, the accumulator and one k/v tile in registers and
-  shared memory on A100/H100 (larger head dims take narrower key tiles); to be tuned with
-  benchmarks/attention.py. CPU (interpret mode): large blocks, since each program is a Python-
-  level loop step."""
-  if not _on_gpu():
-    return 128, 128, 4, 1
+  """(block_q, block_k, num_warps, num_stages) for head_dim: the largest tiles with which none of
+  the three kernels spills registers on Hopper (benchmarks/kernel_resources.py shows how they
+  were chosen). num_warps and num_stages are Triton's; interpret mode uses only the tiles."""
   if head_dim <= 64:
-    return 128, 128, 4, 3
+    return 128, 128, 8, 3
   if head_dim <= 128:
     return 128, 64, 8, 2
-  return 64, 32, 8, 2
+  return 128, 32, 8, 2
+
+
+def _pallas(kernel, args, *, interpret, num_warps, num_stages, **call):
+  """pl.pallas_call(kernel, **call)(*args), lowered with Triton when compiled for CUDA and in
+  interpret mode for any other platform (or everywhere when `interpret` is True)."""
+  def lowered_for(gpu: bool):
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages) if gpu else None
+    return pl.pallas_call(kernel, interpret=not gpu, compiler_params=params, **call)
+  if interpret is not None:
+    return lowered_for(not interpret)(*args)
+  return jax.lax.platform_dependent(*args, cuda=lowered_for(True), default=lowered_for(False))
 
 
 def _block(size: int, requested: int) -> int:
@@ -203,8 +197,8 @@ def _flash(q, k, v, q_seg, kv_seg, static):
 
 def _statics(static):
   causal, bq, bk, L, S, interpret, warps, stages = static
-  return dict(causal=causal, bq=bq, bk=bk, L=L, S=S, interpret=interpret,
-              params=_compiler_params(warps, stages))
+  return dict(causal=causal, bq=bq, bk=bk, L=L, S=S,
+              launch=dict(interpret=interpret, num_warps=warps, num_stages=stages))
 
 
 def _forward(q, k, v, q_seg, kv_seg, static):
@@ -225,14 +219,13 @@ def _forward(q, k, v, q_seg, kv_seg, static):
     in_specs += [pl.BlockSpec((sq, bq), lambda b, n, i: (b, i)),
                  pl.BlockSpec((sq, Sp), lambda b, n, i: (b, 0))]
     args += [q_seg, kv_seg]
-  o, lse = pl.pallas_call(
-      kernel, grid=(B, N, Lp // bq), in_specs=in_specs,
+  o, lse = _pallas(
+      kernel, args, grid=(B, N, Lp // bq), in_specs=in_specs,
       out_specs=[pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
                  pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, N, Lp), jnp.float32)],
-      interpret=st['interpret'], compiler_params=st['params'], name='flash_attention_fwd',
-  )(*args)
+      name='flash_attention_fwd', **st['launch'])
   return o, (q, k, v, q_seg, kv_seg, o, lse)
 
 
@@ -258,12 +251,11 @@ def _backward(static, residuals, do):
   if segments:
     dq_specs += [pl.BlockSpec((sq, bq), lambda b, n, i: (b, i)),
                  pl.BlockSpec((sq, Sp), lambda b, n, i: (b, 0))]
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, n_kv=Sp // bk, **common), grid=(B, N, Lp // bq),
-      in_specs=dq_specs, out_specs=pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      interpret=st['interpret'], compiler_params=st['params'], name='flash_attention_dq',
-  )(q, k, v, do, lse, delta, *seg_args)
+  dq = _pallas(
+      functools.partial(_dq_kernel, n_kv=Sp // bk, **common), [q, k, v, do, lse, delta, *seg_args],
+      grid=(B, N, Lp // bq), in_specs=dq_specs,
+      out_specs=pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name='flash_attention_dq', **st['launch'])
 
   # q, do, lse, delta and the query segment ids are read whole and indexed in the kernel: one
   # program walks all G query heads of its kv head.
@@ -274,13 +266,12 @@ def _backward(static, residuals, do):
                whole, whole, whole]
   if segments:
     dkv_specs += [whole, pl.BlockSpec((sq, bk), lambda b, h, j: (b, j))]
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, n_q=Lp // bq, group=G, **common), grid=(B, K, Sp // bk),
-      in_specs=dkv_specs,
+  dk, dv = _pallas(
+      functools.partial(_dkv_kernel, n_q=Lp // bq, group=G, **common),
+      [q, k, v, do, lse, delta, *seg_args], grid=(B, K, Sp // bk), in_specs=dkv_specs,
       out_specs=[pl.BlockSpec((sq, bk, sq, H), lambda b, h, j: (b, j, h, 0))] * 2,
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      interpret=st['interpret'], compiler_params=st['params'], name='flash_attention_dkv',
-  )(q, k, v, do, lse, delta, *seg_args)
+      name='flash_attention_dkv', **st['launch'])
   return dq, dk, dv, None, None
 
 
@@ -294,7 +285,8 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
 
   block_q, block_k: query and key rows per program (powers of two; shorter inputs use less).
   num_warps, num_stages: Triton launch settings on GPU. 0 takes default_blocks(head_dim).
-  interpret: Pallas interpret mode (default: on when not on a GPU).
+  interpret: None (default) lowers with Triton for CUDA and in interpret mode for any other
+  platform; True interprets everywhere, False uses Triton everywhere.
   """
   B, L, N, H = q_BLNH.shape
   defaults = default_blocks(H)
@@ -313,6 +305,5 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
   if segment_ids_BL is not None:
     q_seg = _pad(segment_ids_BL.astype(jnp.int32), 1, Lp)
     kv_seg = _pad(kv_segment_ids_BS.astype(jnp.int32), 1, Sp)
-  interpret = (not _on_gpu()) if interpret is None else interpret
   static = (causal, bq, bk, L, S, interpret, num_warps, num_stages)
   return _flash(q, k, v, q_seg, kv_seg, static)[:, :L]

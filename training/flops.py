@@ -1,4 +1,5 @@
-"""Model FLOPs per token and device peaks, for MFU (the MaxText convention, shared/ANCHORS.md).
+"""Model FLOPs per token, and MFU against the device's peak (training/gpus.py), by MaxText's
+convention:
 
   dense     = 6 · (n_layers · matmul params per layer + d_model · vocab)  per token
               (the embedding lookup is not a matmul; the output head is, tied or not)
@@ -8,17 +9,14 @@ Rematerialised recomputation is not credited: MFU counts the model's work, not t
 """
 
 from model.config import ModelConfig
-
-# Dense bf16 peak TFLOP/s per device (vendor datasheets, without sparsity).
-PEAK_BF16_TFLOPS = {'A100': 312.0, 'H100 PCIe': 756.0, 'H100': 989.0, 'H200': 989.0}
+from training import gpus
 
 
 def peak_tflops(device_kind: str) -> float | None:
-  """The bf16 peak for a jax device_kind such as 'NVIDIA H100 80GB HBM3'; None if unknown."""
-  for name in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # 'H100 PCIe' before 'H100'
-    if name in device_kind:
-      return PEAK_BF16_TFLOPS[name]
-  return None
+  """The dense bf16 peak (training/gpus.py) for a jax device_kind such as 'NVIDIA H100 80GB
+  HBM3' or a GPU name; None for devices not in that table."""
+  gpu = gpus.find(device_kind)
+  return gpu.peak_bf16_flops / 1e12 if gpu else None
 
 
 def matmul_params_per_layer(cfg: ModelConfig) -> int:

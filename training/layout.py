@@ -8,9 +8,10 @@ for that mesh and policy (more only repeat FSDP's gathers on smaller matmuls). A
 alone (the step's arguments) exceeds the memory is dropped without trying the rest.
 
 Step-time estimate, deliberately simple (no overlap of compute and communication assumed):
-  compute = model FLOPs per device (training/flops.py) × recompute / peak bf16 FLOP/s,
+  compute = model FLOPs per device (training/flops.py) × recompute / the device's bf16 peak,
             recompute = 1 (none), 1.1 (dots: attention and elementwise ops again), 4/3 (full)
-  comm    = bytes each device moves per step / link bandwidth (NVLink, per direction)
+  comm    = bytes each device moves per step / the device's link bandwidth (per direction)
+  (peak and link from training/gpus.py; other devices are ranked at 100 TFLOP/s and 100 GB/s)
     fsdp (×sequence, which shards the same dim), g = f·s:  weights gathered forward and
               backward per microbatch, again when `full` recomputes: (2|3)·M·P·c/t·(g−1)/g,
               plus fp32 gradients reduce-scattered: 4·P/t·(g−1)/g
@@ -27,14 +28,13 @@ import math
 
 from model import ModelConfig
 from sharding import AXES
-from training import flops as flops_lib
+from training import gpus
 from training import plan as plan_lib
 from training.state import build, param_count
 
 POLICIES = ('none', 'dots', 'full')
 RECOMPUTE = {'none': 1.0, 'dots': 1.1, 'full': 4 / 3}
-LINK_GB_PER_S = {'A100': 300, 'H100': 450, 'H200': 450}  # NVLink, per direction
-UNKNOWN_DEVICE = (100.0, 100.0)  # TFLOP/s and GB/s assumed for other devices (ranking only)
+UNKNOWN_DEVICE = (100e12, 100e9)  # FLOP/s and link bytes/s assumed for other devices (ranking only)
 
 
 @dataclasses.dataclass
@@ -76,14 +76,12 @@ def comm_bytes(cfg: ModelConfig, params: int, mesh: dict, policy: str, microbatc
 
 def estimate(plan: plan_lib.Plan, setup, config) -> tuple[float, float]:
   """(compute seconds, communication seconds) of one step, per the module's formula."""
-  peak = flops_lib.peak_tflops(plan.device)
-  link = next((v for k, v in LINK_GB_PER_S.items() if k in plan.device), None)
-  if peak is None or link is None:
-    peak, link = UNKNOWN_DEVICE
-  compute = plan.flops * RECOMPUTE[plan.remat_policy] / (peak * 1e12)
+  gpu = gpus.find(plan.device)
+  peak, link = (gpu.peak_bf16_flops, gpu.link_bandwidth) if gpu else UNKNOWN_DEVICE
+  compute = plan.flops * RECOMPUTE[plan.remat_policy] / peak
   moved = comm_bytes(setup.model_cfg, param_count(setup.abstract_state.params), plan.mesh,
                      plan.remat_policy, plan.microbatches, config.batch_size, config.seq_len)
-  return compute, moved / (link * 1e9)
+  return compute, moved / link
 
 
 def with_layout(config, mesh: dict, policy: str, microbatches: int):
@@ -95,9 +93,9 @@ def with_layout(config, mesh: dict, policy: str, microbatches: int):
 
 def search(config, devices, log=print) -> list[Candidate]:
   """The candidates that fit, fastest estimate first."""
-  if plan_lib.memory_bytes(config, devices) is None:
+  if plan_lib.memory_budget(config, devices)[0] is None:
     raise ValueError('config.mesh.auto=True needs the memory to fit: set config.plan.target '
-                     f'(one of {sorted(plan_lib.MEMORY_GB)}) or config.plan.memory_gb')
+                     f'(one of {sorted(gpus.GPUS)}) or config.plan.memory_gb')
   found = []
   for mesh in meshes(len(devices)):
     state_fits = True
@@ -109,7 +107,7 @@ def search(config, devices, log=print) -> list[Candidate]:
           setup = build(candidate, devices)
         except ValueError:  # the model or batch does not divide this way
           break
-        _, the_plan = plan_lib.compile_and_plan(setup, candidate, devices)
+        _, the_plan = plan_lib.compile_and_plan(setup, candidate)
         if the_plan.fits:
           found.append(Candidate(mesh, policy, microbatches, the_plan,
                                  *estimate(the_plan, setup, candidate)))

@@ -1,7 +1,6 @@
 """The training loop: config → tokenizer → [layout] → setup → checkpoints checked → data → the
 step compiled and its plan checked → state restored or initialised → steps, logs, evals, saves."""
 
-import dataclasses
 import functools
 import time
 import warnings
@@ -109,27 +108,33 @@ def run(config, devices=None) -> list[dict]:
   distributed.initialize(config.distributed)  # before anything touches a device
   tokenizer = tokenizers.load(config.data)
   config = tokenizers.with_vocab_size(config, tokenizer)
-  if config.mesh.auto:
-    config, _ = layout.choose(config, jax.devices() if devices is None else list(devices),
-                              log=print if jax.process_index() == 0 else lambda *a: None)
+  devices = jax.devices() if devices is None else list(devices)
+  plan_lib.check_target(config, devices)
+  if planned_elsewhere := plan_lib.plan_in_compiler_process(config, devices):
+    return [planned_elsewhere]
+  if config.dry_run or config.mesh.auto:  # compile for the GPUs planned for, if not these
+    planned = plan_lib.target_devices(config, devices)
+    if config.mesh.auto:
+      config, _ = layout.choose(config, planned,
+                                log=print if jax.process_index() == 0 else lambda *a: None)
+    if config.dry_run:
+      _, the_plan = plan_lib.compile_and_plan(build(config, planned), config)
+      plan_lib.report(the_plan)
+      return [the_plan.as_dict()]
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
-  if config.dry_run:
-    _, the_plan = plan_lib.compile_and_plan(setup, config, devices)
-    plan_lib.report(the_plan)
-    return [dataclasses.asdict(the_plan)]
   workdir = metrics_lib.prepare_workdir(config.workdir)
   checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints', keep=config.keep_checkpoints)
                   if config.checkpoint_every else None)
   try:
     check_checkpoints(checkpointer, setup, config, tokenizer)
     with StopSignals() as stop, distributed.explain_failures(config.distributed):
-      return _train(config, setup, devices, workdir, tokenizer, checkpointer, stop)
+      return _train(config, setup, workdir, tokenizer, checkpointer, stop)
   finally:
     if checkpointer:
       checkpointer.close()  # waits for the save in flight
 
 
-def _train(config, setup, devices, workdir, tokenizer, checkpointer, stop) -> list[dict]:
+def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   corpus = load_corpus(config.data)
   warn_about_data(config, corpus)
   is_main = jax.process_index() == 0
@@ -148,7 +153,7 @@ def _train(config, setup, devices, workdir, tokenizer, checkpointer, stop) -> li
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
       f'model vocab {config.model.vocab_size}), {config.data.workers} worker(s)')
   t0 = time.perf_counter()
-  train_step, the_plan = plan_lib.compile_and_plan(setup, config, devices)
+  train_step, the_plan = plan_lib.compile_and_plan(setup, config)
   plan_lib.check_fits(the_plan)  # before the state is allocated
   start_step, state, data_state = initial_state(setup, config, checkpointer, log)
   if start_step:

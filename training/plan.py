@@ -6,12 +6,17 @@ configured mesh from the abstract state, and what the compiled program says abou
 Per device: argument bytes (parameters, optimizer state, batch), output bytes, temporaries
 (activations, gradients, workspace), total = arguments + outputs + temporaries − aliased (the
 donated state is updated in place); FLOPs per step (the model's, training/flops.py, as MFU counts
-them; XLA's own count is `compiled_flops`, which counts a scanned layer once); the collectives
-in the program text. `config.plan.target` plans for another device than the ones present (e.g.
-H100 when planning on CPU with fake devices, XLA_FLAGS=--xla_force_host_platform_device_count=8);
-its memory, or `config.plan.memory_gb`, is what a real run must fit in before it allocates.
-A CPU compile stands in for a GPU one only approximately: arguments are exact, temporaries follow
-the CPU compiler's choices (and XLA attention materialises its scores; cuDNN and Pallas don't).
+them; on CPU also XLA's own count, which counts a scanned layer once; the GPU compiler gives none);
+the collectives in the program text.
+
+`config.plan.target` names a GPU of training/gpus.py to plan for. Unless this process has that
+GPU, the step is compiled by the GPU compiler for `config.plan.devices` (0: as many as this process
+has devices) compile-only GPUs (training/gpu_compiler.py), so the figures are the GPU compiler's
+own. Without the GPU compiler installed, the step is compiled for this machine's devices instead,
+and the plan says it is a stand-in: arguments are exact, but temporaries follow the CPU compiler
+(which, for one, keeps collectives in fp32). A plan fits when its total is within what JAX's
+allocator takes of the target's memory (gpus.usable_memory_bytes), `config.plan.memory_gb`, or the
+`bytes_limit` the devices here report.
 """
 
 import dataclasses
@@ -21,19 +26,21 @@ import jax
 
 from sharding import collectives
 from training import flops as flops_lib
+from training import gpu_compiler, gpus
 from training import metrics
 from training import step as step_lib
 from training.state import Setup, local_device
 
-MEMORY_GB = {'A100': 80, 'H100': 80, 'H200': 141}  # HBM per device (the 80 GB A100 and H100)
-
 
 @dataclasses.dataclass
 class Plan:
-  device: str
+  device: str  # what it plans for: config.plan.target, or the device kind here
+  compiled_for: str  # the device kind whose compiler made these figures
+  deviceless: bool  # compiled for GPUs this process does not have
   n_devices: int
   mesh: dict
   remat_policy: str
+  attention: str
   microbatches: int
   argument_bytes: int
   output_bytes: int
@@ -42,42 +49,101 @@ class Plan:
   total_bytes: int
   host_bytes: int  # in pinned host memory (offloaded optimizer state or activations), if reported
   flops: float  # per device per step, the model's (training/flops.py)
-  compiled_flops: float  # XLA's cost analysis of the per-device program
+  compiled_flops: float | None  # XLA's cost analysis of the per-device program (CPU only)
   collectives: dict  # {op: {'count', 'bytes'}} in the program text
-  memory_bytes: int | None  # what the target device offers; None if unknown
+  memory_bytes: int | None  # what the target device offers a run; None if unknown
+  memory_source: str  # where memory_bytes comes from
 
   @property
   def fits(self) -> bool | None:
     return None if self.memory_bytes is None else self.total_bytes <= self.memory_bytes
 
+  def as_dict(self) -> dict:
+    """The plan as its JSON line has it."""
+    return {**dataclasses.asdict(self), 'fits': self.fits}
 
-def target_device(config, devices) -> str:
-  return config.plan.target or devices[0].device_kind
+
+def check_target(config, devices) -> None:
+  """A run that trains must train on the GPU its plan is for (a dry run may plan for any)."""
+  if config.plan.target and not config.dry_run:
+    gpu = gpus.get(config.plan.target)
+    kind = local_device(devices).device_kind
+    if kind != gpu.device_kind:
+      raise ValueError(
+          f'config.plan.target={config.plan.target!r} plans for {gpu.device_kind}, but this run '
+          f'would train on {kind}; add --config.dry_run=True to plan without training, or leave '
+          'config.plan.target empty to plan for the devices here')
 
 
-def memory_bytes(config, devices) -> int | None:
-  """Per-device memory a run must fit in: config.plan.memory_gb, else the target's, else what
-  the backend reports for the devices in use (GPUs do; the CPU does not)."""
+def target_devices(config, devices=None) -> list:
+  """The devices a plan compiles for: `devices` (default: all), unless config.plan.target names
+  a GPU they are not, or config.plan.devices another count; then compile-only GPUs of the target
+  (training/gpu_compiler.py), or, without the GPU compiler, `devices` as a stand-in."""
+  here = jax.devices() if devices is None else list(devices)
+  n = config.plan.devices or len(here)
+  if not config.plan.target:
+    if n != len(here):
+      raise ValueError(f'config.plan.devices={n} plans for that many GPUs of config.plan.target; '
+                       f'name one of {sorted(gpus.GPUS)} (there are {len(here)} devices here)')
+    return here
+  gpu = gpus.get(config.plan.target)
+  if _are_the_target(here, gpu, n):
+    return here  # planning on the GPUs themselves
+  if gpu_compiler.in_this_process():
+    return gpu_compiler.devices(gpu, n)
+  if n != len(here):
+    raise ValueError(f'config.plan.devices={n} needs the GPU compiler (`{gpu_compiler.INSTALL}`);'
+                     f' without it the plan is compiled for the {len(here)} devices here')
+  return here
+
+
+def _are_the_target(devices, gpu: gpus.GPU, n: int) -> bool:
+  return local_device(devices).device_kind == gpu.device_kind and n == len(devices)
+
+
+def plan_in_compiler_process(config, devices) -> dict | None:
+  """A dry run for a GPU that neither this process has nor can compile for, but a child process
+  can (training/gpu_compiler.py): its plan, made there. None where the plan is made here."""
+  if not (config.dry_run and config.plan.target):
+    return None
+  n = config.plan.devices or len(devices)
+  if (_are_the_target(devices, gpus.get(config.plan.target), n)
+      or gpu_compiler.in_this_process() or not gpu_compiler.installed()):
+    return None
+  config = config.copy_and_resolve_references()
+  config.plan.devices = n
+  return gpu_compiler.plan_in_compiler_process(config)
+
+
+def memory_budget(config, devices) -> tuple[int | None, str]:
+  """(bytes, where from) a run must fit in, per device: config.plan.memory_gb, else what JAX's
+  allocator takes of the target GPU's memory, else the allocator's limit on the devices in use
+  (GPUs report it; the CPU does not)."""
   if config.plan.memory_gb:
-    return int(config.plan.memory_gb * 1e9)
+    return int(config.plan.memory_gb * 1e9), 'config.plan.memory_gb'
   if config.plan.target:
-    if config.plan.target not in MEMORY_GB:
-      raise ValueError(f'config.plan.target={config.plan.target!r} is not one of '
-                       f'{sorted(MEMORY_GB)}; or give config.plan.memory_gb')
-    return MEMORY_GB[config.plan.target] * 10**9
+    gpu = gpus.get(config.plan.target)
+    return gpus.usable_memory_bytes(gpu), (
+        f'{gpus.memory_fraction():.0%} of {gpu.name} {readable_bytes(gpu.memory_bytes)}, '
+        "JAX's allocator (XLA_PYTHON_CLIENT_MEM_FRACTION)")
   stats = local_device(devices).memory_stats() or {}
-  return stats.get('bytes_limit')
+  return stats.get('bytes_limit'), "the allocator's bytes_limit"
 
 
-def make_plan(compiled, setup: Setup, config, devices) -> Plan:
+def make_plan(compiled, setup: Setup, config) -> Plan:
+  devices = list(setup.mesh.devices.flat)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
   n = setup.mesh.size
   tokens = config.batch_size * config.seq_len
+  kind = local_device(devices).device_kind
+  budget, source = memory_budget(config, devices)
   return Plan(
-      device=target_device(config, devices), n_devices=n, mesh=dict(setup.mesh.shape),
-      remat_policy=config.model.remat_policy, microbatches=config.microbatches,
+      device=config.plan.target or kind, compiled_for=kind,
+      deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
+      mesh=dict(setup.mesh.shape), remat_policy=config.model.remat_policy,
+      attention=config.model.attention, microbatches=config.microbatches,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
       total_bytes=(memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -85,21 +151,24 @@ def make_plan(compiled, setup: Setup, config, devices) -> Plan:
       host_bytes=(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
                   + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
       flops=flops_lib.flops_per_token(setup.model_cfg, config.seq_len) * tokens / n,
-      compiled_flops=float((cost or {}).get('flops', 0.0)),
+      compiled_flops=float(cost['flops']) if cost and 'flops' in cost else None,
       collectives=collectives.summary(compiled.as_text()),
-      memory_bytes=memory_bytes(config, devices))
+      memory_bytes=budget, memory_source=source)
 
 
 def check_fits(plan: Plan) -> None:
   """Before a real run allocates: the compiled step's memory within the device's."""
   if plan.fits is False:
+    fused = ('use a fused attention that never stores the [L, S] scores (config.model.attention='
+             'cudnn or pallas), ' if plan.attention == 'xla' else '')
     raise ValueError(
         f'the train step needs {readable_bytes(plan.total_bytes)} per device (arguments '
-        f'{readable_bytes(plan.argument_bytes)}, temporaries {readable_bytes(plan.temp_bytes)}) but a {plan.device} has '
-        f'{readable_bytes(plan.memory_bytes)}; recompute more (config.model.remat_policy='
-        f'{plan.remat_policy!r} → full), shard the state over more devices (config.mesh.fsdp), '
-        f'or split the batch (config.microbatches={plan.microbatches} → '
-        f'{plan.microbatches * 2}). `--config.dry_run=True` shows the plan without running')
+        f'{readable_bytes(plan.argument_bytes)}, temporaries {readable_bytes(plan.temp_bytes)}) '
+        f'but a {plan.device} has {readable_bytes(plan.memory_bytes)} ({plan.memory_source}); '
+        f'{fused}recompute more (config.model.remat_policy={plan.remat_policy!r} → full), shard '
+        'the state over more devices (config.mesh.fsdp), or split the batch (config.microbatches='
+        f'{plan.microbatches} → {plan.microbatches * 2}). `--config.dry_run=True` shows the plan '
+        'without running')
 
 
 def readable_bytes(n: int | None) -> str:
@@ -108,11 +177,25 @@ def readable_bytes(n: int | None) -> str:
   return f'{n / 2**30:,.2f} GiB' if n >= 2**28 else f'{n / 2**20:,.2f} MiB'
 
 
+def compiled_for(plan: Plan) -> str:
+  """The 'compiled for' line: the GPU compiler without a GPU, the devices here, or a stand-in."""
+  if plan.deviceless:
+    return f'{plan.compiled_for} (deviceless: the GPU compiler, no GPU)'
+  if gpus.find(plan.device) and plan.compiled_for != gpus.find(plan.device).device_kind:
+    return (f'{plan.compiled_for}, a stand-in for {plan.device}: temporaries approximate; '
+            f'`{gpu_compiler.INSTALL}` compiles for {plan.device} itself')
+  return plan.compiled_for
+
+
 def report(plan: Plan) -> None:
   """A table for people, then the plan as one JSON line."""
+  xla_flops = ('' if plan.compiled_flops is None else
+               f' (XLA counts {plan.compiled_flops:.3e}, a scanned layer once)')
   rows = [('device', f'{plan.n_devices} × {plan.device}'),
+          ('compiled for', compiled_for(plan)),
           ('mesh', ' × '.join(f'{a}={s}' for a, s in plan.mesh.items())),
-          ('remat policy, microbatches', f'{plan.remat_policy}, {plan.microbatches}'),
+          ('attention, remat policy', f'{plan.attention}, {plan.remat_policy}'),
+          ('microbatches', str(plan.microbatches)),
           ('arguments / device', readable_bytes(plan.argument_bytes)),
           ('outputs / device', f'{readable_bytes(plan.output_bytes)} ({readable_bytes(plan.alias_bytes)} of them '
                                'in place of donated arguments)'),
@@ -120,18 +203,18 @@ def report(plan: Plan) -> None:
           ('total / device', f'{readable_bytes(plan.total_bytes)} of {readable_bytes(plan.memory_bytes)}: '
                              + {True: 'fits', False: 'does NOT fit', None: 'device memory unknown'}
                              [plan.fits]),
+          ('memory available', plan.memory_source),
           ('host memory / device', readable_bytes(plan.host_bytes)),
-          ('FLOPs / device / step', f'{plan.flops:.3e} (XLA counts {plan.compiled_flops:.3e}, '
-                                    'a scanned layer once)')]
+          ('FLOPs / device / step', f'{plan.flops:.3e}{xla_flops}')]
   rows += [(f'{op} in the program', f'{c["count"]} ({readable_bytes(c["bytes"])} of results)')
            for op, c in sorted(plan.collectives.items())]
   metrics.print_table(rows)
-  print(json.dumps({**dataclasses.asdict(plan), 'fits': plan.fits}))
+  print(json.dumps(plan.as_dict()))
 
 
-def compile_and_plan(setup: Setup, config, devices=None):
-  """(compiled train step, its Plan): compiling needs only the abstract state."""
-  devices = jax.devices() if devices is None else list(devices)
+def compile_and_plan(setup: Setup, config):
+  """(compiled train step, its Plan) for the devices of setup's mesh: compiling needs only the
+  abstract state."""
   compiled = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
                                          config.loss.z_loss, microbatches=config.microbatches)
-  return compiled, make_plan(compiled, setup, config, devices)
+  return compiled, make_plan(compiled, setup, config)

@@ -69,6 +69,11 @@ def build(config, devices=None) -> Setup:
   sizes = sharding.mesh_shape(config.mesh, len(devices))
   sharding.check_fits_mesh(model_cfg, config.batch_size, config.seq_len, sizes,
                            config.microbatches)
+  if model_cfg.attention == 'cudnn' and sizes['sequence'] > 1:
+    raise ValueError(f"config.model.attention='cudnn' cannot run with config.mesh.sequence="
+                     f"{sizes['sequence']}: cuDNN's partitioner needs queries, keys and values "
+                     'split alike, and sequence parallelism splits only the queries; use '
+                     '--config.model.attention=pallas, or config.mesh.sequence=1')
   if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':
     raise ValueError(f"config.model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
                      f"{devices[0].platform}; use --config.model.attention=xla")
