@@ -10,7 +10,7 @@ checkpoint.
 
 from absl import app, flags
 
-from training import checkpoint, sampling
+from training import checkpoint, cli, sampling
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "A run's workdir, checkpoints/ or checkpoints/STEP.",
                                required=True)
@@ -19,6 +19,8 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generat
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, '0: greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', 40, 'Sample among this many most likely tokens; 0: all.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Random seed of the draws.')
+_MAX_LEN = flags.DEFINE_integer('max_len', 0, 'Prompt + continuation at most, in tokens; 0: the '
+                                'seq_len the model was trained at.')
 
 
 def main(argv):
@@ -29,10 +31,11 @@ def main(argv):
   print(f'# {loaded.checkpoint}: temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
         f'seed {_SEED.value}')
   texts = sampling.complete(loaded, _PROMPT.value, _MAX_NEW_TOKENS.value,
-                            temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value)
+                            temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value,
+                            max_len=_MAX_LEN.value)
   for prompt, text in zip(_PROMPT.value, texts):
     print(f'--- prompt {prompt!r}\n{prompt}{text}')
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -9,7 +9,7 @@ import os
 from absl import app
 from ml_collections import config_flags
 
-from training import checkpoint, loop
+from training import checkpoint, cli, loop
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
 _CONFIG = config_flags.DEFINE_config_file('config', _DEFAULT,
@@ -24,4 +24,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -73,8 +73,7 @@ def find_files(paths: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
 
 def split_files(root: pathlib.Path, files, validation_fraction: float):
   """(train, validation) paths relative to root, by a hash of the relative path."""
-  if not 0 < validation_fraction < 1:
-    raise ValueError(f'config.data.validation_fraction={validation_fraction} must be in (0, 1)')
+  _check_validation_fraction(validation_fraction)
   if len(files) < 2:
     raise ValueError(f'config.data.paths holds {len(files)} usable file(s); at least 2 are needed '
                      'for a train and a validation split')
@@ -185,8 +184,9 @@ def _named_builder(data_config):
     with _quiet_tfds():
       builder = tfds.builder(name, data_dir=data_dir(data_config))
   except Exception as e:  # TFDS raises several types for unknown or unreadable datasets
+    reason = str(e).strip().splitlines()[0][:200]  # not TFDS's list of every dataset it knows
     raise ValueError(f'config.data.name={name!r}: no such TFDS dataset in '
-                     f'config.data.data_dir={data_dir(data_config)!r} ({e})') from None
+                     f'config.data.data_dir={data_dir(data_config)!r} ({reason})') from None
   with _quiet_tfds():
     prepared = builder.is_prepared()
   if not prepared:
@@ -226,6 +226,21 @@ class Corpus:
   text_key: str
   description: str
   max_document_bytes: int | None  # known for `paths` corpora
+
+
+def check(data_config) -> None:
+  """The cheap checks of load (the files exist, the named dataset is prepared), without
+  preparing or reading anything: for a run to fail before it creates anything."""
+  if data_config.name:
+    _named_builder(data_config)
+  else:
+    find_files(data_config.paths)
+    _check_validation_fraction(data_config.validation_fraction)
+
+
+def _check_validation_fraction(fraction: float) -> None:
+  if not 0 < fraction < 1:
+    raise ValueError(f'config.data.validation_fraction={fraction} must be in (0, 1)')
 
 
 def load(data_config) -> Corpus:

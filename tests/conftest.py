@@ -22,7 +22,7 @@ from training import gpu_compiler  # noqa: E402  (imports no jax)
 
 # This process compiles for GPUs too (tests/test_gpu_compile.py): the GPU compiler must be on the
 # path before jax is imported; the processes tests start do not get it.
-if os.environ['JAX_PLATFORMS'] == 'cpu':
+if os.environ['JAX_PLATFORMS'] == 'cpu' and 'jax' not in sys.modules:
   gpu_compiler.put_on_path()
 
 import jax  # noqa: E402

@@ -50,10 +50,12 @@ def start(workdir):
 
 
 def read_until(process, prefix):
+  seen = []
   for line in process.stdout:
     if line.startswith(prefix):
       return line
-  raise AssertionError(f'the run ended before printing {prefix!r}')
+    seen.append(line)
+  raise AssertionError(f'the run ended before printing {prefix!r}:\n{"".join(seen[-20:])}')
 
 
 def metrics(workdir):
@@ -156,12 +158,68 @@ def test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint(tm
   for f in (tmp_path / '2' / 'state').rglob('*'):
     if f.is_file() and f.stat().st_size > 0:
       f.write_bytes(b'\0' * 7)  # truncated and corrupted
-  with pytest.warns(CheckpointWarning, match=f'{tmp_path.name}/2 does not restore'):
+  with pytest.warns(CheckpointWarning, match=f'{tmp_path.name}/2 is damaged'):
     step, _, data = Checkpointer(tmp_path).restore_latest(saved_setup.abstract_state,
                                                           config.model)
   assert step == 1 and data == {'rows': [1]}
 
 
+
+
+def array_files(checkpoint):
+  """The files holding a checkpoint's array data, largest first."""
+  files = [f for f in (checkpoint / 'state').rglob('*') if f.is_file() and '/d/' in str(f)]
+  return sorted(files, key=lambda f: f.stat().st_size, reverse=True)
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_its_step_saved_again(tmp_path):
+  """Truncated array files: the run resumes from the checkpoint before, keeps the damaged one in
+  checkpoints-damaged/, and saves that step afresh (before, its save failed on every run)."""
+  loop.run(tiny_run(tmp_path, train_steps=4))
+  for f in array_files(tmp_path / 'checkpoints' / '4'):
+    f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 3])
+  with pytest.warns(CheckpointWarning, match=r'checkpoints/4 is damaged .*moved to .*'
+                                             r'checkpoints-damaged/4'):
+    records = loop.run(tiny_run(tmp_path, train_steps=6))
+  assert [r['step'] for r in records if 'loss' in r] == [3, 4, 5, 6]
+  assert Checkpointer(tmp_path / 'checkpoints').steps() == [6, 4, 2]
+  assert array_files(tmp_path / 'checkpoints-damaged' / '4')  # kept for a person to look at
+
+
+def test_corrupted_bytes_fail_the_checksums_and_are_not_trained_from(tmp_path):
+  """Random bytes inside an array file restore without an error from orbax; the checksums saved
+  with the state catch them."""
+  loop.run(tiny_run(tmp_path, train_steps=4))
+  biggest = array_files(tmp_path / 'checkpoints' / '4')[0]
+  data = bytearray(biggest.read_bytes())
+  data[len(data) // 2:len(data) // 2 + 64] = np.random.default_rng(0).bytes(64)
+  biggest.write_bytes(bytes(data))
+  config = tiny_run(tmp_path, train_steps=4)
+  setup = build(config)
+  with pytest.warns(CheckpointWarning, match=r'checkpoints/4 is damaged \(1 of \d+ arrays differ '
+                                             r'from their checksums: '):
+    step, _, _ = Checkpointer(tmp_path / 'checkpoints').restore_latest(setup.abstract_state,
+                                                                        config.model)
+  assert step == 2 and (tmp_path / 'checkpoints-damaged' / '4').is_dir()
+
+
+def test_checksums_do_not_depend_on_the_sharding():
+  state = build(tiny_config(fsdp=8)).init_state()
+  other = jax.device_put(state, build(tiny_config(fsdp=4, tensor=2)).state_shardings)
+  from training.checkpoint import checksums
+  assert checksums(state) == checksums(other)
+  flipped = state.replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0),
+                                              state.params))
+  assert all(checksums(flipped)[k] != v for k, v in checksums(state).items()
+             if k.startswith('params.'))
+
+
+def test_a_checkpoint_whose_metadata_is_missing_is_damage_not_another_model(tmp_path):
+  loop.run(tiny_run(tmp_path, train_steps=4))
+  (tmp_path / 'checkpoints' / '4' / 'state' / '_METADATA').unlink()
+  with pytest.warns(CheckpointWarning, match=r'checkpoints/4 is damaged'):
+    records = loop.run(tiny_run(tmp_path, train_steps=6))
+  assert records[0]['step'] == 3
 
 
 def tiny_run(workdir, **changes):
@@ -192,6 +250,23 @@ def test_another_models_checkpoint_is_a_clear_error_before_training(trained):
     loop.run(other)
   assert (trained / 'metrics.jsonl').read_text() == before  # nothing trained, nothing written
   assert Checkpointer(trained / 'checkpoints').steps() == [4, 2]
+
+
+@pytest.mark.parametrize('field,value', [('seed', 5), ('batch_size', 16), ('data.paths', 'stdlib'),
+                                         ('model.rope_theta', 5e5)])
+def test_a_resumed_run_that_changes_its_data_or_model_is_refused_before_compiling(
+    trained, monkeypatch, field, value):
+  def compile_and_plan(*args):
+    raise AssertionError('compiled before the settings were checked')
+  monkeypatch.setattr(loop.plan_lib, 'compile_and_plan', compile_and_plan)
+  before = (trained / 'metrics.jsonl').read_text()
+  changed = tiny_run(trained, train_steps=6)
+  section, _, name = field.rpartition('.')
+  (changed[section] if section else changed)[name] = value
+  with pytest.raises(ValueError, match=rf'config.{field}={value!r}, but checkpoint .*/4 was '
+                                       r'trained with .*; a resumed run keeps'):
+    loop.run(changed)
+  assert (trained / 'metrics.jsonl').read_text() == before
 
 
 def test_init_from_takes_the_parameters_only(trained, tmp_path):
@@ -264,3 +339,51 @@ def test_max_bad_steps_in_a_row_stop_the_run_keeping_the_last_good_checkpoint(tm
        pytest.warns(RuntimeWarning):
     loop.run(tiny_run(tmp_path, train_steps=8, max_bad_steps=2))
   assert Checkpointer(tmp_path / 'checkpoints').steps() == [2]  # nothing saved after step 2
+
+
+def test_no_checkpoint_is_saved_from_a_bad_streak_and_the_good_one_is_kept(tmp_path,
+                                                                          monkeypatch):
+  """Steps 3–5 not finite, a checkpoint due every 2 steps and only one kept: step 4's is not
+  saved (it would follow skipped steps, and rotation would delete step 2's), and the error
+  names step 2's."""
+  monkeypatch.setattr(loop.pipeline, 'train_batches', poison({3, 4, 5}))
+  with pytest.raises(FloatingPointError, match=r'steps 3..5: 3 steps in a row .*last good '
+                                               r'checkpoint, step 2'), \
+       pytest.warns(RuntimeWarning):
+    loop.run(tiny_run(tmp_path, train_steps=8, max_bad_steps=3, keep_checkpoints=1))
+  assert Checkpointer(tmp_path / 'checkpoints').steps() == [2]
+
+
+def test_a_save_due_in_a_bad_streak_waits_for_the_next_finite_step(tmp_path, monkeypatch):
+  monkeypatch.setattr(loop.pipeline, 'train_batches', poison({3, 4}))
+  with pytest.warns(RuntimeWarning):
+    loop.run(tiny_run(tmp_path, train_steps=6, max_bad_steps=3, keep_checkpoints=5))
+  assert Checkpointer(tmp_path / 'checkpoints').steps() == [6, 5, 2]
+
+
+def test_a_crash_before_the_first_checkpoint_leaves_no_duplicate_metrics(tmp_path, monkeypatch):
+  """The first run dies at step 4 with nothing saved; the next starts from step 0 and must not
+  keep the dead run's records beside its own."""
+  real = loop.pipeline.train_batches
+
+  def crashing(*args, **kwargs):
+    batches, served = real(*args, **kwargs), [0]
+
+    class Crashing:
+      state, close = batches.state, batches.close
+
+      def __next__(self):
+        served[0] += 1
+        if served[0] == 4:
+          raise RuntimeError('the machine went away')
+        return next(batches)
+    return Crashing()
+
+  monkeypatch.setattr(loop.pipeline, 'train_batches', crashing)
+  with pytest.raises(RuntimeError, match='went away'):
+    loop.run(tiny_run(tmp_path, train_steps=6, checkpoint_every=5))
+  assert Checkpointer(tmp_path / 'checkpoints').steps() == []
+  monkeypatch.setattr(loop.pipeline, 'train_batches', real)
+  loop.run(tiny_run(tmp_path, train_steps=6, checkpoint_every=5))
+  steps = [json.loads(l)['step'] for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  assert steps == [1, 2, 3, 4, 5, 6]

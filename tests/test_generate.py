@@ -116,7 +116,18 @@ def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path):
   expected = f"--- prompt 'def '\ndef {texts[0]}\n--- prompt 'import'\nimport{texts[1]}\n"
   assert expected.replace('\r\n', '\n').replace('\r', '\n') in result.stdout  # text mode
 
+  # Asked for ten million tokens, it stops at once with one line, before allocating anything.
+  result = subprocess.run([*command[:-2], '--max_new_tokens=10000000'], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2 and 'Traceback' not in result.stderr
+  assert ('error: --max_new_tokens=10000000: the longest prompt and its continuation make '
+          "10,000,007 tokens, more than the seq_len it was trained at, 32") in result.stderr
+  with pytest.raises(ValueError, match=r'--max_len=2000000000: the KV cache of 1 prompt\(s\) × '
+                                       r'1,000,000,005 tokens needs .* GiB, more than'):
+    sampling.complete(loaded, ['def '], 10**9, max_len=2 * 10**9)
+  assert sampling.complete(loaded, ['def '], 40, temperature=0, max_len=64)  # past 32, asked
+
 
 def test_sampling_from_a_workdir_without_checkpoints_is_a_clear_error(tmp_path):
-  with pytest.raises(ValueError, match='holds no checkpoint'):
+  with pytest.raises(ValueError, match='--workdir=.* holds no checkpoint'):
     sampling.load(str(tmp_path))

@@ -17,6 +17,7 @@ from training import layout
 from training import plan as plan_lib
 from training import checkpoint as checkpoint_lib
 from training import distributed, flops
+from training import workdir as workdir_lib
 from training.evaluation import Evaluator
 from training.preemption import StopSignals
 from training.profiling import StepTrace
@@ -43,12 +44,15 @@ def warn_about_data(config, corpus: corpus_lib.Corpus) -> None:
 
 def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
   """Before data or memory are touched: the workdir's checkpoints (else `config.init_from`'s)
-  hold this config's model; another vocabulary is named as a tokenizer mistake."""
+  hold this config's model, and a resumed run keeps what it must (checkpoint.KEPT_ON_RESUME);
+  another vocabulary is named as a tokenizer mistake."""
   try:
     steps = checkpointer.steps() if checkpointer else []
     for step in steps:  # the newest whose metadata reads; older ones are fallbacks
       if checkpointer.check(setup.abstract_state, step, setting='config.workdir',
                             model_config=config.model):
+        checkpoint_lib.check_resume(checkpointer.saved_config(step), config,
+                                    checkpointer.directory / str(step))
         return
     if config.init_from and not steps:
       checkpoint_lib.check_init_from(config.init_from, setup.abstract_state.params, config.model)
@@ -83,6 +87,11 @@ class BadStepGuard:
     self.limit, self.in_a_row, self.checkpointer = max_bad_steps, 0, checkpointer
     self.checked = -1
 
+  def newest_checkpoint(self) -> int | None:
+    """The newest saved step (never one from a bad streak: those are not saved)."""
+    saved = self.checkpointer.steps() if self.checkpointer else []
+    return saved[0] if saved else None
+
   def check(self, step: int, metrics) -> None:
     if step <= self.checked:
       return
@@ -94,9 +103,9 @@ class BadStepGuard:
     warnings.warn(f'step {step}: the loss or gradient is not finite; the step was skipped',
                   RuntimeWarning, stacklevel=2)
     if self.in_a_row >= self.limit:
-      saved = self.checkpointer.steps() if self.checkpointer else []
-      kept = (f'the last good checkpoint, step {saved[0]}, is in {self.checkpointer.directory}'
-              if saved else 'no checkpoint was saved')
+      kept = (f'the last good checkpoint, step {self.newest_checkpoint()}, is in '
+              f'{self.checkpointer.directory}' if self.newest_checkpoint() is not None
+              else 'no checkpoint was saved')
       raise FloatingPointError(
           f'steps {step - self.in_a_row + 1}..{step}: {self.in_a_row} steps in a row had a '
           f'non-finite loss or gradient (config.max_bad_steps={self.limit}); {kept}. Lower '
@@ -122,16 +131,19 @@ def run(config, devices=None) -> list[dict]:
       plan_lib.report(the_plan)
       return [the_plan.as_dict()]
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
-  workdir = metrics_lib.prepare_workdir(config.workdir)
-  checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints', keep=config.keep_checkpoints)
-                  if config.checkpoint_every else None)
-  try:
-    check_checkpoints(checkpointer, setup, config, tokenizer)
-    with StopSignals() as stop, distributed.explain_failures(config.distributed):
-      return _train(config, setup, workdir, tokenizer, checkpointer, stop)
-  finally:
-    if checkpointer:
-      checkpointer.close()  # waits for the save in flight
+  corpus_lib.check(config.data)  # and the data's, before the workdir is created
+  workdir = workdir_lib.prepare(config.workdir)
+  with workdir_lib.hold(workdir, enabled=jax.process_index() == 0):  # one run per workdir
+    checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints',
+                                                keep=config.keep_checkpoints)
+                    if config.checkpoint_every else None)
+    try:
+      check_checkpoints(checkpointer, setup, config, tokenizer)
+      with StopSignals() as stop, distributed.explain_failures(config.distributed):
+        return _train(config, setup, workdir, tokenizer, checkpointer, stop)
+    finally:
+      if checkpointer:
+        checkpointer.close()  # waits for the save in flight
 
 
 def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
@@ -156,8 +168,7 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   train_step, the_plan = plan_lib.compile_and_plan(setup, config)
   plan_lib.check_fits(the_plan)  # before the state is allocated
   start_step, state, data_state = initial_state(setup, config, checkpointer, log)
-  if start_step:
-    writer.drop_after(start_step)  # a resumed run logs the steps after its checkpoint again
+  writer.drop_after(start_step)  # the steps after the checkpoint (or all, from 0) are logged again
   batches = pipeline.train_batches(corpus, tokenizer, config, batch_sharding, state=data_state)
   evaluate = (Evaluator(setup, config, corpus, tokenizer, batch_sharding)
               if config.eval_every else None)
@@ -171,6 +182,7 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   speed = functools.partial(flops.throughput, setup.model_cfg, config.seq_len,
                             n_devices=setup.mesh.size, device_kind=device_kind)
   previous = None  # (step, metrics) of the step dispatched before this one
+  save_pending = False  # a checkpoint was due while the last steps were not finite
   try:
     for step in range(start_step, config.train_steps):
       trace.before_step(step)
@@ -202,15 +214,22 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
         log(metrics_lib.format_line(record, config.train_steps))
         records.append(record)
         last_time = time.perf_counter()  # evaluation time is not step time
-      if checkpointer and (stopping or done % config.checkpoint_every == 0
+      saved = None
+      if checkpointer and (save_pending or stopping or done % config.checkpoint_every == 0
                            or done == config.train_steps):
-        if previous:
-          guard.check(*previous)  # never save after the run should have stopped
-        checkpointer.save(done, state, batches.state(), config.to_dict())
+        guard.check(*previous)  # waits for this step: never save after the run should stop
+        # A state that follows a skipped step is not saved until a finite step has been applied
+        # (the newest checkpoint from before the streak stays the newest, so rotation keeps it).
+        save_pending = guard.in_a_row > 0
+        if not save_pending:
+          checkpointer.save(done, state, batches.state(), config.to_dict())
+          saved = checkpointer.directory / str(done)
       if stopping:
-        log(f'stopped by {stop.received or "a preemption notice"} after step {done}'
-            + (f'; checkpoint {checkpointer.directory / str(done)}' if checkpointer else
-               ' (config.checkpoint_every=0: nothing saved)'))
+        log(f'stopped by {stop.received or "a preemption notice"} after step {done}; '
+            + (f'checkpoint {saved}' if saved else 'nothing saved: '
+               + ('config.checkpoint_every=0' if not checkpointer else
+                  f'the last {guard.in_a_row} step(s) were not finite; the newest checkpoint is '
+                  f'{guard.newest_checkpoint()}')))
         break
     else:
       if previous:

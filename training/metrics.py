@@ -9,13 +9,7 @@ import time
 
 import jax
 
-from data.paths import writable_dir
 from training.tensorboard import EventWriter
-
-
-def prepare_workdir(workdir: str) -> pathlib.Path:
-  """Create the workdir and prove it is writable, before anything expensive happens."""
-  return writable_dir(workdir, 'config.workdir')
 
 
 class MetricsWriter:

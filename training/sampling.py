@@ -7,6 +7,7 @@ else kept on one device: sampling needs neither the training mesh nor its batch 
 """
 
 import dataclasses
+import os
 
 import jax
 import ml_collections
@@ -29,7 +30,7 @@ class Loaded:
 
 def load(path: str) -> Loaded:
   """A run's workdir (its newest checkpoint), its checkpoints/ dir, or one checkpoints/<step>."""
-  directory, step = checkpoint_lib.step_directory(path)
+  directory, step = checkpoint_lib.step_directory(path, setting='--workdir')
   checkpointer = checkpoint_lib.Checkpointer(directory, read_only=True)
   saved = checkpointer.saved_config(step)
   checkpointer.close()
@@ -55,11 +56,16 @@ def load(path: str) -> Loaded:
 
 
 def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0) -> list[str]:
+             top_k: int = 40, seed: int = 0, max_len: int = 0) -> list[str]:
   """Each prompt's continuation (text after the prompt), up to the end of a document or
-  `max_new_tokens` tokens. Every prompt starts as a document does, after BOS."""
+  `max_new_tokens` tokens. Every prompt starts as a document does, after BOS.
+
+  Prompt and continuation together are at most `max_len` tokens (0: the seq_len the model was
+  trained at, beyond which its positions are untried); a longer max_len must leave the KV cache
+  room in memory. Both are checked before anything is allocated."""
   tok = loaded.tokenizer
   ids = [[tok.bos_id, *tok.encode(p.encode())] for p in prompts]
+  check_length(loaded, len(ids), max(map(len, ids)) + max_new_tokens, max_new_tokens, max_len)
   new = generate(loaded.model, ids, max_new_tokens, key=jax.random.key(seed),
                  temperature=temperature, top_k=top_k, eos_id=tok.eos_id, pad_id=tok.pad_id,
                  vocab_size=tok.vocab_size)
@@ -69,3 +75,24 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
       row = row[:row.index(tok.eos_id)]
     texts.append(tok.decode(row))
   return texts
+
+
+def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, max_len: int):
+  """ValueError naming the flag, if `rows` sequences of `length` tokens go past max_len (0: the
+  trained seq_len) or, for an explicit max_len, their KV cache past the memory there is."""
+  limit = max_len or loaded.config.seq_len
+  if length > limit:
+    bound = f'--max_len={max_len}' if max_len else f'the seq_len it was trained at, {limit}'
+    raise ValueError(f'--max_new_tokens={max_new_tokens}: the longest prompt and its continuation '
+                     f'make {length:,} tokens, more than {bound}; lower --max_new_tokens, or '
+                     'raise --max_len to sample past the trained length')
+  if max_len:
+    cfg = loaded.model.cfg
+    cache = 2 * cfg.n_layers * rows * length * cfg.n_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    device = jax.local_devices()[0]
+    free = ((device.memory_stats() or {}).get('bytes_limit')
+            or os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))  # CPU: free RAM
+    if cache > free:
+      raise ValueError(f'--max_len={max_len}: the KV cache of {rows} prompt(s) × {length:,} tokens '
+                       f'needs {cache / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB '
+                       'there is; lower --max_len or --max_new_tokens, or give fewer prompts')

@@ -1,0 +1,49 @@
+"""Mistakes in the settings end train.py and sample.py with one line naming the flag or file and
+the fix, exit status 2, no traceback (training/cli.py)."""
+
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_bad_settings_print_one_line_and_exit_2(tmp_path):
+  (tmp_path / 'syntax.py').write_text('def get_config(:\n')
+  (tmp_path / 'no_get.py').write_text('x = 1\n')
+  workdir = f'--config.workdir={tmp_path / "run"}'
+  cases = {  # arguments: what the one line must say
+      ('train.py', '--config=configs/base.py', '--config.train_step=5'):
+          "error: --config.train_step: the config has no setting 'train_step'; did you mean "
+          'train_steps? (configs/base.py lists every setting)',
+      ('train.py', '--config=configs/base.py', '--config.model.n_layer=3'):
+          "error: --config.model.n_layer: the config has no setting 'n_layer'; did you mean "
+          'n_layers?',
+      ('train.py', '--config=configs/nope.py'):
+          'error: --config=configs/nope.py: no such config file',
+      ('train.py', f'--config={tmp_path / "syntax.py"}'):
+          f'error: --config={tmp_path / "syntax.py"}: the config file does not parse: invalid '
+          'syntax (line 1)',
+      ('train.py', f'--config={tmp_path / "no_get.py"}'):
+          f'error: --config={tmp_path / "no_get.py"}: the config file has no get_config()',
+      ('train.py', '--config=configs/llama.py:3b'):
+          "error: ValueError: configs/llama.py: unknown preset '3b'",
+      ('train.py', '--config=configs/base.py', workdir, '--config.mesh.data=3'):
+          'error: config.mesh: the fixed axes multiply to 3, which does not divide the 8 devices',
+      ('train.py', '--config=configs/base.py', workdir, '--config.data.name=no_such_dataset'):
+          "error: config.data.name='no_such_dataset': no such TFDS dataset in "
+          'config.data.data_dir=',
+      ('sample.py', '--prompt=x'):
+          "error: --workdir is required (A run's workdir, checkpoints/ or checkpoints/STEP.)",
+      ('sample.py', f'--workdir={tmp_path}'):
+          f"error: --workdir='{tmp_path}' holds no checkpoint",
+  }
+  processes = {args: subprocess.Popen([sys.executable, *args], cwd=REPO, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for args in cases}
+  for args, expected in cases.items():
+    out, err = processes[args].communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert processes[args].returncode == 2, (args, err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith(expected), (args, err[-2000:])
+  assert not (tmp_path / 'run').exists()  # nothing was created for the refused runs

@@ -1,0 +1,49 @@
+"""One run per workdir, held by an OS lock that dies with its process; nothing is created in a
+workdir before the settings are known to be good."""
+
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import tiny_config
+from tests.test_checkpoint import ENV, REPO, command, read_until, start
+from training import loop
+from training import workdir as workdir_lib
+
+
+def test_a_second_run_on_a_live_workdir_stops_at_once_naming_the_holder(tmp_path):
+  first = start(tmp_path)
+  try:
+    read_until(first, 'step  2/')
+    t0 = time.perf_counter()
+    second = subprocess.run(command(tmp_path), cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env=ENV)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert time.perf_counter() - t0 < 60  # refused before compiling, not after training
+    assert f'pid {first.pid} on ' in second.stderr and str(tmp_path) in second.stderr
+    assert 'Traceback' not in second.stderr
+  finally:
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=60)
+  with workdir_lib.hold(tmp_path):  # the killed run left no stale lock
+    pass
+
+
+def test_a_held_workdir_is_refused_in_the_same_process_too(tmp_path):
+  """A notebook that starts a second run while its first holds the workdir."""
+  with workdir_lib.hold(tmp_path):
+    with pytest.raises(ValueError, match=r"config.workdir=.* is in use by another run \(pid "):
+      with workdir_lib.hold(tmp_path):
+        pass
+  with workdir_lib.hold(tmp_path):  # released with the first
+    pass
+
+
+def test_bad_data_paths_fail_before_the_workdir_is_created(tmp_path):
+  config = tiny_config(fsdp=8)
+  config.workdir, config.data.paths = str(tmp_path / 'run'), str(tmp_path / 'no-such-corpus')
+  with pytest.raises(ValueError, match='config.data.paths: .* does not exist'):
+    loop.run(config)
+  assert not (tmp_path / 'run').exists()

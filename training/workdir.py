@@ -1,0 +1,54 @@
+"""A run's workdir: created and proven writable before anything expensive happens, and held by
+one run at a time.
+
+The hold is an exclusive OS lock (flock) on WORKDIR/.meshlm-lock, taken by process 0 for the
+whole run. The kernel drops it when the process ends, however it ends (SIGKILL included), so a
+lock is never stale. The file names the holder (pid, host, start time) for the error that a second
+run or notebook on the same workdir stops with, before it compiles or writes anything.
+"""
+
+import contextlib
+import fcntl
+import os
+import pathlib
+import socket
+import time
+
+from data.paths import writable_dir
+
+LOCK_FILE = '.meshlm-lock'
+
+
+def prepare(workdir: str) -> pathlib.Path:
+  """Create the workdir and prove it is writable, before anything expensive happens."""
+  return writable_dir(workdir, 'config.workdir')
+
+
+@contextlib.contextmanager
+def hold(workdir: pathlib.Path, enabled: bool = True):
+  """Holds `workdir` for the duration (process 0 of a job; the others pass enabled=False), or
+  raises ValueError naming the run that holds it."""
+  if not enabled:
+    yield
+    return
+  path = workdir / LOCK_FILE
+  with path.open('a+') as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held by another run
+      f.seek(0)
+      holder = f.read().strip() or 'a process that has not written its name yet'
+      raise ValueError(f'config.workdir={str(workdir)!r} is in use by another run ({holder}); '
+                       'wait for it to end or stop it, or give this run another '
+                       '--config.workdir') from None
+    f.seek(0)
+    f.truncate()
+    f.write(f'pid {os.getpid()} on {socket.gethostname()}, since '
+            f'{time.strftime("%Y-%m-%d %H:%M:%S")}\n')
+    f.flush()
+    try:
+      yield
+    finally:
+      f.seek(0)
+      f.truncate()  # nobody holds it now
+      fcntl.flock(f, fcntl.LOCK_UN)
