@@ -10,7 +10,7 @@ checkpoint.
 
 from absl import app, flags
 
-from training import checkpoint, cli, sampling
+from training import cli, sampling
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "A run's workdir, checkpoints/ or checkpoints/STEP.",
                                required=True)
@@ -26,7 +26,6 @@ _MAX_LEN = flags.DEFINE_integer('max_len', 0, 'Prompt + continuation at most, in
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  checkpoint.quiet_orbax_logs()
   loaded = sampling.load(_WORKDIR.value)
   print(f'# {loaded.checkpoint}: temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
         f'seed {_SEED.value}')

@@ -9,7 +9,7 @@ import os
 from absl import app
 from ml_collections import config_flags
 
-from training import checkpoint, cli, loop
+from training import cli, loop
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
 _CONFIG = config_flags.DEFINE_config_file('config', _DEFAULT,
@@ -19,7 +19,6 @@ _CONFIG = config_flags.DEFINE_config_file('config', _DEFAULT,
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  checkpoint.quiet_orbax_logs()
   loop.run(_CONFIG.value)
 
 

@@ -1,7 +1,7 @@
 """Attention TFLOP/s, forward, backward and both, for pallas (ours), cudnn and xla.
 
-  python benchmarks/attention.py --out=benchmarks/results/attention-h100.json     # on a GPU
-  python benchmarks/attention.py --seq_lens=256 --head_dims=64 --tokens=512 --impls=pallas,xla  # CPU smoke run
+  python -m benchmarks.attention --out=benchmarks/results/attention-h100.json     # on a GPU
+  python -m benchmarks.attention --seq_lens=256 --head_dims=64 --tokens=512 --impls=pallas,xla  # CPU smoke run
 
 FLOP convention (FlashAttention's): forward = 4·B·N·S²·H (two matmuls of 2·S²·H per head), halved
 when causal; backward = 2.5 × forward (five matmuls to the forward's two); forward+backward =
@@ -10,7 +10,7 @@ Time: median of --iters calls of a jitted function after --warmup, each waited f
 is `attention(q, k, v)`, forward+backward is the gradient of Σ out·ct with respect to q, k, v, and
 backward is their difference. cuDNN needs an NVIDIA GPU; on CPU pallas runs in interpret mode and
 its figures mean nothing for speed (the CPU run only proves the script works).
-Targets (H100 SXM, bf16, head dim 128, causal, 8k, shared/ANCHORS.md): FlashAttention-3 ≈ 600
+Targets (H100 SXM, bf16, head dim 128, causal, 8k; published figures): FlashAttention-3 ≈ 600
 TFLOP/s forward; cuDNN ≈ 530 forward, 520 backward; Pallas Triton op ≈ 360 forward, 230
 forward+backward. Goal: pallas forward+backward ≥ cuDNN's in the same run; the JSON holds the
 ratio for every shape.
@@ -18,20 +18,17 @@ ratio for every shape.
 
 import functools
 import itertools
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+from absl import flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from absl import app, flags  # noqa: E402
+from benchmarks import report
+from training import cli
 
-from benchmarks import report  # noqa: E402
-
-from kernels import attention  # noqa: E402
+from kernels import attention
 
 _IMPLS = flags.DEFINE_list('impls', ['pallas', 'cudnn', 'xla'], 'Implementations.')
 _SEQ_LENS = flags.DEFINE_list('seq_lens', ['1024', '2048', '4096', '8192', '16384'], 'S.')
@@ -117,9 +114,9 @@ def main(argv):
   figures = {'benchmark': 'attention', 'device': device.device_kind, 'platform': device.platform,
              'jax': jax.__version__, 'dtype': 'bfloat16', 'tokens_per_call': _TOKENS.value,
              'results': results, 'pallas_over_cudnn': ratios,
-             'command': 'python ' + ' '.join(sys.argv)}
+             'command': report.command()}
   report.emit(figures, _OUT.value)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -2,7 +2,7 @@
 blocked by an asynchronous save (as a fraction of a step), how much the save running in the
 background slows the steps it overlaps, and the restore.
 
-  python benchmarks/checkpoint.py --config=configs/llama.py:125m \
+  python -m benchmarks.checkpoint --config=configs/llama.py:125m \
       --config.batch_size=4 --config.seq_len=256
 
 Goal: the loop is blocked for at most 5% of a step. (On this 2-core CPU a 125M step of 4 × 256
@@ -21,20 +21,18 @@ shardings with a fresh Checkpointer, as a resumed run does (restore time). Media
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+from absl import flags, logging
+from ml_collections import config_flags
 
-import jax  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from benchmarks import inputs, report  # noqa: E402
-from training.metrics import print_table  # noqa: E402
-from training.checkpoint import Checkpointer  # noqa: E402
-from training.state import param_count  # noqa: E402
+from benchmarks import inputs, report
+from training.metrics import print_table
+from training import cli
+from training.checkpoint import Checkpointer
+from training.state import param_count
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:125m', 'Config file.',
                                           lock_config=True)
@@ -56,8 +54,6 @@ def disk_bytes(path) -> int:
 
 def main(argv):
   del argv
-  # orbax logs every save at INFO, and counts our explicit waits as waiting for a previous save
-  logging.set_verbosity(logging.ERROR)
   prepared = inputs.prepare(_CONFIG.value)
   config, setup, state, batch = prepared.config, prepared.setup, prepared.state, prepared.batch
 
@@ -117,7 +113,7 @@ def main(argv):
       'blocked_s': blocked, 'blocked_fraction_of_step': blocked / step_s,
       'overlapped_steps': len(overlap_s), 'overlapped_step_slowdown_s': slowdown,
       'restore_s': statistics.median(restore_s),
-      'command': 'python ' + ' '.join(sys.argv),
+      'command': report.command(),
   }
   rows = [('device', f'{setup.mesh.size} × {device.device_kind}'),
           ('parameters', f'{figures["params"] / 1e6:,.1f}M'),
@@ -134,4 +130,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  # orbax warns about the waits this benchmark makes on purpose
+  cli.run(main, log_level=logging.ERROR)

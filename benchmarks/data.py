@@ -1,7 +1,7 @@
 """Packed tokens per second that one host's data pipeline delivers, per tokenizer and worker count.
 
-  python benchmarks/data.py --config=configs/default.py
-  python benchmarks/data.py --config=configs/llama.py:1b --workers=0,2,8 \
+  python -m benchmarks.data --config=configs/default.py
+  python -m benchmarks.data --config=configs/llama.py:1b --workers=0,2,8 \
       --spm_model=/tmp/meshlm-spm/stdlib4k.model
 
 Method: the training pipeline exactly as train.py builds it (TFDS array_record source → grain
@@ -18,20 +18,18 @@ host (the 1B preset at the MFU goal on its 8 GPUs).
 
 import os
 import platform
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+from absl import flags
+from jax.sharding import NamedSharding, PartitionSpec
+from ml_collections import config_flags
 
-import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from benchmarks import report  # noqa: E402
-from data import corpus as corpus_lib  # noqa: E402
-from data import pipeline, tokenizers, train_tokenizer  # noqa: E402
+from benchmarks import report
+from training import cli
+from data import corpus as corpus_lib
+from data import pipeline, tokenizers, train_tokenizer
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.',
                                           lock_config=True)
@@ -84,7 +82,7 @@ def main(argv):
       'corpus': corpus.description, 'host': platform.processor() or platform.machine(),
       'cpu_count': os.cpu_count(), 'batch_size': config.batch_size, 'seq_len': config.seq_len,
       'batches': _BATCHES.value, 'spm_model': spm_model, 'spm_train_s': spm_train_s,
-      'results': results, 'command': 'python ' + ' '.join(sys.argv),
+      'results': results, 'command': report.command(),
   }
   print(f'\n{corpus.description}; {config.batch_size} × {config.seq_len} tokens a batch; '
         f'{os.cpu_count()} CPUs')
@@ -96,4 +94,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -1,8 +1,8 @@
 """What our flash-attention kernels take of a GPU: launch grid, threads, shared memory, registers
 and spills, from the GPU compiler itself (deviceless, training/gpu_compiler.py: no GPU needed).
 
-  python benchmarks/kernel_resources.py                         # H100; head dims 64, 128, 256
-  python benchmarks/kernel_resources.py --sweep --head_dims=64,128   # how default_blocks was chosen
+  python -m benchmarks.kernel_resources                         # H100; head dims 64, 128, 256
+  python -m benchmarks.kernel_resources --sweep --head_dims=64,128   # how default_blocks was chosen
 
 Each variant is one attention call, forward and backward (the fwd, dq and dkv kernels), compiled
 for --target: causal, GQA --heads (32/8), B = 1, L = S = --seq_len, bf16, with and without segment
@@ -20,18 +20,14 @@ registers per thread, more rows per warp). That is the rule default_blocks follo
 """
 
 import itertools
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+from absl import flags
 
-import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from benchmarks import report  # noqa: E402
-from kernels.flash_attention import default_blocks  # noqa: E402
-from training import gpu_compiler, gpus  # noqa: E402
-from training.checkpoint import quiet_orbax_logs  # noqa: E402
+from benchmarks import report
+from kernels.flash_attention import default_blocks
+from training import cli, gpu_compiler, gpus
 
 _TARGET = flags.DEFINE_string('target', 'H100', f'GPU to compile for: {sorted(gpus.GPUS)}.')
 _HEAD_DIMS = flags.DEFINE_list('head_dims', ['64', '128', '256'], 'Head dims.')
@@ -80,8 +76,7 @@ def print_row(r: dict) -> None:
 
 def main(argv):
   del argv
-  gpu_compiler.run_as_compiler_process(sys.argv)
-  quiet_orbax_logs()
+  gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.kernel_resources', *sys.argv[1:]])
   gpu = gpus.get(_TARGET.value)
   device, = gpu_compiler.devices(gpu, 1)
   head_dims = [int(h) for h in _HEAD_DIMS.value]
@@ -116,11 +111,11 @@ def main(argv):
              'seq_len': _SEQ_LEN.value, 'results': results,
              'spilling_variants': sum(spills(r) for r in compiled),
              'failed_variants': len(results) - len(compiled),
-             'command': 'python ' + ' '.join(sys.argv)}
+             'command': report.command()}
   if _SWEEP.value:
     figures['chosen'] = chosen
   report.emit(figures, _OUT.value)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

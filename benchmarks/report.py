@@ -2,6 +2,8 @@
 (after a table for people: training.metrics.print_table)."""
 
 import json
+import pathlib
+import sys
 
 
 def emit(figures: dict, out_path: str | None) -> None:
@@ -10,3 +12,8 @@ def emit(figures: dict, out_path: str | None) -> None:
       f.write(json.dumps(figures, indent=2) + '\n')
   print(json.dumps(figures))
 
+
+
+def command() -> str:
+  """How this benchmark was run, as one would type it again: python -m benchmarks.NAME FLAGS."""
+  return ' '.join(['python -m', f'benchmarks.{pathlib.Path(sys.argv[0]).stem}', *sys.argv[1:]])

@@ -1,7 +1,7 @@
 """Times the compiled train step of any config: tokens/s, TFLOP/s per device and MFU.
 
-  python benchmarks/train_step.py --config=configs/default.py
-  python benchmarks/train_step.py --config=configs/llama.py:1b --config.model.attention=cudnn \
+  python -m benchmarks.train_step --config=configs/default.py
+  python -m benchmarks.train_step --config=configs/llama.py:1b --config.model.attention=cudnn \
       --out=benchmarks/results/train_step-h100.json
 
 Method: build the state and the AOT-compiled step exactly as train.py does, feed random tokens
@@ -16,21 +16,18 @@ MFU = achieved FLOP/s per device / the device's dense bf16 peak (training/gpus.p
 reported for devices not in that table (CPU).
 """
 
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+from absl import flags
+from ml_collections import config_flags
 
-import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from benchmarks import inputs, report  # noqa: E402
-from training.metrics import print_table  # noqa: E402
-from training import flops  # noqa: E402
-from training.state import param_count  # noqa: E402
+import sharding
+from benchmarks import inputs, report
+from training.metrics import print_table
+from training import cli, flops
+from training.state import param_count
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.',
                                           lock_config=True)
@@ -76,10 +73,10 @@ def main(argv):
       'tokens_per_sec': tokens / step_s, 'tflops_per_device': tflops,
       'peak_tflops_per_device': peak, 'mfu': speed.get('mfu'),
       'loss_after': float(metrics['loss']),
-      'command': 'python ' + ' '.join(sys.argv),
+      'command': report.command(),
   }
   rows = [('device', f'{n} × {device.device_kind}'),
-          ('mesh', ' × '.join(f'{a}={s}' for a, s in setup.mesh.shape.items())),
+          ('mesh', sharding.describe(setup.mesh.shape)),
           ('parameters', f'{figures["params"] / 1e6:,.1f}M'),
           ('tokens / step', f'{tokens:,} ({config.batch_size} × {config.seq_len})'),
           ('attention, remat', f'{config.model.attention}, {config.model.remat_policy}'),
@@ -93,4 +90,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

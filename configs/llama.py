@@ -6,7 +6,7 @@ Run (pick the preset after the colon; on GPU, add --config.model.attention=cudnn
   python train.py --config=configs/llama.py:1b --config.workdir=/tmp/meshlm-1b
   python train.py --config=configs/llama.py:8b --config.workdir=/tmp/meshlm-8b
 Time a step instead of training:
-  python benchmarks/train_step.py --config=configs/llama.py:1b --config.model.attention=cudnn
+  python -m benchmarks.train_step --config=configs/llama.py:1b --config.model.attention=cudnn
 Plan on any machine, compiled for the H100s each preset is meant for (GPUS below):
   python train.py --config=configs/llama.py:8b --config.dry_run=True --config.plan.target=H100 \
       --config.plan.devices=8

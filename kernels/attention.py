@@ -6,8 +6,6 @@ Layout follows `jax.nn.dot_product_attention`:
 Segment ids mark packed documents: a query attends only to keys with the same segment id.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,13 +16,12 @@ IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
 
 
 def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_segment_ids_BS=None,
-              implementation: str = 'xla', block_q: int = 0, block_k: int = 0, specs=None):
+              implementation: str = 'xla', block_q: int = 0, block_k: int = 0):
   """Scaled dot-product attention with `implementation` in IMPLEMENTATIONS.
 
   `kv_segment_ids_BS` defaults to `segment_ids_BL` (self-attention over one packed row).
-  pallas only: `block_q`, `block_k` (0: the kernel's default for the device and head_dim), and
-  `specs` = (q, k/v, segment ids) PartitionSpecs of the ambient mesh, to run the kernel on each
-  device's shard (XLA cannot partition a Pallas call itself).
+  pallas only: `block_q`, `block_k` (0: the kernel's default for the head_dim). XLA cannot
+  partition a Pallas call: under a mesh, run it per shard (sharding.per_shard).
   """
   if segment_ids_BL is not None and kv_segment_ids_BS is None:
     kv_segment_ids_BS = segment_ids_BL
@@ -35,32 +32,9 @@ def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_s
     return _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
                             kv_segment_ids_BS=kv_segment_ids_BS)
   if implementation == 'pallas':
-    return _pallas_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
-                             kv_segment_ids_BS=kv_segment_ids_BS, block_q=block_q,
-                             block_k=block_k, specs=specs)
+    return flash_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
+                           kv_segment_ids_BS=kv_segment_ids_BS, block_q=block_q, block_k=block_k)
   raise ValueError(f'attention implementation {implementation!r} is not one of {IMPLEMENTATIONS}')
-
-
-def _pallas_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL, kv_segment_ids_BS,
-                      block_q, block_k, specs):
-  """Our flash-attention kernel, under shard_map when the activations are sharded: each device
-  runs it on its batch rows and heads (query heads and their kv heads split alike over `tensor`,
-  so each shard keeps whole GQA groups). A length split (sequence parallelism) is gathered first:
-  the kernel needs whole rows."""
-  call = functools.partial(flash_attention, causal=causal, block_q=block_q, block_k=block_k)
-  mesh = jax.sharding.get_abstract_mesh()
-  if specs is None or mesh.empty:
-    return call(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL=segment_ids_BL,
-                kv_segment_ids_BS=kv_segment_ids_BS)
-  q_spec, kv_spec, seg_spec = specs
-  if segment_ids_BL is None:
-    return jax.shard_map(lambda q, k, v: call(q, k, v), mesh=mesh, out_specs=q_spec,
-                         in_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(
-                             q_BLNH, k_BSKH, v_BSKH)
-  return jax.shard_map(
-      lambda q, k, v, s, ks: call(q, k, v, segment_ids_BL=s, kv_segment_ids_BS=ks), mesh=mesh,
-      in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec), out_specs=q_spec,
-      check_vma=False)(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS)
 
 
 def xla_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL=None, kv_segment_ids_BS=None):

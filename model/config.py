@@ -4,7 +4,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
+from kernels.attention import IMPLEMENTATIONS
+
 REMAT_POLICIES = ('none', 'full', 'dots', 'save_qkv_proj', 'save_attention', 'offload_dots',
                   'offload_qkv_proj', 'offload_attention')
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -43,7 +44,7 @@ class ModelConfig:
           f'({self.n_kv_heads}) for grouped-query attention; pick n_kv_heads dividing n_heads')
     if self.head_dim % 2:
       raise ValueError(f'config.model.head_dim ({self.head_dim}) must be even for rotary embeddings')
-    _check_choice('attention', self.attention, ATTENTION_IMPLEMENTATIONS)
+    _check_choice('attention', self.attention, IMPLEMENTATIONS)
     for name in ('attention_block_q', 'attention_block_k'):
       block = getattr(self, name)
       if block < 0 or block & (block - 1):
@@ -71,10 +72,6 @@ class ModelConfig:
   @property
   def weight_dtype(self):
     return jnp.dtype(self.param_dtype)
-
-  @property
-  def q_per_kv(self) -> int:
-    return self.n_heads // self.n_kv_heads
 
 
 def _check_choice(field, value, choices):

@@ -1,12 +1,16 @@
 """Transformer layers. Each parameter names its logical axes (`out_sharding` metadata); each
-activation is pinned to logical axes at layer boundaries with `constrain`. Which mesh axes those
-names land on is the business of sharding/rules.py, set around the trace by the caller.
+activation is pinned to logical axes at layer boundaries with Flax's `with_logical_constraint`.
+Which mesh axes those names land on is the business of sharding/rules.py, set around the trace by
+the caller; outside a mesh the names change nothing.
 
 Shape suffixes: B batch, L length, D d_model, N query heads, K kv heads, G = N // K,
-H head_dim, F d_ff, V vocab.
+H head_dim, F d_ff, V vocab. Parameters are written with their logical axes, e.g.
+Wq[embed, heads, head_dim].
 """
 
-import flax.core.spmd
+import functools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,22 +18,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import kernels
+import sharding
 from model.config import ModelConfig
 
-
-def mesh_spec(names: tuple):
-  """The PartitionSpec that logical axes `names` map to under the active rules, or None outside
-  a mesh or without rules (the model then runs unchanged on one device)."""
-  rules = flax.core.spmd.get_logical_axis_rules()
-  if not rules or jax.sharding.get_abstract_mesh().empty:
-    return None
-  return jax.sharding.PartitionSpec(*flax.core.spmd.from_sharding_rules(names, rules))
-
-
-def constrain(x, names: tuple):
-  """Pin activation `x` to logical axes `names` under the active logical→mesh rules."""
-  spec = mesh_spec(names)
-  return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+constrain = nn.with_logical_constraint  # pins an activation to logical axes (no-op off a mesh)
 
 
 def param(rngs: nnx.Rngs, shape: tuple, names: tuple, dtype, stddev: float | None = None):
@@ -70,11 +62,9 @@ def rotary(x_BLNH, positions_BL, theta: float):
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention.
-
-  Tensor parallelism is column-parallel Wq/Wk/Wv (heads split) and row-parallel Wo:
-    Wq[D_fsdp, N_tensor, H], Wk/Wv[D_fsdp, K_tensor, H], Wo[N_tensor, H, D_fsdp].
-  """
+  """Grouped-query self-attention: Wq[embed, heads, head_dim], Wk and Wv[embed, kv_heads,
+  head_dim], Wo[heads, head_dim, embed]. Splitting heads (and kv_heads) makes Wq/Wk/Wv
+  column-parallel and Wo row-parallel."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -103,8 +93,25 @@ class Attention(nnx.Module):
     out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
     return jnp.einsum('btnh,nhd->btd', out_BTNH, self.wo[...].astype(x_BTD.dtype)), k_BSKH, v_BSKH
 
+  def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
+    cfg = self.cfg
+    attend = functools.partial(kernels.attention, causal=True, implementation=cfg.attention,
+                               block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
+    if cfg.attention != 'pallas':
+      return attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=segment_ids_BL)
+    # XLA cannot partition a Pallas call: each device runs it on its rows and heads, on whole
+    # rows (a length split is gathered first).
+    q_names = ('batch', None, 'heads', 'head_dim')
+    kv_names = ('batch', None, 'kv_heads', 'head_dim')
+    if segment_ids_BL is None:
+      return sharding.per_shard(lambda q, k, v: attend(q, k, v), (q_names, kv_names, kv_names),
+                                q_names)(q_BLNH, k_BLKH, v_BLKH)
+    return sharding.per_shard(lambda q, k, v, s: attend(q, k, v, segment_ids_BL=s),
+                              (q_names, kv_names, kv_names, ('batch', None)),
+                              q_names)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-    cfg, dt = self.cfg, x_BLD.dtype
+    dt = x_BLD.dtype
     q_BLNH, k_BLKH, v_BLKH = self._project(x_BLD, positions_BL)
     q_BLNH = checkpoint_name(q_BLNH, 'query_proj')
     k_BLKH = checkpoint_name(k_BLKH, 'key_proj')
@@ -113,20 +120,14 @@ class Attention(nnx.Module):
     # Keys and values span the whole length: under sequence parallelism they are all-gathered.
     k_BLKH = constrain(k_BLKH, ('batch', 'kv_length', 'kv_heads', 'head_dim'))
     v_BLKH = constrain(v_BLKH, ('batch', 'kv_length', 'kv_heads', 'head_dim'))
-    # A Pallas kernel runs per shard: whole rows (length unsplit), batch and heads as sharded.
-    specs = (mesh_spec(('batch', None, 'heads', 'head_dim')),
-             mesh_spec(('batch', None, 'kv_heads', 'head_dim')), mesh_spec(('batch', None)))
-    out_BLNH = kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True,
-                                 segment_ids_BL=segment_ids_BL, implementation=cfg.attention,
-                                 block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
-                                 specs=None if specs[0] is None else specs)
+    out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
     out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
                                'attention_out')
     return jnp.einsum('blnh,nhd->bld', out_BLNH, self.wo[...].astype(dt))
 
 
 class MLP(nnx.Module):
-  """SwiGLU: (silu(x Wg) * x Wu) Wd with Wg/Wu[D_fsdp, F_tensor] and Wd[F_tensor, D_fsdp]."""
+  """SwiGLU: (silu(x Wg) * x Wu) Wd with Wg, Wu[embed, mlp] and Wd[mlp, embed]."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     D, F, dt = cfg.d_model, cfg.d_ff, cfg.weight_dtype

@@ -35,8 +35,8 @@ assert tuple(REMAT) == REMAT_POLICIES
 class Transformer(nnx.Module):
   """Llama-style decoder. Parameters (logical axes → mesh via sharding/rules.py):
 
-    embed[V_tensor, D_fsdp]; blocks.*[layers, ...] (one stacked copy per layer, scanned);
-    final_norm.scale[D]; unembed[D_fsdp, V_tensor] unless cfg.tie_embeddings.
+    embed[vocab, embed]; blocks.*[layers, ...] (one stacked copy per layer, scanned);
+    final_norm.scale[norm]; unembed[embed, vocab] unless cfg.tie_embeddings.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):

@@ -40,3 +40,8 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   sizes = mesh_shape(mesh_config, len(devices))
   return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
                        devices=devices)
+
+
+def describe(sizes: dict) -> str:
+  """'data=1 × fsdp=8 × tensor=1 × sequence=1' for {axis: size} (a mesh's .shape, say)."""
+  return ' × '.join(f'{axis}={size}' for axis, size in sizes.items())

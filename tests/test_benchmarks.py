@@ -10,21 +10,21 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def figures(script, *flags):
-  result = subprocess.run([sys.executable, f'benchmarks/{script}', '--config=configs/base.py',
+  result = subprocess.run([sys.executable, '-m', f'benchmarks.{script}', '--config=configs/base.py',
                            *flags], cwd=REPO, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_train_step_benchmark():
-  f = figures('train_step.py', '--steps=2', '--warmup=1')
+  f = figures('train_step', '--steps=2', '--warmup=1')
   assert f['step_time_s_min'] <= f['step_time_s'] <= f['step_time_s_max']
   assert f['tokens_per_sec'] == f['batch_size'] * f['seq_len'] / f['step_time_s']
   assert f['mfu'] is None  # no peak is known for a CPU
 
 
 def test_checkpoint_benchmark():
-  f = figures('checkpoint.py', '--steps=1', '--saves=1')
+  f = figures('checkpoint', '--steps=1', '--saves=1')
   assert 0 < f['blocked_s'] < f['save_s'] and 0 < f['restore_s']
   assert f['blocked_fraction_of_step'] == f['blocked_s'] / f['step_time_s']
   assert f['checkpoint_bytes'] > 3 * 4 * f['params']  # parameters and two Adam moments in fp32

@@ -1,5 +1,5 @@
 """What a run reports besides its loss: TFLOP/s and MFU (same formula as the benchmarks),
-TensorBoard events readable by TensorBoard itself, a progress bar only on a terminal, a profiler
+TensorBoard events (tensorboardX) readable by TensorBoard itself, a progress bar only on a terminal, a profiler
 trace of the steps asked for, and peak device memory where the backend reports it."""
 
 import gzip
@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from model import ModelConfig
 from tests.conftest import tiny_config
-from training import flops, loop, metrics, tensorboard
+from training import flops, loop, metrics
 
 
 def test_mfu_matches_a_hand_count():
@@ -60,12 +60,6 @@ def test_a_run_reports_tflops_to_stdout_metrics_and_tensorboard_and_traces_steps
   trace = json.loads(gzip.decompress(traces[0].read_bytes()))
   names = {e.get('name', '') for e in trace['traceEvents']}
   assert any('train_step' in n for n in names)
-
-
-def test_event_records_are_framed_with_crc32c():
-  assert tensorboard.crc32c(b'123456789') == 0xE3069283  # the standard check value
-  framed = tensorboard.record(b'abc')
-  assert framed[:8] == (3).to_bytes(8, 'little') and framed[12:15] == b'abc'
 
 
 class _Terminal(io.StringIO):

@@ -3,6 +3,7 @@ gradients, GQA, packed rows, padding, odd lengths, bf16; in the model, and under
 
 import functools
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,6 @@ import pytest
 
 import sharding
 from kernels import flash_attention, xla_attention
-from model.layers import mesh_spec
 from tests.conftest import tiny_config
 from training import step as step_lib
 from training.state import build
@@ -131,14 +131,16 @@ def test_sharded_over_batch_and_heads_equals_unsharded():
   seg = packed_segments(2, 32)
   reference = flash_attention(q, k, v, causal=True, segment_ids_BL=seg)
   mesh = sharding.make_mesh(tiny_config(data=2, tensor=4).mesh, jax.devices())
+  names = (('batch', None, 'heads', 'head_dim'), ('batch', None, 'kv_heads', 'head_dim'),
+           ('batch', None))
   with jax.set_mesh(mesh), flax_rules():
-    specs = (mesh_spec(('batch', None, 'heads', 'head_dim')),
-             mesh_spec(('batch', None, 'kv_heads', 'head_dim')), mesh_spec(('batch', None)))
-    from kernels import attention
-    fn = jax.jit(lambda q, k, v, s: attention(q, k, v, causal=True, segment_ids_BL=s,
-                                              implementation='pallas', specs=specs))
-    put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-    args = (put(q, specs[0]), put(k, specs[1]), put(v, specs[1]), put(seg, specs[2]))
+    per_shard = sharding.per_shard(
+        lambda q, k, v, s: flash_attention(q, k, v, causal=True, segment_ids_BL=s),
+        (names[0], names[1], names[1], names[2]), names[0])
+    fn = jax.jit(per_shard)
+    put = lambda x, names: jax.device_put(x, jax.sharding.NamedSharding(
+        mesh, flax.linen.logical_to_mesh_axes(names)))
+    args = (put(q, names[0]), put(k, names[1]), put(v, names[1]), put(seg, names[2]))
     out = fn(*args)
     hlo = fn.lower(*args).compile().as_text()
   assert {s.data.shape for s in out.addressable_shards} == {(1, 32, 2, 16)}

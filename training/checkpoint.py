@@ -23,8 +23,6 @@ import pathlib
 import time
 import warnings
 
-from absl import flags
-from absl import logging as absl_logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,13 +48,6 @@ def _quiet_read_only(record) -> bool:
 
 
 logging.getLogger('absl').addFilter(_quiet_read_only)
-
-
-def quiet_orbax_logs() -> None:
-  """For the entry points: orbax logs every save and restore at INFO; keep WARNING and up unless
-  the user asked for --verbosity."""
-  if not flags.FLAGS['verbosity'].present:
-    absl_logging.set_verbosity(absl_logging.WARNING)
 
 
 def _manager(directory: pathlib.Path, **options) -> ocp.CheckpointManager:

@@ -1,5 +1,7 @@
-"""What train.py and sample.py share as programs: absl's app.run, where a mistake in the settings
-ends the program with one line naming it and exit status 2, not a traceback.
+"""What the entry points (train.py, sample.py, benchmarks/) share as programs: absl's app.run,
+where a mistake in the settings ends the program with one line naming it and exit status 2, not a
+traceback, and where libraries log warnings and errors only (orbax logs every save at INFO)
+unless --verbosity asks for more.
 
 Mistakes in the settings are: a flag that does not exist or does not parse; a config file that is
 missing, does not import, or has no get_config; an override of a setting the config does not have;
@@ -11,13 +13,18 @@ import re
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 EXIT_BAD_SETTINGS = 2
 
 
-def run(main) -> None:
-  """app.run(main), with bad settings reported as above."""
-  app.run(lambda argv: _reported(main, argv), flags_parser=_parse)
+def run(main, log_level: int = absl_logging.WARNING) -> None:
+  """app.run(main), with bad settings reported as above and absl's logs from `log_level` up."""
+  def quiet_then_main(argv):
+    if not flags.FLAGS['verbosity'].present:
+      absl_logging.set_verbosity(log_level)
+    return _reported(main, argv)
+  app.run(quiet_then_main, flags_parser=_parse)
 
 
 def fail(message: str) -> None:

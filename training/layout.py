@@ -27,6 +27,7 @@ import itertools
 import math
 
 from model import ModelConfig
+import sharding
 from sharding import AXES
 from training import gpus
 from training import plan as plan_lib
@@ -114,7 +115,7 @@ def search(config, devices, log=print) -> list[Candidate]:
           break
         state_fits = the_plan.argument_bytes <= the_plan.memory_bytes
         microbatches *= 2
-    log(f'layout search: {" × ".join(f"{a}={n}" for a, n in mesh.items())}: '
+    log(f'layout search: {sharding.describe(mesh)}: '
         f'{sum(c.mesh == mesh for c in found)} fitting')
   return sorted(found, key=lambda c: c.step_s)
 

@@ -159,9 +159,8 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   batch_sharding = sharding.batch_sharding(setup.mesh)
   pipeline.check_workers(config.data.workers, len(pipeline.process_rows(
       batch_sharding, config.batch_size, config.seq_len)))
-  mesh_desc = ' × '.join(f'{a}={n}' for a, n in setup.mesh.shape.items())
   log(f'meshlm: {param_count(setup.abstract_state.params) / 1e6:.2f}M parameters on '
-      f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh {mesh_desc}; workdir {workdir}')
+      f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh {sharding.describe(setup.mesh.shape)}; workdir {workdir}')
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
       f'model vocab {config.model.vocab_size}), {config.data.workers} worker(s)')
   t0 = time.perf_counter()
@@ -237,5 +236,6 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   finally:
     trace.stop(state)
     console.close()
+    writer.close()
     batches.close()
   return records

@@ -1,25 +1,26 @@
 """What a run reports: metrics.jsonl (one JSON object per logged step) and TensorBoard events in the
-workdir, the readable stdout line with a progress bar on a terminal, peak device memory, and the
-two-column tables that plans and benchmarks print."""
+workdir (tensorboardX), the readable stdout line with a tqdm progress bar on a terminal, peak device
+memory, and the two-column tables that plans and benchmarks print."""
 
 import json
 import pathlib
 import sys
-import time
 
 import jax
-
-from training.tensorboard import EventWriter
+import tqdm
 
 
 class MetricsWriter:
-  """Appends records to DIR/metrics.jsonl and to a TensorBoard event file in DIR (each number a
-  scalar named by its key); only process 0 writes."""
+  """Appends records to DIR/metrics.jsonl and, each number a scalar named by its key, to
+  TensorBoard event files in DIR; only process 0 writes."""
 
   def __init__(self, workdir: pathlib.Path, enabled: bool = True):
     self.path = workdir / 'metrics.jsonl'
     self.enabled = enabled
-    self.events = EventWriter(workdir) if enabled else None
+    self.events = None
+    if enabled:
+      from tensorboardX import SummaryWriter  # imported here: the GPU image lacks it
+      self.events = SummaryWriter(logdir=str(workdir))
 
   def drop_after(self, step: int) -> None:
     """Forget records of steps after `step` (a resumed run logs them again), atomically."""
@@ -35,7 +36,14 @@ class MetricsWriter:
     if self.enabled:
       with self.path.open('a') as f:
         f.write(json.dumps(record) + '\n')
-      self.events.scalars(record['step'], {k: v for k, v in record.items() if k != 'step'})
+      for key, value in record.items():
+        if key != 'step':
+          self.events.add_scalar(key, value, record['step'])
+      self.events.flush()  # what is logged is on disk, as metrics.jsonl is
+
+  def close(self) -> None:
+    if self.events:
+      self.events.close()
 
 
 def peak_memory_bytes(devices) -> int | None:
@@ -48,49 +56,36 @@ def peak_memory_bytes(devices) -> int | None:
 
 
 class Console:
-  """Process 0's stdout: log lines, and on a terminal a progress bar with an ETA beneath them,
-  redrawn after every step (on a file or pipe, only the lines)."""
+  """Process 0's stdout: log lines, and on a terminal a tqdm progress bar with an ETA beneath them
+  (on a file or pipe, only the lines). The bar starts at the first step, so compiling is not in
+  its ETA."""
+
+  BAR = '{n_fmt}/{total_fmt} [{bar:30}] {elapsed}, ETA {remaining}'
 
   def __init__(self, total_steps: int, *, enabled: bool = True, stream=None):
     self.stream = stream or sys.stdout
     self.enabled, self.total = enabled, total_steps
-    self.bar = enabled and self.stream.isatty()
-    self._first = None  # (step, time) when the bar started: compile time is not in the ETA
-    self._shown = ''
+    self.on_terminal = enabled and self.stream.isatty()
+    self.bar = None
 
   def log(self, line: str) -> None:
-    if self.enabled:
-      self.stream.write(('\r\033[K' if self._shown else '') + line + '\n' + self._shown)
-      self.stream.flush()
+    if self.bar:
+      self.bar.write(line, file=self.stream)  # above the bar, which is redrawn beneath
+    elif self.enabled:
+      print(line, file=self.stream, flush=True)
 
   def step(self, done: int) -> None:
-    if not self.bar:
+    if not self.on_terminal:
       return
-    now = time.perf_counter()
-    if self._first is None or done <= self._first[0]:
-      self._first = (done, now)
-      eta = '…'
-    else:
-      per_step = (now - self._first[1]) / (done - self._first[0])
-      eta = _duration(per_step * (self.total - done))
-    width = 30
-    filled = int(width * done / self.total)
-    self._shown = (f'[{"=" * filled}{">" if filled < width else ""}{" " * (width - filled - 1)}] '
-                   f'{done}/{self.total} ETA {eta}')
-    self.stream.write('\r\033[K' + self._shown)
-    self.stream.flush()
+    if self.bar is None:
+      self.bar = tqdm.tqdm(total=self.total, initial=done, file=self.stream,
+                           bar_format=self.BAR, dynamic_ncols=True)
+    self.bar.update(done - self.bar.n)
 
   def close(self) -> None:
-    if self._shown:
-      self.stream.write('\n')
-      self.stream.flush()
-      self._shown = ''
-
-
-def _duration(seconds: float) -> str:
-  seconds = int(seconds)
-  h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
-  return f'{h}h{m:02d}m' if h else f'{m}m{s:02d}s'
+    if self.bar:
+      self.bar.close()
+      self.bar = None
 
 
 def format_line(record: dict, train_steps: int) -> str:

@@ -24,6 +24,7 @@ import json
 
 import jax
 
+import sharding
 from sharding import collectives
 from training import flops as flops_lib
 from training import gpu_compiler, gpus
@@ -193,7 +194,7 @@ def report(plan: Plan) -> None:
                f' (XLA counts {plan.compiled_flops:.3e}, a scanned layer once)')
   rows = [('device', f'{plan.n_devices} × {plan.device}'),
           ('compiled for', compiled_for(plan)),
-          ('mesh', ' × '.join(f'{a}={s}' for a, s in plan.mesh.items())),
+          ('mesh', sharding.describe(plan.mesh)),
           ('attention, remat policy', f'{plan.attention}, {plan.remat_policy}'),
           ('microbatches', str(plan.microbatches)),
           ('arguments / device', readable_bytes(plan.argument_bytes)),

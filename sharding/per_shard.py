@@ -1,0 +1,19 @@
+"""Running a kernel that XLA cannot partition (a Pallas call) on each device's shard."""
+
+import flax.core.spmd
+import flax.linen as nn
+import jax
+
+
+def per_shard(fn, in_names: tuple, out_names: tuple):
+  """`fn` run by every device on its own shard of the arguments (jax.shard_map), the shards being
+  where the logical axes `in_names` (one tuple per argument) and `out_names` put them under the
+  active rules and mesh. Outside a mesh, or without rules, `fn` itself."""
+  def run(*args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not flax.core.spmd.get_logical_axis_rules():
+      return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, check_vma=False,
+                         in_specs=tuple(nn.logical_to_mesh_axes(n) for n in in_names),
+                         out_specs=nn.logical_to_mesh_axes(out_names))(*args)
+  return run
