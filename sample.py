@@ -10,7 +10,8 @@ checkpoint.
 
 from absl import app, flags
 
-from training import cli, sampling
+from runtime import cli
+from training import sampling
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "A run's workdir, checkpoints/ or checkpoints/STEP.",
                                required=True)

@@ -9,7 +9,8 @@ import os
 from absl import app
 from ml_collections import config_flags
 
-from training import cli, loop
+from runtime import cli
+from training import loop
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
 _CONFIG = config_flags.DEFINE_config_file('config', _DEFAULT,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from benchmarks import report
-from training import cli
+from runtime import cli
 
 from kernels import attention
 

@@ -29,9 +29,9 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from benchmarks import inputs, report
-from training.metrics import print_table
-from training import cli
-from training.checkpoint import Checkpointer
+from reporting.metrics import print_table
+from runtime import cli
+from runtime.checkpoint import Checkpointer
 from training.state import param_count
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:125m', 'Config file.',

@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from benchmarks import report
-from training import cli
 from data import corpus as corpus_lib
 from data import pipeline, tokenizers, train_tokenizer
+from runtime import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.',
                                           lock_config=True)

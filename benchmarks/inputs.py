@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 import sharding
-from data import tokenizers
+from training import settings
 from training import step as step_lib
 from training.state import Setup, TrainState, build
 
@@ -24,7 +24,7 @@ class Prepared:
 
 
 def prepare(config, packed: bool = False) -> Prepared:
-  config = tokenizers.with_vocab_size(config, tokenizers.load(config.data))
+  config = settings.resolve(config)
   setup = build(config)
   t0 = time.perf_counter()
   state = setup.init_state()

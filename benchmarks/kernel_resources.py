@@ -1,5 +1,5 @@
 """What our flash-attention kernels take of a GPU: launch grid, threads, shared memory, registers
-and spills, from the GPU compiler itself (deviceless, training/gpu_compiler.py: no GPU needed).
+and spills, from the GPU compiler itself (deviceless, planning/gpu_compiler.py: no GPU needed).
 
   python -m benchmarks.kernel_resources                         # H100; head dims 64, 128, 256
   python -m benchmarks.kernel_resources --sweep --head_dims=64,128   # how default_blocks was chosen
@@ -27,7 +27,8 @@ from absl import flags
 
 from benchmarks import report
 from kernels.flash_attention import default_blocks
-from training import cli, gpu_compiler, gpus
+from planning import gpu_compiler, gpus
+from runtime import cli
 
 _TARGET = flags.DEFINE_string('target', 'H100', f'GPU to compile for: {sorted(gpus.GPUS)}.')
 _HEAD_DIMS = flags.DEFINE_list('head_dims', ['64', '128', '256'], 'Head dims.')

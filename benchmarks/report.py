@@ -1,5 +1,5 @@
 """The end every benchmark shares: its figures to --out (pretty JSON) and as stdout's last line
-(after a table for people: training.metrics.print_table)."""
+(after a table for people: reporting.metrics.print_table)."""
 
 import json
 import pathlib

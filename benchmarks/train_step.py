@@ -9,10 +9,10 @@ Method: build the state and the AOT-compiled step exactly as train.py does, feed
 segment ids, so cuDNN runs its plain causal kernel; --packed adds them), run --warmup steps, then time --steps steps one by one
 (each waited for) and report the median.
 
-FLOPs (training/flops.py, MaxText's convention): per token 6·(n_layers·matmul params per layer +
+FLOPs (planning/flops.py, MaxText's convention): per token 6·(n_layers·matmul params per layer +
 d_model·vocab) for the matmuls, plus 12·n_layers·n_heads·head_dim·seq_len for attention, counted
 half because it is causal; recomputation from rematerialisation is not credited.
-MFU = achieved FLOP/s per device / the device's dense bf16 peak (training/gpus.py). No MFU is
+MFU = achieved FLOP/s per device / the device's dense bf16 peak (planning/gpus.py). No MFU is
 reported for devices not in that table (CPU).
 """
 
@@ -23,10 +23,11 @@ import jax
 from absl import flags
 from ml_collections import config_flags
 
-import sharding
 from benchmarks import inputs, report
-from training.metrics import print_table
-from training import cli, flops
+from planning import flops
+from reporting.metrics import print_table
+from runtime import cli
+import sharding
 from training.state import param_count
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.',

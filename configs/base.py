@@ -68,15 +68,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss = ml_collections.ConfigDict()
   c.loss.z_loss = 1e-4  # weight of log(Z)^2, keeps the softmax normaliser near 1
 
-  c.distributed = dist = ml_collections.ConfigDict()  # multi-process jobs (training/distributed.py)
+  c.distributed = dist = ml_collections.ConfigDict()  # multi-process jobs (runtime/distributed.py)
   dist.coordinator_address = ''  # process 0's host:port; '': SLURM/Open MPI if present, else 1 process
   dist.num_processes = 0  # with coordinator_address: how many processes the job has
   dist.process_id = -1  # with coordinator_address: this process's rank, 0 … num_processes-1
   dist.initialization_timeout_s = 300  # how long processes wait for each other at the start
   dist.heartbeat_timeout_s = 100  # a process silent this long is dead: the others stop with an error
 
-  c.plan = ml_collections.ConfigDict()  # what the compiled step must fit (training/plan.py)
-  c.plan.target = ''  # A100 | H100 | H100-PCIe | H200 (training/gpus.py): plan for it; '': the devices here
+  c.plan = ml_collections.ConfigDict()  # what the compiled step must fit (planning/plan.py)
+  c.plan.target = ''  # A100 | H100 | H100-PCIe | H200 (planning/gpus.py): plan for it; '': the devices here
   c.plan.devices = 0  # how many of config.plan.target to plan for; 0: as many as there are devices here
   c.plan.memory_gb = 0.0  # per-device memory to fit; 0: the target's, or the backend's own
 

@@ -189,7 +189,7 @@ class Batches:
 
 def _ignore_interrupts(worker_index: int, worker_count: int) -> None:
   """Ctrl-C reaches every process of the terminal's group; the training process decides how
-  to stop (training/preemption.py) and closes its workers itself."""
+  to stop (runtime/preemption.py) and closes its workers itself."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

@@ -17,7 +17,7 @@ padded up to the block sizes and the padding masked; a row with nothing to atten
 
 Lowering, chosen for the platform being compiled for (`jax.lax.platform_dependent`), not for
 the devices this process has: Pallas's Triton backend on CUDA (so a step compiled here for GPUs
-that are not here, training/gpu_compiler.py, contains the Triton kernels), interpret mode
+that are not here, planning/gpu_compiler.py, contains the Triton kernels), interpret mode
 elsewhere (CPU tests). Triton rather than Mosaic GPU (JAX's default for pallas_call on GPU): this
 block-level body is the one interpret mode runs, so every line the GPU executes is what the CPU
 tests check; Mosaic GPU needs a separate warpgroup-level body, and it rejects this one.

@@ -19,6 +19,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sharding.mesh import MeshMismatch
+
 PARAM_RULES = (
     ('layers', None),
     ('vocab', 'tensor'),
@@ -84,23 +86,29 @@ def _check_param(name, var, spec, mesh):
 
 def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
                     microbatches: int = 1) -> None:
-  """Config-level checks, before anything is built, naming the fields to change."""
+  """The model and batch against the mesh's axis sizes, before anything is built: MeshMismatch
+  naming the fields to change."""
   t, dp = mesh_sizes['tensor'], mesh_sizes['data'] * mesh_sizes['fsdp']
   for field in ('n_heads', 'n_kv_heads', 'd_ff', 'vocab_size'):
     if getattr(model_cfg, field) % t:
-      raise ValueError(f'config.model.{field}={getattr(model_cfg, field)} is not divisible by '
-                       f'config.mesh.tensor={t}; tensor parallelism splits it {t} ways')
+      raise MeshMismatch(f'config.model.{field}={getattr(model_cfg, field)} is not divisible '
+                         f'by config.mesh.tensor={t}; tensor parallelism splits it {t} ways')
   shard = mesh_sizes['fsdp'] * mesh_sizes['sequence']
   if model_cfg.d_model % shard:
-    raise ValueError(f'config.model.d_model={model_cfg.d_model} is not divisible by '
-                     f'config.mesh.fsdp×config.mesh.sequence={shard}, which shard parameters')
+    raise MeshMismatch(f'config.model.d_model={model_cfg.d_model} is not divisible by '
+                       f'config.mesh.fsdp×config.mesh.sequence={shard}, which shard parameters')
   if batch_size % dp:
-    raise ValueError(f'config.batch_size={batch_size} is not divisible by config.mesh.data×'
-                     f'config.mesh.fsdp={dp}; each of those shards takes an equal slice')
+    raise MeshMismatch(f'config.batch_size={batch_size} is not divisible by config.mesh.data×'
+                       f'config.mesh.fsdp={dp}; each of those shards takes an equal slice')
   if batch_size % (dp * microbatches):
-    raise ValueError(f'config.batch_size={batch_size} is not divisible by config.microbatches='
-                     f'{microbatches} × config.mesh.data×config.mesh.fsdp={dp}; every device takes '
-                     'an equal share of each microbatch')
+    raise MeshMismatch(f'config.batch_size={batch_size} is not divisible by '
+                       f'config.microbatches={microbatches} × config.mesh.data×config.mesh.fsdp='
+                       f'{dp}; every device takes an equal share of each microbatch')
   if seq_len % mesh_sizes['sequence']:
-    raise ValueError(f'config.seq_len={seq_len} is not divisible by '
-                     f'config.mesh.sequence={mesh_sizes["sequence"]}')
+    raise MeshMismatch(f'config.seq_len={seq_len} is not divisible by '
+                       f'config.mesh.sequence={mesh_sizes["sequence"]}')
+  if model_cfg.attention == 'cudnn' and mesh_sizes['sequence'] > 1:
+    raise MeshMismatch(f"config.model.attention='cudnn' cannot run with config.mesh.sequence="
+                       f"{mesh_sizes['sequence']}: cuDNN's partitioner needs queries, keys and "
+                       'values split alike, and sequence parallelism splits only the queries; use '
+                       '--config.model.attention=pallas, or config.mesh.sequence=1')

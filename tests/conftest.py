@@ -18,7 +18,7 @@ STDLIB = sysconfig.get_paths()['stdlib']
 SMALL_CORPUS = f'{STDLIB}/json/*.py,{STDLIB}/email/*.py'  # 25 real files, ~330 kB
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training import gpu_compiler  # noqa: E402  (imports no jax)
+from planning import gpu_compiler  # noqa: E402  (imports no jax)
 
 # This process compiles for GPUs too (tests/test_gpu_compile.py): the GPU compiler must be on the
 # path before jax is imported; the processes tests start do not get it.

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runtime.checkpoint import Checkpointer, CheckpointMismatch, CheckpointWarning
 from tests.conftest import SMALL_CORPUS, tiny_config
 from training import loop
-from training.checkpoint import Checkpointer, CheckpointMismatch, CheckpointWarning
 from training.state import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -206,7 +206,7 @@ def test_corrupted_bytes_fail_the_checksums_and_are_not_trained_from(tmp_path):
 def test_checksums_do_not_depend_on_the_sharding():
   state = build(tiny_config(fsdp=8)).init_state()
   other = jax.device_put(state, build(tiny_config(fsdp=4, tensor=2)).state_shardings)
-  from training.checkpoint import checksums
+  from runtime.checkpoint import checksums
   assert checksums(state) == checksums(other)
   flipped = state.replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0),
                                               state.params))

@@ -1,5 +1,5 @@
 """Mistakes in the settings end train.py and sample.py with one line naming the flag or file and
-the fix, exit status 2, no traceback (training/cli.py)."""
+the fix, exit status 2, no traceback (runtime/cli.py)."""
 
 import pathlib
 import subprocess

@@ -62,7 +62,7 @@ class Block:
     if name.split('.')[0] in ('tensorflow_datasets', 'grain'):
       raise ImportError('not on the GPU image: ' + name)
 sys.meta_path.insert(0, Block())
-import model, sharding, kernels, model.generate, training.flops, training.metrics
+import model, sharding, kernels, model.generate, planning.flops, reporting.metrics
 import benchmarks.train_step
 '''
   result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,

@@ -15,8 +15,9 @@ import time
 import pytest
 
 from configs import default
+from runtime import distributed
 from tests.conftest import SMALL_CORPUS, free_port
-from training import distributed, loop
+from training import loop
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 6

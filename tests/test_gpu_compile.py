@@ -1,6 +1,6 @@
-"""The GPU compiler without a GPU (training/gpu_compiler.py): our kernels and every preset's train
+"""The GPU compiler without a GPU (planning/gpu_compiler.py): our kernels and every preset's train
 step compiled for H100s that are not here, by XLA's own GPU pipeline. These need the GPU compiler
-(`python -m training.gpu_compiler install`, part of the README's test command); they fail, never
+(`python -m planning.gpu_compiler install`, part of the README's test command); they fail, never
 skip, without it."""
 
 import json
@@ -12,8 +12,9 @@ import pytest
 
 from configs import llama
 from kernels.flash_attention import default_blocks
-from training import gpu_compiler, gpus, loop
-from training import plan as plan_lib
+from planning import gpu_compiler, gpus
+from planning import plan as plan_lib
+from training import loop
 from training.state import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -11,8 +11,10 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from model import ModelConfig
+from planning import flops
+from reporting import metrics
 from tests.conftest import tiny_config
-from training import flops, loop, metrics
+from training import loop
 
 
 def test_mfu_matches_a_hand_count():

@@ -7,8 +7,9 @@ import json
 import jax
 import pytest
 
+from planning import gpus, plan
 from tests.conftest import tiny_config
-from training import gpus, loop, plan
+from training import loop
 from training.state import build
 
 
@@ -103,7 +104,7 @@ def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corp
 
 
 def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_estimate():
-  from training import layout
+  from planning import layout
   config = tiny_config()
   config.plan.memory_gb = 0.003  # some layouts fit as they are, some split, some not at all
   devices = jax.devices()[:2]
@@ -119,7 +120,7 @@ def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_estimate(
 
 
 def test_layout_communication_estimate_by_hand():
-  from training import layout
+  from planning import layout
   setup = build(tiny_config(data=8))
   params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
   mesh = dict(data=8, fsdp=1, tensor=1, sequence=1)
@@ -129,3 +130,13 @@ def test_layout_communication_estimate_by_hand():
   c = setup.model_cfg.dtype.itemsize
   assert layout.comm_bytes(setup.model_cfg, params, mesh, 'full', 2, 8, 32) == \
       3 * 2 * params * c * 7 / 8 + 4 * params * 7 / 8  # gathers per microbatch, one reduce
+
+
+def test_a_typo_is_named_not_swallowed_by_the_layout_search(tmp_path):
+  """The search skips the mesh shapes the model does not divide (sharding.MeshMismatch), nothing
+  else: a misspelt setting is named, not reported as "no mesh shape fits"."""
+  config = tiny_config()
+  config.mesh.auto, config.dry_run, config.plan.memory_gb = True, True, 1.0
+  config.model.attention, config.workdir = 'flsh', str(tmp_path)
+  with pytest.raises(ValueError, match=r"config.model.attention='flsh' is not one of"):
+    loop.run(config)

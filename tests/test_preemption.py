@@ -20,7 +20,7 @@ import jax
 port, pid = int(sys.argv[1]), int(sys.argv[2])
 jax.distributed.initialize(f'localhost:{port}', num_processes=2, process_id=pid,
                            initialization_timeout=60)
-from training.preemption import StopSignals
+from runtime.preemption import StopSignals
 with StopSignals() as stop:
   print('ready', flush=True)
   for step in range(1, 1_000_000):

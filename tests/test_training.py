@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.conftest import tiny_config
 from training import loop, optimizer
 from training.state import build
 from training.step import cross_entropy
-from tests.conftest import tiny_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -132,7 +132,7 @@ def test_train_cli_writes_metrics_and_config_and_learns(tmp_path):
 
 def test_flops_per_token_matches_a_hand_count():
   from model import ModelConfig
-  from training import flops
+  from planning import flops
   cfg = ModelConfig.from_config(tiny_config().model)  # D=64, N=4, K=2, H=16, F=128, V=384, 2 layers
   per_layer = 64 * 16 * (4 + 4 + 2 + 2) + 3 * 64 * 128  # q, o, k, v + gate, up, down = 36,864
   dense = 6 * (2 * per_layer + 64 * 384)

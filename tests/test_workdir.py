@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from runtime import workdir as workdir_lib
 from tests.conftest import tiny_config
 from tests.test_checkpoint import ENV, REPO, command, read_until, start
 from training import loop
-from training import workdir as workdir_lib
 
 
 def test_a_second_run_on_a_live_workdir_stops_at_once_naming_the_holder(tmp_path):

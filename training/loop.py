@@ -1,26 +1,26 @@
-"""The training loop: config → tokenizer → [layout] → setup → checkpoints checked → data → the
-step compiled and its plan checked → state restored or initialised → steps, logs, evals, saves."""
+"""The training loop: config resolved → [layout] → setup → data and workdir checked, workdir held →
+checkpoints checked → data → the step compiled and its plan checked → state restored or
+initialised → steps, each handed to the hooks of training/hooks.py (logs, evals, saves, …)."""
 
-import functools
 import time
 import warnings
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 
-import sharding
 from data import corpus as corpus_lib
 from data import pipeline, tokenizers
-from training import metrics as metrics_lib
-from training import layout
-from training import plan as plan_lib
-from training import checkpoint as checkpoint_lib
-from training import distributed, flops
-from training import workdir as workdir_lib
+from planning import layout
+from planning import plan as plan_lib
+from reporting import metrics as metrics_lib
+from reporting.profiling import StepTrace
+from runtime import checkpoint as checkpoint_lib
+from runtime import distributed
+from runtime import workdir as workdir_lib
+from runtime.preemption import StopSignals
+import sharding
+from training import hooks, settings
 from training.evaluation import Evaluator
-from training.preemption import StopSignals
-from training.profiling import StepTrace
 from training.state import build, local_device, param_count
 
 
@@ -79,44 +79,11 @@ def initial_state(setup, config, checkpointer, log):
   return 0, setup.init_state(), None
 
 
-class BadStepGuard:
-  """Counts steps in a row whose loss or gradient was not finite (the step skipped them);
-  `config.max_bad_steps` in a row stop the run."""
-
-  def __init__(self, max_bad_steps: int, checkpointer):
-    self.limit, self.in_a_row, self.checkpointer = max_bad_steps, 0, checkpointer
-    self.checked = -1
-
-  def newest_checkpoint(self) -> int | None:
-    """The newest saved step (never one from a bad streak: those are not saved)."""
-    saved = self.checkpointer.steps() if self.checkpointer else []
-    return saved[0] if saved else None
-
-  def check(self, step: int, metrics) -> None:
-    if step <= self.checked:
-      return
-    self.checked = step
-    if not bool(jax.device_get(metrics['skipped'])):  # waits for that step
-      self.in_a_row = 0
-      return
-    self.in_a_row += 1
-    warnings.warn(f'step {step}: the loss or gradient is not finite; the step was skipped',
-                  RuntimeWarning, stacklevel=2)
-    if self.in_a_row >= self.limit:
-      kept = (f'the last good checkpoint, step {self.newest_checkpoint()}, is in '
-              f'{self.checkpointer.directory}' if self.newest_checkpoint() is not None
-              else 'no checkpoint was saved')
-      raise FloatingPointError(
-          f'steps {step - self.in_a_row + 1}..{step}: {self.in_a_row} steps in a row had a '
-          f'non-finite loss or gradient (config.max_bad_steps={self.limit}); {kept}. Lower '
-          'config.optimizer.learning_rate, raise config.optimizer.warmup_steps or check the data')
-
-
 def run(config, devices=None) -> list[dict]:
   """Train per `config`; returns the logged records (also in workdir/metrics.jsonl)."""
   distributed.initialize(config.distributed)  # before anything touches a device
+  config = settings.resolve(config)  # every setting checked before anything is built
   tokenizer = tokenizers.load(config.data)
-  config = tokenizers.with_vocab_size(config, tokenizer)
   devices = jax.devices() if devices is None else list(devices)
   plan_lib.check_target(config, devices)
   if planned_elsewhere := plan_lib.plan_in_compiler_process(config, devices):
@@ -160,7 +127,8 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   pipeline.check_workers(config.data.workers, len(pipeline.process_rows(
       batch_sharding, config.batch_size, config.seq_len)))
   log(f'meshlm: {param_count(setup.abstract_state.params) / 1e6:.2f}M parameters on '
-      f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh {sharding.describe(setup.mesh.shape)}; workdir {workdir}')
+      f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh '
+      f'{sharding.describe(setup.mesh.shape)}; workdir {workdir}')
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
       f'model vocab {config.model.vocab_size}), {config.data.workers} worker(s)')
   t0 = time.perf_counter()
@@ -173,69 +141,45 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
               if config.eval_every else None)
   log(f'initialised and compiled in {time.perf_counter() - t0:.1f}s')
 
-  records, tokens_per_step = [], config.batch_size * config.seq_len
-  last_time, last_step = time.perf_counter(), start_step
-  guard = BadStepGuard(config.max_bad_steps, checkpointer)
+  guard = hooks.NonFinite(config.max_bad_steps, checkpointer)
+  report = hooks.Report(writer, console, config.train_steps)
+  log_metrics = hooks.LogMetrics(config.log_every, report, setup, config, start_step,
+                                 local_device(setup.mesh.devices.flat).device_kind)
+  save = (hooks.Save(config.checkpoint_every, checkpointer, guard, batches, config.to_dict())
+          if checkpointer else None)
   trace = StepTrace(workdir / 'profile', start_step + config.profile_start, config.profile_steps)
-  device_kind = local_device(setup.mesh.devices.flat).device_kind
-  speed = functools.partial(flops.throughput, setup.model_cfg, config.seq_len,
-                            n_devices=setup.mesh.size, device_kind=device_kind)
-  previous = None  # (step, metrics) of the step dispatched before this one
-  save_pending = False  # a checkpoint was due while the last steps were not finite
+  around_steps = [hooks.Trace(trace), guard, hooks.Progress(console), log_metrics,
+                  *([hooks.Evaluate(config.eval_every, evaluate, report, log_metrics)]
+                    if evaluate else []),
+                  *([save] if save else [])]
   try:
-    for step in range(start_step, config.train_steps):
-      trace.before_step(step)
+    for step_index in range(start_step, config.train_steps):
+      for hook in around_steps:
+        hook.before(step_index)
       state, metrics = train_step(state, next(batches))
-      done = step + 1
-      trace.after_step(done, metrics)
-      # At most two steps in flight: the device stays busy and the host never runs far ahead.
-      if previous:
-        guard.check(*previous)
-      previous = (done, metrics)
-      console.step(done)
-      if done % config.log_every == 0 or done == config.train_steps:
-        metrics = jax.device_get(metrics)  # waits for the step
-        step_time = (time.perf_counter() - last_time) / (done - last_step)
-        record = {'step': done, **{k: float(v) for k, v in metrics.items() if k != 'skipped'},
-                  'tokens_per_sec': tokens_per_step / step_time, 'step_time_s': step_time,
-                  **speed(tokens_per_step / step_time)}
-        if (peak := metrics_lib.peak_memory_bytes(setup.mesh.devices.flat)) is not None:
-          record['peak_memory_gib'] = peak / 2**30
-        writer.write(record)
-        log(metrics_lib.format_line(record, config.train_steps))
-        records.append(record)
-        last_time, last_step = time.perf_counter(), done
-      stopping = stop.requested(done)
-      if evaluate and not stopping and (done % config.eval_every == 0
-                                        or done == config.train_steps):
-        record = {'step': done, **evaluate(state.params)}
-        writer.write(record)
-        log(metrics_lib.format_line(record, config.train_steps))
-        records.append(record)
-        last_time = time.perf_counter()  # evaluation time is not step time
-      saved = None
-      if checkpointer and (save_pending or stopping or done % config.checkpoint_every == 0
-                           or done == config.train_steps):
-        guard.check(*previous)  # waits for this step: never save after the run should stop
-        # A state that follows a skipped step is not saved until a finite step has been applied
-        # (the newest checkpoint from before the streak stays the newest, so rotation keeps it).
-        save_pending = guard.in_a_row > 0
-        if not save_pending:
-          checkpointer.save(done, state, batches.state(), config.to_dict())
-          saved = checkpointer.directory / str(done)
-      if stopping:
-        log(f'stopped by {stop.received or "a preemption notice"} after step {done}; '
-            + (f'checkpoint {saved}' if saved else 'nothing saved: '
-               + ('config.checkpoint_every=0' if not checkpointer else
-                  f'the last {guard.in_a_row} step(s) were not finite; the newest checkpoint is '
-                  f'{guard.newest_checkpoint()}')))
+      step = hooks.Step(done=step_index + 1, state=state, metrics=metrics,
+                        last=step_index + 1 == config.train_steps,
+                        stopping=stop.requested(step_index + 1))
+      for hook in around_steps:
+        hook.after(step)
+      if step.stopping:
+        log(stop_message(stop, step.done, save, guard))
         break
     else:
-      if previous:
-        guard.check(*previous)
+      guard.finish()
   finally:
-    trace.stop(state)
-    console.close()
+    for hook in around_steps:
+      hook.close(state)
     writer.close()
     batches.close()
-  return records
+  return report.records
+
+
+def stop_message(stop, done: int, save, guard) -> str:
+  head = f'stopped by {stop.received or "a preemption notice"} after step {done}'
+  if save and save.saved:
+    return f'{head}; checkpoint {save.saved}'
+  why = ('config.checkpoint_every=0' if save is None else
+         f'the last {guard.in_a_row} step(s) were not finite; the newest checkpoint is '
+         f'{guard.newest_checkpoint()}')
+  return f'{head}; nothing saved: {why}'

@@ -13,11 +13,13 @@ import jax
 import ml_collections
 from flax import nnx
 
-import sharding
+from configs import base
 from data import tokenizers
 from model import ModelConfig, Transformer
 from model.generate import generate
-from training import checkpoint as checkpoint_lib
+from runtime import checkpoint as checkpoint_lib
+import sharding
+from training import settings
 
 
 @dataclasses.dataclass
@@ -37,7 +39,9 @@ def load(path: str) -> Loaded:
   if not saved:
     raise ValueError(f'checkpoint {directory / str(step)} holds no readable config; point at '
                      'another step')
-  config = ml_collections.ConfigDict(saved)
+  config = base.get_config()  # the settings a checkpoint from an older meshlm may lack
+  config.update(saved)
+  config = settings.resolve(config)
   tokenizer = tokenizers.load(config.data)
   model_cfg = ModelConfig.from_config(config.model)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))

@@ -3,7 +3,6 @@ shardings → initialised state. Everything that can be wrong with a config is f
 anything is compiled or allocated."""
 
 import dataclasses
-import functools
 
 import flax.struct
 import jax
@@ -12,9 +11,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-import sharding
 from model import ModelConfig, Transformer
-from training import optimizer
+import sharding
+from training import optimizer, settings
 
 
 @flax.struct.dataclass
@@ -55,25 +54,14 @@ class Setup:
 
 
 def build(config, devices=None) -> Setup:
-  """Validate `config` and derive the mesh, model, optimizer and state shardings (all abstract)."""
+  """Check `config` against `devices` (settings.check, then the mesh: MeshMismatch) and derive
+  the mesh, model, optimizer and state shardings (all abstract)."""
   devices = jax.devices() if devices is None else list(devices)
+  settings.check(config)  # again, for a config that did not come through settings.resolve
   model_cfg = ModelConfig.from_config(config.model)
-  for field, low in (('train_steps', 1), ('batch_size', 1), ('microbatches', 1), ('seq_len', 1),
-                     ('log_every', 1), ('profile_steps', 0), ('profile_start', 0),
-                     ('eval_every', 0), ('eval_batches', 0), ('data.workers', 0),
-                     ('checkpoint_every', 0), ('keep_checkpoints', 1), ('max_bad_steps', 1),
-                     ('data.prefetch', 1)):
-    value = functools.reduce(getattr, field.split('.'), config)
-    if value < low:
-      raise ValueError(f'config.{field}={value} must be at least {low}')
   sizes = sharding.mesh_shape(config.mesh, len(devices))
   sharding.check_fits_mesh(model_cfg, config.batch_size, config.seq_len, sizes,
                            config.microbatches)
-  if model_cfg.attention == 'cudnn' and sizes['sequence'] > 1:
-    raise ValueError(f"config.model.attention='cudnn' cannot run with config.mesh.sequence="
-                     f"{sizes['sequence']}: cuDNN's partitioner needs queries, keys and values "
-                     'split alike, and sequence parallelism splits only the queries; use '
-                     '--config.model.attention=pallas, or config.mesh.sequence=1')
   if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':
     raise ValueError(f"config.model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
                      f"{devices[0].platform}; use --config.model.attention=xla")

@@ -1,5 +1,5 @@
 """The GPUs meshlm knows: one table of what each device is, for planning, MFU and compiling for a
-GPU that is not there (training/gpu_compiler.py).
+GPU that is not there (planning/gpu_compiler.py).
 
 Figures come from NVIDIA's public datasheets and the CUDA programming guide's compute-capability
 tables; `memory_bytes` and `l2_bytes` are what the device itself reports (nvidia-smi, CUDA device

@@ -1,4 +1,4 @@
-"""Model FLOPs per token, and MFU against the device's peak (training/gpus.py), by MaxText's
+"""Model FLOPs per token, and MFU against the device's peak (planning/gpus.py), by MaxText's
 convention:
 
   dense     = 6 · (n_layers · matmul params per layer + d_model · vocab)  per token
@@ -9,11 +9,11 @@ Rematerialised recomputation is not credited: MFU counts the model's work, not t
 """
 
 from model.config import ModelConfig
-from training import gpus
+from planning import gpus
 
 
 def peak_tflops(device_kind: str) -> float | None:
-  """The dense bf16 peak (training/gpus.py) for a jax device_kind such as 'NVIDIA H100 80GB
+  """The dense bf16 peak (planning/gpus.py) for a jax device_kind such as 'NVIDIA H100 80GB
   HBM3' or a GPU name; None for devices not in that table."""
   gpu = gpus.find(device_kind)
   return gpu.peak_bf16_flops / 1e12 if gpu else None

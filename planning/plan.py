@@ -5,13 +5,13 @@ configured mesh from the abstract state, and what the compiled program says abou
 
 Per device: argument bytes (parameters, optimizer state, batch), output bytes, temporaries
 (activations, gradients, workspace), total = arguments + outputs + temporaries − aliased (the
-donated state is updated in place); FLOPs per step (the model's, training/flops.py, as MFU counts
+donated state is updated in place); FLOPs per step (the model's, planning/flops.py, as MFU counts
 them; on CPU also XLA's own count, which counts a scanned layer once; the GPU compiler gives none);
 the collectives in the program text.
 
-`config.plan.target` names a GPU of training/gpus.py to plan for. Unless this process has that
+`config.plan.target` names a GPU of planning/gpus.py to plan for. Unless this process has that
 GPU, the step is compiled by the GPU compiler for `config.plan.devices` (0: as many as this process
-has devices) compile-only GPUs (training/gpu_compiler.py), so the figures are the GPU compiler's
+has devices) compile-only GPUs (planning/gpu_compiler.py), so the figures are the GPU compiler's
 own. Without the GPU compiler installed, the step is compiled for this machine's devices instead,
 and the plan says it is a stand-in: arguments are exact, but temporaries follow the CPU compiler
 (which, for one, keeps collectives in fp32). A plan fits when its total is within what JAX's
@@ -24,11 +24,11 @@ import json
 
 import jax
 
-import sharding
+from planning import flops as flops_lib
+from planning import gpu_compiler, gpus
+from reporting import metrics
 from sharding import collectives
-from training import flops as flops_lib
-from training import gpu_compiler, gpus
-from training import metrics
+import sharding
 from training import step as step_lib
 from training.state import Setup, local_device
 
@@ -49,7 +49,7 @@ class Plan:
   alias_bytes: int
   total_bytes: int
   host_bytes: int  # in pinned host memory (offloaded optimizer state or activations), if reported
-  flops: float  # per device per step, the model's (training/flops.py)
+  flops: float  # per device per step, the model's (planning/flops.py)
   compiled_flops: float | None  # XLA's cost analysis of the per-device program (CPU only)
   collectives: dict  # {op: {'count', 'bytes'}} in the program text
   memory_bytes: int | None  # what the target device offers a run; None if unknown
@@ -79,7 +79,7 @@ def check_target(config, devices) -> None:
 def target_devices(config, devices=None) -> list:
   """The devices a plan compiles for: `devices` (default: all), unless config.plan.target names
   a GPU they are not, or config.plan.devices another count; then compile-only GPUs of the target
-  (training/gpu_compiler.py), or, without the GPU compiler, `devices` as a stand-in."""
+  (planning/gpu_compiler.py), or, without the GPU compiler, `devices` as a stand-in."""
   here = jax.devices() if devices is None else list(devices)
   n = config.plan.devices or len(here)
   if not config.plan.target:
@@ -104,7 +104,7 @@ def _are_the_target(devices, gpu: gpus.GPU, n: int) -> bool:
 
 def plan_in_compiler_process(config, devices) -> dict | None:
   """A dry run for a GPU that neither this process has nor can compile for, but a child process
-  can (training/gpu_compiler.py): its plan, made there. None where the plan is made here."""
+  can (planning/gpu_compiler.py): its plan, made there. None where the plan is made here."""
   if not (config.dry_run and config.plan.target):
     return None
   n = config.plan.devices or len(devices)

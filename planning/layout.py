@@ -8,10 +8,10 @@ for that mesh and policy (more only repeat FSDP's gathers on smaller matmuls). A
 alone (the step's arguments) exceeds the memory is dropped without trying the rest.
 
 Step-time estimate, deliberately simple (no overlap of compute and communication assumed):
-  compute = model FLOPs per device (training/flops.py) × recompute / the device's bf16 peak,
+  compute = model FLOPs per device (planning/flops.py) × recompute / the device's bf16 peak,
             recompute = 1 (none), 1.1 (dots: attention and elementwise ops again), 4/3 (full)
   comm    = bytes each device moves per step / the device's link bandwidth (per direction)
-  (peak and link from training/gpus.py; other devices are ranked at 100 TFLOP/s and 100 GB/s)
+  (peak and link from planning/gpus.py; other devices are ranked at 100 TFLOP/s and 100 GB/s)
     fsdp (×sequence, which shards the same dim), g = f·s:  weights gathered forward and
               backward per microbatch, again when `full` recomputes: (2|3)·M·P·c/t·(g−1)/g,
               plus fp32 gradients reduce-scattered: 4·P/t·(g−1)/g
@@ -27,10 +27,10 @@ import itertools
 import math
 
 from model import ModelConfig
-import sharding
+from planning import gpus
+from planning import plan as plan_lib
 from sharding import AXES
-from training import gpus
-from training import plan as plan_lib
+import sharding
 from training.state import build, param_count
 
 POLICIES = ('none', 'dots', 'full')
@@ -106,7 +106,7 @@ def search(config, devices, log=print) -> list[Candidate]:
         candidate = with_layout(config, mesh, policy, microbatches)
         try:
           setup = build(candidate, devices)
-        except ValueError:  # the model or batch does not divide this way
+        except sharding.MeshMismatch:  # the model or batch does not divide this way
           break
         _, the_plan = plan_lib.compile_and_plan(setup, candidate)
         if the_plan.fits:

@@ -259,7 +259,7 @@ def check_resume(saved_config: dict, config, checkpoint: pathlib.Path) -> None:
     if saved is not None and saved != here:
       raise ValueError(
           f'config.{field}={here!r}, but checkpoint {checkpoint} was trained with {saved!r}; a '
-          'resumed run keeps its data stream and model (training/checkpoint.py: KEPT_ON_RESUME). '
+          'resumed run keeps its data stream and model (runtime/checkpoint.py: KEPT_ON_RESUME). '
           f'Set it back, or start another run with another --config.workdir (and '
           f'--config.init_from={checkpoint.parent.parent} to start from its parameters)')
 

@@ -1,6 +1,6 @@
 """Compiling for GPUs that are not there: XLA's own GPU pipeline on a machine without one.
 
-`devices(gpu, n)` gives n compile-only devices of a GPU in training/gpus.py (a "topology" made
+`devices(gpu, n)` gives n compile-only devices of a GPU in planning/gpus.py (a "topology" made
 from its target config); `jax.jit(...).lower(...).compile()` over a mesh of them runs the real
 GPU compiler: its memory plan and buffer assignment, its collectives (reduce-scatter, bf16), and
 Pallas → Triton → PTX → cubin for the device's architecture, with its shared-memory and register
@@ -9,8 +9,8 @@ limits enforced. Nothing runs, so nothing is autotuned and cuDNN builds no execu
 The compiler is JAX's CUDA plugin with NVIDIA's ptxas, libdevice and cuDNN (~1.6 GB of wheels),
 installed into a folder of its own, off the environment's import path:
 
-  python -m training.gpu_compiler install     # once per environment
-  python -m training.gpu_compiler check       # where it is; compile a matmul for an H100
+  python -m planning.gpu_compiler install     # once per environment
+  python -m planning.gpu_compiler check       # where it is; compile a matmul for an H100
 
 Only a process that compiles for GPUs imports it, and that process has it on its path from the
 start, with JAX_PLATFORMS=cpu (`environment()`), so JAX finds the plugin as on a GPU machine while
@@ -35,9 +35,9 @@ import subprocess
 import sys
 import tempfile
 
-from training import gpus
+from planning import gpus
 
-INSTALL = 'python -m training.gpu_compiler install'
+INSTALL = 'python -m planning.gpu_compiler install'
 
 
 def folder() -> pathlib.Path:
@@ -139,7 +139,7 @@ def plan_in_compiler_process(config) -> dict:
     config_file, errors = pathlib.Path(tmp) / 'config.json', pathlib.Path(tmp) / 'stderr'
     config_file.write_text(config.to_json())
     with errors.open('w') as stderr:
-      child = subprocess.Popen([sys.executable, '-m', 'training.gpu_compiler', 'plan',
+      child = subprocess.Popen([sys.executable, '-m', 'planning.gpu_compiler', 'plan',
                                 str(config_file)], env=environment(), stdout=subprocess.PIPE,
                                stderr=stderr, text=True)
       lines = []
@@ -285,7 +285,7 @@ def main(argv) -> None:
     from training import loop
     loop.run(ml_collections.ConfigDict(json.loads(pathlib.Path(argv[2]).read_text())))
   elif command == 'check':
-    run_as_compiler_process(['-m', 'training.gpu_compiler', 'check'])
+    run_as_compiler_process(['-m', 'planning.gpu_compiler', 'check'])
     import jax
     import jax.numpy as jnp
     device, = devices(gpus.GPUS['H100'], 1)
@@ -295,7 +295,7 @@ def main(argv) -> None:
     print(f'GPU compiler {_plugin_version(sys.path)} in {folder()}: compiles for '
           f'{device.device_kind}')
   else:
-    raise SystemExit(f'usage: python -m training.gpu_compiler [install|check]; got {command!r}')
+    raise SystemExit(f'usage: python -m planning.gpu_compiler [install|check]; got {command!r}')
 
 
 if __name__ == '__main__':

@@ -1,0 +1,2 @@
+"""What a run reports: metrics.jsonl, TensorBoard events and the console (metrics), profiler traces
+(profiling)."""
