@@ -30,6 +30,7 @@ from benchmarks import report
 from data import corpus as corpus_lib
 from data import pipeline, tokenizers, train_tokenizer
 from runtime import cli
+from training import settings
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.',
                                           lock_config=True)
@@ -62,7 +63,7 @@ def measure(corpus, tokenizer, config, workers: int) -> dict:
 
 def main(argv):
   del argv
-  config = _CONFIG.value
+  config = settings.resolve(_CONFIG.value)
   corpus = corpus_lib.load(config.data)
   spm_model, spm_train_s = _SPM.value, None
   if not spm_model:

@@ -16,7 +16,6 @@ DATA_DIR = tempfile.mkdtemp(prefix='meshlm-tests-tfds-')
 os.environ['TFDS_DATA_DIR'] = DATA_DIR
 STDLIB = sysconfig.get_paths()['stdlib']
 SMALL_CORPUS = f'{STDLIB}/json/*.py,{STDLIB}/email/*.py'  # 25 real files, ~330 kB
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planning import gpu_compiler  # noqa: E402  (imports no jax)
 
