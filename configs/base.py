@@ -41,6 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = False
   m.param_dtype = 'float32'
   m.compute_dtype = 'bfloat16'
+  m.grad_reduce_dtype = 'float32'  # gradients are summed across devices in this (README: Precision)
   m.attention = 'xla'  # xla | cudnn | pallas (ours: kernels/flash_attention.py)
   m.attention_block_q = 0  # pallas query/key tile rows; 0: a default for the device and head_dim
   m.attention_block_k = 0

@@ -12,7 +12,7 @@ Plan on any machine, compiled for the H100s each preset is meant for (GPUS below
       --config.plan.devices=8
 Should reach: the loss falls as the default run's does (they train byte-level on the default
 corpus until the tokenizer issue gives them a real vocabulary). Compiled for H100 (pallas or
-cudnn attention), a step needs 31.0 GiB (125m), 47.9 GiB (1b) and 55.4 GiB a GPU (8b, FSDP over
+cudnn attention), a step needs 30.8 GiB (125m), 47.9 GiB (1b) and 55.8 GiB a GPU (8b, FSDP over
 8), within the 59.7 GiB JAX's allocator takes of each. On GPU, compare the benchmark's MFU with
 the peers' 33–50% MFU (MaxText, torchtitan).
 """

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.flash_attention import flash_attention
+from kernels.matmul import matmul
 
 IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
 
@@ -59,16 +60,16 @@ def masked_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS):
   K = k_BSKH.shape[2]
   G = N // K
   q_BLKGH = q_BLNH.reshape(B, L, K, G, H)
-  scores_BKGLS = jnp.einsum('blkgh,bskh->bkgls', q_BLKGH, k_BSKH,
-                            preferred_element_type=jnp.float32) / np.sqrt(H).astype(np.float32)
+  # fp32 scores and softmax; every matmul, backward too, on the compute dtype (kernels/matmul.py).
+  scores_BKGLS = matmul('blkgh,bskh->bkgls', q_BLKGH, k_BSKH, jnp.float32) \
+      / np.sqrt(H).astype(np.float32)
   if mask_BLS is not None:
     # A large finite negative rather than -inf: a fully masked row gives zeros, never NaN.
     scores_BKGLS = jnp.where(mask_BLS[:, None, None], scores_BKGLS, -0.7 * np.finfo(np.float32).max)
   probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1)
   if mask_BLS is not None:
     probs_BKGLS = jnp.where(mask_BLS[:, None, None], probs_BKGLS, 0.0)
-  out_BLKGH = jnp.einsum('bkgls,bskh->blkgh', probs_BKGLS.astype(v_BSKH.dtype), v_BSKH,
-                         preferred_element_type=jnp.float32)
+  out_BLKGH = matmul('bkgls,bskh->blkgh', probs_BKGLS.astype(v_BSKH.dtype), v_BSKH, jnp.float32)
   return out_BLKGH.reshape(B, L, N, H).astype(q_BLNH.dtype)
 
 

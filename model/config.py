@@ -25,6 +25,7 @@ class ModelConfig:
   tie_embeddings: bool
   param_dtype: str
   compute_dtype: str
+  grad_reduce_dtype: str
   attention: str
   attention_block_q: int
   attention_block_k: int
@@ -53,6 +54,7 @@ class ModelConfig:
     _check_choice('remat_policy', self.remat_policy, REMAT_POLICIES)
     _check_choice('param_dtype', self.param_dtype, DTYPES)
     _check_choice('compute_dtype', self.compute_dtype, DTYPES)
+    _check_choice('grad_reduce_dtype', self.grad_reduce_dtype, DTYPES)
 
   @classmethod
   def from_config(cls, model_config) -> 'ModelConfig':
@@ -68,6 +70,10 @@ class ModelConfig:
   @property
   def dtype(self):
     return jnp.dtype(self.compute_dtype)
+
+  @property
+  def reduce_dtype(self):
+    return jnp.dtype(self.grad_reduce_dtype)
 
   @property
   def weight_dtype(self):

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import kernels
 import sharding
+from kernels.matmul import matmul
 from model.config import ModelConfig
 
 constrain = nn.with_logical_constraint  # pins an activation to logical axes (no-op off a mesh)
@@ -35,6 +36,51 @@ def param(rngs: nnx.Rngs, shape: tuple, names: tuple, dtype, stddev: float | Non
   else:
     value = stddev * jax.random.normal(rngs.params(), shape, dtype)
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+@jax.custom_vjp
+def lookup(table_VD, table_c_VD, tokens_BL):
+  """The tokens' rows of table_c (the table in the compute dtype, gathered). Its backward adds each
+  device's token gradients in fp32 (a frequent token has thousands) and returns them as the
+  gradient of `table_VD`, in its dtype: the one their partial sums are reduced across devices in
+  (as matmul's)."""
+  del table_VD
+  return jnp.take(table_c_VD, tokens_BL, axis=0)
+
+
+def _lookup_fwd(table_VD, table_c_VD, tokens_BL):
+  return lookup(table_VD, table_c_VD, tokens_BL), (table_VD, tokens_BL)
+
+
+def _lookup_bwd(residuals, g_BLD):
+  table_VD, tokens_BL = residuals
+  d_VD = jnp.zeros(table_VD.shape, jnp.float32).at[tokens_BL].add(g_BLD.astype(jnp.float32))
+  return d_VD.astype(table_VD.dtype), None, None
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def gathered(w, names: tuple, dtype):
+  """w cast to `dtype` where it lies (its parameter sharding), then laid out as compute names it:
+  an FSDP gather moves the compute dtype, never the fp32 master copy."""
+  return constrain(constrain(w.astype(dtype), names, rules=sharding.PARAM_RULES), names)
+
+
+def weight(p: nnx.Param, cfg: ModelConfig):
+  """A parameter as a matmul takes it: in the gradient reduction dtype (see matmul)."""
+  return p[...].astype(cfg.reduce_dtype)
+
+
+def project(spec: str, x, p: nnx.Param, cfg: ModelConfig):
+  """matmul of x by a layer's weight p. Under a remat policy the backward recomputes the forward,
+  the weight's FSDP gather included, so the backward uses that gather rather than make its own;
+  without one, the backward gathers again rather than hold every layer's whole weights from
+  forward to backward (ZeRO-3)."""
+  w = weight(p, cfg)
+  out = matmul(spec, x, w, x.dtype, None if cfg.remat_policy == 'none' else w.astype(x.dtype))
+  # Remat policies cannot see the dots inside a custom_vjp: the name lets them save its output.
+  return checkpoint_name(out, 'projection')
 
 
 class RMSNorm(nnx.Module):
@@ -76,10 +122,10 @@ class Attention(nnx.Module):
 
   def _project(self, x_BLD, positions_BL):
     """q, k, v with rotary embeddings applied to q and k."""
-    cfg, dt = self.cfg, x_BLD.dtype
-    q_BLNH = jnp.einsum('bld,dnh->blnh', x_BLD, self.wq[...].astype(dt))
-    k_BLKH = jnp.einsum('bld,dkh->blkh', x_BLD, self.wk[...].astype(dt))
-    v_BLKH = jnp.einsum('bld,dkh->blkh', x_BLD, self.wv[...].astype(dt))
+    cfg = self.cfg
+    q_BLNH = project('bld,dnh->blnh', x_BLD, self.wq, cfg)
+    k_BLKH = project('bld,dkh->blkh', x_BLD, self.wk, cfg)
+    v_BLKH = project('bld,dkh->blkh', x_BLD, self.wv, cfg)
     return (rotary(q_BLNH, positions_BL, cfg.rope_theta),
             rotary(k_BLKH, positions_BL, cfg.rope_theta), v_BLKH)
 
@@ -91,7 +137,8 @@ class Attention(nnx.Module):
     k_BSKH = k_BSKH.at[rows_B1, positions_BT].set(k_BTKH.astype(k_BSKH.dtype))
     v_BSKH = v_BSKH.at[rows_B1, positions_BT].set(v_BTKH.astype(v_BSKH.dtype))
     out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
-    return jnp.einsum('btnh,nhd->btd', out_BTNH, self.wo[...].astype(x_BTD.dtype)), k_BSKH, v_BSKH
+    out_BTD = project('btnh,nhd->btd', out_BTNH, self.wo, self.cfg)
+    return out_BTD, k_BSKH, v_BSKH
 
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
     cfg = self.cfg
@@ -111,7 +158,6 @@ class Attention(nnx.Module):
                               q_names)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-    dt = x_BLD.dtype
     q_BLNH, k_BLKH, v_BLKH = self._project(x_BLD, positions_BL)
     q_BLNH = checkpoint_name(q_BLNH, 'query_proj')
     k_BLKH = checkpoint_name(k_BLKH, 'key_proj')
@@ -123,25 +169,26 @@ class Attention(nnx.Module):
     out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
     out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
                                'attention_out')
-    return jnp.einsum('blnh,nhd->bld', out_BLNH, self.wo[...].astype(dt))
+    return project('blnh,nhd->bld', out_BLNH, self.wo, self.cfg)
 
 
 class MLP(nnx.Module):
   """SwiGLU: (silu(x Wg) * x Wu) Wd with Wg, Wu[embed, mlp] and Wd[mlp, embed]."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
     D, F, dt = cfg.d_model, cfg.d_ff, cfg.weight_dtype
     self.w_gate = param(rngs, (D, F), ('embed', 'mlp'), dt, D ** -0.5)
     self.w_up = param(rngs, (D, F), ('embed', 'mlp'), dt, D ** -0.5)
     self.w_down = param(rngs, (F, D), ('mlp', 'embed'), dt, F ** -0.5)
 
   def __call__(self, x_BLD):
-    dt = x_BLD.dtype
-    gate_BLF = jnp.einsum('bld,df->blf', x_BLD, self.w_gate[...].astype(dt))
-    up_BLF = jnp.einsum('bld,df->blf', x_BLD, self.w_up[...].astype(dt))
+    cfg = self.cfg
+    gate_BLF = project('bld,df->blf', x_BLD, self.w_gate, cfg)
+    up_BLF = project('bld,df->blf', x_BLD, self.w_up, cfg)
     h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
     h_BLF = checkpoint_name(h_BLF, 'mlp_hidden')
-    return jnp.einsum('blf,fd->bld', h_BLF, self.w_down[...].astype(dt))
+    return project('blf,fd->bld', h_BLF, self.w_down, cfg)
 
 
 class Block(nnx.Module):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import REMAT_POLICIES, ModelConfig
-from model.layers import Block, RMSNorm, constrain, param
+from model.layers import Block, RMSNorm, constrain, gathered, lookup, matmul, param, weight
 
 _policies = jax.checkpoint_policies
 _QKV = ('query_proj', 'key_proj', 'value_proj')  # checkpoint_name tags in model/layers.py
@@ -22,10 +22,10 @@ def _offload(names):
 REMAT = {
     'none': None,  # everything
     'full': _policies.nothing_saveable,  # only the layer's input
-    'dots': _policies.dots_with_no_batch_dims_saveable,  # every projection's output
+    'dots': _policies.save_only_these_names('projection'),  # every projection's output
     'save_qkv_proj': _policies.save_only_these_names(*_QKV),
     'save_attention': _policies.save_only_these_names(*_ATTENTION),
-    'offload_dots': _policies.offload_dot_with_no_batch_dims('device', 'pinned_host'),
+    'offload_dots': _offload(('projection',)),
     'offload_qkv_proj': _offload(_QKV),
     'offload_attention': _offload(_ATTENTION),
 }
@@ -61,23 +61,26 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    # Gather the table over FSDP before the lookup, as FSDP does for every weight; left to itself
-    # the partitioner replicates the whole lookup instead.
-    table_VD = constrain(self.embed[...], ('vocab', 'embed'))
-    x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(cfg.dtype)
+    # The table is gathered (FSDP) once, in the compute dtype: for the lookup, and for a tied
+    # head, which keeps it for its backward.
+    table_VD = weight(self.embed, cfg)
+    table_c_VD = gathered(table_VD, ('vocab', 'embed'), cfg.dtype)
+    x_BLD = lookup(table_VD, table_c_VD, tokens_BL)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
     x_BLD = self._run_blocks(x_BLD, positions_BL, segment_ids_BL)
-    return constrain(self._head(x_BLD), ('batch', 'length', 'vocab'))
+    return constrain(self._head(x_BLD, table_VD, table_c_VD), ('batch', 'length', 'vocab'))
 
-  def _head(self, x_BLD):
-    """Final norm and output projection: logits in fp32."""
+  def _head(self, x_BLD, table_VD, table_c_VD):
+    """Final norm and output projection: logits in fp32. The projection is gathered once, kept
+    from the forward to the backward (they follow each other)."""
     cfg = self.cfg
     x_BLD = self.final_norm(x_BLD)
     if cfg.tie_embeddings:
-      return jnp.einsum('bld,vd->blv', x_BLD, self.embed[...].astype(cfg.dtype),
-                        preferred_element_type=jnp.float32) * cfg.d_model ** -0.5
-    return jnp.einsum('bld,dv->blv', x_BLD, self.unembed[...].astype(cfg.dtype),
-                      preferred_element_type=jnp.float32)
+      return matmul('bld,vd->blv', x_BLD, table_VD, jnp.float32, table_c_VD) \
+          * cfg.d_model ** -0.5
+    w_DV = weight(self.unembed, cfg)
+    w_c_DV = gathered(w_DV, ('embed', 'vocab'), cfg.dtype)
+    return matmul('bld,dv->blv', x_BLD, w_DV, jnp.float32, w_c_DV)
 
   def init_cache(self, batch: int, slots: int) -> dict:
     """An empty KV cache: k and v [layers, B, S, K, H] in the compute dtype."""
@@ -90,7 +93,9 @@ class Transformer(nnx.Module):
     (init_cache) in the slots of those positions; returns (logits, cache). Feeding a prompt and
     then one token at a time gives the logits `__call__` gives the whole sequence."""
     cfg = self.cfg
-    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(cfg.dtype)
+    table_VD = weight(self.embed, cfg)
+    table_c_VD = table_VD.astype(cfg.dtype)
+    x_BTD = lookup(table_VD, table_c_VD, tokens_BT)
     graphdef, layers = nnx.split(self.blocks)
 
     def body(x_BTD, layer_and_cache):
@@ -100,7 +105,7 @@ class Transformer(nnx.Module):
       return x_BTD, (k_BSKH, v_BSKH)
 
     x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (layers, cache['k'], cache['v']))
-    return self._head(x_BTD), {'k': k, 'v': v}
+    return self._head(x_BTD, table_VD, table_c_VD), {'k': k, 'v': v}
 
   def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL):
     """One `lax.scan` over the stacked layers, so compile time does not grow with depth;

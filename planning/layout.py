@@ -8,33 +8,28 @@ for that mesh and policy (more only repeat FSDP's gathers on smaller matmuls). A
 alone (the step's arguments) exceeds the memory is dropped without trying the rest.
 
 Step-time estimate, deliberately simple (no overlap of compute and communication assumed):
-  compute = model FLOPs per device (planning/flops.py) × recompute / the device's bf16 peak,
-            recompute = 1 (none), 1.1 (dots: attention and elementwise ops again), 4/3 (full)
-  comm    = bytes each device moves per step / the device's link bandwidth (per direction)
+  compute = (model FLOPs per device (planning/flops.py) + what the program recomputes) / the
+            device's bf16 peak; the recomputation is measured: the candidate's compiled matmul
+            FLOPs (flops.compiled_matmul_flops, every run counted) less the formula's, so XLA's
+            own rematerialisation counts too; plus, under a remat policy, a fused attention's
+            forward again (its kernels are not dots)
+  comm    = the bytes each device sends per step in the candidate's compiled program (every
+            collective, each run counted: sharding/collectives.py) / the device's link bandwidth
+            (per direction)
   (peak and link from planning/gpus.py; other devices are ranked at 100 TFLOP/s and 100 GB/s)
-    fsdp (×sequence, which shards the same dim), g = f·s:  weights gathered forward and
-              backward per microbatch, again when `full` recomputes: (2|3)·M·P·c/t·(g−1)/g,
-              plus fp32 gradients reduce-scattered: 4·P/t·(g−1)/g
-    data:     fp32 gradient all-reduce: 2·4·P/(t·g)·(d−1)/d
-    tensor:   activation all-reduces, 4 a layer (6 under full): 2·(t−1)/t·b·L/s·D·c each
-    sequence: keys and values gathered forward, reduce-scattered backward: 4·b·L·K·H·c·(s−1)/s
-              a layer
-  with P parameters, c bytes per compute value, M microbatches, b = B/(d·f·M) rows per device.
 """
 
 import dataclasses
 import itertools
 import math
 
-from model import ModelConfig
 from planning import gpus
 from planning import plan as plan_lib
 from sharding import AXES
 import sharding
-from training.state import build, param_count
+from training.state import build
 
 POLICIES = ('none', 'dots', 'full')
-RECOMPUTE = {'none': 1.0, 'dots': 1.1, 'full': 4 / 3}
 UNKNOWN_DEVICE = (100e12, 100e9)  # FLOP/s and link bytes/s assumed for other devices (ranking only)
 
 
@@ -60,29 +55,20 @@ def meshes(n_devices: int):
       yield dict(zip(AXES, sizes))
 
 
-def comm_bytes(cfg: ModelConfig, params: int, mesh: dict, policy: str, microbatches: int,
-               batch_size: int, seq_len: int) -> float:
-  d, f, t, s = (mesh[a] for a in AXES)
-  g, c, M = f * s, cfg.dtype.itemsize, microbatches
-  rows = batch_size / (d * f * M)
-  full = policy == 'full'
-  fsdp = (3 if full else 2) * M * params * c / t * (g - 1) / g + 4 * params / t * (g - 1) / g
-  data = 2 * 4 * params / (t * g) * (d - 1) / d
-  tensor = (6 if full else 4) * cfg.n_layers * M * 2 * (t - 1) / t * rows * seq_len / s \
-      * cfg.d_model * c
-  sequence = 4 * cfg.n_layers * M * rows * seq_len * cfg.n_kv_heads * cfg.head_dim * c \
-      * (s - 1) / s
-  return fsdp + data + tensor + sequence
+def recomputed_flops(plan: plan_lib.Plan) -> float:
+  """FLOPs per device that `plan`'s program runs again, per the module docstring."""
+  dense = plan.flops - plan.attention_flops
+  if plan.attention == 'xla':  # its dots are in the program, whole [L, S]: twice the causal count
+    return max(0.0, plan.matmul_flops - dense - 2 * plan.attention_flops)
+  again = 0.0 if plan.remat_policy == 'none' else plan.attention_flops / 3  # forward of fwd+bwd
+  return max(0.0, plan.matmul_flops - dense) + again
 
 
-def estimate(plan: plan_lib.Plan, setup, config) -> tuple[float, float]:
+def estimate(plan: plan_lib.Plan, recomputed: float = 0.0) -> tuple[float, float]:
   """(compute seconds, communication seconds) of one step, per the module's formula."""
   gpu = gpus.find(plan.device)
   peak, link = (gpu.peak_bf16_flops, gpu.link_bandwidth) if gpu else UNKNOWN_DEVICE
-  compute = plan.flops * RECOMPUTE[plan.remat_policy] / peak
-  moved = comm_bytes(setup.model_cfg, param_count(setup.abstract_state.params), plan.mesh,
-                     plan.remat_policy, plan.microbatches, config.batch_size, config.seq_len)
-  return compute, moved / link
+  return (plan.flops + recomputed) / peak, plan.collective_bytes / link
 
 
 def with_layout(config, mesh: dict, policy: str, microbatches: int):
@@ -111,7 +97,7 @@ def search(config, devices, log=print) -> list[Candidate]:
         _, the_plan = plan_lib.compile_and_plan(setup, candidate)
         if the_plan.fits:
           found.append(Candidate(mesh, policy, microbatches, the_plan,
-                                 *estimate(the_plan, setup, candidate)))
+                                 *estimate(the_plan, recomputed_flops(the_plan))))
           break
         state_fits = the_plan.argument_bytes <= the_plan.memory_bytes
         microbatches *= 2

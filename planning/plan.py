@@ -7,7 +7,8 @@ Per device: argument bytes (parameters, optimizer state, batch), output bytes, t
 (activations, gradients, workspace), total = arguments + outputs + temporaries − aliased (the
 donated state is updated in place); FLOPs per step (the model's, planning/flops.py, as MFU counts
 them; on CPU also XLA's own count, which counts a scanned layer once; the GPU compiler gives none);
-the collectives in the program text.
+the collectives one step runs, by kind, with the bytes each device sends (sharding/collectives.py:
+a layer's run once per layer).
 
 `config.plan.target` names a GPU of planning/gpus.py to plan for. Unless this process has that
 GPU, the step is compiled by the GPU compiler for `config.plan.devices` (0: as many as this process
@@ -50,10 +51,17 @@ class Plan:
   total_bytes: int
   host_bytes: int  # in pinned host memory (offloaded optimizer state or activations), if reported
   flops: float  # per device per step, the model's (planning/flops.py)
+  attention_flops: float  # the part of `flops` that attention does
+  matmul_flops: float  # the compiled program's dots, each run counted (flops.compiled_matmul_flops)
   compiled_flops: float | None  # XLA's cost analysis of the per-device program (CPU only)
-  collectives: dict  # {op: {'count', 'bytes'}} in the program text
+  collectives: dict  # {op: {'count', 'bytes', 'by_dtype'}}: runs per step, bytes sent per device
   memory_bytes: int | None  # what the target device offers a run; None if unknown
   memory_source: str  # where memory_bytes comes from
+
+  @property
+  def collective_bytes(self) -> int:
+    """Bytes each device sends per step, over every collective."""
+    return sum(c['bytes'] for c in self.collectives.values())
 
   @property
   def fits(self) -> bool | None:
@@ -140,6 +148,7 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
   tokens = config.batch_size * config.seq_len
   kind = local_device(devices).device_kind
   budget, source = memory_budget(config, devices)
+  hlo = compiled.as_text()
   return Plan(
       device=config.plan.target or kind, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
@@ -152,8 +161,11 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
       host_bytes=(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
                   + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
       flops=flops_lib.flops_per_token(setup.model_cfg, config.seq_len) * tokens / n,
+      attention_flops=flops_lib.attention_flops_per_token(setup.model_cfg, config.seq_len)
+      * tokens / n,
+      matmul_flops=flops_lib.compiled_matmul_flops(hlo),
       compiled_flops=float(cost['flops']) if cost and 'flops' in cost else None,
-      collectives=collectives.summary(compiled.as_text()),
+      collectives=collectives.summary(hlo),
       memory_bytes=budget, memory_source=source)
 
 
@@ -206,8 +218,10 @@ def report(plan: Plan) -> None:
                              [plan.fits]),
           ('memory available', plan.memory_source),
           ('host memory / device', readable_bytes(plan.host_bytes)),
-          ('FLOPs / device / step', f'{plan.flops:.3e}{xla_flops}')]
-  rows += [(f'{op} in the program', f'{c["count"]} ({readable_bytes(c["bytes"])} of results)')
+          ('FLOPs / device / step', f'{plan.flops:.3e}{xla_flops}'),
+          ('matmul FLOPs compiled', f'{plan.matmul_flops:.3e} (each run counted, recomputation '
+                                    'included; attention kernels not)')]
+  rows += [(f'{op} / step', f'{c["count"]} runs, {readable_bytes(c["bytes"])} sent per device')
            for op, c in sorted(plan.collectives.items())]
   metrics.print_table(rows)
   print(json.dumps(plan.as_dict()))

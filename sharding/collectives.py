@@ -1,43 +1,166 @@
-"""The collectives in a compiled program's HLO text: which ops, their result shapes and bytes.
+"""The collectives a compiled program runs, read from its HLO text: each op once per execution.
 
-A collective inside a `lax.scan` body (the layer stack) appears once in the text but runs once
-per layer; these helpers read the text, so they count it once.
+A collective inside a `lax.scan` body (the layer stack) appears once in the text but runs once per
+layer: the text's computations are walked from ENTRY, and a while loop's body counts its known
+trip count (XLA's `known_trip_count`) times. Async pairs count once (at their `-done`, whose result
+is the collective's; a `-start` also carries its operands).
+
+Bytes are what each device sends per execution under the ring algorithms NCCL uses, for a group
+of n devices: all-gather R·(n−1)/n of its result R; reduce-scatter r·(n−1) of its result r (its
+operand is n·r); all-reduce 2·S·(n−1)/n; all-to-all S·(n−1)/n; collective-permute S. A group of
+one moves nothing.
 """
 
+import collections
+import dataclasses
+import math
 import re
 
 OPS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
 _BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2, 's16': 2,
           'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
-_LINE = re.compile(rf'= (.*?) ({"|".join(OPS)})(?:-start)?\(')
-_ARRAY = re.compile(r'([a-z0-9]+)\[([0-9,]*)\]')
+_COMPUTATION = re.compile(r'^(ENTRY )?%?([\w.\-]+) .*\{$')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\(')
+_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
+_OPERAND = re.compile(r'-done\(%?([\w.\-]+)')
+_ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([0-9,]*)\]')
+_CALLS = re.compile(r'\b(body|condition|calls|to_apply|true_computation|false_computation|'
+                    r'branch_computations)=(\{[^}]*\}|%?[\w.\-]+)')
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_GROUPS_LIST = re.compile(r'replica_groups=\{(\{[0-9,]*\})')
+_GROUPS_IOTA = re.compile(r'replica_groups=\[([0-9,]+)\]<=')
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+_PARTITIONS = re.compile(r'num_partitions=(\d+)')
 
 
-def collectives(hlo_text: str) -> list[tuple[str, tuple[int, ...], int]]:
-  """(op, result shape, result bytes) for every collective's result (each element of a tuple
-  result separately); async pairs (`-start`/`-done`) count once."""
-  found = []
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  op: str  # one of OPS
+  arrays: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, shape) of each result
+  group: int  # devices that take part together
+  executions: int  # times one step runs it (trip counts of the loops around it)
+
+  @property
+  def result_bytes(self) -> int:
+    total = 0
+    for dtype, shape in self.arrays:
+      size = _BYTES.get(dtype, 4)
+      for d in shape:
+        size *= d
+      total += size
+    return total
+
+  @property
+  def sent_bytes(self) -> float:
+    """Bytes each device sends per execution (the module docstring's ring model)."""
+    n, size = self.group, self.result_bytes
+    if n <= 1:
+      return 0.0
+    return {'all-gather': size * (n - 1) / n, 'reduce-scatter': size * (n - 1),
+            'all-reduce': 2 * size * (n - 1) / n, 'all-to-all': size * (n - 1) / n,
+            'collective-permute': size}[self.op]
+
+
+def _op_of(name: str) -> str | None:
+  """The collective an instruction opcode counts as (at its -done for async pairs), else None."""
+  if name in OPS:
+    return name
+  if name.endswith('-done') and name.removesuffix('-done') in OPS:
+    return name.removesuffix('-done')
+  return None
+
+
+def _group_size(line: str, devices: int) -> int:
+  if m := _GROUPS_MESH.search(line):  # mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: over the named axes
+    sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+    names = re.findall(r"'(\w+)'", m.group(2))
+    if names and all(name in sizes for name in names):
+      return math.prod(sizes[name] for name in names)
+  if m := _GROUPS_IOTA.search(line):
+    return int(m.group(1).split(',')[-1])
+  if (m := _GROUPS_LIST.search(line)) and m.group(1) != '{}':
+    return m.group(1).count(',') + 1
+  return devices  # replica_groups={}: every device
+
+
+def _parse(hlo_text: str):
+  """({computation: [instruction lines]}, entry name, device count)."""
+  computations, entry, current = {}, None, None
   for line in hlo_text.splitlines():
-    if m := _LINE.search(line):
-      for dtype, dims in _ARRAY.findall(m.group(1)):
-        shape = tuple(int(d) for d in dims.split(',') if d)
-        size = _BYTES.get(dtype, 4)
-        for d in shape:
-          size *= d
-        found.append((m.group(2), shape, size))
+    if current is None:
+      if m := _COMPUTATION.match(line.strip()):
+        current = m.group(2)
+        computations[current] = []
+        entry = current if m.group(1) else entry
+    elif line.strip() == '}':
+      current = None
+    else:
+      computations[current].append(line)
+  devices = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text)) else 1
+  return computations, entry, devices
+
+
+def runs(hlo_text: str) -> tuple[dict, collections.Counter, int]:
+  """({computation: its instruction lines}, {computation: times one execution of the program
+  runs it}, device count): the walk from ENTRY the module docstring describes."""
+  computations, entry, devices = _parse(hlo_text)
+  times = collections.Counter()
+
+  def visit(name: str, count: int) -> None:
+    times[name] += count
+    for line in computations.get(name, ()):
+      m = _INSTRUCTION.match(line)
+      opcode = m.group(2) if m else ''
+      if opcode in ('async-update', 'async-done'):
+        continue  # their `calls` is the computation the async-start already counted
+      trips = int(t.group(1)) if (t := _TRIP_COUNT.search(line)) else 1
+      for kind, callees in _CALLS.findall(line):
+        factor = {'body': trips, 'condition': trips + 1}.get(kind, 1) if opcode == 'while' else 1
+        for callee in re.findall(r'%?([\w.\-]+)', callees.strip('{}')):
+          if kind != 'to_apply':  # reductions' scalar computations: nothing to count
+            visit(callee, count * factor)
+
+  if entry is not None:
+    visit(entry, 1)
+  return computations, times, devices
+
+
+def executed(hlo_text: str) -> list[Collective]:
+  """Every collective of the program, with how many times one execution of it runs each."""
+  computations, times, devices = runs(hlo_text)
+  found = []
+  for name, count in times.items():
+    lines = computations.get(name, ())
+    by_name = {m.group(1): line for line in lines if (m := _NAME.match(line))}
+    for line in lines:
+      if (m := _INSTRUCTION.match(line)) and (op := _op_of(m.group(2))):
+        arrays = tuple((dtype, tuple(int(d) for d in dims.split(',') if d))
+                       for dtype, dims in _ARRAY.findall(m.group(1)))
+        if m.group(2).endswith('-done'):  # its groups are written on its -start
+          line = by_name.get(_OPERAND.search(line).group(1), line)
+        found.append(Collective(op, arrays, _group_size(line, devices), count))
   return found
 
 
-def shapes(hlo_text: str, op: str) -> list[tuple[int, ...]]:
-  """Result shapes of every `op` (e.g. 'all-gather')."""
-  return [shape for name, shape, _ in collectives(hlo_text) if name == op]
-
-
-def summary(hlo_text: str) -> dict[str, dict[str, int]]:
-  """{op: {'count': n, 'bytes': total result bytes}} for the ops the program has."""
+def summary(hlo_text: str) -> dict[str, dict]:
+  """{op: {'count': executions per step, 'bytes': bytes each device sends per step,
+  'by_dtype': {dtype: those bytes}}} for the ops the program runs."""
   out = {}
-  for op, _, size in collectives(hlo_text):
-    entry = out.setdefault(op, {'count': 0, 'bytes': 0})
-    entry['count'] += 1
-    entry['bytes'] += size
+  for c in executed(hlo_text):
+    entry = out.setdefault(c.op, {'count': 0, 'bytes': 0, 'by_dtype': {}})
+    entry['count'] += c.executions
+    sent = c.sent_bytes * c.executions
+    entry['bytes'] += round(sent)
+    dtype = '+'.join(sorted({dt for dt, _ in c.arrays}))
+    entry['by_dtype'][dtype] = entry['by_dtype'].get(dtype, 0) + round(sent)
   return out
+
+
+def total_bytes(hlo_text: str) -> int:
+  """Bytes each device sends per step, over every collective."""
+  return sum(entry['bytes'] for entry in summary(hlo_text).values())
+
+
+def shapes(hlo_text: str, op: str) -> list[tuple[int, ...]]:
+  """Result shapes of every `op` (e.g. 'all-gather') in the program, once each."""
+  return [shape for c in executed(hlo_text) if c.op == op for _, shape in c.arrays]

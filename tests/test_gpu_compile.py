@@ -5,6 +5,7 @@ skip, without it."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -12,8 +13,9 @@ import pytest
 
 from configs import llama
 from kernels.flash_attention import default_blocks
-from planning import gpu_compiler, gpus
+from planning import communication, gpu_compiler, gpus
 from planning import plan as plan_lib
+from sharding import collectives
 from training import loop
 from training.state import build
 
@@ -135,3 +137,76 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
   config.plan.target, config.dry_run = 'H800', True
   with pytest.raises(ValueError, match=r"config.plan.target='H800' is not a GPU meshlm knows"):
     loop.run(config)
+
+
+def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, **mesh):
+  """The tiny model's train step in bf16, compiled for 8 H100s: (HLO text, setup, config)."""
+  from tests.conftest import tiny_config
+  config = tiny_config(**mesh)
+  config.model.compute_dtype, config.model.grad_reduce_dtype = 'bfloat16', grad_reduce_dtype
+  config.model.tie_embeddings = tied  # tied: the table serves the lookup and the head
+  config.plan.target, config.plan.devices = 'H100', 8
+  setup = build(config, plan_lib.target_devices(config))
+  compiled, _ = plan_lib.compile_and_plan(setup, config)
+  return compiled.as_text(), setup, config
+
+
+_TYPED = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ([a-z0-9]+)\[')
+_DOT = re.compile(r'= [a-z0-9]+\[[^\]]*\]\S* (?:dot|custom-call)\(([^)]*)\)')
+
+
+def dot_operand_dtypes(hlo_text: str) -> list[tuple[str, ...]]:
+  """The operand dtypes of every matmul of a compiled GPU program: `dot`s (in Triton GEMM
+  fusions too) and cuBLAS GEMM custom-calls."""
+  found = []
+  for computation in hlo_text.split('\n\n'):
+    dtypes = {m.group(1): m.group(2) for line in computation.splitlines()
+              if (m := _TYPED.match(line))}
+    for line in computation.splitlines():
+      if (' dot(' in line or '__cublas$gemm' in line) and (m := _DOT.search(line)):
+        names = re.findall(r'%([\w.\-]+)', m.group(1))
+        found.append(tuple(dtypes.get(name, '?') for name in names))
+  return found
+
+
+@pytest.mark.parametrize('mesh', [dict(fsdp=8), dict(fsdp=4, tensor=2)])
+def test_every_matmul_of_the_train_step_takes_bf16_operands(h100, mesh):
+  """The head's backward included: logits and softmax stay fp32, no matmul runs on fp32."""
+  hlo, _, _ = tiny_step_for_h100s(**mesh)
+  matmuls = dot_operand_dtypes(hlo)
+  assert len(matmuls) >= 3 * 7, 'forward, and two backward matmuls for each of 7 projections'
+  assert all(dtypes == ('bf16', 'bf16') for dtypes in matmuls), matmuls
+
+
+def test_the_table_is_gathered_once_in_bf16_and_its_gradient_reduced_once(h100):
+  hlo, setup, config = tiny_step_for_h100s(fsdp=8)
+  table = (config.model.vocab_size, config.model.d_model)
+  gathers = [(c.executions, dtype) for c in collectives.executed(hlo) if c.op == 'all-gather'
+             for dtype, shape in c.arrays if shape in (table, table[::-1])]  # either layout
+  assert gathers == [(1, 'bf16')]
+  scattered = (table[0], table[1] // 8)
+  reductions = [c for c in collectives.executed(hlo) if c.op != 'all-gather'
+                and scattered in [s for _, s in c.arrays]]
+  assert sum(c.executions for c in reductions) <= 1, reductions
+
+
+@pytest.mark.parametrize('grad_reduce_dtype,expected', [('float32', 'f32'), ('bfloat16', 'bf16')])
+def test_layer_gradients_are_reduced_in_grad_reduce_dtype(h100, grad_reduce_dtype, expected):
+  hlo, _, _ = tiny_step_for_h100s(grad_reduce_dtype, fsdp=8)
+  scatters = [c for c in collectives.executed(hlo) if c.op == 'reduce-scatter']
+  assert scatters and {dtype for c in scatters for dtype, _ in c.arrays} == {expected}
+
+
+@pytest.mark.parametrize('tied,mesh', [
+    (True, dict(fsdp=8)), (True, dict(fsdp=4, tensor=2)), (True, dict(fsdp=4, sequence=2)),
+    # Tied, this mesh reduces the table's gradient over `data` twice (README: Precision and
+    # communication); untied, it is at the ideal.
+    (False, dict(data=2, fsdp=2, tensor=2))])
+def test_the_train_step_sends_within_ten_percent_of_the_ideal(h100, tied, mesh):
+  """planning/communication.py's ideal, against every byte of every collective run."""
+  hlo, setup, config = tiny_step_for_h100s(tied=tied, **mesh)
+  mesh_sizes = dict(setup.mesh.shape)
+  ideal = communication.ideal_total(setup.model_cfg, mesh_sizes, config.batch_size,
+                                    config.seq_len, grad_reduce_bytes=4)
+  sent = collectives.total_bytes(hlo)
+  assert sent <= 1.10 * ideal, (sent, ideal, collectives.summary(hlo))

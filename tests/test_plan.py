@@ -119,17 +119,36 @@ def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_estimate(
   assert (chosen.model.remat_policy, chosen.microbatches) == (best.remat_policy, best.microbatches)
 
 
-def test_layout_communication_estimate_by_hand():
+def test_layout_charges_the_bytes_its_compiled_step_sends():
+  """The estimate's communication is the candidate's own compiled program, every collective run
+  counted (on CPU, ranked at the assumed link speed)."""
   from planning import layout
-  setup = build(tiny_config(data=8))
-  params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
-  mesh = dict(data=8, fsdp=1, tensor=1, sequence=1)
-  assert layout.comm_bytes(setup.model_cfg, params, mesh, 'none', 1, 8, 32) == \
-      2 * 4 * params * 7 / 8  # pure data parallelism: one fp32 gradient all-reduce
-  mesh = dict(data=1, fsdp=8, tensor=1, sequence=1)
-  c = setup.model_cfg.dtype.itemsize
-  assert layout.comm_bytes(setup.model_cfg, params, mesh, 'full', 2, 8, 32) == \
-      3 * 2 * params * c * 7 / 8 + 4 * params * 7 / 8  # gathers per microbatch, one reduce
+  config = tiny_config(fsdp=8)
+  the_plan = plan.compile_and_plan(build(config), config)[1]
+  assert the_plan.collectives['all-gather']['count'] >= 2 * config.model.n_layers  # fwd, bwd
+  compute_s, comm_s = layout.estimate(the_plan)
+  assert comm_s == the_plan.collective_bytes / layout.UNKNOWN_DEVICE[1] > 0
+  assert compute_s == the_plan.flops / layout.UNKNOWN_DEVICE[0]
+
+
+@pytest.mark.parametrize('policy', ['none', 'full'])
+def test_compiled_matmul_flops_are_the_formula_plus_what_remat_recomputes(policy):
+  """Without remat, every dot of the step (xla attention's too, whole [L, S]) is the FLOP
+  formula's, not halved for causality; `full` adds each layer's forward again, less its last
+  projection (nothing in the backward reads the layer's output) and the head."""
+  from planning import flops, layout
+  config = tiny_config()
+  config.model.remat_policy = policy
+  setup = build(config, jax.devices()[:1])
+  the_plan = plan.compile_and_plan(setup, config)[1]
+  cfg, tokens = setup.model_cfg, config.batch_size * config.seq_len
+  without_remat = flops.flops_per_token(cfg, config.seq_len, causal=False) * tokens
+  forward_again = (2 * (flops.matmul_params_per_layer(cfg) - cfg.d_model * cfg.d_ff)
+                   + flops.attention_flops_per_token(cfg, config.seq_len, causal=False) / 3
+                   / cfg.n_layers) * cfg.n_layers * tokens
+  expected = without_remat + (forward_again if policy == 'full' else 0)
+  assert the_plan.matmul_flops == pytest.approx(expected, rel=1e-9)
+  assert layout.recomputed_flops(the_plan) == pytest.approx(expected - without_remat, abs=1)
 
 
 def test_a_typo_is_named_not_swallowed_by_the_layout_search(tmp_path):

@@ -141,3 +141,49 @@ def test_batch_is_split_over_data_and_fsdp_and_length_over_sequence():
 ])
 def test_mesh_shape_resolves_minus_one(mesh, n, expected):
   assert sharding.mesh_shape(mesh, n) == expected
+
+
+LOOP_HLO = """HloModule step, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], bf16[16,4])) -> (s32[], bf16[16,4]) {
+  %p = (s32[], bf16[16,4]) parameter(0)
+  %w = bf16[2,4]{1,0} get-tuple-element(%p), index=1
+  %all-gather-start = (bf16[2,4]{1,0}, bf16[16,4]{1,0}) all-gather-start(%w), channel_id=1, replica_groups=mesh['axis_0'=1,'axis_1'=8] {'axis_1'}, dimensions={0}
+  %all-gather-done = bf16[16,4]{1,0} all-gather-done(%all-gather-start)
+  ROOT %t = (s32[], bf16[16,4]) tuple(%i, %all-gather-done)
+}
+
+%cond (p: (s32[], bf16[16,4])) -> pred[] {
+  %p = (s32[], bf16[16,4]) parameter(0)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[8,4]) -> f32[2,4] {
+  %x = f32[8,4]{1,0} parameter(0)
+  %while = (s32[], bf16[16,4]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  %rs = f32[2,4]{1,0} reduce-scatter(%x), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+  ROOT %ar = f32[2,4]{1,0} all-reduce(%rs), channel_id=3, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+}
+"""
+
+
+def test_collectives_count_every_run_and_the_bytes_each_device_sends():
+  """A loop body's collective runs trip-count times; an async pair counts once, with its result
+  (not the -start's operand-and-result tuple) and the groups written on its -start; each replica
+  group format gives its size; bytes follow the ring model."""
+  found = {c.op: c for c in collectives.executed(LOOP_HLO)}
+  gather, scatter, reduce = found['all-gather'], found['reduce-scatter'], found['all-reduce']
+  assert (gather.executions, gather.group, gather.arrays) == (6, 8, (('bf16', (16, 4)),))
+  assert (scatter.executions, scatter.group, reduce.group) == (1, 4, 2)
+  assert gather.sent_bytes == 16 * 4 * 2 * 7 / 8
+  assert scatter.sent_bytes == 2 * 4 * 4 * 3  # its operand is 4 results; 3 of them leave
+  assert reduce.sent_bytes == 2 * (2 * 4 * 4) / 2
+  summary = collectives.summary(LOOP_HLO)
+  assert summary['all-gather'] == {'count': 6, 'bytes': 6 * 112, 'by_dtype': {'bf16': 672}}
+  assert collectives.shapes(LOOP_HLO, 'all-gather') == [(16, 4)]
