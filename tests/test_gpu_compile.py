@@ -3,6 +3,7 @@ step compiled for H100s that are not here, by XLA's own GPU pipeline. These need
 (`python -m planning.gpu_compiler install`, part of the README's test command); they fail, never
 skip, without it."""
 
+import functools
 import json
 import pathlib
 import re
@@ -139,6 +140,7 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
     loop.run(config)
 
 
+@functools.cache  # each mesh compiled once for the tests that read it
 def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, **mesh):
   """The tiny model's train step in bf16, compiled for 8 H100s: (HLO text, setup, config)."""
   from tests.conftest import tiny_config
