@@ -22,7 +22,8 @@ from benchmarks import report
 from planning import communication, gpu_compiler, gpus
 from planning import plan as plan_lib
 from runtime import cli
-from sharding import AXES, collectives
+import sharding
+from sharding import AXES
 from training import settings
 from training.state import build
 
@@ -50,13 +51,12 @@ def measure(config, mesh: dict, devices) -> dict:
   config.mesh.update(mesh)
   config = settings.resolve(config)
   setup = build(config, devices)
-  compiled, _ = plan_lib.compile_and_plan(setup, config)
-  sent = collectives.summary(compiled.as_text())
+  plan = plan_lib.compile_and_plan(setup, config)[1]  # its collectives: sharding/collectives.py
   ideal = communication.ideal_bytes(
       setup.model_cfg, mesh, config.batch_size, config.seq_len, config.microbatches,
       config.model.remat_policy, setup.model_cfg.reduce_dtype.itemsize)
-  total, ideal_total = sum(c['bytes'] for c in sent.values()), sum(ideal.values())
-  return {'mesh': mesh, 'collectives': sent, 'sent_bytes': total, 'ideal': ideal,
+  total, ideal_total = plan.collective_bytes, sum(ideal.values())
+  return {'mesh': mesh, 'collectives': plan.collectives, 'sent_bytes': total, 'ideal': ideal,
           'ideal_bytes': ideal_total, 'ratio': total / ideal_total if ideal_total else None}
 
 
@@ -72,7 +72,7 @@ def main(argv):
         f'{m.n_layers} layers, batch {config.batch_size} × {config.seq_len}, attention '
         f'{m.attention}, remat {m.remat_policy}, microbatches {config.microbatches}; MiB each '
         'device sends per step')
-  print(f'{"mesh":<28}{"all-gather":>11}{"reduce-sc.":>11}{"all-reduce":>11}{"other":>9}'
+  print(f'{"mesh":<44}{"all-gather":>11}{"reduce-sc.":>11}{"all-reduce":>11}{"other":>9}'
         f'{"total":>9}{"ideal":>9}{"ratio":>7}')
   results = []
   for mesh in meshes:
@@ -80,8 +80,7 @@ def main(argv):
     results.append(r)
     mib = lambda op: r['collectives'].get(op, {}).get('bytes', 0) / 2**20
     other = r['sent_bytes'] / 2**20 - mib('all-gather') - mib('reduce-scatter') - mib('all-reduce')
-    label = ' × '.join(f'{a}={n}' for a, n in mesh.items() if n > 1) or 'one device'
-    print(f'{label:<28}{mib("all-gather"):>11.1f}{mib("reduce-scatter"):>11.1f}'
+    print(f'{sharding.describe(mesh):<44}{mib("all-gather"):>11.1f}{mib("reduce-scatter"):>11.1f}'
           f'{mib("all-reduce"):>11.1f}{other:>9.1f}{r["sent_bytes"] / 2**20:>9.1f}'
           f'{r["ideal_bytes"] / 2**20:>9.1f}{r["ratio"]:>7.2f}', flush=True)
   report.emit({'benchmark': 'collectives', 'compiled_for': devices[0].device_kind,
