@@ -23,7 +23,6 @@ from planning import communication, gpu_compiler, gpus
 from planning import plan as plan_lib
 from runtime import cli
 import sharding
-from sharding import AXES
 from training import settings
 from training.state import build
 
@@ -34,16 +33,6 @@ _MESHES = flags.DEFINE_string('meshes', 'fsdp=8;tensor=4,fsdp=2;data=2,fsdp=2,te
 _TARGET = flags.DEFINE_string('target', 'H100', f'GPU to compile for: {sorted(gpus.GPUS)}.')
 _DEVICES = flags.DEFINE_integer('devices', 8, 'How many GPUs each mesh spans.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
-
-
-def parse_mesh(text: str) -> dict:
-  mesh = dict.fromkeys(AXES, 1)
-  for part in text.split(','):
-    axis, _, size = part.partition('=')
-    if axis.strip() not in AXES or not size.strip().isdigit():
-      raise ValueError(f'--meshes: {part!r} is not axis=size with an axis of {AXES}')
-    mesh[axis.strip()] = int(size)
-  return mesh
 
 
 def measure(config, mesh: dict, devices) -> dict:
@@ -65,7 +54,7 @@ def main(argv):
   gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.collectives', *sys.argv[1:]])
   config = _CONFIG.value.copy_and_resolve_references()
   config.plan.target, config.plan.devices = _TARGET.value, _DEVICES.value
-  meshes = [parse_mesh(m) for m in _MESHES.value.split(';') if m.strip()]
+  meshes = [report.parse_mesh(m) for m in _MESHES.value.split(';') if m.strip()]
   devices = gpu_compiler.devices(gpus.get(_TARGET.value), _DEVICES.value)
   m = config.model
   print(f'{_DEVICES.value} × {devices[0].device_kind} (deviceless); d_model {m.d_model}, '

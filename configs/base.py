@@ -45,6 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.attention = 'xla'  # xla | cudnn | pallas (ours: kernels/flash_attention.py)
   m.attention_block_q = 0  # pallas query/key tile rows; 0: a default for the device and head_dim
   m.attention_block_k = 0
+  m.context_parallel = 'all_gather'  # all_gather | ring: attention over a sequence split (README)
   m.scan_layers = True  # False unrolls the layer scan (same parameters, longer compile)
   m.remat_policy = 'none'  # none | full | dots | save_qkv_proj | save_attention | offload_* (README)
 

@@ -34,12 +34,23 @@ RUNS = {  # name: global batch (sequences), seq_len, remat policy
     '8b': (32, 8192, 'full'),
 }
 GPUS = {'125m': 1, '1b': 1, '8b': 8}  # H100s each run is meant for (tests compile it so)
+LONG_CONTEXT = {  # name: shapes preset, seq_len, mesh; our kernel's ring over `sequence`
+    '8b-128k': ('8b', 131072, dict(data=1, fsdp=1, tensor=1, sequence=8)),
+}
 
 
 def get_config(preset: str = '1b'):
+  if preset in LONG_CONTEXT:
+    shapes, seq_len, mesh = LONG_CONTEXT[preset]
+    c = get_config(shapes)
+    c.workdir = f'/tmp/meshlm-{preset}'
+    c.batch_size, c.seq_len = mesh['data'] * mesh['fsdp'], seq_len  # one row per batch shard
+    c.model.attention, c.model.context_parallel = 'pallas', 'ring'
+    c.mesh.update(mesh)
+    return c
   if preset not in PRESETS:
-    raise ValueError(f'configs/llama.py: unknown preset {preset!r}; use one of {sorted(PRESETS)}, '
-                     'e.g. --config=configs/llama.py:1b')
+    raise ValueError(f'configs/llama.py: unknown preset {preset!r}; use one of '
+                     f'{sorted(PRESETS) + sorted(LONG_CONTEXT)}, e.g. --config=configs/llama.py:1b')
   c = base.get_config()
   c.workdir = f'/tmp/meshlm-{preset}'
   c.train_steps = 10_000

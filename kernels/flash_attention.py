@@ -25,6 +25,7 @@ tests check; Mosaic GPU needs a separate warpgroup-level body, and it rejects th
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,32 +62,47 @@ def _block(size: int, requested: int) -> int:
   return min(requested, max(16, 1 << (size - 1).bit_length()))
 
 
-def _mask(q_idx, k_idx, *, causal, offset, kv_len, q_seg=None, k_seg=None):
-  """[bq, bk] True where query q_idx may attend to key k_idx (both global indices)."""
+def _mask(q_pos, k_idx, *, causal, kv_len, q_seg=None, k_seg=None):
+  """[bq, bk] True where a query at key index q_pos may attend to key k_idx."""
   mask = k_idx[None, :] < kv_len
   if causal:
-    mask &= q_idx[:, None] + offset >= k_idx[None, :]
+    mask &= q_pos[:, None] >= k_idx[None, :]
   if q_seg is not None:
     mask &= q_seg[:, None] == k_seg[None, :]
   return mask
 
 
-def _kv_blocks_to_visit(i, *, causal, offset, bq, bk, n_kv):
-  """Key blocks that query block i can see: all, or up to its last query's diagonal."""
+def _kv_blocks_to_visit(q_pos, *, causal, bk, n_kv):
+  """Key blocks that a query block at key indices q_pos can see: all, or up to its diagonal."""
   if not causal:
     return n_kv
-  last_key = (i + 1) * bq - 1 + offset
-  return jnp.clip(last_key // bk + 1, 0, n_kv)
+  return jnp.clip(q_pos.max() // bk + 1, 0, n_kv)
 
 
-def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments):
-  if segments:
-    q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref = refs
-  else:
-    (q_ref, k_ref, v_ref, o_ref, lse_ref), qs_ref, ks_ref = refs, None, None
+def _split_refs(refs, segments, positions, n_in):
+  """(inputs, segment refs or Nones, query-position ref or None, outputs) of a kernel's refs:
+  the n_in plain inputs, then [q_seg, kv_seg] with segments, then [q_pos] with positions."""
+  refs = list(refs)
+  ins, rest = refs[:n_in], refs[n_in:]
+  segs = (rest.pop(0), rest.pop(0)) if segments else (None, None)
+  qpos = rest.pop(0) if positions else None
+  return ins, segs, qpos, rest
+
+
+def _query_positions(qpos_ref, i, bq, offset):
+  """Key indices of query block i: read from q_pos when given (an offset known only at run
+  time), else i·bq + offset (causal attention is bottom-right aligned)."""
+  if qpos_ref is not None:
+    return qpos_ref[...]
+  return i * bq + jnp.arange(bq) + offset
+
+
+def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, positions):
+  (q_ref, k_ref, v_ref), (qs_ref, ks_ref), qp_ref, (o_ref, lse_ref) = _split_refs(
+      refs, segments, positions, 3)
   i = pl.program_id(2)
   q = q_ref[...]
-  q_idx = i * bq + jnp.arange(bq)
+  q_pos = _query_positions(qp_ref, i, bq, offset)
   q_seg = qs_ref[...] if segments else None
 
   def body(j, carry):
@@ -95,8 +111,8 @@ def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments):
     v = v_ref[pl.ds(j * bk, bk), :]
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
     k_seg = ks_ref[pl.ds(j * bk, bk)] if segments else None
-    mask = _mask(q_idx, j * bk + jnp.arange(bk), causal=causal, offset=offset, kv_len=kv_len,
-                 q_seg=q_seg, k_seg=k_seg)
+    mask = _mask(q_pos, j * bk + jnp.arange(bk), causal=causal, kv_len=kv_len, q_seg=q_seg,
+                 k_seg=k_seg)
     s = jnp.where(mask, s, NEG)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -107,58 +123,61 @@ def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments):
   H = q.shape[-1]
   init = (jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32),
           jnp.zeros((bq, H), jnp.float32))
-  upper = _kv_blocks_to_visit(i, causal=causal, offset=offset, bq=bq, bk=bk, n_kv=n_kv)
+  upper = _kv_blocks_to_visit(q_pos, causal=causal, bk=bk, n_kv=n_kv)
   m, l, acc = jax.lax.fori_loop(0, upper, body, init)
-  seen = l > 0  # False for a row that may attend to nothing (all padding): output zeros
+  # A row that may attend to nothing (padding, or no key of its document in this block of keys)
+  # gives zeros and lse = NEG: the weight exp(lse − lse_total) it gets when partial results are
+  # merged (kernels/context_parallel.py) is then 0.
+  seen = l > 0
   o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None],
                          0.0).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+  lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)
 
 
-def _dq_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments):
-  if segments:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref = refs
-  else:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref), qs_ref, ks_ref = refs, None, None
+def _dq_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, positions):
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), qp_ref, (dq_ref,) = \
+      _split_refs(refs, segments, positions, 6)
   i = pl.program_id(2)
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
-  q_idx = i * bq + jnp.arange(bq)
+  q_pos = _query_positions(qp_ref, i, bq, offset)
   q_seg = qs_ref[...] if segments else None
 
   def body(j, dq):
     k = k_ref[pl.ds(j * bk, bk), :]
     v = v_ref[pl.ds(j * bk, bk), :]
     k_seg = ks_ref[pl.ds(j * bk, bk)] if segments else None
-    mask = _mask(q_idx, j * bk + jnp.arange(bk), causal=causal, offset=offset, kv_len=kv_len,
-                 q_seg=q_seg, k_seg=k_seg)
+    mask = _mask(q_pos, j * bk + jnp.arange(bk), causal=causal, kv_len=kv_len, q_seg=q_seg,
+                 k_seg=k_seg)
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
     p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
     dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[:, None])
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  upper = _kv_blocks_to_visit(i, causal=causal, offset=offset, bq=bq, bk=bk, n_kv=n_kv)
+  upper = _kv_blocks_to_visit(q_pos, causal=causal, bk=bk, n_kv=n_kv)
   dq = jax.lax.fori_loop(0, upper, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segments):
-  if segments:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref = refs
-  else:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = refs
-    qs_ref = ks_ref = None
+def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segments, positions):
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), qp_ref, (dk_ref, dv_ref) = \
+      _split_refs(refs, segments, positions, 6)
   b, kv_head, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   k_idx = j * bk + jnp.arange(bk)
   k_seg = ks_ref[...] if segments else None
+  if positions:  # query positions are contiguous: the first block's least is the offset
+    offset = qp_ref[pl.ds(0, bq)].min()
   # The first query block that can see key block j (causal), else 0.
-  first = jnp.clip((j * bk - offset) // bq, 0, n_q) if causal else 0
+  first = jnp.clip((j * bk - offset) // bq, 0, n_q) if causal else jnp.int32(0)
+  per_head = n_q - first  # query blocks each head contributes
 
   def body(t, carry):
     dk, dv = carry
-    g, i = t // (n_q - first), first + t % (n_q - first)
+    # lax's truncating div and rem (t, per_head ≥ 0): Triton's lowering of jnp's flooring ones
+    # fails for a divisor known at trace time.
+    g, i = jax.lax.div(t, per_head), first + jax.lax.rem(t, per_head)
     head = kv_head * group + g
     rows = pl.ds(i * bq, bq)
     q = q_ref[b, rows, head, :]
@@ -166,7 +185,7 @@ def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segmen
     lse = lse_ref[b, head, rows]
     delta = delta_ref[b, head, rows]
     q_seg = qs_ref[b, rows] if segments else None
-    mask = _mask(i * bq + jnp.arange(bq), k_idx, causal=causal, offset=offset, kv_len=kv_len,
+    mask = _mask(i * bq + jnp.arange(bq) + offset, k_idx, causal=causal, kv_len=kv_len,
                  q_seg=q_seg, k_seg=k_seg)
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
     p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
@@ -177,39 +196,55 @@ def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segmen
     return dk, dv
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = jax.lax.fori_loop(0, group * (n_q - first), body, (zeros, zeros))
+  dk, dv = jax.lax.fori_loop(0, group * per_head, body, (zeros, zeros))
   dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _pad(x, axis, to):
+def _pad(x, axis, to, value=0):
   if x is None or x.shape[axis] == to:
     return x
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, to - x.shape[axis])
-  return jnp.pad(x, widths)
+  return jnp.pad(x, widths, constant_values=value)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, static):
-  return _forward(q, k, v, q_seg, kv_seg, static)[0]
+class _Static(NamedTuple):
+  """What a kernel launch is specialised on (hashable: custom_vjp's non-differentiable arg)."""
+  causal: bool
+  bq: int
+  bk: int
+  L: int  # unpadded query and key lengths
+  S: int
+  interpret: bool | None
+  num_warps: int
+  num_stages: int
+  out_dtype: str | None = None  # o, dq, dk, dv in this dtype; None: their inputs' dtypes
+
+  def kernel_args(self, H):
+    return dict(causal=self.causal, scale=1 / math.sqrt(H), offset=self.S - self.L,
+                kv_len=self.S, bq=self.bq, bk=self.bk)
+
+  def launch(self):
+    return dict(interpret=self.interpret, num_warps=self.num_warps, num_stages=self.num_stages)
+
+  def dtype(self, x):
+    return jnp.dtype(self.out_dtype) if self.out_dtype else x.dtype
 
 
-def _statics(static):
-  causal, bq, bk, L, S, interpret, warps, stages = static
-  return dict(causal=causal, bq=bq, bk=bk, L=L, S=S,
-              launch=dict(interpret=interpret, num_warps=warps, num_stages=stages))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, q_pos, static):
+  return _forward(q, k, v, q_seg, kv_seg, q_pos, static)[0]
 
 
-def _forward(q, k, v, q_seg, kv_seg, static):
-  st = _statics(static)
+def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
+  """On padded inputs: o[B, Lp, N, H] and the residuals, lse[B, N, Lp] last."""
   B, Lp, N, H = q.shape
   Sp, K = k.shape[1], k.shape[2]
-  G, bq, bk = N // K, st['bq'], st['bk']
-  segments = q_seg is not None
-  kernel = functools.partial(_fwd_kernel, causal=st['causal'], scale=1 / math.sqrt(H),
-                             offset=st['S'] - st['L'], kv_len=st['S'], bq=bq, bk=bk,
-                             n_kv=Sp // bk, segments=segments)
+  G, bq, bk = N // K, st.bq, st.bk
+  segments, positions = q_seg is not None, q_pos is not None
+  kernel = functools.partial(_fwd_kernel, **st.kernel_args(H), n_kv=Sp // bk, segments=segments,
+                             positions=positions)
   sq = pl.squeezed
   in_specs = [pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
               pl.BlockSpec((sq, Sp, sq, H), lambda b, n, i: (b, 0, n // G, 0)),
@@ -219,28 +254,33 @@ def _forward(q, k, v, q_seg, kv_seg, static):
     in_specs += [pl.BlockSpec((sq, bq), lambda b, n, i: (b, i)),
                  pl.BlockSpec((sq, Sp), lambda b, n, i: (b, 0))]
     args += [q_seg, kv_seg]
+  if positions:
+    in_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
+    args.append(q_pos)
   o, lse = _pallas(
       kernel, args, grid=(B, N, Lp // bq), in_specs=in_specs,
       out_specs=[pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
                  pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=[jax.ShapeDtypeStruct(q.shape, st.dtype(q)),
                  jax.ShapeDtypeStruct((B, N, Lp), jnp.float32)],
-      name='flash_attention_fwd', **st['launch'])
-  return o, (q, k, v, q_seg, kv_seg, o, lse)
+      name='flash_attention_fwd', **st.launch())
+  return o, (q, k, v, q_seg, kv_seg, q_pos, o, lse)
 
 
-def _backward(static, residuals, do):
-  q, k, v, q_seg, kv_seg, o, lse = residuals
-  st = _statics(static)
+def _backward(st: _Static, residuals, do, delta=None):
+  """(dq, dk, dv, None, None, None) on padded inputs. p = exp(s − lse) with the lse given, so
+  with the lse of a whole row (over keys this call does not see) these are that row's
+  gradients' shares from these keys. delta = rowsum(do ⊙ o) of the whole output likewise."""
+  q, k, v, q_seg, kv_seg, q_pos, o, lse = residuals
   B, Lp, N, H = q.shape
   Sp, K = k.shape[1], k.shape[2]
-  G, bq, bk = N // K, st['bq'], st['bk']
-  segments = q_seg is not None
-  delta = jnp.einsum('blnh,blnh->bnl', o.astype(jnp.float32), do.astype(jnp.float32))
-  common = dict(causal=st['causal'], scale=1 / math.sqrt(H), offset=st['S'] - st['L'],
-                kv_len=st['S'], bq=bq, bk=bk, segments=segments)
+  G, bq, bk = N // K, st.bq, st.bk
+  segments, positions = q_seg is not None, q_pos is not None
+  if delta is None:
+    delta = jnp.einsum('blnh,blnh->bnl', o.astype(jnp.float32), do.astype(jnp.float32))
+  common = dict(**st.kernel_args(H), segments=segments, positions=positions)
   sq = pl.squeezed
-  seg_args = [q_seg, kv_seg] if segments else []
+  extra = ([q_seg, kv_seg] if segments else []) + ([q_pos] if positions else [])
 
   dq_specs = [pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
               pl.BlockSpec((sq, Sp, sq, H), lambda b, n, i: (b, 0, n // G, 0)),
@@ -251,14 +291,17 @@ def _backward(static, residuals, do):
   if segments:
     dq_specs += [pl.BlockSpec((sq, bq), lambda b, n, i: (b, i)),
                  pl.BlockSpec((sq, Sp), lambda b, n, i: (b, 0))]
+  if positions:
+    dq_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
   dq = _pallas(
-      functools.partial(_dq_kernel, n_kv=Sp // bk, **common), [q, k, v, do, lse, delta, *seg_args],
+      functools.partial(_dq_kernel, n_kv=Sp // bk, **common), [q, k, v, do, lse, delta, *extra],
       grid=(B, N, Lp // bq), in_specs=dq_specs,
       out_specs=pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name='flash_attention_dq', **st['launch'])
+      out_shape=jax.ShapeDtypeStruct(q.shape, st.dtype(q)), name='flash_attention_dq',
+      **st.launch())
 
-  # q, do, lse, delta and the query segment ids are read whole and indexed in the kernel: one
-  # program walks all G query heads of its kv head.
+  # q, do, lse, delta and the query segment ids and positions are read whole and indexed in the
+  # kernel: one program walks all G query heads of its kv head.
   whole = pl.BlockSpec()  # no block shape: the kernel sees the whole array
   dkv_specs = [whole,
                pl.BlockSpec((sq, bk, sq, H), lambda b, h, j: (b, j, h, 0)),
@@ -266,28 +309,24 @@ def _backward(static, residuals, do):
                whole, whole, whole]
   if segments:
     dkv_specs += [whole, pl.BlockSpec((sq, bk), lambda b, h, j: (b, j))]
+  if positions:
+    dkv_specs.append(whole)
   dk, dv = _pallas(
       functools.partial(_dkv_kernel, n_q=Lp // bq, group=G, **common),
-      [q, k, v, do, lse, delta, *seg_args], grid=(B, K, Sp // bk), in_specs=dkv_specs,
+      [q, k, v, do, lse, delta, *extra], grid=(B, K, Sp // bk), in_specs=dkv_specs,
       out_specs=[pl.BlockSpec((sq, bk, sq, H), lambda b, h, j: (b, j, h, 0))] * 2,
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      name='flash_attention_dkv', **st['launch'])
-  return dq, dk, dv, None, None
+      out_shape=[jax.ShapeDtypeStruct(k.shape, st.dtype(k)),
+                 jax.ShapeDtypeStruct(v.shape, st.dtype(v))],
+      name='flash_attention_dkv', **st.launch())
+  return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_forward, _backward)
 
 
-def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,
-                    kv_segment_ids_BS=None, block_q: int = 0, block_k: int = 0,
-                    num_warps: int = 0, num_stages: int = 0, interpret: bool | None = None):
-  """Fused attention with the layout of jax.nn.dot_product_attention (see the module docstring).
-
-  block_q, block_k: query and key rows per program (powers of two; shorter inputs use less).
-  num_warps, num_stages: Triton launch settings on GPU. 0 takes default_blocks(head_dim).
-  interpret: None (default) lowers with Triton for CUDA and in interpret mode for any other
-  platform; True interprets everywhere, False uses Triton everywhere.
-  """
+def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset, *, causal,
+             block_q, block_k, num_warps, num_stages, interpret, out_dtype=None):
+  """Checks, defaults, padding to whole blocks: (q, k, v, q_seg, kv_seg, q_pos, static)."""
   B, L, N, H = q_BLNH.shape
   defaults = default_blocks(H)
   block_q, block_k = block_q or defaults[0], block_k or defaults[1]
@@ -301,9 +340,59 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
   bq, bk = _block(L, block_q), _block(S, block_k)
   Lp, Sp = -(-L // bq) * bq, -(-S // bk) * bk
   q, k, v = _pad(q_BLNH, 1, Lp), _pad(k_BSKH, 1, Sp), _pad(v_BSKH, 1, Sp)
-  q_seg = kv_seg = None
+  q_seg = kv_seg = q_pos = None
   if segment_ids_BL is not None:
     q_seg = _pad(segment_ids_BL.astype(jnp.int32), 1, Lp)
     kv_seg = _pad(kv_segment_ids_BS.astype(jnp.int32), 1, Sp)
-  static = (causal, bq, bk, L, S, interpret, num_warps, num_stages)
-  return _flash(q, k, v, q_seg, kv_seg, static)[:, :L]
+  if q_offset is not None:
+    q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(Lp, dtype=jnp.int32)
+  static = _Static(causal, bq, bk, L, S, interpret, num_warps, num_stages, out_dtype)
+  return q, k, v, q_seg, kv_seg, q_pos, static
+
+
+def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,
+                    kv_segment_ids_BS=None, q_offset=None, block_q: int = 0, block_k: int = 0,
+                    num_warps: int = 0, num_stages: int = 0, interpret: bool | None = None):
+  """Fused attention with the layout of jax.nn.dot_product_attention (see the module docstring).
+
+  q_offset: causal only, the key index of query 0 (a traced int32 is fine, e.g. this device's
+  share of a sequence split); None: S − L (bottom-right aligned).
+  block_q, block_k: query and key rows per program (powers of two; shorter inputs use less).
+  num_warps, num_stages: Triton launch settings on GPU. 0 takes default_blocks(head_dim).
+  interpret: None (default) lowers with Triton for CUDA and in interpret mode for any other
+  platform; True interprets everywhere, False uses Triton everywhere.
+  """
+  *args, static = _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset,
+                           causal=causal, block_q=block_q, block_k=block_k, num_warps=num_warps,
+                           num_stages=num_stages, interpret=interpret)
+  return _flash(*args, static)[:, :q_BLNH.shape[1]]
+
+
+def attention_parts(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,
+                    kv_segment_ids_BS=None, block_q: int = 0, block_k: int = 0,
+                    interpret: bool | None = None):
+  """The forward kernel's o[B, L, N, H] in fp32 and lse[B, N, L] (NEG where a query sees no key):
+  one part of an attention over more keys, to be merged with the others by their lse."""
+  q, k, v, q_seg, kv_seg, q_pos, st = _prepare(
+      q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, None, causal=causal,
+      block_q=block_q, block_k=block_k, num_warps=0, num_stages=0, interpret=interpret,
+      out_dtype='float32')
+  o, residuals = _forward(q, k, v, q_seg, kv_seg, q_pos, st)
+  L = q_BLNH.shape[1]
+  return o[:, :L], residuals[-1][:, :, :L]
+
+
+def attention_parts_grads(q_BLNH, k_BSKH, v_BSKH, o_BLNH, lse_BNL, do_BLNH, delta_BNL, *,
+                          causal: bool, segment_ids_BL=None, kv_segment_ids_BS=None,
+                          block_q: int = 0, block_k: int = 0, interpret: bool | None = None):
+  """The backward kernels for one part (attention_parts) of an attention whose whole output o,
+  lse and delta = rowsum(do ⊙ o) are given: this part's dq and its keys' dk, dv, in fp32."""
+  q, k, v, q_seg, kv_seg, q_pos, st = _prepare(
+      q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, None, causal=causal,
+      block_q=block_q, block_k=block_k, num_warps=0, num_stages=0, interpret=interpret,
+      out_dtype='float32')
+  Lp, L, S = q.shape[1], q_BLNH.shape[1], k_BSKH.shape[1]
+  # Padded query rows: do = 0 and lse = 0 make their p finite and their ds, dv shares 0.
+  residuals = (q, k, v, q_seg, kv_seg, q_pos, _pad(o_BLNH, 1, Lp), _pad(lse_BNL, 2, Lp))
+  dq, dk, dv, *_ = _backward(st, residuals, _pad(do_BLNH, 1, Lp), _pad(delta_BNL, 2, Lp))
+  return dq[:, :L], dk[:, :S], dv[:, :S]

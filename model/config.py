@@ -9,6 +9,7 @@ from kernels.attention import IMPLEMENTATIONS
 REMAT_POLICIES = ('none', 'full', 'dots', 'save_qkv_proj', 'save_attention', 'offload_dots',
                   'offload_qkv_proj', 'offload_attention')
 DTYPES = ('float32', 'bfloat16', 'float16')
+CONTEXT_PARALLEL = ('all_gather', 'ring')  # kernels/context_parallel.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ModelConfig:
   attention: str
   attention_block_q: int
   attention_block_k: int
+  context_parallel: str
   scan_layers: bool
   remat_policy: str
 
@@ -51,6 +53,11 @@ class ModelConfig:
       if block < 0 or block & (block - 1):
         raise ValueError(f'config.model.{name}={block} must be 0 (the default for the device) or '
                          'a power of two such as 64 or 128')
+    _check_choice('context_parallel', self.context_parallel, CONTEXT_PARALLEL)
+    if self.context_parallel == 'ring' and self.attention != 'pallas':
+      raise ValueError(f"config.model.context_parallel='ring' runs our Pallas kernel on each visiting "
+                       f"chunk; set --config.model.attention=pallas (it is "
+                       f"{self.attention!r}), or context_parallel='all_gather'")
     _check_choice('remat_policy', self.remat_policy, REMAT_POLICIES)
     _check_choice('param_dtype', self.param_dtype, DTYPES)
     _check_choice('compute_dtype', self.compute_dtype, DTYPES)

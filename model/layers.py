@@ -142,19 +142,26 @@ class Attention(nnx.Module):
 
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
     cfg = self.cfg
-    attend = functools.partial(kernels.attention, causal=True, implementation=cfg.attention,
-                               block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
+    blocks = dict(block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
     if cfg.attention != 'pallas':
-      return attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=segment_ids_BL)
-    # XLA cannot partition a Pallas call: each device runs it on its rows and heads, on whole
-    # rows (a length split is gathered first).
-    q_names = ('batch', None, 'heads', 'head_dim')
-    kv_names = ('batch', None, 'kv_heads', 'head_dim')
+      return kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids_BL=segment_ids_BL,
+                               implementation=cfg.attention, **blocks)
+    # XLA cannot partition a Pallas call: each device runs it on its rows, heads and, under a
+    # length split, its share of the length, against the others' keys (context parallelism).
+    if (axis := sharding.mesh_axis('length')) is None:
+      attend = functools.partial(kernels.flash_attention, causal=True, **blocks)
+    elif cfg.context_parallel == 'ring':
+      attend = functools.partial(kernels.ring_attention, causal=True, axis_name=axis,
+                                 reduce_dtype=cfg.grad_reduce_dtype, **blocks)
+    else:
+      attend = functools.partial(kernels.gathered_attention, causal=True, axis_name=axis, **blocks)
+    q_names = ('batch', 'length', 'heads', 'head_dim')
+    kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
     if segment_ids_BL is None:
       return sharding.per_shard(lambda q, k, v: attend(q, k, v), (q_names, kv_names, kv_names),
                                 q_names)(q_BLNH, k_BLKH, v_BLKH)
     return sharding.per_shard(lambda q, k, v, s: attend(q, k, v, segment_ids_BL=s),
-                              (q_names, kv_names, kv_names, ('batch', None)),
+                              (q_names, kv_names, kv_names, ('batch', 'length')),
                               q_names)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
@@ -163,9 +170,11 @@ class Attention(nnx.Module):
     k_BLKH = checkpoint_name(k_BLKH, 'key_proj')
     v_BLKH = checkpoint_name(v_BLKH, 'value_proj')
     q_BLNH = constrain(q_BLNH, ('batch', 'length', 'heads', 'head_dim'))
-    # Keys and values span the whole length: under sequence parallelism they are all-gathered.
-    k_BLKH = constrain(k_BLKH, ('batch', 'kv_length', 'kv_heads', 'head_dim'))
-    v_BLKH = constrain(v_BLKH, ('batch', 'kv_length', 'kv_heads', 'head_dim'))
+    # Under a length split, XLA's attention all-gathers keys and values (logical 'kv_length');
+    # our kernel takes each device's share and moves them itself (context parallelism).
+    kv_length = 'length' if self.cfg.attention == 'pallas' else 'kv_length'
+    k_BLKH = constrain(k_BLKH, ('batch', kv_length, 'kv_heads', 'head_dim'))
+    v_BLKH = constrain(v_BLKH, ('batch', kv_length, 'kv_heads', 'head_dim'))
     out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
     out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
                                'attention_out')

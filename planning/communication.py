@@ -22,8 +22,10 @@ tied), P_N the norm scales (replicated). Per step:
   tensor    Megatron's activation all-reduces, 2 forward and 2 backward a layer (2 more under
             remat `full`, which runs the forward again), one after the vocabulary-split lookup and one for the head's input
             gradient: M·(4|6 · n_layers + 2)·2c·b·(L/s)·D·ρ(t)
-  sequence  keys and values gathered forward, their gradients reduce-scattered backward (gathered
-            again under `full`): M·(4|6)·n_layers·b·L·(K/t)·H·c·ρ(s)
+  sequence  all_gather: keys and values gathered forward, their gradients reduce-scattered backward
+            (gathered again under `full`): M·(4|6)·n_layers·b·L·(K/t)·H·c·ρ(s);
+            ring: keys and values go round the ring forward and again backward (forward again
+            under `full`), their gradients once, in r: M·n_layers·b·L·(K/t)·H·((4|6)·c + 2r)·ρ(s)
 """
 
 import math
@@ -55,8 +57,8 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
       'data': 2 * r * (layers + table + head) / (t * g) * rho(d),
       'norms': 2 * 4 * norms * rho(d * f * s * t),
       'tensor': M * tensor_reductions * 2 * c * b * seq_len / s * cfg.d_model * rho(t),
-      'sequence': (M * (6 if full else 4) * cfg.n_layers * b * seq_len * cfg.n_kv_heads / t
-                   * cfg.head_dim * c * rho(s)),
+      'sequence': (M * cfg.n_layers * b * seq_len * cfg.n_kv_heads / t * cfg.head_dim * rho(s)
+                   * ((6 if full else 4) * c + (2 * r if cfg.context_parallel == 'ring' else 0))),
   }
 
 

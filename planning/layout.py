@@ -3,8 +3,9 @@ memory and are estimated fastest, found by compiling candidates (from the abstra
 is allocated; a few seconds each, even for 8B).
 
 Candidates: every data × fsdp × tensor × sequence whose product is the device count and which the
-model divides, × remat policies none, dots, full, × the fewest microbatches (1, 2, 4, …) that fit
-for that mesh and policy (more only repeat FSDP's gathers on smaller matmuls). A mesh whose state
+model divides, × (with our kernel and a sequence split) context parallelism all_gather and ring,
+× remat policies none, dots, full, × the fewest microbatches (1, 2, 4, …) that fit for that mesh
+and policy (more only repeat FSDP's gathers on smaller matmuls). A mesh whose state
 alone (the step's arguments) exceeds the memory is dropped without trying the rest.
 
 Step-time estimate, deliberately simple (no overlap of compute and communication assumed):
@@ -15,7 +16,9 @@ Step-time estimate, deliberately simple (no overlap of compute and communication
             forward again (its kernels are not dots)
   comm    = the bytes each device sends per step in the candidate's compiled program (every
             collective, each run counted: sharding/collectives.py) / the device's link bandwidth
-            (per direction)
+            (per direction); except a ring's hops, which are sent while the attention kernels
+            run (kernels/context_parallel.py): only what outlasts the attention's share of compute
+            counts
   (peak and link from planning/gpus.py; other devices are ranked at 100 TFLOP/s and 100 GB/s)
 """
 
@@ -23,6 +26,7 @@ import dataclasses
 import itertools
 import math
 
+from model.config import CONTEXT_PARALLEL
 from planning import gpus
 from planning import plan as plan_lib
 from sharding import AXES
@@ -36,6 +40,7 @@ UNKNOWN_DEVICE = (100e12, 100e9)  # FLOP/s and link bytes/s assumed for other de
 @dataclasses.dataclass
 class Candidate:
   mesh: dict
+  context_parallel: str
   remat_policy: str
   microbatches: int
   plan: plan_lib.Plan
@@ -68,14 +73,28 @@ def estimate(plan: plan_lib.Plan, recomputed: float = 0.0) -> tuple[float, float
   """(compute seconds, communication seconds) of one step, per the module's formula."""
   gpu = gpus.find(plan.device)
   peak, link = (gpu.peak_bf16_flops, gpu.link_bandwidth) if gpu else UNKNOWN_DEVICE
-  return (plan.flops + recomputed) / peak, plan.collective_bytes / link
+  sent = plan.collective_bytes
+  hidden = 0.0
+  if plan.context_parallel == 'ring':
+    ring = plan.collectives.get('collective-permute', {}).get('bytes', 0)
+    again = 0.0 if plan.remat_policy == 'none' else 1 / 3  # the forward, run again
+    hidden = min(ring / link, plan.attention_flops * (1 + again) / peak)
+  return (plan.flops + recomputed) / peak, sent / link - hidden
 
 
-def with_layout(config, mesh: dict, policy: str, microbatches: int):
+def with_layout(config, mesh: dict, context_parallel: str, policy: str, microbatches: int):
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh)
+  config.model.context_parallel = context_parallel
   config.model.remat_policy, config.microbatches = policy, microbatches
   return config
+
+
+def context_choices(config, mesh: dict) -> tuple:
+  """Both ways of attending over a sequence split, with our kernel; else the config's own."""
+  if mesh['sequence'] > 1 and config.model.attention == 'pallas':
+    return CONTEXT_PARALLEL
+  return (config.model.context_parallel,)
 
 
 def search(config, devices, log=print) -> list[Candidate]:
@@ -86,17 +105,17 @@ def search(config, devices, log=print) -> list[Candidate]:
   found = []
   for mesh in meshes(len(devices)):
     state_fits = True
-    for policy in POLICIES:
+    for context, policy in itertools.product(context_choices(config, mesh), POLICIES):
       microbatches = 1
       while state_fits:
-        candidate = with_layout(config, mesh, policy, microbatches)
+        candidate = with_layout(config, mesh, context, policy, microbatches)
         try:
           setup = build(candidate, devices)
         except sharding.MeshMismatch:  # the model or batch does not divide this way
           break
         _, the_plan = plan_lib.compile_and_plan(setup, candidate)
         if the_plan.fits:
-          found.append(Candidate(mesh, policy, microbatches, the_plan,
+          found.append(Candidate(mesh, context, policy, microbatches, the_plan,
                                  *estimate(the_plan, recomputed_flops(the_plan))))
           break
         state_fits = the_plan.argument_bytes <= the_plan.memory_bytes
@@ -107,11 +126,12 @@ def search(config, devices, log=print) -> list[Candidate]:
 
 
 def report(ranked: list[Candidate], limit: int = 10) -> None:
-  print(f'{"rank":>4}  {"data×fsdp×tensor×sequence":<26}{"remat":<6}{"micro":>6}'
+  print(f'{"rank":>4}  {"data×fsdp×tensor×sequence":<26}{"context":<11}{"remat":<6}{"micro":>6}'
         f'{"GiB/device":>12}{"compute s":>11}{"comm s":>9}{"step s":>9}')
   for i, c in enumerate(ranked[:limit], 1):
     mesh = '×'.join(str(c.mesh[a]) for a in AXES)
-    print(f'{i:>4}  {mesh:<26}{c.remat_policy:<6}{c.microbatches:>6}'
+    context = c.context_parallel if c.mesh['sequence'] > 1 else '-'
+    print(f'{i:>4}  {mesh:<26}{context:<11}{c.remat_policy:<6}{c.microbatches:>6}'
           f"{c.plan.total_bytes / 2**30:>12.3g}{c.compute_s:>11.3g}{c.comm_s:>9.3g}{c.step_s:>9.3g}")
   if len(ranked) > limit:
     print(f'… and {len(ranked) - limit} more that fit')
@@ -126,6 +146,7 @@ def choose(config, devices, log=print):
                      'config.optimizer.offload_state=True')
   report(ranked)
   best = ranked[0]
-  chosen = with_layout(config, best.mesh, best.remat_policy, best.microbatches)
+  chosen = with_layout(config, best.mesh, best.context_parallel, best.remat_policy,
+                       best.microbatches)
   chosen.mesh.auto = False
   return chosen, ranked

@@ -43,6 +43,7 @@ class Plan:
   mesh: dict
   remat_policy: str
   attention: str
+  context_parallel: str
   microbatches: int
   argument_bytes: int
   output_bytes: int
@@ -153,7 +154,8 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
       device=config.plan.target or kind, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
       mesh=dict(setup.mesh.shape), remat_policy=config.model.remat_policy,
-      attention=config.model.attention, microbatches=config.microbatches,
+      attention=config.model.attention, context_parallel=config.model.context_parallel,
+      microbatches=config.microbatches,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
       total_bytes=(memory.argument_size_in_bytes + memory.output_size_in_bytes

@@ -5,6 +5,20 @@ import flax.linen as nn
 import jax
 
 
+def mesh_axis(name: str) -> str | None:
+  """The mesh axis that the logical axis `name` is split over under the active rules and mesh,
+  for a kernel's own collectives along it (a ring over 'length'); None when it is not split."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not flax.core.spmd.get_logical_axis_rules():
+    return None
+  axes = nn.logical_to_mesh_axes((name,))[0]
+  axes = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape[a] > 1]
+  if len(axes) > 1:
+    raise ValueError(f'logical axis {name!r} is split over mesh axes {axes}; a kernel collective '
+                     'along it needs one (sharding/rules.py)')
+  return axes[0] if axes else None
+
+
 def per_shard(fn, in_names: tuple, out_names: tuple):
   """`fn` run by every device on its own shard of the arguments (jax.shard_map), the shards being
   where the logical axes `in_names` (one tuple per argument) and `out_names` put them under the

@@ -6,7 +6,8 @@ ACTIVATION_RULES say how the computation is split. Keeping them apart makes each
     with 'batch' → (data, fsdp) in ACTIVATION_RULES.
   - Tensor (Megatron): 'heads', 'kv_heads', 'mlp', 'vocab' → tensor in both tables
     (column-parallel Wq/Wk/Wv/Wgate/Wup, row-parallel Wo/Wdown).
-  - Sequence: 'length' → sequence for activations; keys/values ('kv_length') are gathered.
+  - Sequence: 'length' → sequence for activations. XLA's attention gathers keys and values
+    ('kv_length'); our kernel moves them itself (all-gather or ring, kernels/context_parallel.py).
     Parameters are also split over sequence along 'embed' so that axis holds no replicas.
   - Data: 'batch' → data; parameters are replicated over it.
 Sharded shapes, in scaling-book notation: Wq[D_(fsdp,sequence), N_tensor, H],
@@ -107,6 +108,10 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
   if seq_len % mesh_sizes['sequence']:
     raise MeshMismatch(f'config.seq_len={seq_len} is not divisible by '
                        f'config.mesh.sequence={mesh_sizes["sequence"]}')
+  if model_cfg.context_parallel == 'ring' and seq_len % (2 * mesh_sizes['sequence']):
+    raise MeshMismatch(f"config.seq_len={seq_len} is not divisible by 2×config.mesh.sequence="
+                       f"{2 * mesh_sizes['sequence']}: context_parallel='ring' splits each row "
+                       'into two chunks per device (zigzag, for equal causal work)')
   if model_cfg.attention == 'cudnn' and mesh_sizes['sequence'] > 1:
     raise MeshMismatch(f"config.model.attention='cudnn' cannot run with config.mesh.sequence="
                        f"{mesh_sizes['sequence']}: cuDNN's partitioner needs queries, keys and "

@@ -141,11 +141,14 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
 
 
 @functools.cache  # each mesh compiled once for the tests that read it
-def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, **mesh):
-  """The tiny model's train step in bf16, compiled for 8 H100s: (HLO text, setup, config)."""
+def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel=None, **mesh):
+  """The tiny model's train step in bf16, compiled for 8 H100s: (HLO text, setup, config).
+  With context_parallel, attention is our kernel, with that choice."""
   from tests.conftest import tiny_config
   config = tiny_config(**mesh)
   config.model.compute_dtype, config.model.grad_reduce_dtype = 'bfloat16', grad_reduce_dtype
+  if context_parallel:
+    config.model.attention, config.model.context_parallel = 'pallas', context_parallel
   config.model.tie_embeddings = tied  # tied: the table serves the lookup and the head
   config.plan.target, config.plan.devices = 'H100', 8
   setup = build(config, plan_lib.target_devices(config))
@@ -199,14 +202,16 @@ def test_layer_gradients_are_reduced_in_grad_reduce_dtype(h100, grad_reduce_dtyp
   assert scatters and {dtype for c in scatters for dtype, _ in c.arrays} == {expected}
 
 
-@pytest.mark.parametrize('tied,mesh', [
-    (True, dict(fsdp=8)), (True, dict(fsdp=4, tensor=2)), (True, dict(fsdp=4, sequence=2)),
+@pytest.mark.parametrize('tied,context_parallel,mesh', [
+    (True, None, dict(fsdp=8)), (True, None, dict(fsdp=4, tensor=2)),
+    (True, None, dict(fsdp=4, sequence=2)),
     # Tied, this mesh reduces the table's gradient over `data` twice (README: Precision and
     # communication); untied, it is at the ideal.
-    (False, dict(data=2, fsdp=2, tensor=2))])
-def test_the_train_step_sends_within_ten_percent_of_the_ideal(h100, tied, mesh):
+    (False, None, dict(data=2, fsdp=2, tensor=2)),
+    (True, 'ring', dict(fsdp=2, sequence=4)), (True, 'all_gather', dict(fsdp=2, sequence=4))])
+def test_the_train_step_sends_within_ten_percent_of_the_ideal(h100, tied, context_parallel, mesh):
   """planning/communication.py's ideal, against every byte of every collective run."""
-  hlo, setup, config = tiny_step_for_h100s(tied=tied, **mesh)
+  hlo, setup, config = tiny_step_for_h100s(tied=tied, context_parallel=context_parallel, **mesh)
   mesh_sizes = dict(setup.mesh.shape)
   ideal = communication.ideal_total(setup.model_cfg, mesh_sizes, config.batch_size,
                                     config.seq_len, grad_reduce_bytes=4)

@@ -113,7 +113,8 @@ def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_estimate(
   assert ranked and all(c.plan.fits for c in ranked)
   assert [c.step_s for c in ranked] == sorted(c.step_s for c in ranked)
   split = next(c for c in ranked if c.microbatches > 1)  # this memory makes some layouts split
-  fewer = layout.with_layout(config, split.mesh, split.remat_policy, split.microbatches // 2)
+  fewer = layout.with_layout(config, split.mesh, split.context_parallel, split.remat_policy,
+                             split.microbatches // 2)
   assert not plan.compile_and_plan(build(fewer, devices), fewer)[1].fits
   best = ranked[0]
   assert dict(chosen.mesh) == {**best.mesh, 'auto': False}

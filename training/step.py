@@ -6,6 +6,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import kernels
 import sharding
 from model.layers import constrain
 from training.state import Setup, TrainState
@@ -31,6 +32,18 @@ def cross_entropy(logits_BLV, targets_BL, weights_BL, z_loss: float, total=None)
     total = jnp.maximum(weights_BL.sum(), 1.0)
   ce = (nll_BL * weights_BL).sum() / total
   return ce, z_loss * (jnp.square(logz_BL) * weights_BL).sum() / total
+
+
+def context_layout(setup: Setup, batch: dict) -> dict:
+  """The batch as the model expects it: under ring attention over a sequence split, every [B, L]
+  array in the zigzag order (kernels/context_parallel.py), so each device has equal causal work;
+  the loss, a sum over tokens, is unchanged. Otherwise the batch itself."""
+  n = setup.mesh.shape['sequence']
+  if setup.model_cfg.context_parallel != 'ring' or n == 1:
+    return batch
+  order = kernels.zigzag_order(next(iter(batch.values())).shape[1], n)
+  with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
+    return {k: constrain(x_BL[:, order], ('batch', 'length')) for k, x_BL in batch.items()}
 
 
 def _logits(graphdef, params, batch):
@@ -77,6 +90,7 @@ def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1
 
 def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   def train_step(state: TrainState, batch):
+    batch = context_layout(setup, batch)
     (loss, (ce, zl)), grads = loss_and_grads(setup.graphdef, state.params, batch, z_loss,
                                              microbatches)
     grad_norm = optax.tree.norm(grads)
@@ -106,6 +120,7 @@ def make_eval_step(setup: Setup, token_bytes_V):
   token_bytes_V = jnp.asarray(token_bytes_V, jnp.float32)
 
   def eval_step(params, batch):
+    batch = context_layout(setup, batch)
     nll_BL, _ = token_nll(_logits(setup.graphdef, params, batch), batch['targets'])
     weights_BL = batch['weights']
     return {'nats': (nll_BL * weights_BL).sum(), 'tokens': weights_BL.sum(),

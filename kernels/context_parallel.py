@@ -1,0 +1,238 @@
+"""Context parallelism: attention over a sequence split across the devices of one mesh axis.
+
+Both functions run inside `jax.shard_map` (sharding.per_shard), on each device's share of the
+length, and take the axis's name.
+
+`ring_attention`: each device keeps its queries; the keys and values (with their segment ids)
+travel around the ring of devices with `ppermute`, each hop sent before the attention of the
+chunk in hand so the two overlap. Every visit runs our flash kernel (kernels/flash_attention.py)
+and gives a part (o, lse); parts merge exactly in fp32, o = Σ exp(lse_i − lse) o_i with lse the
+log-sum-exp of the lse_i. The backward (custom VJP) sends the keys and values round again, now
+with their gradients: dK and dV (in `reduce_dtype`) accumulate as they travel and reach their
+owner on the last hop, so each device sends n−1 chunks of K, V forward, n−1 of K, V and n−1 of
+dK, dV backward, and no device ever holds the whole length.
+
+Causal load balance ("zigzag"): split the length into 2n chunks; device r holds chunks r and
+2n−1−r (`zigzag_order` lays a batch out so; the step applies it once to every [B, L] array of the
+batch, so the loss is unchanged). Device r, visited by device s's keys:
+  s = r: its own two chunks, causal (chunk 2n−1−r sees chunk r whole);
+  s < r: both query chunks see key chunk s whole, and none sees 2n−1−s;
+  s > r: query chunk 2n−1−r sees both key chunks whole, and chunk r sees neither.
+So every visit is two chunk-pairs of work with no mask but the documents', on every device; the
+fully masked pairs are never computed.
+
+`gathered_attention`: keys and values all-gathered in their (compute) dtype, each device attends
+its own queries (in the plain order: device r holds the r-th chunk) against them, causal from
+its offset; gradients of K, V come back as a reduce-scatter. No query is gathered and no work is
+repeated, but the devices holding later chunks have more keys to see.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.flash_attention import NEG, attention_parts, attention_parts_grads, flash_attention
+
+
+def zigzag_order(length: int, n: int) -> np.ndarray:
+  """Indices that lay out a row of `length` so that device r of n holds chunks r and 2n−1−r."""
+  if length % (2 * n):
+    raise ValueError(f'zigzag: length {length} must divide into 2×{n} chunks')
+  c = length // (2 * n)
+  chunks = [i for r in range(n) for i in (r, 2 * n - 1 - r)]
+  return np.concatenate([np.arange(i * c, (i + 1) * c) for i in chunks])
+
+
+def _shift(tree, axis_name, n):
+  """Each device's tree to the next device of the ring (device r → r+1 mod n)."""
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  return jax.tree.map(lambda x: None if x is None else jax.lax.ppermute(x, axis_name, perm), tree)
+
+
+class _Ring(NamedTuple):
+  causal: bool
+  axis_name: str
+  block_q: int
+  block_k: int
+  interpret: bool | None
+  reduce_dtype: str
+
+
+def ring_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=None, *, causal: bool, axis_name: str,
+                   block_q: int = 0, block_k: int = 0, interpret: bool | None = None,
+                   reduce_dtype: str = 'float32'):
+  """Attention of this device's queries to every device's keys along `axis_name` (module
+  docstring). Causal expects the zigzag layout (zigzag_order). Segment ids mark packed documents,
+  and travel with their keys. `reduce_dtype`: what dK, dV are summed in as they travel."""
+  st = _Ring(causal, axis_name, block_q, block_k, interpret, reduce_dtype)
+  return _ring(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, st)
+
+
+def _halves(x, axis):
+  c = x.shape[axis] // 2
+  return jax.lax.slice_in_dim(x, 0, c, axis=axis), jax.lax.slice_in_dim(x, c, 2 * c, axis=axis)
+
+
+def _pad_front(x, axis, value=0):
+  """x preceded by as many `value`s along axis: [c] → [2c]."""
+  return jnp.concatenate([jnp.full_like(x, value), x], axis=axis)
+
+
+def _pad_back(x, axis):
+  return jnp.concatenate([x, jnp.zeros_like(x)], axis=axis)
+
+
+def _visit_kind(st, r, s):
+  """0: own chunks (causal); 1: all queries, first key chunk; 2: second query chunk, all keys."""
+  if not st.causal:
+    return None
+  return jnp.where(s == r, 0, jnp.where(s < r, 1, 2))
+
+
+def _forward_visit(st, q, kv, kind):
+  """(o fp32, lse) of this device's queries against one visiting (k, v, segment ids)."""
+  k, v, kv_seg, q_seg = kv
+  parts = functools.partial(attention_parts, block_q=st.block_q, block_k=st.block_k,
+                            interpret=st.interpret)
+  if kind is None:
+    return parts(q, k, v, causal=False, segment_ids_BL=q_seg, kv_segment_ids_BS=kv_seg)
+
+  def own():
+    return parts(q, k, v, causal=True, segment_ids_BL=q_seg, kv_segment_ids_BS=kv_seg)
+
+  def first_keys():
+    first = lambda x, axis=1: _halves(x, axis)[0]
+    return parts(q, first(k), first(v), causal=False, segment_ids_BL=q_seg,
+                 kv_segment_ids_BS=None if kv_seg is None else first(kv_seg))
+
+  def second_queries():
+    o, lse = parts(_halves(q, 1)[1], k, v, causal=False,
+                   segment_ids_BL=None if q_seg is None else _halves(q_seg, 1)[1],
+                   kv_segment_ids_BS=kv_seg)
+    return _pad_front(o, 1), _pad_front(lse, 2, NEG)
+
+  return jax.lax.switch(kind, (own, first_keys, second_queries))
+
+
+def _merge(o, lse, o_i, lse_i):
+  new = jnp.logaddexp(lse, lse_i)
+  w, w_i = jnp.exp(lse - new), jnp.exp(lse_i - new)  # [B, N, L]
+  to_BLN1 = lambda x: jnp.transpose(x, (0, 2, 1))[..., None]
+  return o * to_BLN1(w) + o_i * to_BLN1(w_i), new
+
+
+def _ring_forward(q, k, v, seg, st):
+  n, r = jax.lax.axis_size(st.axis_name), jax.lax.axis_index(st.axis_name)
+  mine = (k, v, seg)
+  o, lse = _forward_visit(st, q, (*mine, seg), _visit_kind(st, r, r))
+  if n == 1:
+    return o, lse
+
+  def visit(t, kv, o, lse):  # step t: the keys of device r − t
+    o_t, lse_t = _forward_visit(st, q, (*kv, seg), _visit_kind(st, r, (r - t) % n))
+    return _merge(o, lse, o_t, lse_t)
+
+  def body(t, carry):
+    kv, o, lse = carry
+    following = _shift(kv, st.axis_name, n)  # in flight while this chunk is attended
+    return (following, *visit(t, kv, o, lse))
+
+  kv = _shift(mine, st.axis_name, n)
+  kv, o, lse = jax.lax.fori_loop(1, n - 1, body, (kv, o, lse))
+  return visit(n - 1, kv, o, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, seg, st):
+  return _ring_forward(q, k, v, seg, st)[0].astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, seg, st):
+  o, lse = _ring_forward(q, k, v, seg, st)
+  o = o.astype(q.dtype)
+  return o, (q, k, v, seg, o, lse)
+
+
+def _backward_visit(st, q, kv, q_seg, o, lse, do, delta, kind):
+  """(dq fp32, dk, dv fp32) of this device's queries' loss through one visiting (k, v)."""
+  k, v, kv_seg = kv
+  grads = functools.partial(attention_parts_grads, block_q=st.block_q, block_k=st.block_k,
+                            interpret=st.interpret)
+  if kind is None:
+    return grads(q, k, v, o, lse, do, delta, causal=False, segment_ids_BL=q_seg,
+                 kv_segment_ids_BS=kv_seg)
+
+  def own():
+    return grads(q, k, v, o, lse, do, delta, causal=True, segment_ids_BL=q_seg,
+                 kv_segment_ids_BS=kv_seg)
+
+  def first_keys():
+    first = lambda x, axis=1: _halves(x, axis)[0]
+    dq, dk, dv = grads(q, first(k), first(v), o, lse, do, delta, causal=False,
+                       segment_ids_BL=q_seg,
+                       kv_segment_ids_BS=None if kv_seg is None else first(kv_seg))
+    return dq, _pad_back(dk, 1), _pad_back(dv, 1)
+
+  def second_queries():
+    second = lambda x, axis=1: _halves(x, axis)[1]
+    dq, dk, dv = grads(second(q), k, v, second(o), second(lse, 2), second(do), second(delta, 2),
+                       causal=False, segment_ids_BL=None if q_seg is None else second(q_seg),
+                       kv_segment_ids_BS=kv_seg)
+    return _pad_front(dq, 1), dk, dv
+
+  return jax.lax.switch(kind, (own, first_keys, second_queries))
+
+
+def _ring_bwd(st, residuals, do):
+  """Step t (0 … n−1) sees the keys of device r−1−t, so a chunk's dK, dV start next to it and
+  end on its owner after n−1 hops, the last step being the device's own keys."""
+  q, k, v, seg, o, lse = residuals
+  n, r = jax.lax.axis_size(st.axis_name), jax.lax.axis_index(st.axis_name)
+  delta = jnp.einsum('blnh,blnh->bnl', o.astype(jnp.float32), do.astype(jnp.float32))
+  acc = jnp.dtype(st.reduce_dtype)
+  mine = (k, v, seg)
+
+  def visit(t, kv, dq, dkv):
+    source = r if t is None else (r - 1 - t) % n
+    dq_t, dk_t, dv_t = _backward_visit(st, q, kv, seg, o, lse, do, delta,
+                                       _visit_kind(st, r, source))
+    dkv_t = (dk_t.astype(acc), dv_t.astype(acc))
+    return dq + dq_t, dkv_t if dkv is None else jax.tree.map(jnp.add, dkv, dkv_t)
+
+  dq = jnp.zeros(q.shape, jnp.float32)
+  if n == 1:
+    dq, dkv = visit(None, mine, dq, None)
+  else:
+    kv = _shift(mine, st.axis_name, n)  # step 0: the keys of device r − 1
+    following = _shift(kv, st.axis_name, n) if n > 2 else None
+    dq, dkv = visit(0, kv, dq, None)
+
+    def body(t, carry):  # steps 1 … n−3: the next keys and this chunk's dK, dV in flight
+      kv, dq, dkv = carry
+      following = _shift(kv, st.axis_name, n)
+      return (following, *visit(t, kv, dq, _shift(dkv, st.axis_name, n)))
+
+    if n > 2:
+      kv, dq, dkv = jax.lax.fori_loop(1, n - 2, body, (following, dq, dkv))
+      dq, dkv = visit(n - 2, kv, dq, _shift(dkv, st.axis_name, n))
+    dq, dkv = visit(n - 1, mine, dq, _shift(dkv, st.axis_name, n))  # its own keys: home
+  dk, dv = dkv
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def gathered_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=None, *, causal: bool,
+                       axis_name: str, block_q: int = 0, block_k: int = 0,
+                       interpret: bool | None = None):
+  """This device's queries against the keys and values of every device along `axis_name`,
+  all-gathered (module docstring); the plain layout, device r holding the r-th chunk."""
+  gather = lambda x: None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+  offset = jax.lax.axis_index(axis_name) * q_BLNH.shape[1] if causal else None
+  return flash_attention(q_BLNH, gather(k_BLKH), gather(v_BLKH), causal=causal,
+                         segment_ids_BL=segment_ids_BL, kv_segment_ids_BS=gather(segment_ids_BL),
+                         q_offset=offset, block_q=block_q, block_k=block_k, interpret=interpret)

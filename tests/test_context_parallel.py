@@ -1,0 +1,176 @@
+"""Context parallelism (kernels/context_parallel.py): ring and all-gathered attention over a
+sequence split equal unsharded attention, values and gradients; zigzag gives every device the
+same work; a train step over a sequence split equals one device's, and moves what it should."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import sharding
+from kernels import gathered_attention, ring_attention, xla_attention, zigzag_order
+from kernels import context_parallel
+from sharding import collectives
+from tests.conftest import tiny_config
+from tests.test_kernels import random_batch
+from training import step as step_lib
+from training.state import build
+
+CHUNK = 16  # rows per device, one kernel block: the smallest that tests every path
+
+
+def sequence_mesh(n):
+  return jax.make_mesh((n,), ('sequence',), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+
+
+def problem(n, kv_heads, packed, B=2, N=4, H=16):
+  """q, k, v, a cotangent and segment ids for a row of n·CHUNK tokens. Packed: row 0 holds three
+  documents whose boundaries fall inside chunks (zigzag's too), row 1 one document and padding."""
+  L = n * CHUNK
+  ks = jax.random.split(jax.random.key(n), 4)
+  q = jax.random.normal(ks[0], (B, L, N, H))
+  k, v = (jax.random.normal(key, (B, L, kv_heads, H)) for key in ks[1:3])
+  seg = None
+  if packed:
+    s = np.zeros((B, L), np.int32)
+    s[0, :L // 3], s[0, L // 3:L - 3], s[0, L - 3:] = 1, 2, 3
+    s[1, :L // 2 + 5] = 1
+    seg = jnp.asarray(s)
+  return q, k, v, jax.random.normal(ks[3], q.shape), seg
+
+
+def sharded(mode, n, q, k, v, seg, cotangent, causal):
+  """(out, dq, dk, dv) of Σ out·cotangent, computed over a sequence split of n devices and put
+  back in the plain order."""
+  L = q.shape[1]
+  order = zigzag_order(L, n) if mode == 'ring' else np.arange(L)
+  fn = ring_attention if mode == 'ring' else gathered_attention
+  spec = P(None, 'sequence')
+  attend = jax.shard_map(
+      lambda q, k, v, s: fn(q, k, v, s, causal=causal, axis_name='sequence', block_q=CHUNK,
+                            block_k=CHUNK),
+      mesh=sequence_mesh(n), in_specs=(spec, spec, spec, None if seg is None else spec),
+      out_specs=spec, check_vma=False)
+
+  def loss(q, k, v):
+    out = attend(q, k, v, None if seg is None else seg[:, order])
+    return (out * cotangent[:, order]).sum(), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(
+      q[:, order], k[:, order], v[:, order])
+  inverse = np.argsort(order)
+  return [x[:, inverse] for x in (out, *grads)]
+
+
+def unsharded(q, k, v, seg, cotangent, causal):
+  def loss(q, k, v):
+    out = xla_attention(q, k, v, causal=causal, segment_ids_BL=seg)
+    return (out * cotangent).sum(), out
+  (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+  return [out, *grads]
+
+
+@pytest.mark.parametrize('mode,n,causal,kv_heads,packed', [
+    ('ring', 2, True, 2, True), ('ring', 4, True, 2, True), ('ring', 8, True, 1, True),
+    ('ring', 4, False, 2, True), ('ring', 4, True, 4, False),
+    ('all_gather', 2, True, 2, True), ('all_gather', 8, True, 1, True),
+    ('all_gather', 4, False, 4, False)])
+def test_equals_unsharded_attention_values_and_gradients(mode, n, causal, kv_heads, packed):
+  """GQA (kv_heads < 4 query heads) without copying K/V; documents crossing chunk boundaries."""
+  q, k, v, cotangent, seg = problem(n, kv_heads, packed)
+  ours = sharded(mode, n, q, k, v, seg, cotangent, causal)
+  for name, a, b in zip(('out', 'dq', 'dk', 'dv'), ours, unsharded(q, k, v, seg, cotangent,
+                                                                    causal)):
+    assert a.shape == b.shape, name
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * max(1, np.abs(b).max()),
+                               err_msg=name)
+
+
+def test_zigzag_gives_every_device_the_same_attention_work(monkeypatch):
+  """Each kernel call each device runs, counted as it runs (a callback inside the ring's branch
+  that ran): every device visits the same number of query×key blocks, and together they visit
+  the blocks causal attention needs, each once."""
+  n = 4
+  calls = []
+  real = context_parallel.attention_parts
+
+  def counted(q, k, v, *, causal, **kwargs):
+    blocks = (q.shape[1] // (CHUNK // 2), k.shape[1] // (CHUNK // 2))
+    jax.debug.callback(lambda r: calls.append((int(r), blocks, causal)),
+                       jax.lax.axis_index('sequence'))
+    return real(q, k, v, causal=causal, **kwargs)
+
+  monkeypatch.setattr(context_parallel, 'attention_parts', counted)
+  q, k, v, _, seg = problem(n, 2, packed=True)
+  spec = P(None, 'sequence')
+  attend = jax.shard_map(
+      functools.partial(ring_attention, causal=True, axis_name='sequence', block_q=CHUNK // 2,
+                        block_k=CHUNK // 2),
+      mesh=sequence_mesh(n), in_specs=(spec, spec, spec, spec), out_specs=spec, check_vma=False)
+  jax.block_until_ready(jax.jit(attend)(q, k, v, seg))
+  jax.effects_barrier()
+
+  def work(blocks, causal):  # chunk pairs of CHUNK/2 rows: what the kernel visits
+    (bq, bk) = blocks
+    return bq * (bq + 1) // 2 if causal else bq * bk
+
+  per_device = [sum(work(b, c) for r, b, c in calls if r == device) for device in range(n)]
+  assert len(calls) == n * n  # each device: its own keys, then n − 1 visitors
+  assert len(set(per_device)) == 1, per_device
+  chunks = 2 * n  # the causal triangle of 2n × 2n chunk pairs
+  assert sum(per_device) == chunks * (chunks + 1) // 2, per_device
+
+
+@functools.cache
+def compiled_step(implementation='pallas', context_parallel='all_gather', **mesh):
+  config = tiny_config(**mesh)
+  config.model.attention, config.model.context_parallel = implementation, context_parallel
+  devices = jax.devices() if mesh else jax.devices()[:1]
+  setup = build(config, devices)
+  return setup, config, step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
+
+
+def train_once(*args, **mesh):
+  setup, config, step = compiled_step(*args, **mesh)
+  state, metrics = step(setup.init_state(), random_batch(setup, config))
+  return (float(metrics['loss']), float(metrics['grad_norm']),
+          jax.tree.map(np.asarray, state.params), step.as_text())
+
+
+@pytest.mark.parametrize('context_parallel', ['ring', 'all_gather'])
+def test_a_train_step_over_sequence_4_equals_one_device(context_parallel):
+  """fsdp=2 × sequence=4 with packed rows whose documents cross the chunks, against one device
+  running XLA's attention; and the compiled program moves keys and values as it should: the ring
+  by collective-permutes, never all-gathering them; all_gather gathers them, never the queries."""
+  loss, grad_norm, params, _ = train_once('xla')
+  ours_loss, ours_norm, ours_params, hlo = train_once('pallas', context_parallel, fsdp=2,
+                                                      sequence=4)
+  np.testing.assert_allclose(ours_loss, loss, rtol=1e-5)
+  np.testing.assert_allclose(ours_norm, grad_norm, rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(ours_params), jax.tree.leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+  config = tiny_config()
+  b, L = config.batch_size // 2, config.seq_len  # rows per device: fsdp=2
+  kv = (b, L, config.model.n_kv_heads, config.model.head_dim)
+  q = (b, L, config.model.n_heads, config.model.head_dim)
+  gathered = set(collectives.shapes(hlo, 'all-gather'))
+  permuted = set(collectives.shapes(hlo, 'collective-permute'))
+  if context_parallel == 'ring':
+    assert kv not in gathered and (b, L // 4, *kv[2:]) in permuted, (gathered, permuted)
+  else:
+    assert kv in gathered and q not in gathered, gathered
+
+
+def test_ring_needs_our_kernel_and_two_chunks_a_device():
+  config = tiny_config(fsdp=2, sequence=4)
+  config.model.context_parallel = 'ring'
+  with pytest.raises(ValueError, match="context_parallel='ring'.*attention=pallas"):
+    build(config)
+  config.model.attention, config.seq_len = 'pallas', 36
+  with pytest.raises(sharding.MeshMismatch, match='config.seq_len=36 is not divisible by '
+                     '2×config.mesh.sequence=8'):
+    build(config)
