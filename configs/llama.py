@@ -1,5 +1,6 @@
 """Llama-shaped presets with real sizes: 125m (GPT-2-small sized, 124M), 1b (Llama-3.2-1B shapes,
-1.24B) and 8b (Llama-3-8B shapes, 8.03B).
+1.24B) and 8b (Llama-3-8B shapes, 8.03B); and 8b-128k, the 8b on one row of 131,072 tokens split
+over sequence=8 with our kernel's ring attention (README: Long context).
 
 Run (pick the preset after the colon; on GPU, add --config.model.attention=cudnn or =pallas):
   python train.py --config=configs/llama.py:125m --config.workdir=/tmp/meshlm-125m
@@ -10,10 +11,12 @@ Time a step instead of training:
 Plan on any machine, compiled for the H100s each preset is meant for (GPUS below):
   python train.py --config=configs/llama.py:8b --config.dry_run=True --config.plan.target=H100 \
       --config.plan.devices=8
+  python train.py --config=configs/llama.py:8b-128k --config.dry_run=True \
+      --config.plan.target=H100 --config.plan.devices=8
 Should reach: the loss falls as the default run's does (they train byte-level on the default
 corpus until the tokenizer issue gives them a real vocabulary). Compiled for H100 (pallas or
 cudnn attention), a step needs 30.8 GiB (125m), 47.9 GiB (1b) and 55.8 GiB a GPU (8b, FSDP over
-8), within the 59.7 GiB JAX's allocator takes of each. On GPU, compare the benchmark's MFU with
+8; 35.9 GiB for 8b-128k), within the 59.7 GiB JAX's allocator takes of each. On GPU, compare the benchmark's MFU with
 the peers' 33–50% MFU (MaxText, torchtitan).
 """
 

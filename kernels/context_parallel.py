@@ -71,9 +71,12 @@ def ring_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=None, *, causal: bool,
   return _ring(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, st)
 
 
-def _halves(x, axis):
+def _half(x, which: int, axis: int = 1):
+  """The first (0) or second (1) of a device's two zigzag chunks along `axis`; None stays None."""
+  if x is None:
+    return None
   c = x.shape[axis] // 2
-  return jax.lax.slice_in_dim(x, 0, c, axis=axis), jax.lax.slice_in_dim(x, c, 2 * c, axis=axis)
+  return jax.lax.slice_in_dim(x, which * c, (which + 1) * c, axis=axis)
 
 
 def _pad_front(x, axis, value=0):
@@ -92,9 +95,9 @@ def _visit_kind(st, r, s):
   return jnp.where(s == r, 0, jnp.where(s < r, 1, 2))
 
 
-def _forward_visit(st, q, kv, kind):
+def _forward_visit(st, q, q_seg, kv, kind):
   """(o fp32, lse) of this device's queries against one visiting (k, v, segment ids)."""
-  k, v, kv_seg, q_seg = kv
+  k, v, kv_seg = kv
   parts = functools.partial(attention_parts, block_q=st.block_q, block_k=st.block_k,
                             interpret=st.interpret)
   if kind is None:
@@ -104,13 +107,11 @@ def _forward_visit(st, q, kv, kind):
     return parts(q, k, v, causal=True, segment_ids_BL=q_seg, kv_segment_ids_BS=kv_seg)
 
   def first_keys():
-    first = lambda x, axis=1: _halves(x, axis)[0]
-    return parts(q, first(k), first(v), causal=False, segment_ids_BL=q_seg,
-                 kv_segment_ids_BS=None if kv_seg is None else first(kv_seg))
+    return parts(q, _half(k, 0), _half(v, 0), causal=False, segment_ids_BL=q_seg,
+                 kv_segment_ids_BS=_half(kv_seg, 0))
 
   def second_queries():
-    o, lse = parts(_halves(q, 1)[1], k, v, causal=False,
-                   segment_ids_BL=None if q_seg is None else _halves(q_seg, 1)[1],
+    o, lse = parts(_half(q, 1), k, v, causal=False, segment_ids_BL=_half(q_seg, 1),
                    kv_segment_ids_BS=kv_seg)
     return _pad_front(o, 1), _pad_front(lse, 2, NEG)
 
@@ -127,12 +128,12 @@ def _merge(o, lse, o_i, lse_i):
 def _ring_forward(q, k, v, seg, st):
   n, r = jax.lax.axis_size(st.axis_name), jax.lax.axis_index(st.axis_name)
   mine = (k, v, seg)
-  o, lse = _forward_visit(st, q, (*mine, seg), _visit_kind(st, r, r))
+  o, lse = _forward_visit(st, q, seg, mine, _visit_kind(st, r, r))
   if n == 1:
     return o, lse
 
   def visit(t, kv, o, lse):  # step t: the keys of device r − t
-    o_t, lse_t = _forward_visit(st, q, (*kv, seg), _visit_kind(st, r, (r - t) % n))
+    o_t, lse_t = _forward_visit(st, q, seg, kv, _visit_kind(st, r, (r - t) % n))
     return _merge(o, lse, o_t, lse_t)
 
   def body(t, carry):
@@ -156,7 +157,7 @@ def _ring_fwd(q, k, v, seg, st):
   return o, (q, k, v, seg, o, lse)
 
 
-def _backward_visit(st, q, kv, q_seg, o, lse, do, delta, kind):
+def _backward_visit(st, q, q_seg, kv, o, lse, do, delta, kind):
   """(dq fp32, dk, dv fp32) of this device's queries' loss through one visiting (k, v)."""
   k, v, kv_seg = kv
   grads = functools.partial(attention_parts_grads, block_q=st.block_q, block_k=st.block_k,
@@ -170,16 +171,13 @@ def _backward_visit(st, q, kv, q_seg, o, lse, do, delta, kind):
                  kv_segment_ids_BS=kv_seg)
 
   def first_keys():
-    first = lambda x, axis=1: _halves(x, axis)[0]
-    dq, dk, dv = grads(q, first(k), first(v), o, lse, do, delta, causal=False,
-                       segment_ids_BL=q_seg,
-                       kv_segment_ids_BS=None if kv_seg is None else first(kv_seg))
+    dq, dk, dv = grads(q, _half(k, 0), _half(v, 0), o, lse, do, delta, causal=False,
+                       segment_ids_BL=q_seg, kv_segment_ids_BS=_half(kv_seg, 0))
     return dq, _pad_back(dk, 1), _pad_back(dv, 1)
 
   def second_queries():
-    second = lambda x, axis=1: _halves(x, axis)[1]
-    dq, dk, dv = grads(second(q), k, v, second(o), second(lse, 2), second(do), second(delta, 2),
-                       causal=False, segment_ids_BL=None if q_seg is None else second(q_seg),
+    dq, dk, dv = grads(_half(q, 1), k, v, _half(o, 1), _half(lse, 1, 2), _half(do, 1),
+                       _half(delta, 1, 2), causal=False, segment_ids_BL=_half(q_seg, 1),
                        kv_segment_ids_BS=kv_seg)
     return _pad_front(dq, 1), dk, dv
 
@@ -197,7 +195,7 @@ def _ring_bwd(st, residuals, do):
 
   def visit(t, kv, dq, dkv):
     source = r if t is None else (r - 1 - t) % n
-    dq_t, dk_t, dv_t = _backward_visit(st, q, kv, seg, o, lse, do, delta,
+    dq_t, dk_t, dv_t = _backward_visit(st, q, seg, kv, o, lse, do, delta,
                                        _visit_kind(st, r, source))
     dkv_t = (dk_t.astype(acc), dv_t.astype(acc))
     return dq + dq_t, dkv_t if dkv is None else jax.tree.map(jnp.add, dkv, dkv_t)

@@ -57,7 +57,9 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
     """Logits[B, L, V] in fp32. Positions default to 0..L-1; with segment ids (packed rows) a
-    token attends only within its own segment, so documents never see each other."""
+    token attends only within its own segment, so documents never see each other. Under ring
+    attention over a sequence split, rows come in the zigzag order (training.step.context_layout
+    lays a batch out so; positions then must be given)."""
     cfg = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)

@@ -206,10 +206,12 @@ def report(plan: Plan) -> None:
   """A table for people, then the plan as one JSON line."""
   xla_flops = ('' if plan.compiled_flops is None else
                f' (XLA counts {plan.compiled_flops:.3e}, a scanned layer once)')
+  split = plan.mesh.get('sequence', 1) > 1 and plan.attention == 'pallas'
+  context = f' ({plan.context_parallel} over sequence)' if split else ''
   rows = [('device', f'{plan.n_devices} × {plan.device}'),
           ('compiled for', compiled_for(plan)),
           ('mesh', sharding.describe(plan.mesh)),
-          ('attention, remat policy', f'{plan.attention}, {plan.remat_policy}'),
+          ('attention, remat policy', f'{plan.attention}{context}, {plan.remat_policy}'),
           ('microbatches', str(plan.microbatches)),
           ('arguments / device', readable_bytes(plan.argument_bytes)),
           ('outputs / device', f'{readable_bytes(plan.output_bytes)} ({readable_bytes(plan.alias_bytes)} of them '

@@ -2,9 +2,11 @@
 CPU: remat policies trade temporaries for recomputation, FSDP divides the state, the planner
 reports what the compiler says, and a run that cannot fit stops before allocating."""
 
+import dataclasses
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from planning import gpus, plan
@@ -131,6 +133,25 @@ def test_layout_charges_the_bytes_its_compiled_step_sends():
   compute_s, comm_s = layout.estimate(the_plan)
   assert comm_s == the_plan.collective_bytes / layout.UNKNOWN_DEVICE[1] > 0
   assert compute_s == the_plan.flops / layout.UNKNOWN_DEVICE[0]
+
+  # A ring's hops are sent while the attention kernels run: only what outlasts them counts.
+  flops_s, link = layout.UNKNOWN_DEVICE
+  attention_s = the_plan.attention_flops / flops_s
+  for hops_s, charged_s in ((attention_s / 2, 0.0), (attention_s * 3, attention_s * 2)):
+    hops = {'count': 1, 'bytes': hops_s * link, 'by_dtype': {}}
+    ring = dataclasses.replace(the_plan, context_parallel='ring',
+                               collectives={**the_plan.collectives, 'collective-permute': hops})
+    np.testing.assert_allclose(layout.estimate(ring)[1], comm_s + charged_s, rtol=1e-9)
+
+
+def test_layout_tries_both_context_choices_where_the_kernel_meets_a_sequence_split():
+  from planning import layout
+  config = tiny_config()
+  split, whole = dict(config.mesh, sequence=2), dict(config.mesh)
+  assert layout.context_choices(config, split) == ('all_gather',)  # xla attention: GSPMD's
+  config.model.attention = 'pallas'
+  assert layout.context_choices(config, split) == ('all_gather', 'ring')
+  assert layout.context_choices(config, whole) == ('all_gather',)
 
 
 @pytest.mark.parametrize('policy', ['none', 'full'])
