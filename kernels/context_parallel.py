@@ -47,9 +47,19 @@ def zigzag_order(length: int, n: int) -> np.ndarray:
 
 
 def _shift(tree, axis_name, n):
-  """Each device's tree to the next device of the ring (device r → r+1 mod n)."""
-  perm = [(i, (i + 1) % n) for i in range(n)]
-  return jax.tree.map(lambda x: None if x is None else jax.lax.ppermute(x, axis_name, perm), tree)
+  """Each device's tree to the next device of the ring (device r → r+1 mod n), packed into one
+  buffer of 32-bit words: XLA's GPU scheduler keeps one collective-permute in flight at a time,
+  so a step's keys, values, segment ids and gradients must travel as one collective for all of
+  them to overlap the step's kernel."""
+  leaves, treedef = jax.tree.flatten(tree)
+  words = [jax.lax.bitcast_convert_type(x.reshape(-1, 2) if x.dtype.itemsize == 2
+                                        else x.reshape(-1), jnp.uint32) for x in leaves]
+  sizes = np.cumsum([w.size for w in words])[:-1]
+  sent = jax.lax.ppermute(jnp.concatenate(words), axis_name,
+                          [(i, (i + 1) % n) for i in range(n)])
+  return jax.tree.unflatten(treedef, [
+      jax.lax.bitcast_convert_type(w, x.dtype).reshape(x.shape)
+      for w, x in zip(jnp.split(sent, sizes), leaves)])
 
 
 class _Ring(NamedTuple):
@@ -210,8 +220,8 @@ def _ring_bwd(st, residuals, do):
 
     def body(t, carry):  # steps 1 … n−3: the next keys and this chunk's dK, dV in flight
       kv, dq, dkv = carry
-      following = _shift(kv, st.axis_name, n)
-      return (following, *visit(t, kv, dq, _shift(dkv, st.axis_name, n)))
+      following, dkv = _shift((kv, dkv), st.axis_name, n)
+      return (following, *visit(t, kv, dq, dkv))
 
     if n > 2:
       kv, dq, dkv = jax.lax.fori_loop(1, n - 2, body, (following, dq, dkv))

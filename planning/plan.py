@@ -55,7 +55,7 @@ class Plan:
   attention_flops: float  # the part of `flops` that attention does
   matmul_flops: float  # the compiled program's dots, each run counted (flops.compiled_matmul_flops)
   compiled_flops: float | None  # XLA's cost analysis of the per-device program (CPU only)
-  collectives: dict  # {op: {'count', 'bytes', 'by_dtype'}}: runs per step, bytes sent per device
+  collectives: dict  # {op: {'count', 'bytes', 'overlapped_bytes', 'by_dtype'}} (collectives.summary)
   memory_bytes: int | None  # what the target device offers a run; None if unknown
   memory_source: str  # where memory_bytes comes from
 
@@ -225,7 +225,8 @@ def report(plan: Plan) -> None:
           ('FLOPs / device / step', f'{plan.flops:.3e}{xla_flops}'),
           ('matmul FLOPs compiled', f'{plan.matmul_flops:.3e} (each run counted, recomputation '
                                     'included; attention kernels not)')]
-  rows += [(f'{op} / step', f'{c["count"]} runs, {readable_bytes(c["bytes"])} sent per device')
+  rows += [(f'{op} / step', f'{c["count"]} runs, {readable_bytes(c["bytes"])} sent per device, '
+            f'{c["overlapped_bytes"] / max(c["bytes"], 1):.0%} of it while computing')
            for op, c in sorted(plan.collectives.items())]
   metrics.print_table(rows)
   print(json.dumps(plan.as_dict()))

@@ -5,6 +5,10 @@ layer: the text's computations are walked from ENTRY, and a while loop's body co
 trip count (XLA's `known_trip_count`) times. Async pairs count once (at their `-done`, whose result
 is the collective's; a `-start` also carries its operands).
 
+An async pair whose -start and -done have compute scheduled between them (a fusion, a kernel, a
+conditional or loop that launches them) is `overlapped`: its bytes move while the device works.
+In a GPU program this is the latency-hiding scheduler's decision, read from the scheduled text.
+
 Bytes are what each device sends per execution under the ring algorithms NCCL uses, for a group
 of n devices: all-gather R·(n−1)/n of its result R; reduce-scatter r·(n−1) of its result r (its
 operand is n·r); all-reduce 2·S·(n−1)/n; all-to-all S·(n−1)/n; collective-permute S. A group of
@@ -31,6 +35,7 @@ _GROUPS_LIST = re.compile(r'replica_groups=\{(\{[0-9,]*\})')
 _GROUPS_IOTA = re.compile(r'replica_groups=\[([0-9,]+)\]<=')
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
 _PARTITIONS = re.compile(r'num_partitions=(\d+)')
+_COMPUTE = ('fusion', 'custom-call', 'conditional', 'while', 'call', 'dot', 'convolution')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Collective:
   arrays: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, shape) of each result
   group: int  # devices that take part together
   executions: int  # times one step runs it (trip counts of the loops around it)
+  overlapped: bool = False  # async, with compute scheduled between its start and done
 
   @property
   def result_bytes(self) -> int:
@@ -132,25 +138,32 @@ def executed(hlo_text: str) -> list[Collective]:
   for name, count in times.items():
     lines = computations.get(name, ())
     by_name = {m.group(1): line for line in lines if (m := _NAME.match(line))}
-    for line in lines:
+    position = {m.group(1): i for i, line in enumerate(lines) if (m := _NAME.match(line))}
+    for i, line in enumerate(lines):
       if (m := _INSTRUCTION.match(line)) and (op := _op_of(m.group(2))):
         arrays = tuple((dtype, tuple(int(d) for d in dims.split(',') if d))
                        for dtype, dims in _ARRAY.findall(m.group(1)))
+        overlapped = False
         if m.group(2).endswith('-done'):  # its groups are written on its -start
-          line = by_name.get(_OPERAND.search(line).group(1), line)
-        found.append(Collective(op, arrays, _group_size(line, devices), count))
+          start = _OPERAND.search(line).group(1)
+          line = by_name.get(start, line)
+          overlapped = any((c := _INSTRUCTION.match(between)) and c.group(2) in _COMPUTE
+                           for between in lines[position.get(start, i) + 1:i])
+        found.append(Collective(op, arrays, _group_size(line, devices), count, overlapped))
   return found
 
 
 def summary(hlo_text: str) -> dict[str, dict]:
   """{op: {'count': executions per step, 'bytes': bytes each device sends per step,
-  'by_dtype': {dtype: those bytes}}} for the ops the program runs."""
+  'overlapped_bytes': those of them sent while computing, 'by_dtype': {dtype: bytes}}} for the
+  ops the program runs."""
   out = {}
   for c in executed(hlo_text):
-    entry = out.setdefault(c.op, {'count': 0, 'bytes': 0, 'by_dtype': {}})
+    entry = out.setdefault(c.op, {'count': 0, 'bytes': 0, 'overlapped_bytes': 0, 'by_dtype': {}})
     entry['count'] += c.executions
     sent = c.sent_bytes * c.executions
     entry['bytes'] += round(sent)
+    entry['overlapped_bytes'] += round(sent) if c.overlapped else 0
     dtype = '+'.join(sorted({dt for dt, _ in c.arrays}))
     entry['by_dtype'][dtype] = entry['by_dtype'].get(dtype, 0) + round(sent)
   return out

@@ -144,7 +144,8 @@ def train_once(*args, **mesh):
 def test_a_train_step_over_sequence_4_equals_one_device(context_parallel):
   """fsdp=2 × sequence=4 with packed rows whose documents cross the chunks, against one device
   running XLA's attention; and the compiled program moves keys and values as it should: the ring
-  by collective-permutes, never all-gathering them; all_gather gathers them, never the queries."""
+  by collective-permutes (one buffer a hop: keys, values and segment ids of a chunk), never
+  all-gathering them; all_gather gathers them, never the queries."""
   loss, grad_norm, params, _ = train_once('xla')
   ours_loss, ours_norm, ours_params, hlo = train_once('pallas', context_parallel, fsdp=2,
                                                       sequence=4)
@@ -160,7 +161,9 @@ def test_a_train_step_over_sequence_4_equals_one_device(context_parallel):
   gathered = set(collectives.shapes(hlo, 'all-gather'))
   permuted = set(collectives.shapes(hlo, 'collective-permute'))
   if context_parallel == 'ring':
-    assert kv not in gathered and (b, L // 4, *kv[2:]) in permuted, (gathered, permuted)
+    chunk = b * (L // 4)  # this device's tokens
+    words = 2 * chunk * kv[2] * kv[3] + chunk  # k and v in fp32, and int32 segment ids
+    assert kv not in gathered and (words,) in permuted, (gathered, permuted)
   else:
     assert kv in gathered and q not in gathered, gathered
 

@@ -155,6 +155,7 @@ LOOP_HLO = """HloModule step, num_partitions=8
   %p = (s32[], bf16[16,4]) parameter(0)
   %w = bf16[2,4]{1,0} get-tuple-element(%p), index=1
   %all-gather-start = (bf16[2,4]{1,0}, bf16[16,4]{1,0}) all-gather-start(%w), channel_id=1, replica_groups=mesh['axis_0'=1,'axis_1'=8] {'axis_1'}, dimensions={0}
+  %scaled = bf16[2,4]{1,0} fusion(%w), kind=kLoop, calls=%add
   %all-gather-done = bf16[16,4]{1,0} all-gather-done(%all-gather-start)
   ROOT %t = (s32[], bf16[16,4]) tuple(%i, %all-gather-done)
 }
@@ -175,8 +176,9 @@ ENTRY %main (x: f32[8,4]) -> f32[2,4] {
 
 def test_collectives_count_every_run_and_the_bytes_each_device_sends():
   """A loop body's collective runs trip-count times; an async pair counts once, with its result
-  (not the -start's operand-and-result tuple) and the groups written on its -start; each replica
-  group format gives its size; bytes follow the ring model."""
+  (not the -start's operand-and-result tuple) and the groups written on its -start, and is
+  overlapped when compute is scheduled inside it; each replica group format gives its size; bytes
+  follow the ring model."""
   found = {c.op: c for c in collectives.executed(LOOP_HLO)}
   gather, scatter, reduce = found['all-gather'], found['reduce-scatter'], found['all-reduce']
   assert (gather.executions, gather.group, gather.arrays) == (6, 8, (('bf16', (16, 4)),))
@@ -184,6 +186,8 @@ def test_collectives_count_every_run_and_the_bytes_each_device_sends():
   assert gather.sent_bytes == 16 * 4 * 2 * 7 / 8
   assert scatter.sent_bytes == 2 * 4 * 4 * 3  # its operand is 4 results; 3 of them leave
   assert reduce.sent_bytes == 2 * (2 * 4 * 4) / 2
+  assert gather.overlapped and not scatter.overlapped  # a fusion runs while the gather is out
   summary = collectives.summary(LOOP_HLO)
-  assert summary['all-gather'] == {'count': 6, 'bytes': 6 * 112, 'by_dtype': {'bf16': 672}}
+  assert summary['all-gather'] == {'count': 6, 'bytes': 6 * 112, 'overlapped_bytes': 672,
+                                   'by_dtype': {'bf16': 672}}
   assert collectives.shapes(LOOP_HLO, 'all-gather') == [(16, 4)]
