@@ -140,24 +140,24 @@ def train_once(*args, **mesh):
           jax.tree.map(np.asarray, state.params), step.as_text())
 
 
-@pytest.mark.parametrize('context_parallel', ['ring', 'all_gather'])
-def test_a_train_step_over_sequence_4_equals_one_device(context_parallel):
-  """fsdp=2 × sequence=4 with packed rows whose documents cross the chunks, against one device
-  running XLA's attention; and the compiled program moves keys and values as it should: the ring
-  by collective-permutes (one buffer a hop: keys, values and segment ids of a chunk), never
-  all-gathering them; all_gather gathers them, never the queries."""
+@pytest.mark.parametrize('context_parallel,mesh', [('ring', dict(fsdp=2, sequence=4)),
+                                                  ('all_gather', dict(tensor=2, sequence=4))])
+def test_a_train_step_over_sequence_4_equals_one_device(context_parallel, mesh):
+  """Rows (fsdp) or heads (tensor) split too, packed rows whose documents cross the chunks,
+  against one device running XLA's attention; and the compiled program moves keys and values as
+  it should: the ring by collective-permutes (one buffer a hop: keys, values and segment ids of
+  a chunk), never all-gathering them; all_gather gathers them, never the queries."""
   loss, grad_norm, params, _ = train_once('xla')
-  ours_loss, ours_norm, ours_params, hlo = train_once('pallas', context_parallel, fsdp=2,
-                                                      sequence=4)
+  ours_loss, ours_norm, ours_params, hlo = train_once('pallas', context_parallel, **mesh)
   np.testing.assert_allclose(ours_loss, loss, rtol=1e-5)
   np.testing.assert_allclose(ours_norm, grad_norm, rtol=1e-4)
   for a, b in zip(jax.tree.leaves(ours_params), jax.tree.leaves(params)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
-  config = tiny_config()
-  b, L = config.batch_size // 2, config.seq_len  # rows per device: fsdp=2
-  kv = (b, L, config.model.n_kv_heads, config.model.head_dim)
-  q = (b, L, config.model.n_heads, config.model.head_dim)
+  config, t = tiny_config(), mesh.get('tensor', 1)
+  b, L = config.batch_size // mesh.get('fsdp', 1), config.seq_len  # rows per device
+  kv = (b, L, config.model.n_kv_heads // t, config.model.head_dim)
+  q = (b, L, config.model.n_heads // t, config.model.head_dim)
   gathered = set(collectives.shapes(hlo, 'all-gather'))
   permuted = set(collectives.shapes(hlo, 'collective-permute'))
   if context_parallel == 'ring':
