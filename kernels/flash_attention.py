@@ -12,8 +12,12 @@ Backward (jax.custom_vjp) recomputes p = exp(s − lse) block by block instead o
   dkv kernel (grid B × K × S/bk): for each of the G query heads sharing the kv head and each query
     block: dv += pᵀ do, dk += dsᵀ q · scale; so dk, dv are summed over the group in registers.
 Causal is bottom-right aligned (queries are the last L of the S positions), matching the xla
-reference; causal loops stop at the diagonal, so fully masked blocks cost nothing. Lengths are
-padded up to the block sizes and the padding masked; a row with nothing to attend to gives zeros.
+reference, unless `q_offset` (known only at run time, e.g. a device's share of a sequence split)
+places query 0 at that key; causal loops stop at the diagonal, so fully masked blocks cost
+nothing. Lengths are padded up to the block sizes and the padding masked; a row with nothing to
+attend to gives zeros (and lse = NEG). `attention_parts` and `attention_parts_grads` expose the
+forward with its lse and the backward against a whole row's lse, for attention assembled from
+parts (kernels/context_parallel.py).
 
 Lowering, chosen for the platform being compiled for (`jax.lax.platform_dependent`), not for
 the devices this process has: Pallas's Triton backend on CUDA (so a step compiled here for GPUs

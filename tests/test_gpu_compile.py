@@ -217,3 +217,13 @@ def test_the_train_step_sends_within_ten_percent_of_the_ideal(h100, tied, contex
                                     config.seq_len, grad_reduce_bytes=4)
   sent = collectives.total_bytes(hlo)
   assert sent <= 1.10 * ideal, (sent, ideal, collectives.summary(hlo))
+
+
+def test_every_ring_hop_is_sent_while_the_kernel_works(h100):
+  """The GPU scheduler keeps one collective-permute in flight: a step's keys, values, segment ids
+  and gradients go as one buffer, and each such buffer has the visit's kernel (or other compute)
+  scheduled between its start and its done."""
+  hlo, _, _ = tiny_step_for_h100s(context_parallel='ring', fsdp=2, sequence=4)
+  hops = [c for c in collectives.executed(hlo) if c.op == 'collective-permute']
+  assert hops and all(c.overlapped for c in hops), hops
+  assert {dtype for c in hops for dtype, _ in c.arrays} == {'u32'}  # packed
