@@ -107,7 +107,10 @@ def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corp
 
 def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_estimate(monkeypatch):
   from planning import layout
-  monkeypatch.setattr(layout, 'POLICIES', ('none', 'full'))  # two policies show it; fewer compiles
+  # Two meshes and two policies show it, in fewer compiles.
+  monkeypatch.setattr(layout, 'POLICIES', ('none', 'full'))
+  monkeypatch.setattr(layout, 'meshes', lambda n: iter([dict(data=n, fsdp=1, tensor=1, sequence=1),
+                                                        dict(data=1, fsdp=n, tensor=1, sequence=1)]))
   config = tiny_config()
   config.plan.memory_gb = 0.003  # some layouts fit as they are, some split, some not at all
   devices = jax.devices()[:2]
