@@ -76,11 +76,12 @@ def _mask(q_pos, k_idx, *, causal, kv_len, q_seg=None, k_seg=None):
   return mask
 
 
-def _kv_blocks_to_visit(q_pos, *, causal, bk, n_kv):
-  """Key blocks that a query block at key indices q_pos can see: all, or up to its diagonal."""
+def _kv_blocks_to_visit(last_q, *, causal, bk, n_kv):
+  """Key blocks that a query block whose last query sits at key index last_q can see: all, or
+  up to its diagonal."""
   if not causal:
     return n_kv
-  return jnp.clip(q_pos.max() // bk + 1, 0, n_kv)
+  return jnp.clip(last_q // bk + 1, 0, n_kv)
 
 
 def _split_refs(refs, segments, positions, n_in):
@@ -94,11 +95,12 @@ def _split_refs(refs, segments, positions, n_in):
 
 
 def _query_positions(qpos_ref, i, bq, offset):
-  """Key indices of query block i: read from q_pos when given (an offset known only at run
-  time), else i·bq + offset (causal attention is bottom-right aligned)."""
+  """(key indices of query block i, the last of them): read from q_pos when given (an offset
+  known only at run time), else i·bq + offset (causal attention is bottom-right aligned)."""
   if qpos_ref is not None:
-    return qpos_ref[...]
-  return i * bq + jnp.arange(bq) + offset
+    q_pos = qpos_ref[...]
+    return q_pos, q_pos.max()
+  return i * bq + jnp.arange(bq) + offset, (i + 1) * bq - 1 + offset
 
 
 def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, positions):
@@ -106,7 +108,7 @@ def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, po
       refs, segments, positions, 3)
   i = pl.program_id(2)
   q = q_ref[...]
-  q_pos = _query_positions(qp_ref, i, bq, offset)
+  q_pos, last_q = _query_positions(qp_ref, i, bq, offset)
   q_seg = qs_ref[...] if segments else None
 
   def body(j, carry):
@@ -127,7 +129,7 @@ def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, po
   H = q.shape[-1]
   init = (jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32),
           jnp.zeros((bq, H), jnp.float32))
-  upper = _kv_blocks_to_visit(q_pos, causal=causal, bk=bk, n_kv=n_kv)
+  upper = _kv_blocks_to_visit(last_q, causal=causal, bk=bk, n_kv=n_kv)
   m, l, acc = jax.lax.fori_loop(0, upper, body, init)
   # A row that may attend to nothing (padding, or no key of its document in this block of keys)
   # gives zeros and lse = NEG: the weight exp(lse − lse_total) it gets when partial results are
@@ -144,7 +146,7 @@ def _dq_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, pos
   i = pl.program_id(2)
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
-  q_pos = _query_positions(qp_ref, i, bq, offset)
+  q_pos, last_q = _query_positions(qp_ref, i, bq, offset)
   q_seg = qs_ref[...] if segments else None
 
   def body(j, dq):
@@ -159,7 +161,7 @@ def _dq_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, pos
     ds = p * (dp - delta[:, None])
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  upper = _kv_blocks_to_visit(q_pos, causal=causal, bk=bk, n_kv=n_kv)
+  upper = _kv_blocks_to_visit(last_q, causal=causal, bk=bk, n_kv=n_kv)
   dq = jax.lax.fori_loop(0, upper, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
@@ -205,12 +207,12 @@ def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segmen
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _pad(x, axis, to, value=0):
+def _pad(x, axis, to):
   if x is None or x.shape[axis] == to:
     return x
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, to - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=value)
+  return jnp.pad(x, widths)
 
 
 class _Static(NamedTuple):

@@ -73,13 +73,12 @@ def estimate(plan: plan_lib.Plan, recomputed: float = 0.0) -> tuple[float, float
   """(compute seconds, communication seconds) of one step, per the module's formula."""
   gpu = gpus.find(plan.device)
   peak, link = (gpu.peak_bf16_flops, gpu.link_bandwidth) if gpu else UNKNOWN_DEVICE
-  sent = plan.collective_bytes
   hidden = 0.0
   if plan.context_parallel == 'ring':
     ring = plan.collectives.get('collective-permute', {}).get('bytes', 0)
     again = 0.0 if plan.remat_policy == 'none' else 1 / 3  # the forward, run again
     hidden = min(ring / link, plan.attention_flops * (1 + again) / peak)
-  return (plan.flops + recomputed) / peak, sent / link - hidden
+  return (plan.flops + recomputed) / peak, plan.collective_bytes / link - hidden
 
 
 def with_layout(config, mesh: dict, context_parallel: str, policy: str, microbatches: int):

@@ -137,7 +137,6 @@ def executed(hlo_text: str) -> list[Collective]:
   found = []
   for name, count in times.items():
     lines = computations.get(name, ())
-    by_name = {m.group(1): line for line in lines if (m := _NAME.match(line))}
     position = {m.group(1): i for i, line in enumerate(lines) if (m := _NAME.match(line))}
     for i, line in enumerate(lines):
       if (m := _INSTRUCTION.match(line)) and (op := _op_of(m.group(2))):
@@ -146,9 +145,10 @@ def executed(hlo_text: str) -> list[Collective]:
         overlapped = False
         if m.group(2).endswith('-done'):  # its groups are written on its -start
           start = _OPERAND.search(line).group(1)
-          line = by_name.get(start, line)
+          begin = position.get(start, i)
+          line = lines[begin]
           overlapped = any((c := _INSTRUCTION.match(between)) and c.group(2) in _COMPUTE
-                           for between in lines[position.get(start, i) + 1:i])
+                           for between in lines[begin + 1:i])
         found.append(Collective(op, arrays, _group_size(line, devices), count, overlapped))
   return found
 
