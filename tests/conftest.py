@@ -1,7 +1,6 @@
 """Tests run on 8 CPU devices: XLA_FLAGS must be set before jax is first imported. Prepared
-datasets go to a temporary TFDS data dir (TFDS_DATA_DIR, also seen by subprocesses), and compiled
-programs to a temporary JAX cache, both removed at the end, so tests never write under the user's
-home."""
+datasets go to a temporary TFDS data dir (TFDS_DATA_DIR, also seen by subprocesses), removed at
+the end, so tests never write under the user's home."""
 
 import os
 import shutil
@@ -15,11 +14,6 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 DATA_DIR = tempfile.mkdtemp(prefix='meshlm-tests-tfds-')
 os.environ['TFDS_DATA_DIR'] = DATA_DIR
-# One compilation cache for the session, this process and the train.py processes tests start
-# (a restarted run compiles what it compiled before): fresh each session, removed at the end.
-CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-jax-cache-')
-os.environ['JAX_COMPILATION_CACHE_DIR'] = CACHE_DIR
-os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.5'
 STDLIB = sysconfig.get_paths()['stdlib']
 SMALL_CORPUS = f'{STDLIB}/json/*.py,{STDLIB}/email/*.py'  # 25 real files, ~330 kB
 
@@ -63,7 +57,6 @@ def free_port() -> int:
 
 def pytest_sessionfinish(session, exitstatus):
   shutil.rmtree(DATA_DIR, ignore_errors=True)
-  shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')
