@@ -13,7 +13,9 @@ Failure: every process sends heartbeats to the coordination service (hosted by p
 one dies, the service notices within `heartbeat_timeout_s` and every surviving process is
 terminated with "...detected fatal errors..." (a non-zero exit) instead of waiting forever in a
 collective; if process 0 dies, the others lose the service and stop the same way. A process that
-exits with a Python error first tells the service, so the others stop at once.
+exits with a Python error first tells the service, so the others stop at once. A survivor whose
+collective fails before the service ends it prints "meshlm: process i of n failed" first
+(`explain_failures`); which comes first is a race between threads, so either line may be the last.
 """
 
 import contextlib

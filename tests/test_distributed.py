@@ -104,7 +104,13 @@ def test_killing_one_process_stops_the_other_within_the_heartbeat_timeout(tmp_pa
   log = (tmp_path / f'process{1 - victim}.txt').read_text()
   assert code != 0
   assert took < heartbeat_s + 15, took
-  assert f'meshlm: process {1 - victim} of 2 failed' in log, log[-3000:]
+  # The survivor says why it stopped. Which thread notices first is a race: the collective that
+  # loses its peer raises in Python (our line), or the coordination client's poll thread ends the
+  # process with JAX's own line (seen in CI when the coordinator was killed).
+  ours = f'meshlm: process {1 - victim} of 2 failed'
+  jaxs = 'the JAX distributed service detected fatal errors. This most likely indicates that ' \
+         'another task died'
+  assert ours in log or jaxs in log, log[-3000:]
 
 
 def test_scheduler_detection_reads_what_jax_reads():
