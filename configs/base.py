@@ -51,6 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = 1  # pure data parallelism: parameters replicated
+  mesh.stage = 1  # pipeline stages: each holds n_layers/stage consecutive layers (README: Pipeline)
   mesh.fsdp = -1  # ZeRO-3: parameters, gradients, optimizer state sharded; -1 takes the rest
   mesh.tensor = 1  # Megatron column/row-parallel attention heads and MLP
   mesh.sequence = 1  # activations split along the length

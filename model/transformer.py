@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import sharding
+from model import pipeline
 from model.config import REMAT_POLICIES, ModelConfig
 from model.layers import Block, RMSNorm, constrain, gathered, lookup, matmul, param, weight
 
@@ -55,21 +57,34 @@ class Transformer(nnx.Module):
       self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
                            cfg.weight_dtype, cfg.d_model ** -0.5)
 
-  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, microbatches: int = 1):
     """Logits[B, L, V] in fp32. Positions default to 0..L-1; with segment ids (packed rows) a
     token attends only within its own segment, so documents never see each other. Under ring
     attention over a sequence split, rows come in the zigzag order (training.step.context_layout
-    lays a batch out so; positions then must be given)."""
-    cfg = self.cfg
+    lays a batch out so; positions then must be given). With the layers split into pipeline
+    stages, the batch flows through them as `microbatches` slices (model/pipeline.py)."""
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    if (stage_axis := sharding.mesh_axis('layers')) is None:
+      return self._forward(tokens_BL, positions_BL, segment_ids_BL)
+    # Pipeline stages: every stage runs the whole forward on its own share of the layers.
+    graphdef, blocks, rest = nnx.split(self, nnx.PathContains('blocks'), ...)
+
+    def forward(blocks, rest, *batch):
+      return nnx.merge(graphdef, blocks, rest)._forward(*batch, microbatches, stage_axis)
+
+    return pipeline.over_stages(forward, stage_axis)(blocks, rest, tokens_BL, positions_BL,
+                                                     segment_ids_BL)
+
+  def _forward(self, tokens_BL, positions_BL, segment_ids_BL, microbatches=1, stage_axis=None):
+    cfg = self.cfg
     # The table is gathered (FSDP) once, in the compute dtype: for the lookup, and for a tied
     # head, which keeps it for its backward.
     table_VD = weight(self.embed, cfg)
     table_c_VD = gathered(table_VD, ('vocab', 'embed'), cfg.dtype)
     x_BLD = lookup(table_VD, table_c_VD, tokens_BL)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
-    x_BLD = self._run_blocks(x_BLD, positions_BL, segment_ids_BL)
+    x_BLD = self._run_blocks(x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis)
     return constrain(self._head(x_BLD, table_VD, table_c_VD), ('batch', 'length', 'vocab'))
 
   def _head(self, x_BLD, table_VD, table_c_VD):
@@ -109,15 +124,25 @@ class Transformer(nnx.Module):
     x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (layers, cache['k'], cache['v']))
     return self._head(x_BTD, table_VD, table_c_VD), {'k': k, 'v': v}
 
-  def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL):
+  def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis):
     """One `lax.scan` over the stacked layers, so compile time does not grow with depth;
-    `scan_layers=False` unrolls the same scan (same parameters, so checkpoints are shared)."""
+    `scan_layers=False` unrolls the same scan (same parameters, so checkpoints are shared). Split
+    into pipeline stages over `stage_axis`, each stage scans its own layers, microbatch by
+    microbatch (model/pipeline.py)."""
     graphdef, layers = nnx.split(self.blocks)
 
-    def body(x_BLD, layer):
-      return nnx.merge(graphdef, layer)(x_BLD, positions_BL, segment_ids_BL), None
+    def run_layers(layers, x_BLD, extras):
+      def body(x_BLD, layer):
+        return nnx.merge(graphdef, layer)(x_BLD, *extras), None
 
-    if (policy := REMAT[self.cfg.remat_policy]) is not None:
-      body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
-    x_BLD, _ = jax.lax.scan(body, x_BLD, layers, unroll=1 if self.cfg.scan_layers else True)
-    return x_BLD
+      if (policy := REMAT[self.cfg.remat_policy]) is not None:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
+      return jax.lax.scan(body, x_BLD, layers, unroll=1 if self.cfg.scan_layers else True)[0]
+
+    extras = (positions_BL, segment_ids_BL)
+    if stage_axis is None:
+      return run_layers(layers, x_BLD, extras)
+    x_MbLD = constrain(pipeline.split(x_BLD, microbatches), (None, 'batch', 'length', 'embed'))
+    extras_Mb = jax.tree.map(lambda e: pipeline.split(e, microbatches), extras)
+    y_MbLD = pipeline.gpipe(run_layers, layers, x_MbLD, extras_Mb, stage_axis)
+    return constrain(pipeline.merge(y_MbLD), ('batch', 'length', 'embed'))

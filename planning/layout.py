@@ -3,7 +3,7 @@ memory and are estimated fastest, found by compiling candidates (from the abstra
 is allocated; a few seconds each, even for 8B).
 
 Candidates: every data × fsdp × tensor × sequence whose product is the device count and which the
-model divides, × (with our kernel and a sequence split) context parallelism all_gather and ring,
+model divides (stage 1: the estimate below has no term for a pipeline's bubble), × (with our kernel and a sequence split) context parallelism all_gather and ring,
 × remat policies none, dots, full, × the fewest microbatches (1, 2, 4, …) that fit for that mesh
 and policy (more only repeat FSDP's gathers on smaller matmuls). A mesh whose state
 alone (the step's arguments) exceeds the memory is dropped without trying the rest.
@@ -53,11 +53,12 @@ class Candidate:
 
 
 def meshes(n_devices: int):
-  """Every {axis: size} over AXES whose sizes multiply to n_devices."""
+  """Every {axis: size} over AXES with stage 1 whose sizes multiply to n_devices."""
   divisors = [k for k in range(1, n_devices + 1) if n_devices % k == 0]
   for sizes in itertools.product(divisors, repeat=len(AXES)):
-    if math.prod(sizes) == n_devices:
-      yield dict(zip(AXES, sizes))
+    mesh = dict(zip(AXES, sizes))
+    if math.prod(sizes) == n_devices and mesh['stage'] == 1:
+      yield mesh
 
 
 def recomputed_flops(plan: plan_lib.Plan) -> float:
@@ -125,12 +126,12 @@ def search(config, devices, log=print) -> list[Candidate]:
 
 
 def report(ranked: list[Candidate], limit: int = 10) -> None:
-  print(f'{"rank":>4}  {"data×fsdp×tensor×sequence":<26}{"context":<11}{"remat":<6}{"micro":>6}'
+  print(f'{"rank":>4}  {"×".join(AXES):<32}{"context":<11}{"remat":<6}{"micro":>6}'
         f'{"GiB/device":>12}{"compute s":>11}{"comm s":>9}{"step s":>9}')
   for i, c in enumerate(ranked[:limit], 1):
     mesh = '×'.join(str(c.mesh[a]) for a in AXES)
     context = c.context_parallel if c.mesh['sequence'] > 1 else '-'
-    print(f'{i:>4}  {mesh:<26}{context:<11}{c.remat_policy:<6}{c.microbatches:>6}'
+    print(f'{i:>4}  {mesh:<32}{context:<11}{c.remat_policy:<6}{c.microbatches:>6}'
           f"{c.plan.total_bytes / 2**30:>12.3g}{c.compute_s:>11.3g}{c.comm_s:>9.3g}{c.step_s:>9.3g}")
   if len(ranked) > limit:
     print(f'… and {len(ranked) - limit} more that fit')

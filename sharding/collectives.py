@@ -20,6 +20,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 OPS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
 _BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2, 's16': 2,
           'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
@@ -31,9 +33,10 @@ _ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([0-9,]*)\]')
 _CALLS = re.compile(r'\b(body|condition|calls|to_apply|true_computation|false_computation|'
                     r'branch_computations)=(\{[^}]*\}|%?[\w.\-]+)')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_GROUPS_LIST = re.compile(r'replica_groups=\{(\{[0-9,]*\})')
-_GROUPS_IOTA = re.compile(r'replica_groups=\[([0-9,]+)\]<=')
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+_GROUPS_IOTA = re.compile(r'replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?')
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                              r"(?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}")
+_PAIRS = re.compile(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}')
 _PARTITIONS = re.compile(r'num_partitions=(\d+)')
 _COMPUTE = ('fusion', 'custom-call', 'conditional', 'while', 'call', 'dot', 'convolution')
 
@@ -45,6 +48,13 @@ class Collective:
   group: int  # devices that take part together
   executions: int  # times one step runs it (trip counts of the loops around it)
   overlapped: bool = False  # async, with compute scheduled between its start and done
+  devices: tuple[tuple[int, ...], ...] = ()  # its groups of device ids; (source, target) pairs
+                                             # for a collective-permute
+
+  def crosses(self, part_of) -> bool:
+    """Whether it moves data between devices that `part_of(device)` tells apart (a node, a
+    pipeline stage)."""
+    return any(len({part_of(d) for d in group}) > 1 for group in self.devices)
 
   @property
   def result_bytes(self) -> int:
@@ -76,17 +86,31 @@ def _op_of(name: str) -> str | None:
   return None
 
 
-def _group_size(line: str, devices: int) -> int:
-  if m := _GROUPS_MESH.search(line):  # mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: over the named axes
-    sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
-    names = re.findall(r"'(\w+)'", m.group(2))
-    if names and all(name in sizes for name in names):
-      return math.prod(sizes[name] for name in names)
-  if m := _GROUPS_IOTA.search(line):
-    return int(m.group(1).split(',')[-1])
-  if (m := _GROUPS_LIST.search(line)) and m.group(1) != '{}':
-    return m.group(1).count(',') + 1
-  return devices  # replica_groups={}: every device
+def _iota(dims: str, perm: str | None):
+  """XLA's iota device list [dims]T(perm), flat."""
+  ids = np.arange(math.prod(int(d) for d in dims.split(','))).reshape(
+      [int(d) for d in dims.split(',')])
+  return (ids.transpose([int(d) for d in perm.split(',')]) if perm else ids).reshape(-1)
+
+
+def _device_groups(line: str, devices: int) -> tuple[tuple[int, ...], ...]:
+  """The device ids of each group (or source-target pair) a collective's line names."""
+  if m := _PAIRS.search(line):
+    return tuple(tuple(map(int, pair)) for pair in re.findall(r'\{(\d+),(\d+)\}', m.group(1)))
+  if m := _GROUPS_MESH.search(line):  # mesh[axes], device_ids=(iota) {the group's axes}
+    sizes = dict((name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+    ids = _iota(m.group(2), m.group(3)) if m.group(2) else np.arange(math.prod(sizes.values()))
+    ids = ids.reshape(tuple(sizes.values()))
+    names = [n for n in re.findall(r"'(\w+)'", m.group(4)) if n in sizes]
+    order = [n for n in sizes if n not in names] + names  # the group's axes last
+    ids = ids.transpose([list(sizes).index(n) for n in order])
+    return tuple(map(tuple, ids.reshape(-1, math.prod(sizes[n] for n in names)).tolist()))
+  if m := _GROUPS_IOTA.search(line):  # [groups, size]<=[dims]T(perm)
+    shape = [int(d) for d in m.group(1).split(',')]
+    return tuple(map(tuple, _iota(m.group(2), m.group(3)).reshape(shape).tolist()))
+  if (m := re.search(r'replica_groups=\{((?:\{[0-9,]*\},?)*)\}', line)) and m.group(1):
+    return tuple(tuple(map(int, g.split(','))) for g in re.findall(r'\{([0-9,]+)\}', m.group(1)))
+  return (tuple(range(devices)),)
 
 
 def _parse(hlo_text: str):
@@ -149,7 +173,9 @@ def executed(hlo_text: str) -> list[Collective]:
           line = lines[begin]
           overlapped = any((c := _INSTRUCTION.match(between)) and c.group(2) in _COMPUTE
                            for between in lines[begin + 1:i])
-        found.append(Collective(op, arrays, _group_size(line, devices), count, overlapped))
+        groups = _device_groups(line, devices)
+        size = devices if op == 'collective-permute' else len(groups[0])
+        found.append(Collective(op, arrays, size, count, overlapped, groups))
   return found
 
 

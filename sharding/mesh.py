@@ -1,11 +1,12 @@
-"""The device mesh from `config.mesh`: axes data, fsdp, tensor, sequence."""
+"""The device mesh from `config.mesh`: axes data, stage, fsdp, tensor, sequence. The first axes
+vary slowest over the devices, so data and stage are the ones that span nodes."""
 
 import math
 
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ('data', 'fsdp', 'tensor', 'sequence')
+AXES = ('data', 'stage', 'fsdp', 'tensor', 'sequence')
 
 
 class MeshMismatch(ValueError):
@@ -39,7 +40,7 @@ def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
     sizes[free[0]] = n_devices // fixed
   elif fixed != n_devices:
     raise MeshMismatch(
-        f'config.mesh: data×fsdp×tensor×sequence = {"×".join(str(sizes[a]) for a in AXES)} = '
+        f'config.mesh: data×stage×fsdp×tensor×sequence = {"×".join(str(sizes[a]) for a in AXES)} = '
         f'{fixed}, but there are {n_devices} devices; make the product {n_devices} or set one '
         'axis to -1 (e.g. --config.mesh.fsdp=-1)')
   return sizes
@@ -55,5 +56,5 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
 
 
 def describe(sizes: dict) -> str:
-  """'data=1 × fsdp=8 × tensor=1 × sequence=1' for {axis: size} (a mesh's .shape, say)."""
+  """'data=1 × stage=1 × fsdp=8 × tensor=1 × sequence=1' for {axis: size} (a mesh's .shape, say)."""
   return ' × '.join(f'{axis}={size}' for axis, size in sizes.items())

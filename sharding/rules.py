@@ -10,7 +10,10 @@ ACTIVATION_RULES say how the computation is split. Keeping them apart makes each
     ('kv_length'); our kernel moves them itself (all-gather or ring, kernels/context_parallel.py).
     Parameters are also split over sequence along 'embed' so that axis holds no replicas.
   - Data: 'batch' → data; parameters are replicated over it.
-Sharded shapes, in scaling-book notation: Wq[D_(fsdp,sequence), N_tensor, H],
+  - Pipeline: 'layers' → stage in both tables. Each stage holds its consecutive layers of every
+    stacked parameter; the model finds the axis (sharding.mesh_axis('layers')) and runs its
+    schedule over it (model/pipeline.py). Embedding and head are replicated over stages.
+Sharded shapes, in scaling-book notation: Wq[layers_stage, D_(fsdp,sequence), N_tensor, H],
 Wgate[D_(fsdp,sequence), F_tensor], x[B_(data,fsdp), L_sequence, D].
 """
 
@@ -23,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding.mesh import MeshMismatch
 
 PARAM_RULES = (
-    ('layers', None),
+    ('layers', 'stage'),
     ('vocab', 'tensor'),
     ('embed', ('fsdp', 'sequence')),
     ('heads', 'tensor'),
@@ -34,6 +37,7 @@ PARAM_RULES = (
 )
 
 ACTIVATION_RULES = (
+    ('layers', 'stage'),  # the pipeline's axis (model/pipeline.py), found by sharding.mesh_axis
     ('batch', ('data', 'fsdp')),
     ('length', 'sequence'),
     ('kv_length', None),
@@ -105,6 +109,15 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
     raise MeshMismatch(f'config.batch_size={batch_size} is not divisible by '
                        f'config.microbatches={microbatches} × config.mesh.data×config.mesh.fsdp='
                        f'{dp}; every device takes an equal share of each microbatch')
+  stages = mesh_sizes['stage']
+  if model_cfg.n_layers % stages:
+    raise MeshMismatch(f'config.model.n_layers={model_cfg.n_layers} is not divisible by '
+                       f'config.mesh.stage={stages}; each pipeline stage holds an equal share of '
+                       'the layers')
+  if microbatches < stages:
+    raise MeshMismatch(f'config.microbatches={microbatches} is fewer than config.mesh.stage='
+                       f'{stages}: the pipeline needs a microbatch for every stage to be busy; '
+                       f'set --config.microbatches={2 * stages} or more (bubble (P-1)/(M+P-1))')
   if seq_len % mesh_sizes['sequence']:
     raise MeshMismatch(f'config.seq_len={seq_len} is not divisible by '
                        f'config.mesh.sequence={mesh_sizes["sequence"]}')

@@ -109,8 +109,8 @@ def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_estimate(
   from planning import layout
   # Two meshes and two policies show it, in fewer compiles.
   monkeypatch.setattr(layout, 'POLICIES', ('none', 'full'))
-  monkeypatch.setattr(layout, 'meshes', lambda n: iter([dict(data=n, fsdp=1, tensor=1, sequence=1),
-                                                        dict(data=1, fsdp=n, tensor=1, sequence=1)]))
+  one = dict(data=1, stage=1, fsdp=1, tensor=1, sequence=1)
+  monkeypatch.setattr(layout, 'meshes', lambda n: iter([{**one, 'data': n}, {**one, 'fsdp': n}]))
   config = tiny_config()
   config.plan.memory_gb = 0.003  # some layouts fit as they are, some split, some not at all
   devices = jax.devices()[:2]

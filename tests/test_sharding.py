@@ -135,9 +135,12 @@ def test_batch_is_split_over_data_and_fsdp_and_length_over_sequence():
 
 
 @pytest.mark.parametrize('mesh,n,expected', [
-    (dict(data=1, fsdp=-1, tensor=2, sequence=1), 8, dict(data=1, fsdp=4, tensor=2, sequence=1)),
-    (dict(data=2, fsdp=1, tensor=1, sequence=-1), 8, dict(data=2, fsdp=1, tensor=1, sequence=4)),
-    (dict(data=1, fsdp=-1, tensor=1, sequence=1), 1, dict(data=1, fsdp=1, tensor=1, sequence=1)),
+    (dict(data=1, stage=1, fsdp=-1, tensor=2, sequence=1), 8,
+     dict(data=1, stage=1, fsdp=4, tensor=2, sequence=1)),
+    (dict(data=2, stage=1, fsdp=1, tensor=1, sequence=-1), 8,
+     dict(data=2, stage=1, fsdp=1, tensor=1, sequence=4)),
+    (dict(data=1, stage=2, fsdp=-1, tensor=1, sequence=1), 2,
+     dict(data=1, stage=2, fsdp=1, tensor=1, sequence=1)),
 ])
 def test_mesh_shape_resolves_minus_one(mesh, n, expected):
   assert sharding.mesh_shape(mesh, n) == expected
@@ -191,3 +194,30 @@ def test_collectives_count_every_run_and_the_bytes_each_device_sends():
   assert summary['all-gather'] == {'count': 6, 'bytes': 6 * 112, 'overlapped_bytes': 672,
                                    'by_dtype': {'bf16': 672}}
   assert collectives.shapes(LOOP_HLO, 'all-gather') == [(16, 4)]
+
+
+GROUPS_HLO = """HloModule groups, num_partitions=8
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %a = f32[4]{0} all-reduce(%x), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  %b = f32[4]{0} all-gather(%a), channel_id=2, replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}
+  %c = f32[4]{0} reduce-scatter(%b), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  ROOT %d = f32[4]{0} collective-permute(%c), channel_id=4, source_target_pairs={{0,4},{5,1}}
+}
+"""
+
+
+def test_collectives_know_their_device_groups_in_every_format():
+  """Each replica-group format XLA writes gives the devices of each group, so a test or a plan
+  can ask whether a collective crosses stages or nodes."""
+  found = {c.op: c for c in collectives.executed(GROUPS_HLO)}
+  # mesh [2, 4] over devices [2,4]T(1,0) = 0,4,1,5,2,6,3,7, so [[0,4,1,5],[2,6,3,7]]; groups
+  # along axis_0 are its columns
+  assert found['all-reduce'].devices == ((0, 2), (4, 6), (1, 3), (5, 7))
+  assert found['all-reduce'].group == 2
+  assert found['all-gather'].devices == ((0, 2), (1, 3), (4, 6), (5, 7))
+  assert found['reduce-scatter'].devices == ((0, 1, 2, 3), (4, 5, 6, 7))
+  assert found['collective-permute'].devices == ((0, 4), (5, 1))
+  half = lambda device: device // 4
+  assert [op for op, c in found.items() if c.crosses(half)] == ['collective-permute']

@@ -22,7 +22,8 @@ class Evaluator:
     self.shape = (config.batch_size, config.seq_len)
     self.n_batches = config.eval_batches or pipeline.pass_length(self.docs, *self.shape)
     self.sharding, self.pad_id = batch_sharding, tokenizer.pad_id
-    self.step = step_lib.compile_eval_step(setup, *self.shape, tokenizer.token_bytes())
+    self.step = step_lib.compile_eval_step(setup, *self.shape, tokenizer.token_bytes(),
+                                           config.microbatches)
 
   def __call__(self, params) -> dict:
     # A pass is short: it runs in this process, since starting workers would cost more.

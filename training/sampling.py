@@ -21,6 +21,7 @@ from runtime import checkpoint as checkpoint_lib
 import sharding
 from training import settings
 
+ONE_AXIS = {axis: 1 for axis in sharding.AXES}  # sampling splits parameters over fsdp at most
 
 @dataclasses.dataclass
 class Loaded:
@@ -47,10 +48,10 @@ def load(path: str) -> Loaded:
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
   devices = jax.local_devices()
   try:
-    mesh = sharding.make_mesh({'data': 1, 'fsdp': -1, 'tensor': 1, 'sequence': 1}, devices)
+    mesh = sharding.make_mesh(dict(ONE_AXIS, fsdp=-1), devices)
     shardings = sharding.param_shardings(abstract, mesh)
   except ValueError:  # a dimension does not divide by the device count
-    mesh = sharding.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1, 'sequence': 1}, devices[:1])
+    mesh = sharding.make_mesh(ONE_AXIS, devices[:1])
     shardings = sharding.param_shardings(abstract, mesh)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)

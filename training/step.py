@@ -8,6 +8,7 @@ from flax import nnx
 
 import kernels
 import sharding
+from model import pipeline
 from model.layers import constrain
 from training.state import Setup, TrainState
 
@@ -46,17 +47,17 @@ def context_layout(setup: Setup, batch: dict) -> dict:
     return {k: constrain(x_BL[:, order], ('batch', 'length')) for k, x_BL in batch.items()}
 
 
-def _logits(graphdef, params, batch):
+def _logits(graphdef, params, batch, microbatches=1):
   # Activations are pinned through ACTIVATION_RULES while the model is traced.
   with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
     model = nnx.merge(graphdef, params)
     # A batch without segment ids holds one document a row (no packing mask to apply).
-    return model(batch['inputs'], batch['positions'], batch.get('segment_ids'))
+    return model(batch['inputs'], batch['positions'], batch.get('segment_ids'), microbatches)
 
 
-def _loss(graphdef, params, batch, z_loss, total=None):
-  ce, zl = cross_entropy(_logits(graphdef, params, batch), batch['targets'], batch['weights'],
-                         z_loss, total)
+def _loss(graphdef, params, batch, z_loss, total=None, microbatches=1):
+  ce, zl = cross_entropy(_logits(graphdef, params, batch, microbatches), batch['targets'],
+                         batch['weights'], z_loss, total)
   return ce + zl, (ce, zl)
 
 
@@ -64,19 +65,20 @@ def split_microbatches(batch, microbatches: int):
   """[B, L] → [M, B/M, L] with microbatch m = rows m, m+M, m+2M, …: each device's rows hold an
   equal share of every microbatch, so splitting moves no data (B divides by M × data × fsdp)."""
   def split(x_BL):
-    B, L = x_BL.shape
-    x_MbL = x_BL.reshape(B // microbatches, microbatches, L).swapaxes(0, 1)
     with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
-      return constrain(x_MbL, (None, 'batch', 'length'))
+      return constrain(pipeline.split(x_BL, microbatches), (None, 'batch', 'length'))
   return jax.tree.map(split, batch)
 
 
-def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1):
+def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1,
+                   pipelined: bool = False):
   """((loss, (ce, z_loss)), grads) of the batch; with microbatches > 1, accumulated over a
   `lax.scan` of microbatches (only one microbatch's activations live at a time), giving the
-  same result as one pass over the whole batch."""
-  if microbatches == 1:
-    return jax.value_and_grad(lambda p: _loss(graphdef, p, batch, z_loss), has_aux=True)(params)
+  same result as one pass over the whole batch. `pipelined`: the model's pipeline stages take
+  the microbatches instead (model/pipeline.py), in one pass."""
+  if microbatches == 1 or pipelined:
+    return jax.value_and_grad(lambda p: _loss(graphdef, p, batch, z_loss,
+                                              microbatches=microbatches), has_aux=True)(params)
   total = jnp.maximum(batch['weights'].sum(), 1.0)
   grad_fn = jax.value_and_grad(lambda p, mb: _loss(graphdef, p, mb, z_loss, total), has_aux=True)
 
@@ -88,11 +90,16 @@ def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1
   return jax.lax.scan(accumulate, zeros, split_microbatches(batch, microbatches))[0]
 
 
+def pipeline_stages(setup: Setup) -> int:
+  """How many pipeline stages the layers are split into (>1: they take the microbatches)."""
+  return setup.mesh.shape['stage']
+
+
 def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   def train_step(state: TrainState, batch):
     batch = context_layout(setup, batch)
     (loss, (ce, zl)), grads = loss_and_grads(setup.graphdef, state.params, batch, z_loss,
-                                             microbatches)
+                                             microbatches, pipeline_stages(setup) > 1)
     grad_norm = optax.tree.norm(grads)
     old_opt_state = state.opt_state
     if setup.opt_compute_shardings is not None:  # kept in host memory: bring it in for the update
@@ -114,14 +121,16 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   return train_step
 
 
-def make_eval_step(setup: Setup, token_bytes_V):
+def make_eval_step(setup: Setup, token_bytes_V, microbatches: int = 1):
   """Sums over the batch's weighted targets: nats, tokens, and the bytes of text they stand for
-  (`token_bytes_V[id]`, from the tokenizer), so a pass can report loss and bits per byte."""
+  (`token_bytes_V[id]`, from the tokenizer), so a pass can report loss and bits per byte.
+  `microbatches` matter only to pipeline stages (the batch runs whole otherwise)."""
+  microbatches = microbatches if pipeline_stages(setup) > 1 else 1
   token_bytes_V = jnp.asarray(token_bytes_V, jnp.float32)
 
   def eval_step(params, batch):
     batch = context_layout(setup, batch)
-    nll_BL, _ = token_nll(_logits(setup.graphdef, params, batch), batch['targets'])
+    nll_BL, _ = token_nll(_logits(setup.graphdef, params, batch, microbatches), batch['targets'])
     weights_BL = batch['weights']
     return {'nats': (nll_BL * weights_BL).sum(), 'tokens': weights_BL.sum(),
             'bytes': (token_bytes_V[batch['targets']] * weights_BL).sum()}
@@ -147,9 +156,10 @@ def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: floa
     return jitted.lower(setup.abstract_state, batch).compile()
 
 
-def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V):
+def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V,
+                      microbatches: int = 1):
   batch = abstract_batch(setup.mesh, batch_size, seq_len)
-  jitted = jax.jit(make_eval_step(setup, token_bytes_V),
+  jitted = jax.jit(make_eval_step(setup, token_bytes_V, microbatches),
                    in_shardings=(setup.state_shardings.params,
                                  jax.tree.map(lambda x: x.sharding, batch)),
                    out_shardings=sharding.replicated(setup.mesh))
