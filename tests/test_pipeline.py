@@ -63,14 +63,15 @@ def reference(steps=STEPS):
   return losses, jax.tree.map(np.asarray, state.params)
 
 
-@pytest.mark.parametrize('mesh', [dict(stage=2, fsdp=4), dict(stage=4, fsdp=2),
-                                  dict(stage=2, fsdp=2, tensor=2)],
-                         ids=['stage=2', 'stage=4', 'stage=2×fsdp=2×tensor=2'])
-def test_stages_train_as_one_device(mesh):
-  """20 steps: the same losses as one device running the whole batch, and the same parameters,
-  each stage holding only its layers."""
+@pytest.mark.parametrize('remat,mesh', [('none', dict(stage=2, fsdp=4)),
+                                         ('full', dict(stage=4, fsdp=2)),
+                                         ('dots', dict(stage=2, fsdp=2, tensor=2))],
+                         ids=['stage=2', 'stage=4,remat=full', 'stage=2×fsdp=2×tensor=2,remat=dots'])
+def test_stages_train_as_one_device(remat, mesh):
+  """20 steps: the same losses as one device running the whole batch (no remat), and the same
+  parameters, each stage holding only its layers; with remat policies too."""
   want_losses, want_params = reference()
-  losses, state = train(**mesh)
+  losses, state = train(remat, **mesh)
   assert want_losses[-1] < want_losses[0] / 2  # it learns
   np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
   for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(want_params)):
@@ -81,15 +82,8 @@ def test_stages_train_as_one_device(mesh):
   assert {s.index[0].start for s in wq.addressable_shards} == set(range(0, wq.shape[0], layers))
 
 
-@pytest.mark.parametrize('remat', ['full', 'dots'])
-def test_stages_compose_with_remat_policies(remat):
-  want_losses, _ = reference()
-  losses, _ = train(remat, steps=3, stage=2, fsdp=2, tensor=2)
-  np.testing.assert_allclose(losses, want_losses[:3], rtol=2e-5)
-
-
 def test_a_non_finite_step_is_skipped_by_every_stage():
-  setup, config, step = compiled(stage=2, fsdp=2, tensor=2)
+  setup, config, step = compiled('dots', M, stage=2, fsdp=2, tensor=2)
   state = setup.init_state()
   before = jax.tree.map(np.asarray, state.params)
   batch = next(batches(setup, config))
@@ -104,7 +98,7 @@ def test_only_activations_cross_stages_in_the_compiled_step():
   """Along `stage` the program moves a microbatch's activations by collective-permute, once a
   tick each way, plus the sums that hand the last stage's outputs (and the input's gradient) to
   every stage; no parameter or gradient of one crosses. The schedule runs M + P − 1 ticks."""
-  setup, config, step = compiled(stage=2, fsdp=2, tensor=2)
+  setup, config, step = compiled('dots', M, stage=2, fsdp=2, tensor=2)
   stages, b = 2, config.batch_size // M // 2  # rows of a microbatch per device (fsdp=2)
   activation = (b, config.seq_len, config.model.d_model)
   stage_of = lambda device: device // (8 // stages)  # stage is the mesh's outer axis here
