@@ -5,6 +5,7 @@ skip, without it."""
 
 import functools
 import json
+import math
 import pathlib
 import re
 import subprocess
@@ -141,11 +142,13 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
 
 
 @functools.cache  # each mesh compiled once for the tests that read it
-def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel=None, **mesh):
+def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel=None,
+                        microbatches=1, **mesh):
   """The tiny model's train step in bf16, compiled for 8 H100s: (HLO text, setup, config).
   With context_parallel, attention is our kernel, with that choice."""
   from tests.conftest import tiny_config
   config = tiny_config(**mesh)
+  config.microbatches = microbatches
   config.model.compute_dtype, config.model.grad_reduce_dtype = 'bfloat16', grad_reduce_dtype
   if context_parallel:
     config.model.attention, config.model.context_parallel = 'pallas', context_parallel
@@ -208,13 +211,14 @@ def test_layer_gradients_are_reduced_in_grad_reduce_dtype(h100, grad_reduce_dtyp
     # Tied, this mesh reduces the table's gradient over `data` twice (README: Precision and
     # communication); untied, it is at the ideal.
     (False, None, dict(data=2, fsdp=2, tensor=2)),
-    (True, 'ring', dict(fsdp=2, sequence=4)), (True, 'all_gather', dict(fsdp=2, sequence=4))])
+    (True, 'ring', dict(fsdp=2, sequence=4)), (True, 'all_gather', dict(fsdp=2, sequence=4)),
+    (True, None, dict(microbatches=2, stage=2, fsdp=4))])
 def test_the_train_step_sends_within_ten_percent_of_the_ideal(h100, tied, context_parallel, mesh):
   """planning/communication.py's ideal, against every byte of every collective run."""
   hlo, setup, config = tiny_step_for_h100s(tied=tied, context_parallel=context_parallel, **mesh)
   mesh_sizes = dict(setup.mesh.shape)
   ideal = communication.ideal_total(setup.model_cfg, mesh_sizes, config.batch_size,
-                                    config.seq_len, grad_reduce_bytes=4)
+                                    config.seq_len, config.microbatches, grad_reduce_bytes=4)
   sent = collectives.total_bytes(hlo)
   assert sent <= 1.10 * ideal, (sent, ideal, collectives.summary(hlo))
 
@@ -227,3 +231,20 @@ def test_every_ring_hop_is_sent_while_the_kernel_works(h100):
   hops = [c for c in collectives.executed(hlo) if c.op == 'collective-permute']
   assert hops and all(c.overlapped for c in hops), hops
   assert {dtype for c in hops for dtype, _ in c.arrays} == {'u32'}  # packed
+
+
+def test_a_pipeline_step_passes_only_activations_between_stages_on_h100s(h100):
+  """Compiled for 8 H100s as stage=2 × fsdp=4: what crosses from one stage's devices to the
+  other's is a microbatch's bf16 activations, by collective-permute once a tick each way with
+  compute scheduled while they move, the two sums of the whole batch's activations, and scalars;
+  never a parameter or its gradient."""
+  hlo, setup, config = tiny_step_for_h100s(microbatches=2, stage=2, fsdp=4)
+  b = config.batch_size // (config.microbatches * 4)
+  activation = (b, config.seq_len, config.model.d_model)
+  crossing = [c for c in collectives.executed(hlo) if c.crosses(lambda device: device // 4)]
+  permutes = [c for c in crossing if c.op == 'collective-permute']
+  assert len(permutes) == 2 and all(c.overlapped for c in permutes), permutes
+  assert all(c.arrays == (('bf16', activation),) and c.executions == 3 for c in permutes)
+  for c in crossing:
+    for _, shape in c.arrays:
+      assert shape in (activation, (config.microbatches, *activation)) or math.prod(shape) < 64, c
