@@ -3,6 +3,7 @@
 
 import json
 import pathlib
+import shlex
 import sys
 
 from sharding import AXES
@@ -17,7 +18,8 @@ def emit(figures: dict, out_path: str | None) -> None:
 
 def command() -> str:
   """How this benchmark was run, as one would type it again: python -m benchmarks.NAME FLAGS."""
-  return ' '.join(['python -m', f'benchmarks.{pathlib.Path(sys.argv[0]).stem}', *sys.argv[1:]])
+  return ' '.join(['python -m', f'benchmarks.{pathlib.Path(sys.argv[0]).stem}',
+                   *map(shlex.quote, sys.argv[1:])])
 
 
 def parse_mesh(text: str) -> dict:

@@ -149,18 +149,22 @@ class Attention(nnx.Module):
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
     cfg = self.cfg
     blocks = dict(block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
-    if cfg.attention != 'pallas':
+    if cfg.attention == 'cudnn' and jax.sharding.get_abstract_mesh().manual_axes:
+      # cuDNN's custom partitioner fails inside a pipeline stage's region (it is handed shardings
+      # without a spec): each device runs it on its own rows and heads instead.
+      attend = functools.partial(kernels.attention, causal=True, implementation='cudnn')
+    elif cfg.attention != 'pallas':
       return kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids_BL=segment_ids_BL,
                                implementation=cfg.attention, **blocks)
-    # XLA cannot partition a Pallas call: each device runs it on its rows, heads and, under a
-    # length split, its share of the length, against the others' keys (context parallelism).
-    if (axis := sharding.mesh_axis('length')) is None:
+    elif (axis := sharding.mesh_axis('length')) is None:
       attend = functools.partial(kernels.flash_attention, causal=True, **blocks)
     elif cfg.context_parallel == 'ring':
       attend = functools.partial(kernels.ring_attention, causal=True, axis_name=axis,
                                  reduce_dtype=cfg.grad_reduce_dtype, **blocks)
     else:
       attend = functools.partial(kernels.gathered_attention, causal=True, axis_name=axis, **blocks)
+    # XLA cannot partition a Pallas call: each device runs it on its rows, heads and, under a
+    # length split, its share of the length, against the others' keys (context parallelism).
     q_names = ('batch', 'length', 'heads', 'head_dim')
     kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
     if segment_ids_BL is None:

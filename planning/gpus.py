@@ -32,6 +32,8 @@ class GPU:
   memory_bandwidth: float  # bytes/s
   peak_bf16_flops: float  # dense tensor-core FLOP/s, no sparsity
   link_bandwidth: float  # bytes/s per direction to each other GPU of a node (NVLink or PCIe)
+  node_bandwidth: float  # bytes/s per direction from each GPU to other nodes (its NIC's share)
+  gpus_per_node: int = 8
 
 
 GPUS = {gpu.name: gpu for gpu in (
@@ -39,22 +41,26 @@ GPUS = {gpu.name: gpu for gpu in (
         clock_ghz=1.41, fp32_units_per_sm=64, shared_memory_per_sm=164 * 1024,
         shared_memory_per_block_optin=163 * 1024, registers_per_sm=65536,
         l2_bytes=40 * MiB, memory_bytes=81920 * MiB, memory_bandwidth=2.039e12,
-        peak_bf16_flops=312e12, link_bandwidth=300e9),  # NVLink 3: 600 GB/s both ways
+        peak_bf16_flops=312e12, link_bandwidth=300e9,  # NVLink 3: 600 GB/s both ways
+        node_bandwidth=25e9),  # DGX A100: a 200 Gb/s HDR InfiniBand NIC per GPU
     GPU(name='H100', device_kind='NVIDIA H100 80GB HBM3', compute_capability=(9, 0), sms=132,
         clock_ghz=1.98, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
         l2_bytes=50 * MiB, memory_bytes=81559 * MiB, memory_bandwidth=3.35e12,
-        peak_bf16_flops=989e12, link_bandwidth=450e9),  # H100 SXM; NVLink 4: 900 GB/s
+        peak_bf16_flops=989e12, link_bandwidth=450e9,  # H100 SXM; NVLink 4: 900 GB/s
+        node_bandwidth=50e9),  # DGX H100: a 400 Gb/s NDR InfiniBand NIC per GPU
     GPU(name='H100-PCIe', device_kind='NVIDIA H100 PCIe', compute_capability=(9, 0), sms=114,
         clock_ghz=1.755, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
         l2_bytes=50 * MiB, memory_bytes=81559 * MiB, memory_bandwidth=2.0e12,
-        peak_bf16_flops=756e12, link_bandwidth=64e9),  # PCIe Gen5 x16 between cards
+        peak_bf16_flops=756e12, link_bandwidth=64e9,  # PCIe Gen5 x16 between cards
+        node_bandwidth=25e9),  # a 200 Gb/s NIC per card
     GPU(name='H200', device_kind='NVIDIA H200', compute_capability=(9, 0), sms=132,
         clock_ghz=1.98, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
         l2_bytes=60 * MiB, memory_bytes=143771 * MiB, memory_bandwidth=4.8e12,
-        peak_bf16_flops=989e12, link_bandwidth=450e9),  # H200 SXM; NVLink 4
+        peak_bf16_flops=989e12, link_bandwidth=450e9,  # H200 SXM; NVLink 4
+        node_bandwidth=50e9),  # HGX H200: a 400 Gb/s NDR NIC per GPU
 )}
 
 # JAX's GPU allocator takes this fraction of the device's memory unless told otherwise; a run

@@ -1,0 +1,138 @@
+"""Pipeline parallelism, compiled deviceless for --target GPUs (planning/gpu_compiler.py): the
+schedule's bubble, and a preset over nodes with its stages across them against FSDP over all.
+
+  python -m benchmarks.pipeline --config=configs/llama.py:8b --devices=16 \\
+      --layouts='fsdp=16;stage=2,fsdp=8' --microbatches=2,4
+
+Bubble: for P stages and M microbatches, a small model's step is compiled for P GPUs and the
+schedule's ticks T are read from the program (how many times the stage-to-stage collective-permute
+runs); the bubble is (T − M)/T, next to (P − 1)/(M + P − 1).
+
+Layouts: the preset's step for --devices GPUs, --gpus-per-node a node (the mesh's devices in order,
+as a multi-process job orders them: by process), the mesh's first axes spanning nodes. Per device:
+memory, bytes sent per step, and the bytes of collectives whose devices span nodes (those run at
+the NIC's speed, planning/gpus.py node_bandwidth; the rest at NVLink's).
+"""
+
+import sys
+
+import jax
+from absl import flags
+from ml_collections import config_flags
+
+from benchmarks import report
+from configs import base
+from model import pipeline
+from planning import gpu_compiler, gpus
+from planning import plan as plan_lib
+from runtime import cli
+import sharding
+from sharding import collectives
+from training import settings
+from training import step as step_lib
+from training.state import build
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:8b', 'Config file.',
+                                          lock_config=True)
+_LAYOUTS = flags.DEFINE_string('layouts', 'fsdp=16;stage=2,fsdp=8',
+                               'Meshes to compare, `;`-separated `axis=size,…`.')
+_MICROBATCHES = flags.DEFINE_string('microbatches', '2,4', 'Microbatch counts for meshes with '
+                                    'stages (the config\'s own for the rest).')
+_STAGES = flags.DEFINE_string('stages', '4,8', 'Stage counts P of the bubble table.')
+_BUBBLE_MICROBATCHES = flags.DEFINE_string('bubble_microbatches', '8,16,32',
+                                           'Microbatch counts M of the bubble table.')
+_TARGET = flags.DEFINE_string('target', 'H100', f'GPU to compile for: {sorted(gpus.GPUS)}.')
+_DEVICES = flags.DEFINE_integer('devices', 16, 'How many GPUs the layouts span.')
+_OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
+
+
+def stage_ticks(hlo: str, stage_of) -> int:
+  """How many ticks the compiled schedule runs: executions of its forward collective-permute."""
+  return max(c.executions for c in collectives.executed(hlo)
+             if c.op == 'collective-permute' and c.crosses(stage_of))
+
+
+def bubble(gpu, stages: int, microbatches: int) -> dict:
+  config = base.get_config()  # a layer a stage, a row a microbatch: the schedule is the point
+  config.mesh.update(data=1, stage=stages, fsdp=1, tensor=1, sequence=1)
+  config.model.n_layers, config.model.vocab_size = stages, 384
+  config.batch_size, config.microbatches = microbatches, microbatches
+  setup = build(config, gpu_compiler.devices(gpu, stages))
+  hlo = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0,
+                                    microbatches=microbatches).as_text()
+  ticks = stage_ticks(hlo, lambda device: device)
+  return {'stages': stages, 'microbatches': microbatches, 'ticks': ticks,
+          'bubble': (ticks - microbatches) / ticks,
+          'analytic': pipeline.bubble_fraction(microbatches, stages)}
+
+
+def layout(config, mesh: dict, microbatches: int, devices, gpu) -> dict:
+  config = config.copy_and_resolve_references()
+  config.mesh.update(mesh)
+  config.microbatches = microbatches
+  config = settings.resolve(config)
+  setup = build(config, devices)
+  compiled, plan = plan_lib.compile_and_plan(setup, config)
+  node_of = lambda device: device // gpu.gpus_per_node
+  found = collectives.executed(compiled.as_text())
+  across = sum(c.sent_bytes * c.executions for c in found if c.crosses(node_of))
+  within = sum(c.sent_bytes * c.executions for c in found if not c.crosses(node_of))
+  return {'mesh': mesh, 'microbatches': microbatches, 'memory_bytes': plan.total_bytes,
+          'argument_bytes': plan.argument_bytes, 'temp_bytes': plan.temp_bytes,
+          'fits': plan.fits, 'sent_bytes': plan.collective_bytes, 'across_nodes_bytes': across,
+          'comm_s': across / gpu.node_bandwidth + within / gpu.link_bandwidth,
+          'bubble': pipeline.bubble_fraction(microbatches, mesh['stage']),
+          'collectives': plan.collectives}
+
+
+def main(argv):
+  del argv
+  gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.pipeline', *sys.argv[1:]])
+  gpu = gpus.get(_TARGET.value)
+  gib = lambda b: b / 2**30
+
+  print(f'Bubble: a small model compiled for P × {gpu.device_kind} (deviceless)')
+  print(f'{"P":>3}{"M":>5}{"ticks":>7}{"bubble":>9}{"(P-1)/(M+P-1)":>15}')
+  bubbles = []
+  for stages in (int(x) for x in _STAGES.value.split(',')):
+    for microbatches in (int(x) for x in _BUBBLE_MICROBATCHES.value.split(',')):
+      r = bubble(gpu, stages, microbatches)
+      bubbles.append(r)
+      print(f'{stages:>3}{microbatches:>5}{r["ticks"]:>7}{r["bubble"]:>9.3f}'
+            f'{r["analytic"]:>15.3f}', flush=True)
+
+  config = _CONFIG.value.copy_and_resolve_references()
+  config.plan.target, config.plan.devices = _TARGET.value, _DEVICES.value
+  devices = gpu_compiler.devices(gpu, _DEVICES.value)
+  nodes = _DEVICES.value // gpu.gpus_per_node
+  m = config.model
+  print(f'\n{_DEVICES.value} × {gpu.device_kind} (deviceless) as {nodes} nodes; d_model '
+        f'{m.d_model}, {m.n_layers} layers, batch {config.batch_size} × {config.seq_len}, remat '
+        f'{m.remat_policy}, {m.attention} attention; per device')
+  print(f'{"mesh":<52}{"M":>3}{"GiB":>8}{"fits":>6}{"temp GiB":>10}{"sent GiB":>10}'
+        f'{"across nodes GiB":>18}{"comm s":>8}{"bubble":>8}')
+  layouts = []
+  for mesh in (report.parse_mesh(x) for x in _LAYOUTS.value.split(';') if x.strip()):
+    counts = ([int(x) for x in _MICROBATCHES.value.split(',')] if mesh['stage'] > 1
+              else [config.microbatches])
+    for microbatches in counts:
+      try:
+        r = layout(config, mesh, microbatches, devices, gpu)
+      except sharding.MeshMismatch as e:
+        print(f'{sharding.describe(mesh):<52}{microbatches:>3}  does not divide: {e}')
+        continue
+      layouts.append(r)
+      print(f'{sharding.describe(mesh):<52}{microbatches:>3}{gib(r["memory_bytes"]):>8.2f}'
+            f'{"yes" if r["fits"] else "no":>6}{gib(r["temp_bytes"]):>10.2f}'
+            f'{gib(r["sent_bytes"]):>10.2f}{gib(r["across_nodes_bytes"]):>18.2f}'
+            f'{r["comm_s"]:>8.3f}{r["bubble"]:>8.3f}', flush=True)
+  report.emit({'benchmark': 'pipeline', 'compiled_for': gpu.device_kind, 'deviceless': True,
+               'n_devices': _DEVICES.value, 'gpus_per_node': gpu.gpus_per_node,
+               'node_bandwidth': gpu.node_bandwidth, 'link_bandwidth': gpu.link_bandwidth,
+               'jax': jax.__version__, 'config': config_flags.get_config_filename(
+                   flags.FLAGS['config']), 'model': m.to_dict(), 'bubble': bubbles,
+               'layouts': layouts, 'command': report.command()}, _OUT.value)
+
+
+if __name__ == '__main__':
+  cli.run(main)
