@@ -60,16 +60,21 @@ def gpipe(run_layers, layers, x_MbLD, extras_Mb, axis: str):
   stages, microbatches = jax.lax.axis_size(axis), x_MbLD.shape[0]
   stage = jax.lax.axis_index(axis)
   forward = [(s, s + 1) for s in range(stages - 1)]
+  dtype = x_MbLD.dtype
   # Stage 0 reads the input at every tick: made per-stage once, so that its gradient is summed
-  # over stages once rather than at every tick.
-  x_MbLD = jax.lax.pcast(x_MbLD, axis, to='varying')
+  # over stages once rather than at every tick. Both sums over stages are taken in fp32: XLA's
+  # CPU compiler fails (a CHECK in AllReducePromotion) on these bf16 all-reduces.
+  x_MbLD = jax.lax.pcast(x_MbLD.astype(jnp.float32), axis, to='varying')
 
   def tick(received_bLD, t):
     m = jnp.clip(t - stage, 0, microbatches - 1)  # this stage's microbatch (clamped in the bubble)
-    x_bLD = jnp.where(stage == 0, x_MbLD[jnp.minimum(t, microbatches - 1)], received_bLD)
+    x_bLD = jnp.where(stage == 0, x_MbLD[jnp.minimum(t, microbatches - 1)].astype(dtype),
+                      received_bLD)
     y_bLD = run_layers(layers, x_bLD, jax.tree.map(lambda e: e[m], extras_Mb))
     return jax.lax.ppermute(y_bLD, axis, forward), y_bLD
 
-  _, y_TbLD = jax.lax.scan(tick, jnp.zeros_like(x_MbLD[0]), jnp.arange(ticks(microbatches, stages)))
+  _, y_TbLD = jax.lax.scan(tick, jnp.zeros_like(x_MbLD[0], dtype),
+                           jnp.arange(ticks(microbatches, stages)))
   # Only the last stage's outputs are the result; the sum over stages hands them to every stage.
-  return jax.lax.psum(jnp.where(stage == stages - 1, y_TbLD[stages - 1:], 0), axis)
+  y_MbLD = jnp.where(stage == stages - 1, y_TbLD[stages - 1:], 0).astype(jnp.float32)
+  return jax.lax.psum(y_MbLD, axis).astype(dtype)

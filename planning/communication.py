@@ -19,7 +19,8 @@ tied), P_N the norm scales (replicated). Per step:
   embedding the table gathered once per microbatch (once a step with stages, which run the
             embedding and head on the whole batch) in the compute dtype (the lookup and a tied
             head share it), its gradient reduce-scattered once:  M'·(c + r)·P_E/t·ρ(g);
-            an untied head likewise (its forward gather kept for the backward): M'·(c + r)·P_U/t·ρ(g)
+            an untied head likewise (its forward gather kept for the backward):
+            M'·(c + r)·P_U/t·ρ(g)
             (M' = M, or 1 with stages)
   data      the gradient shards all-reduced over data once a step:
             2·r·(P_L/P + P_E + P_U)/(t·g)·ρ(d)
@@ -33,7 +34,7 @@ tied), P_N the norm scales (replicated). Per step:
             under `full`), their gradients once, in r: M·n_layers·b·L·(K/t)·H·((4|6)·c + 2r)·ρ(s)
   stage     a microbatch's activations passed on every tick, forward and (their gradient)
             backward, by collective-permute: 2·T·b·(L/s)·D·c; the last stage's outputs summed
-            to every stage, and the input's gradient back: 2·2·M·b·(L/s)·D·c·ρ(P)
+            to every stage, and the input's gradient back, in fp32: 2·2·M·b·(L/s)·D·4·ρ(P)
 """
 
 import math
@@ -68,7 +69,7 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
       'tensor': (T * (6 if full else 4) * cfg.n_layers / P + 2 * M) * 2 * activation * rho(t),
       'sequence': (M * cfg.n_layers * b * seq_len * cfg.n_kv_heads / t * cfg.head_dim * rho(s)
                    * ((6 if full else 4) * c + (2 * r if cfg.context_parallel == 'ring' else 0))),
-      'stage': (2 * T + 4 * M * rho(P)) * activation if P > 1 else 0.0,
+      'stage': (2 * T + 4 * M * rho(P) * 4 / c) * activation if P > 1 else 0.0,
   }
 
 

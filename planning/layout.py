@@ -3,7 +3,8 @@ memory and are estimated fastest, found by compiling candidates (from the abstra
 is allocated; a few seconds each, even for 8B).
 
 Candidates: every data × fsdp × tensor × sequence whose product is the device count and which the
-model divides (stage 1: the estimate below has no term for a pipeline's bubble), × (with our kernel and a sequence split) context parallelism all_gather and ring,
+model divides (stage 1: the estimate below has no term for a pipeline's bubble), × (with our
+kernel and a sequence split) context parallelism all_gather and ring,
 × remat policies none, dots, full, × the fewest microbatches (1, 2, 4, …) that fit for that mesh
 and policy (more only repeat FSDP's gathers on smaller matmuls). A mesh whose state
 alone (the step's arguments) exceeds the memory is dropped without trying the rest.
