@@ -61,7 +61,7 @@ def main(argv):
         f'{m.n_layers} layers, batch {config.batch_size} × {config.seq_len}, attention '
         f'{m.attention}, remat {m.remat_policy}, microbatches {config.microbatches}; MiB each '
         'device sends per step')
-  print(f'{"mesh":<44}{"all-gather":>11}{"reduce-sc.":>11}{"all-reduce":>11}{"other":>9}'
+  print(f'{"mesh":<52}{"all-gather":>11}{"reduce-sc.":>11}{"all-reduce":>11}{"other":>9}'
         f'{"total":>9}{"ideal":>9}{"ratio":>7}')
   results = []
   for mesh in meshes:
@@ -69,7 +69,7 @@ def main(argv):
     results.append(r)
     mib = lambda op: r['collectives'].get(op, {}).get('bytes', 0) / 2**20
     other = r['sent_bytes'] / 2**20 - mib('all-gather') - mib('reduce-scatter') - mib('all-reduce')
-    print(f'{sharding.describe(mesh):<44}{mib("all-gather"):>11.1f}{mib("reduce-scatter"):>11.1f}'
+    print(f'{sharding.describe(mesh):<52}{mib("all-gather"):>11.1f}{mib("reduce-scatter"):>11.1f}'
           f'{mib("all-reduce"):>11.1f}{other:>9.1f}{r["sent_bytes"] / 2**20:>9.1f}'
           f'{r["ideal_bytes"] / 2**20:>9.1f}{r["ratio"]:>7.2f}', flush=True)
   report.emit({'benchmark': 'collectives', 'compiled_for': devices[0].device_kind,

@@ -54,9 +54,10 @@ def _lookup_fwd(table_VD, table_c_VD, tokens_BL):
 
 def _lookup_bwd(residuals, g_BLD):
   table_VD, tokens_BL = residuals
-  # Inside a pipeline's per-stage region XLA's partitioner fails (a CHECK in
-  # spmd_partitioner_util) on this scatter with the vocabulary split; there each device adds into
-  # the whole vocabulary and keeps its part.
+  # Built in the parameter's layout: XLA then mostly reduces the lookup's share of a tied table's
+  # gradient together with the head's (README: Precision and communication). Inside a pipeline's
+  # per-stage region XLA's partitioner fails (a CHECK in spmd_partitioner_util) on this scatter
+  # with the vocabulary split; there each device adds into the whole vocabulary, keeping its part.
   names = (None, 'embed') if jax.sharding.get_abstract_mesh().manual_axes else ('vocab', 'embed')
   d_VD = constrain(jnp.zeros(table_VD.shape, jnp.float32), names, rules=sharding.PARAM_RULES)
   d_VD = d_VD.at[tokens_BL].add(g_BLD.astype(jnp.float32))
