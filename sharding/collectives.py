@@ -35,7 +35,8 @@ _CALLS = re.compile(r'\b(body|condition|calls|to_apply|true_computation|false_co
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _GROUPS_IOTA = re.compile(r'replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?')
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
-                              r"(?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}")
+                          r"(?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}")
+_GROUPS_LIST = re.compile(r'replica_groups=\{((?:\{[0-9,]*\},?)*)\}')
 _PAIRS = re.compile(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}')
 _PARTITIONS = re.compile(r'num_partitions=(\d+)')
 _COMPUTE = ('fusion', 'custom-call', 'conditional', 'while', 'call', 'dot', 'convolution')
@@ -108,7 +109,7 @@ def _device_groups(line: str, devices: int) -> tuple[tuple[int, ...], ...]:
   if m := _GROUPS_IOTA.search(line):  # [groups, size]<=[dims]T(perm)
     shape = [int(d) for d in m.group(1).split(',')]
     return tuple(map(tuple, _iota(m.group(2), m.group(3)).reshape(shape).tolist()))
-  if (m := re.search(r'replica_groups=\{((?:\{[0-9,]*\},?)*)\}', line)) and m.group(1):
+  if (m := _GROUPS_LIST.search(line)) and m.group(1):
     return tuple(tuple(map(int, g.split(','))) for g in re.findall(r'\{([0-9,]+)\}', m.group(1)))
   return (tuple(range(devices)),)
 

@@ -40,7 +40,7 @@ def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
     sizes[free[0]] = n_devices // fixed
   elif fixed != n_devices:
     raise MeshMismatch(
-        f'config.mesh: data×stage×fsdp×tensor×sequence = {"×".join(str(sizes[a]) for a in AXES)} = '
+        f'config.mesh: {"×".join(AXES)} = {"×".join(str(sizes[a]) for a in AXES)} = '
         f'{fixed}, but there are {n_devices} devices; make the product {n_devices} or set one '
         'axis to -1 (e.g. --config.mesh.fsdp=-1)')
   return sizes
