@@ -2,18 +2,20 @@
 schedule's bubble, and a preset over nodes with its stages across them against FSDP over all.
 
   python -m benchmarks.pipeline --config=configs/llama.py:8b --devices=16 \\
-      --layouts='fsdp=16;stage=2,fsdp=8' --microbatches=2,4
+      --layouts='fsdp=16;stage=2,fsdp=8' --microbatches=2,4 --virtual_stages=1,2
 
-Bubble: for P stages and M microbatches, a small model's step is compiled for P GPUs and the
-schedule's ticks T are read from the program (how many times the stage-to-stage collective-permute
-runs); the bubble is (T − M)/T, next to (P − 1)/(M + P − 1).
+Bubble: for P stages, V virtual stages and M microbatches, a small model's step is compiled for P
+GPUs and the schedule's ticks T are read from the program (how many times the stage-to-stage
+collective-permute runs); the bubble is (T − V·M)/T, next to (P − 1)/(V·M + P − 1).
 
-Layouts: the preset's step for --devices GPUs, --gpus-per-node a node (the mesh's devices in order,
-as a multi-process job orders them: by process), the mesh's first axes spanning nodes. Per device:
-memory, bytes sent per step, and the bytes of collectives whose devices span nodes (those run at
-the NIC's speed, planning/gpus.py node_bandwidth; the rest at NVLink's).
+Layouts: the preset's step for --devices GPUs, the GPU's gpus_per_node a node (the mesh's devices
+in order, as a multi-process job orders them: by process), the mesh's first axes spanning nodes.
+Per device: memory, bytes sent per step, the bytes of collectives whose devices span nodes (those
+run at the NIC's speed, planning/gpus.py node_bandwidth; the rest at NVLink's), and the
+auto-layout's step-time estimate (planning/layout.py: the bubble is in its compute).
 """
 
+import itertools
 import sys
 
 import jax
@@ -24,6 +26,7 @@ from benchmarks import report
 from configs import base
 from model import pipeline
 from planning import gpu_compiler, gpus
+from planning import layout as layout_lib
 from planning import plan as plan_lib
 from runtime import cli
 import sharding
@@ -38,6 +41,8 @@ _LAYOUTS = flags.DEFINE_string('layouts', 'fsdp=16;stage=2,fsdp=8',
                                'Meshes to compare, `;`-separated `axis=size,…`.')
 _MICROBATCHES = flags.DEFINE_string('microbatches', '2,4', 'Microbatch counts for meshes with '
                                     'stages (the config\'s own for the rest).')
+_VIRTUAL = flags.DEFINE_string('virtual_stages', '1,2', 'Virtual stage counts V (chunks a stage) '
+                               'of the bubble table and of the meshes with stages.')
 _STAGES = flags.DEFINE_string('stages', '4,8', 'Stage counts P of the bubble table.')
 _BUBBLE_MICROBATCHES = flags.DEFINE_string('bubble_microbatches', '8,16,32',
                                            'Microbatch counts M of the bubble table.')
@@ -52,36 +57,35 @@ def stage_ticks(hlo: str, stage_of) -> int:
              if c.op == 'collective-permute' and c.crosses(stage_of))
 
 
-def bubble(gpu, stages: int, microbatches: int) -> dict:
-  config = base.get_config()  # a layer a stage, a row a microbatch: the schedule is the point
+def bubble(gpu, stages: int, microbatches: int, virtual: int) -> dict:
+  config = base.get_config()  # a layer a chunk, a row a microbatch: the schedule is the point
   config.mesh.update(data=1, stage=stages, fsdp=1, tensor=1, sequence=1)
-  config.model.n_layers, config.model.vocab_size = stages, 384
+  config.model.n_layers, config.model.vocab_size = stages * virtual, 384
+  config.model.virtual_stages = virtual
   config.batch_size, config.microbatches = microbatches, microbatches
   setup = build(config, gpu_compiler.devices(gpu, stages))
   hlo = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0,
                                     microbatches=microbatches).as_text()
   ticks = stage_ticks(hlo, lambda device: device)
-  return {'stages': stages, 'microbatches': microbatches, 'ticks': ticks,
-          'bubble': (ticks - microbatches) / ticks,
-          'analytic': pipeline.bubble_fraction(microbatches, stages)}
+  return {'stages': stages, 'virtual_stages': virtual, 'microbatches': microbatches,
+          'ticks': ticks, 'bubble': (ticks - virtual * microbatches) / ticks,
+          'analytic': pipeline.bubble_fraction(microbatches, stages, virtual)}
 
 
-def layout(config, mesh: dict, microbatches: int, devices, gpu) -> dict:
+def layout(config, mesh: dict, microbatches: int, virtual: int, devices, gpu) -> dict:
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh)
-  config.microbatches = microbatches
+  config.microbatches, config.model.virtual_stages = microbatches, virtual
   config = settings.resolve(config)
   setup = build(config, devices)
-  compiled, plan = plan_lib.compile_and_plan(setup, config)
-  node_of = lambda device: device // gpu.gpus_per_node
-  found = collectives.executed(compiled.as_text())
-  across = sum(c.sent_bytes * c.executions for c in found if c.crosses(node_of))
-  within = sum(c.sent_bytes * c.executions for c in found if not c.crosses(node_of))
-  return {'mesh': mesh, 'microbatches': microbatches, 'memory_bytes': plan.total_bytes,
+  _, plan = plan_lib.compile_and_plan(setup, config)
+  compute_s, comm_s = layout_lib.estimate(plan, layout_lib.recomputed_flops(plan))
+  return {'mesh': mesh, 'microbatches': microbatches, 'virtual_stages': virtual,
+          'memory_bytes': plan.total_bytes,
           'argument_bytes': plan.argument_bytes, 'temp_bytes': plan.temp_bytes,
-          'fits': plan.fits, 'sent_bytes': plan.collective_bytes, 'across_nodes_bytes': across,
-          'comm_s': across / gpu.node_bandwidth + within / gpu.link_bandwidth,
-          'bubble': pipeline.bubble_fraction(microbatches, mesh['stage']),
+          'fits': plan.fits, 'sent_bytes': plan.collective_bytes,
+          'across_nodes_bytes': plan.across_nodes_bytes, 'compute_s': compute_s, 'comm_s': comm_s,
+          'bubble': pipeline.bubble_fraction(microbatches, mesh['stage'], virtual),
           'collectives': plan.collectives}
 
 
@@ -92,14 +96,16 @@ def main(argv):
   gib = lambda b: b / 2**30
 
   print(f'Bubble: a small model compiled for P × {gpu.device_kind} (deviceless)')
-  print(f'{"P":>3}{"M":>5}{"ticks":>7}{"bubble":>9}{"(P-1)/(M+P-1)":>15}')
+  print(f'{"P":>3}{"V":>3}{"M":>5}{"ticks":>7}{"bubble":>9}{"(P-1)/(V·M+P-1)":>17}')
   bubbles = []
+  virtuals = [int(x) for x in _VIRTUAL.value.split(',')]
   for stages in (int(x) for x in _STAGES.value.split(',')):
-    for microbatches in (int(x) for x in _BUBBLE_MICROBATCHES.value.split(',')):
-      r = bubble(gpu, stages, microbatches)
-      bubbles.append(r)
-      print(f'{stages:>3}{microbatches:>5}{r["ticks"]:>7}{r["bubble"]:>9.3f}'
-            f'{r["analytic"]:>15.3f}', flush=True)
+    for virtual in virtuals:
+      for microbatches in (int(x) for x in _BUBBLE_MICROBATCHES.value.split(',')):
+        r = bubble(gpu, stages, microbatches, virtual)
+        bubbles.append(r)
+        print(f'{stages:>3}{virtual:>3}{microbatches:>5}{r["ticks"]:>7}{r["bubble"]:>9.3f}'
+              f'{r["analytic"]:>17.3f}', flush=True)
 
   config = _CONFIG.value.copy_and_resolve_references()
   config.plan.target, config.plan.devices = _TARGET.value, _DEVICES.value
@@ -109,23 +115,25 @@ def main(argv):
   print(f'\n{_DEVICES.value} × {gpu.device_kind} (deviceless) as {nodes} nodes; d_model '
         f'{m.d_model}, {m.n_layers} layers, batch {config.batch_size} × {config.seq_len}, remat '
         f'{m.remat_policy}, {m.attention} attention; per device')
-  print(f'{"mesh":<52}{"M":>3}{"GiB":>8}{"fits":>6}{"temp GiB":>10}{"sent GiB":>10}'
-        f'{"across nodes GiB":>18}{"comm s":>8}{"bubble":>8}')
+  print(f'{"mesh":<52}{"V":>3}{"M":>3}{"GiB":>8}{"fits":>6}{"temp GiB":>10}{"sent GiB":>10}'
+        f'{"across nodes GiB":>18}{"bubble":>8}{"compute s":>11}{"comm s":>8}{"step s":>8}')
   layouts = []
   for mesh in (report.parse_mesh(x) for x in _LAYOUTS.value.split(';') if x.strip()):
-    counts = ([int(x) for x in _MICROBATCHES.value.split(',')] if mesh['stage'] > 1
-              else [config.microbatches])
-    for microbatches in counts:
+    staged = mesh['stage'] > 1
+    counts = [int(x) for x in _MICROBATCHES.value.split(',')] if staged else [config.microbatches]
+    for virtual, microbatches in itertools.product(virtuals if staged else [1], counts):
       try:
-        r = layout(config, mesh, microbatches, devices, gpu)
+        r = layout(config, mesh, microbatches, virtual, devices, gpu)
       except sharding.MeshMismatch as e:
-        print(f'{sharding.describe(mesh):<52}{microbatches:>3}  does not divide: {e}')
+        print(f'{sharding.describe(mesh):<52}{virtual:>3}{microbatches:>3}  does not divide: {e}')
         continue
       layouts.append(r)
-      print(f'{sharding.describe(mesh):<52}{microbatches:>3}{gib(r["memory_bytes"]):>8.2f}'
+      print(f'{sharding.describe(mesh):<52}{virtual:>3}{microbatches:>3}'
+            f'{gib(r["memory_bytes"]):>8.2f}'
             f'{"yes" if r["fits"] else "no":>6}{gib(r["temp_bytes"]):>10.2f}'
             f'{gib(r["sent_bytes"]):>10.2f}{gib(r["across_nodes_bytes"]):>18.2f}'
-            f'{r["comm_s"]:>8.3f}{r["bubble"]:>8.3f}', flush=True)
+            f'{r["bubble"]:>8.3f}{r["compute_s"]:>11.3f}{r["comm_s"]:>8.3f}'
+            f'{r["compute_s"] + r["comm_s"]:>8.3f}', flush=True)
   report.emit({'benchmark': 'pipeline', 'compiled_for': gpu.device_kind, 'deviceless': True,
                'n_devices': _DEVICES.value, 'gpus_per_node': gpu.gpus_per_node,
                'node_bandwidth': gpu.node_bandwidth, 'link_bandwidth': gpu.link_bandwidth,

@@ -48,6 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.context_parallel = 'all_gather'  # all_gather | ring: attention over a sequence split (README)
   m.scan_layers = True  # False unrolls the layer scan (same parameters, longer compile)
   m.remat_policy = 'none'  # none | full | dots | save_qkv_proj | save_attention | offload_* (README)
+  m.virtual_stages = 1  # pipeline chunks per stage, interleaved (README: Pipeline); shapes params
 
   c.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = 1  # pure data parallelism: parameters replicated

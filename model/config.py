@@ -33,18 +33,24 @@ class ModelConfig:
   context_parallel: str
   scan_layers: bool
   remat_policy: str
+  virtual_stages: int
 
   def __post_init__(self):
     if self.vocab_size == 0:
       raise ValueError('config.model.vocab_size=0 means "follow the tokenizer" and must be resolved '
                        'first: data.tokenizers.with_vocab_size(config, tokenizer) (train.py does)')
-    for name in ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff'):
+    for name in ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
+                 'virtual_stages'):
       if getattr(self, name) < 1:
         raise ValueError(f'config.model.{name} must be a positive integer, got {getattr(self, name)}')
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f'config.model.n_heads ({self.n_heads}) must be a multiple of config.model.n_kv_heads '
           f'({self.n_kv_heads}) for grouped-query attention; pick n_kv_heads dividing n_heads')
+    if self.n_layers % self.virtual_stages:
+      raise ValueError(f'config.model.n_layers={self.n_layers} is not divisible by '
+                       f'config.model.virtual_stages={self.virtual_stages}; the layers are '
+                       'stacked as that many equal chunks')
     if self.head_dim % 2:
       raise ValueError(f'config.model.head_dim ({self.head_dim}) must be even for rotary embeddings')
     _check_choice('attention', self.attention, IMPLEMENTATIONS)

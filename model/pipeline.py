@@ -1,12 +1,19 @@
-"""Pipeline parallelism (GPipe): the stacked layers split into consecutive stages over a mesh axis,
-microbatches flowing through them, all inside the one compiled step.
+"""Pipeline parallelism: the stacked layers split into stages over a mesh axis, microbatches
+flowing through them, all inside the one compiled step.
 
-Stage s holds layers [s·n/P, (s+1)·n/P) (the 'layers' dimension of every stacked parameter is
-split over the stage axis, so no stage ever sees another's weights). The schedule is one
-`lax.scan` over T = M + P − 1 ticks, so compile time does not grow with microbatches or stages: at
-tick t stage s runs its layers on microbatch t − s, then passes the result to stage s + 1 with a
-collective-permute. Stage 0 takes microbatch t from the input; the last stage's outputs are the
-result. Ticks where a stage has no microbatch (t < s or t − s ≥ M) are the bubble: (P − 1) of T.
+The layers run as V·P chunks of n/(V·P) consecutive layers, chunk c on stage c mod P: stage s holds
+chunks s, s+P, s+2P, … (V = config.model.virtual_stages; V = 1 is GPipe, each stage holding n/P
+consecutive layers). The stacked parameters are [V, n/V, …] for V > 1 with the second dimension
+split over stages, so each stage's chunks are its own shard and no stage ever sees another's
+weights.
+
+The schedule is one `lax.scan` over T = V·M + P − 1 ticks, so compile time does not grow with
+microbatches, stages or chunks. Work item i = v·M + m is microbatch m's v-th loop through the
+stages: at tick t stage s runs item t − s on its chunk v, then passes the result to stage s + 1
+with a collective-permute. Stage 0 takes loop 0 from the input and loop v > 0 from what the last
+stage handed round the ring at the end of loop v − 1 (it arrives M − P ticks before it is needed,
+so M ≥ P). Ticks where a stage has no item are the bubble: P − 1 of T, each a chunk's work, so
+the idle share is (P − 1)/(V·M + P − 1); V chunks cost V times the permutes.
 
 The backward is autodiff through the scan: it runs the ticks in reverse, each stage's gradient
 flowing back to the stage before it by the transposed permute. Each stage keeps what its layers'
@@ -18,14 +25,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
-def ticks(microbatches: int, stages: int) -> int:
-  """Schedule length: every microbatch through every stage."""
-  return microbatches + stages - 1
+
+def ticks(microbatches: int, stages: int, virtual_stages: int = 1) -> int:
+  """Schedule length: every microbatch through every stage's every chunk."""
+  return virtual_stages * microbatches + stages - 1
 
 
-def bubble_fraction(microbatches: int, stages: int) -> float:
+def bubble_fraction(microbatches: int, stages: int, virtual_stages: int = 1) -> float:
   """The share of each stage's ticks spent without a microbatch."""
-  return (stages - 1) / ticks(microbatches, stages)
+  return (stages - 1) / ticks(microbatches, stages, virtual_stages)
 
 
 def split(x, microbatches: int):
@@ -39,42 +47,77 @@ def merge(x):
   return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def over_stages(forward, axis: str):
+def over_stages(forward, axis: str, staged_dim: int = 0):
   """forward(staged, shared, *args) run by each stage of mesh axis `axis` on its own part: the
-  leaves of `staged` are split over `axis` along their first dimension, everything else is whole
+  leaves of `staged` are split over `axis` along dimension `staged_dim`, everything else is whole
   on every stage, and so is the result. Nothing outside the pipeline is left for XLA to split
   over stages (it would move parameters between them to do so): each stage computes the rest
   itself, and what no stage varies (the embedding, the head, their gradients) needs no collective
   across stages."""
   mesh = jax.sharding.get_abstract_mesh()
-  return lambda staged, shared, *args: jax.shard_map(
-      forward, mesh=mesh, in_specs=(P(axis), P(), *(P() for _ in args)), out_specs=P(),
-      axis_names={axis}, check_vma=True)(staged, shared, *args)
+  staged = P(*(None,) * staged_dim, axis)
+  return lambda staged_tree, shared, *args: jax.shard_map(
+      forward, mesh=mesh, in_specs=(staged, P(), *(P() for _ in args)), out_specs=P(),
+      axis_names={axis}, check_vma=True)(staged_tree, shared, *args)
 
 
-def gpipe(run_layers, layers, x_MbLD, extras_Mb, axis: str):
+def schedule(run_layers, chunks, x_MbLD, extras_Mb, axis: str):
   """run_layers(layers, x_bLD, extras_b) applied to every microbatch of x_MbLD through all the
-  stages' layers (this stage's `layers` are its share), inside `over_stages`; extras_Mb (a pytree
-  of per-microbatch arrays, such as positions) go with each microbatch. Returns y_MbLD, the same
-  on every stage."""
+  stages' layers, inside `over_stages`. `chunks` is this stage's share with a leading chunk
+  dimension ([V, n/(V·P), …]; V = 1 for GPipe); extras_Mb (a pytree of per-microbatch arrays,
+  such as positions) go with each microbatch. Returns y_MbLD, the same on every stage.
+
+  With V > 1, run_layers(chunks, x_bLD, extras_b, chunk=v) must run row v of the chunks, taking
+  each layer's weights with `pick` inside the layer's remat region: a chunk's weights are then
+  sliced again for the backward, not kept for every tick (a copy of the stage's weights per
+  microbatch)."""
   stages, microbatches = jax.lax.axis_size(axis), x_MbLD.shape[0]
+  loops = jax.tree.leaves(chunks)[0].shape[0]
+  items = loops * microbatches
   stage = jax.lax.axis_index(axis)
-  forward = [(s, s + 1) for s in range(stages - 1)]
+  # With chunks the last stage hands each microbatch back to the first: a ring.
+  pairs = [(s, (s + 1) % stages) for s in range(stages if loops > 1 else stages - 1)]
   dtype = x_MbLD.dtype
-  # Stage 0 reads the input at every tick: made per-stage once, so that its gradient is summed
-  # over stages once rather than at every tick. Both sums over stages are taken in fp32: XLA's
-  # CPU compiler fails (a CHECK in AllReducePromotion) on these bf16 all-reduces.
-  x_MbLD = jax.lax.pcast(x_MbLD.astype(jnp.float32), axis, to='varying')
+  # Stage 0's next input for each microbatch: the input, then each loop's output. Made per-stage
+  # once, so that the input's gradient is summed over stages once rather than at every tick.
+  # Both sums over stages are taken in fp32: XLA's CPU compiler fails (a CHECK in
+  # AllReducePromotion) on these bf16 all-reduces.
+  inputs_MbLD = jax.lax.pcast(x_MbLD.astype(jnp.float32), axis, to='varying')
 
-  def tick(received_bLD, t):
-    m = jnp.clip(t - stage, 0, microbatches - 1)  # this stage's microbatch (clamped in the bubble)
-    x_bLD = jnp.where(stage == 0, x_MbLD[jnp.minimum(t, microbatches - 1)].astype(dtype),
-                      received_bLD)
-    y_bLD = run_layers(layers, x_bLD, jax.tree.map(lambda e: e[m], extras_Mb))
-    return jax.lax.ppermute(y_bLD, axis, forward), y_bLD
+  layers = jax.tree.map(lambda w: w[0], chunks) if loops == 1 else chunks
 
-  _, y_TbLD = jax.lax.scan(tick, jnp.zeros_like(x_MbLD[0], dtype),
-                           jnp.arange(ticks(microbatches, stages)))
-  # Only the last stage's outputs are the result; the sum over stages hands them to every stage.
-  y_MbLD = jnp.where(stage == stages - 1, y_TbLD[stages - 1:], 0).astype(jnp.float32)
-  return jax.lax.psum(y_MbLD, axis).astype(dtype)
+  def tick(carry, t):
+    received_bLD, inputs_MbLD = carry
+    if loops > 1:  # what the last stage finished a tick ago (item t − P) is a next loop's input
+      back = t - stages
+      slot = jnp.mod(back, microbatches)
+      keep = (stage == 0) & (back >= 0) & (back < items - microbatches)
+      inputs_MbLD = inputs_MbLD.at[slot].set(
+          jnp.where(keep, received_bLD.astype(jnp.float32), inputs_MbLD[slot]))
+    item = jnp.clip(t - stage, 0, items - 1)  # this stage's work (clamped in the bubble)
+    m, v = item % microbatches, item // microbatches
+    x_bLD = jnp.where(stage == 0, inputs_MbLD[m].astype(dtype), received_bLD)
+    extras_b = jax.tree.map(lambda e: e[m], extras_Mb)
+    y_bLD = (run_layers(layers, x_bLD, extras_b) if loops == 1 else
+             run_layers(layers, x_bLD, extras_b, chunk=v))
+    return (jax.lax.ppermute(y_bLD, axis, pairs), inputs_MbLD), y_bLD
+
+  _, y_TbLD = jax.lax.scan(tick, (jnp.zeros_like(inputs_MbLD[0], dtype), inputs_MbLD),
+                           jnp.arange(ticks(microbatches, stages, loops)))
+  # Only the last stage's last loop is the result; the sum over stages hands it to every stage.
+  y_MbLD = jnp.where(stage == stages - 1, y_TbLD[items - microbatches + stages - 1:], 0)
+  return jax.lax.psum(y_MbLD.astype(jnp.float32), axis).astype(dtype)
+
+
+
+def pick(w, chunk, layer):
+  """w[chunk, layer] of a stage's stacked [V, n/(V·P), …] weights, in the primitives that
+  `PICKED_RECOMPUTED` does not save."""
+  start = (chunk, layer) + (0,) * (w.ndim - 2)
+  return jax.lax.squeeze(jax.lax.dynamic_slice(w, start, (1, 1, *w.shape[2:])), (0, 1))
+
+
+def PICKED_RECOMPUTED(primitive, *_, **__):  # noqa: N802 (a remat policy, named as JAX's are)
+  """A remat policy that saves everything but `pick`'s slices (for layers with no policy of
+  their own, run as chunks)."""
+  return primitive not in (jax.lax.dynamic_slice_p, jax.lax.squeeze_p)

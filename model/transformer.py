@@ -37,8 +37,10 @@ assert tuple(REMAT) == REMAT_POLICIES
 class Transformer(nnx.Module):
   """Llama-style decoder. Parameters (logical axes → mesh via sharding/rules.py):
 
-    embed[vocab, embed]; blocks.*[layers, ...] (one stacked copy per layer, scanned);
-    final_norm.scale[norm]; unembed[embed, vocab] unless cfg.tie_embeddings.
+    embed[vocab, embed]; blocks.*[layers, ...] (one stacked copy per layer, scanned), or
+    blocks.*[virtual, layers, ...] with cfg.virtual_stages > 1 (layer v·n/V + j at [v, j]: the
+    pipeline's chunks, model/pipeline.py); final_norm.scale[norm]; unembed[embed, vocab] unless
+    cfg.tie_embeddings.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -51,7 +53,12 @@ class Transformer(nnx.Module):
     def make_blocks(rngs):
       return Block(cfg, rngs)
 
-    self.blocks = make_blocks(rngs.split(cfg.n_layers))
+    loops = cfg.virtual_stages
+    if loops > 1:  # the same layers (same keys, in order) stacked [V, n/V, ...]
+      make_blocks = nnx.vmap(make_blocks, in_axes=0, out_axes=0,
+                             transform_metadata={nnx.PARTITION_NAME: 'virtual'})
+    self.blocks = make_blocks(rngs.split(cfg.n_layers if loops == 1 else
+                                         (loops, cfg.n_layers // loops)))
     self.final_norm = RMSNorm(cfg, rngs)
     if not cfg.tie_embeddings:
       self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
@@ -73,8 +80,9 @@ class Transformer(nnx.Module):
     def forward(blocks, rest, *batch):
       return nnx.merge(graphdef, blocks, rest)._forward(*batch, microbatches, stage_axis)
 
-    return pipeline.over_stages(forward, stage_axis)(blocks, rest, tokens_BL, positions_BL,
-                                                     segment_ids_BL)
+    staged_dim = int(self.cfg.virtual_stages > 1)  # the 'layers' dimension
+    return pipeline.over_stages(forward, stage_axis, staged_dim)(blocks, rest, tokens_BL,
+                                                                 positions_BL, segment_ids_BL)
 
   def _forward(self, tokens_BL, positions_BL, segment_ids_BL, microbatches=1, stage_axis=None):
     cfg = self.cfg
@@ -114,6 +122,7 @@ class Transformer(nnx.Module):
     table_c_VD = table_VD.astype(cfg.dtype)
     x_BTD = lookup(table_VD, table_c_VD, tokens_BT)
     graphdef, layers = nnx.split(self.blocks)
+    layers = self._in_order(layers)
 
     def body(x_BTD, layer_and_cache):
       layer, k_BSKH, v_BSKH = layer_and_cache
@@ -131,18 +140,35 @@ class Transformer(nnx.Module):
     microbatch (model/pipeline.py)."""
     graphdef, layers = nnx.split(self.blocks)
 
-    def run_layers(layers, x_BLD, extras):
+    def run_layers(layers, x_BLD, extras, chunk=None):
+      """The stacked layers in turn; with `chunk`, row `chunk` of [V, n/(V·P), ...] (a pipeline
+      stage's, model/pipeline.py), each layer picked inside its remat region."""
       def body(x_BLD, layer):
+        if chunk is not None:  # `layer` is its index
+          layer = jax.tree.map(lambda w: pipeline.pick(w, chunk, layer), layers)
         return nnx.merge(graphdef, layer)(x_BLD, *extras), None
 
-      if (policy := REMAT[self.cfg.remat_policy]) is not None:
+      policy = REMAT[self.cfg.remat_policy]
+      if policy is None and chunk is not None:
+        policy = pipeline.PICKED_RECOMPUTED
+      if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
-      return jax.lax.scan(body, x_BLD, layers, unroll=1 if self.cfg.scan_layers else True)[0]
+      xs = layers if chunk is None else jnp.arange(jax.tree.leaves(layers)[0].shape[1])
+      return jax.lax.scan(body, x_BLD, xs, unroll=1 if self.cfg.scan_layers else True)[0]
 
     extras = (positions_BL, segment_ids_BL)
     if stage_axis is None:
-      return run_layers(layers, x_BLD, extras)
+      return run_layers(self._in_order(layers), x_BLD, extras)
+    if self.cfg.virtual_stages == 1:  # one chunk per stage
+      layers = jax.tree.map(lambda w: w[None], layers)  # (taken apart again, statically)
     x_MbLD = constrain(pipeline.split(x_BLD, microbatches), (None, 'batch', 'length', 'embed'))
     extras_Mb = jax.tree.map(lambda e: pipeline.split(e, microbatches), extras)
-    y_MbLD = pipeline.gpipe(run_layers, layers, x_MbLD, extras_Mb, stage_axis)
+    y_MbLD = pipeline.schedule(run_layers, layers, x_MbLD, extras_Mb, stage_axis)
     return constrain(pipeline.merge(y_MbLD), ('batch', 'length', 'embed'))
+
+  def _in_order(self, layers):
+    """Stacked layers as [n, ...] in execution order, from [V, n/V, ...] (neither dimension split:
+    a reshape that moves no data)."""
+    if self.cfg.virtual_stages == 1:
+      return layers
+    return jax.tree.map(lambda w: w.reshape(-1, *w.shape[2:]), layers)

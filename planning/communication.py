@@ -7,15 +7,16 @@ yardstick it is held to (benchmarks/collectives.py prints both). Ring algorithms
 
 Symbols: mesh data d, stage P, fsdp f, tensor t, sequence s; g = f·s (parameters are split along
 'embed' over both); M microbatches, b = B/(d·f·M) rows per device and microbatch, L the sequence
-length; T = M + P − 1 ticks of the pipeline schedule (T = M without stages: each tick a stage runs
-its n_layers/P layers on one microbatch, bubble ticks included, model/pipeline.py);
+length; T = V·M + P − 1 ticks of the pipeline schedule with V virtual stages (T = M without
+stages: each tick a stage runs one chunk, n_layers/(V·P) layers, on one microbatch, bubble ticks
+included, model/pipeline.py);
 c bytes of the compute dtype, r of the gradient reduction (config.optimizer.grad_reduce_dtype);
 P_L the layers' matmul parameters, P_E the embedding table V·D, P_U the untied head D·V (0 when
 tied), P_N the norm scales (replicated). Per step:
 
   layers    (ZeRO-3) each layer's weights gathered once forward and once backward per microbatch
             (recomputation reuses the backward's gather), gradients reduce-scattered once per
-            microbatch; a stage does so for its own layers every tick:  T·(2c + r)·P_L/(P·t)·ρ(g)
+            microbatch; a stage does so for a chunk every tick:  T·(2c + r)·P_L/(V·P·t)·ρ(g)
   embedding the table gathered once per microbatch (once a step with stages, which run the
             embedding and head on the whole batch) in the compute dtype (the lookup and a tied
             head share it), its gradient reduce-scattered once:  M'·(c + r)·P_E/t·ρ(g);
@@ -27,7 +28,8 @@ tied), P_N the norm scales (replicated). Per step:
   norms     their gradients all-reduced over every device that holds a copy: 2·4·P_N·ρ(d·f·s·t)
   tensor    Megatron's activation all-reduces, 2 forward and 2 backward a layer (2 more under
             remat `full`, which runs the forward again), one after the vocabulary-split lookup
-            and one for the head's input gradient: (T·(4|6)·n_layers/P + 2M)·2c·b·(L/s)·D·ρ(t)
+            and one for the head's input gradient:
+            (T·(4|6)·n_layers/(V·P) + 2M)·2c·b·(L/s)·D·ρ(t)
   sequence  all_gather: keys and values gathered forward, their gradients reduce-scattered backward
             (gathered again under `full`): M·(4|6)·n_layers·b·L·(K/t)·H·c·ρ(s);
             ring: keys and values go round the ring forward and again backward (forward again
@@ -53,7 +55,8 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
   d, P, f, t, s = (mesh.get(axis, 1) for axis in ('data', 'stage', 'fsdp', 'tensor', 'sequence'))
   g, M, c, r = f * s, microbatches, cfg.dtype.itemsize, grad_reduce_bytes
   b = batch_size / (d * f * M)
-  T = M + P - 1
+  V = cfg.virtual_stages if P > 1 else 1
+  T = V * M + P - 1
   full = remat_policy == 'full'
   layers = cfg.n_layers * (cfg.d_model * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads)
                            + 3 * cfg.d_model * cfg.d_ff)
@@ -62,11 +65,12 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
   norms = (2 * cfg.n_layers + 1) * cfg.d_model
   activation = b * seq_len / s * cfg.d_model * c  # a microbatch's, per device
   return {
-      'layers': T * (2 * c + r) * layers / (P * t) * rho(g),
+      'layers': T * (2 * c + r) * layers / (V * P * t) * rho(g),
       'embedding': (1 if P > 1 else M) * (c + r) * (table + head) / t * rho(g),
       'data': 2 * r * (layers / P + table + head) / (t * g) * rho(d),
       'norms': 2 * 4 * norms * rho(d * f * s * t),
-      'tensor': (T * (6 if full else 4) * cfg.n_layers / P + 2 * M) * 2 * activation * rho(t),
+      'tensor': (T * (6 if full else 4) * cfg.n_layers / (V * P) + 2 * M) * 2 * activation
+                * rho(t),
       'sequence': (M * cfg.n_layers * b * seq_len * cfg.n_kv_heads / t * cfg.head_dim * rho(s)
                    * ((6 if full else 4) * c + (2 * r if cfg.context_parallel == 'ring' else 0))),
       'stage': (2 * T + 4 * M * rho(P) * 4 / c) * activation if P > 1 else 0.0,

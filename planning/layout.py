@@ -2,25 +2,29 @@
 memory and are estimated fastest, found by compiling candidates (from the abstract state: nothing
 is allocated; a few seconds each, even for 8B).
 
-Candidates: every data × fsdp × tensor × sequence whose product is the device count and which the
-model divides (stage 1: the estimate below has no term for a pipeline's bubble), × (with our
-kernel and a sequence split) context parallelism all_gather and ring,
-× remat policies none, dots, full, × the fewest microbatches (1, 2, 4, …) that fit for that mesh
-and policy (more only repeat FSDP's gathers on smaller matmuls). A mesh whose state
-alone (the step's arguments) exceeds the memory is dropped without trying the rest.
+Candidates: every data × stage × fsdp × tensor × sequence whose product is the device count and
+which the model divides, × (with our kernel and a sequence split) context parallelism all_gather
+and ring, × remat policies none, dots, full, × the fewest microbatches (1, 2, 4, …; from the stage
+count up with stages) that fit for that mesh and policy (more only repeat FSDP's gathers on
+smaller matmuls). A mesh whose state alone (the step's arguments) exceeds the memory is dropped
+without trying the rest.
 
 Step-time estimate, deliberately simple (no overlap of compute and communication assumed):
   compute = (model FLOPs per device (planning/flops.py) + what the program recomputes) / the
             device's bf16 peak; the recomputation is measured: the candidate's compiled matmul
             FLOPs (flops.compiled_matmul_flops, every run counted) less the formula's, so XLA's
-            own rematerialisation counts too; plus, under a remat policy, a fused attention's
-            forward again (its kernels are not dots)
+            own rematerialisation counts too, and so do a pipeline's bubble (every stage runs its
+            layers at every tick of the schedule) and the embedding and head each stage computes;
+            plus, under a remat policy, a fused attention's forward again (its kernels are not
+            dots)
   comm    = the bytes each device sends per step in the candidate's compiled program (every
-            collective, each run counted: sharding/collectives.py) / the device's link bandwidth
-            (per direction); except a ring's hops, which are sent while the attention kernels
-            run (kernels/context_parallel.py): only what outlasts the attention's share of compute
-            counts
-  (peak and link from planning/gpus.py; other devices are ranked at 100 TFLOP/s and 100 GB/s)
+            collective, each run counted: sharding/collectives.py) over the device's bandwidth
+            (per direction): those of collectives spanning nodes over the node's network, the
+            rest over the links within a node; except a ring's hops, which are sent while the
+            attention kernels run (kernels/context_parallel.py): only what outlasts the
+            attention's share of compute counts
+  (peak, link and node bandwidth from planning/gpus.py; other devices are ranked at 100 TFLOP/s
+  and 100 GB/s, as one node)
 """
 
 import dataclasses
@@ -54,12 +58,11 @@ class Candidate:
 
 
 def meshes(n_devices: int):
-  """Every {axis: size} over AXES with stage 1 whose sizes multiply to n_devices."""
+  """Every {axis: size} over AXES whose sizes multiply to n_devices."""
   divisors = [k for k in range(1, n_devices + 1) if n_devices % k == 0]
   for sizes in itertools.product(divisors, repeat=len(AXES)):
-    mesh = dict(zip(AXES, sizes))
-    if math.prod(sizes) == n_devices and mesh['stage'] == 1:
-      yield mesh
+    if math.prod(sizes) == n_devices:
+      yield dict(zip(AXES, sizes))
 
 
 def recomputed_flops(plan: plan_lib.Plan) -> float:
@@ -75,12 +78,14 @@ def estimate(plan: plan_lib.Plan, recomputed: float = 0.0) -> tuple[float, float
   """(compute seconds, communication seconds) of one step, per the module's formula."""
   gpu = gpus.find(plan.device)
   peak, link = (gpu.peak_bf16_flops, gpu.link_bandwidth) if gpu else UNKNOWN_DEVICE
+  node = gpu.node_bandwidth if gpu else link
   hidden = 0.0
   if plan.context_parallel == 'ring':
     ring = plan.collectives.get('collective-permute', {}).get('bytes', 0)
     again = 0.0 if plan.remat_policy == 'none' else 1 / 3  # the forward, run again
     hidden = min(ring / link, plan.attention_flops * (1 + again) / peak)
-  return (plan.flops + recomputed) / peak, plan.collective_bytes / link - hidden
+  within = plan.collective_bytes - plan.across_nodes_bytes
+  return (plan.flops + recomputed) / peak, within / link + plan.across_nodes_bytes / node - hidden
 
 
 def with_layout(config, mesh: dict, context_parallel: str, policy: str, microbatches: int):
@@ -107,7 +112,7 @@ def search(config, devices, log=print) -> list[Candidate]:
   for mesh in meshes(len(devices)):
     state_fits = True
     for context, policy in itertools.product(context_choices(config, mesh), POLICIES):
-      microbatches = 1
+      microbatches = mesh['stage']  # a pipeline needs a microbatch for every stage
       while state_fits:
         candidate = with_layout(config, mesh, context, policy, microbatches)
         try:

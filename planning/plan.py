@@ -8,7 +8,8 @@ Per device: argument bytes (parameters, optimizer state, batch), output bytes, t
 donated state is updated in place); FLOPs per step (the model's, planning/flops.py, as MFU counts
 them; on CPU also XLA's own count, which counts a scanned layer once; the GPU compiler gives none);
 the collectives one step runs, by kind, with the bytes each device sends (sharding/collectives.py:
-a layer's run once per layer).
+a layer's run once per layer), and how many of those bytes cross between nodes (the target GPU's
+gpus_per_node to a node, filled in the mesh's device order, as a multi-process job orders them).
 
 `config.plan.target` names a GPU of planning/gpus.py to plan for. Unless this process has that
 GPU, the step is compiled by the GPU compiler for `config.plan.devices` (0: as many as this process
@@ -45,6 +46,7 @@ class Plan:
   attention: str
   context_parallel: str
   microbatches: int
+  virtual_stages: int
   argument_bytes: int
   output_bytes: int
   temp_bytes: int
@@ -56,6 +58,7 @@ class Plan:
   matmul_flops: float  # the compiled program's dots, each run counted (flops.compiled_matmul_flops)
   compiled_flops: float | None  # XLA's cost analysis of the per-device program (CPU only)
   collectives: dict  # {op: {'count', 'bytes', 'overlapped_bytes', 'by_dtype'}} (collectives.summary)
+  across_nodes_bytes: int  # of those bytes, what collectives spanning nodes send (gpus_per_node)
   memory_bytes: int | None  # what the target device offers a run; None if unknown
   memory_source: str  # where memory_bytes comes from
 
@@ -150,12 +153,14 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
   kind = local_device(devices).device_kind
   budget, source = memory_budget(config, devices)
   hlo = compiled.as_text()
+  gpu = gpus.find(config.plan.target or kind)
+  per_node = gpu.gpus_per_node if gpu else n  # devices in mesh order, nodes filled in turn
   return Plan(
       device=config.plan.target or kind, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
       mesh=dict(setup.mesh.shape), remat_policy=config.model.remat_policy,
       attention=config.model.attention, context_parallel=config.model.context_parallel,
-      microbatches=config.microbatches,
+      microbatches=config.microbatches, virtual_stages=config.model.virtual_stages,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
       total_bytes=(memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -168,6 +173,7 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
       matmul_flops=flops_lib.compiled_matmul_flops(hlo),
       compiled_flops=float(cost['flops']) if cost and 'flops' in cost else None,
       collectives=collectives.summary(hlo),
+      across_nodes_bytes=collectives.crossing_bytes(hlo, lambda device: device // per_node),
       memory_bytes=budget, memory_source=source)
 
 
@@ -212,7 +218,9 @@ def report(plan: Plan) -> None:
           ('compiled for', compiled_for(plan)),
           ('mesh', sharding.describe(plan.mesh)),
           ('attention, remat policy', f'{plan.attention}{context}, {plan.remat_policy}'),
-          ('microbatches', str(plan.microbatches)),
+          ('microbatches', str(plan.microbatches) + (
+              f' through {plan.mesh["stage"]} stages × {plan.virtual_stages} virtual'
+              if plan.mesh.get('stage', 1) > 1 else '')),
           ('arguments / device', readable_bytes(plan.argument_bytes)),
           ('outputs / device', f'{readable_bytes(plan.output_bytes)} ({readable_bytes(plan.alias_bytes)} of them '
                                'in place of donated arguments)'),
@@ -228,6 +236,9 @@ def report(plan: Plan) -> None:
   rows += [(f'{op} / step', f'{c["count"]} runs, {readable_bytes(c["bytes"])} sent per device, '
             f'{c["overlapped_bytes"] / max(c["bytes"], 1):.0%} of it while computing')
            for op, c in sorted(plan.collectives.items())]
+  if plan.across_nodes_bytes:
+    rows.append(('across nodes / step', f'{readable_bytes(plan.across_nodes_bytes)} of it sent '
+                                        'by collectives spanning nodes'))
   metrics.print_table(rows)
   print(json.dumps(plan.as_dict()))
 

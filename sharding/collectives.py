@@ -201,6 +201,12 @@ def total_bytes(hlo_text: str) -> int:
   return sum(entry['bytes'] for entry in summary(hlo_text).values())
 
 
+def crossing_bytes(hlo_text: str, part_of) -> int:
+  """Bytes each device sends per step in the collectives whose devices `part_of(device id)` tells
+  apart (a node's: they go over its network)."""
+  return round(sum(c.sent_bytes * c.executions for c in executed(hlo_text) if c.crosses(part_of)))
+
+
 def shapes(hlo_text: str, op: str) -> list[tuple[int, ...]]:
   """Result shapes of every `op` (e.g. 'all-gather') in the program, once each."""
   return [shape for c in executed(hlo_text) if c.op == op for _, shape in c.arrays]

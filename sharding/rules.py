@@ -12,8 +12,11 @@ ACTIVATION_RULES say how the computation is split. Keeping them apart makes each
   - Data: 'batch' → data; parameters are replicated over it.
   - Pipeline: 'layers' → stage in both tables. Each stage holds its consecutive layers of every
     stacked parameter; the model finds the axis (sharding.mesh_axis('layers')) and runs its
-    schedule over it (model/pipeline.py). Embedding and head are replicated over stages.
-Sharded shapes, in scaling-book notation: Wq[layers_stage, D_(fsdp,sequence), N_tensor, H],
+    schedule over it (model/pipeline.py). Embedding and head are replicated over stages. With
+    virtual stages the stacked parameters are [virtual, layers, ...]: stage s holds, in each of
+    the V rows, its consecutive share, so its chunks are s, s+P, … of the execution order.
+Sharded shapes, in scaling-book notation: Wq[layers_stage, D_(fsdp,sequence), N_tensor, H] (or
+Wq[virtual, layers_stage, …]),
 Wgate[D_(fsdp,sequence), F_tensor], x[B_(data,fsdp), L_sequence, D].
 """
 
@@ -26,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding.mesh import MeshMismatch
 
 PARAM_RULES = (
+    ('virtual', None),  # a stage's chunks, with model.virtual_stages > 1
     ('layers', 'stage'),
     ('vocab', 'tensor'),
     ('embed', ('fsdp', 'sequence')),
@@ -37,6 +41,7 @@ PARAM_RULES = (
 )
 
 ACTIVATION_RULES = (
+    ('virtual', None),
     ('layers', 'stage'),  # the pipeline's axis (model/pipeline.py), found by sharding.mesh_axis
     ('batch', ('data', 'fsdp')),
     ('length', 'sequence'),
@@ -109,15 +114,15 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
     raise MeshMismatch(f'config.batch_size={batch_size} is not divisible by '
                        f'config.microbatches={microbatches} × config.mesh.data×config.mesh.fsdp='
                        f'{dp}; every device takes an equal share of each microbatch')
-  stages = mesh_sizes['stage']
-  if model_cfg.n_layers % stages:
+  stages, loops = mesh_sizes['stage'], model_cfg.virtual_stages
+  if model_cfg.n_layers % (stages * loops):
     raise MeshMismatch(f'config.model.n_layers={model_cfg.n_layers} is not divisible by '
-                       f'config.mesh.stage={stages}; each pipeline stage holds an equal share of '
-                       'the layers')
+                       f'config.mesh.stage={stages} × config.model.virtual_stages={loops}; each '
+                       'pipeline stage holds an equal share of every chunk of layers')
   if microbatches < stages:
     raise MeshMismatch(f'config.microbatches={microbatches} is fewer than config.mesh.stage='
                        f'{stages}: the pipeline needs a microbatch for every stage to be busy; '
-                       f'set --config.microbatches={2 * stages} or more (bubble (P-1)/(M+P-1))')
+                       f'set --config.microbatches={2 * stages} or more (bubble (P-1)/(V·M+P-1))')
   if seq_len % mesh_sizes['sequence']:
     raise MeshMismatch(f'config.seq_len={seq_len} is not divisible by '
                        f'config.mesh.sequence={mesh_sizes["sequence"]}')

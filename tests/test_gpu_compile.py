@@ -143,12 +143,15 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
 
 @functools.cache  # each mesh compiled once for the tests that read it
 def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel=None,
-                        microbatches=1, **mesh):
+                        microbatches=1, virtual_stages=1, **mesh):
   """The tiny model's train step in bf16, compiled for 8 H100s: (HLO text, setup, config).
-  With context_parallel, attention is our kernel, with that choice."""
+  With context_parallel, attention is our kernel, with that choice; with virtual_stages, the
+  model has two layers for each."""
   from tests.conftest import tiny_config
   config = tiny_config(**mesh)
   config.microbatches = microbatches
+  if virtual_stages > 1:
+    config.model.n_layers, config.model.virtual_stages = 2 * virtual_stages, virtual_stages
   config.model.compute_dtype, config.model.grad_reduce_dtype = 'bfloat16', grad_reduce_dtype
   if context_parallel:
     config.model.attention, config.model.context_parallel = 'pallas', context_parallel
@@ -212,7 +215,8 @@ def test_layer_gradients_are_reduced_in_grad_reduce_dtype(h100, grad_reduce_dtyp
     # communication); untied, it is at the ideal.
     (False, None, dict(data=2, fsdp=2, tensor=2)),
     (True, 'ring', dict(fsdp=2, sequence=4)), (True, 'all_gather', dict(fsdp=2, sequence=4)),
-    (True, None, dict(microbatches=2, stage=2, fsdp=4))])
+    (True, None, dict(microbatches=2, stage=2, fsdp=4)),
+    (True, None, dict(microbatches=2, virtual_stages=2, stage=2, fsdp=4))])
 def test_the_train_step_sends_within_ten_percent_of_the_ideal(h100, tied, context_parallel, mesh):
   """planning/communication.py's ideal, against every byte of every collective run."""
   hlo, setup, config = tiny_step_for_h100s(tied=tied, context_parallel=context_parallel, **mesh)

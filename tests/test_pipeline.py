@@ -10,7 +10,7 @@ import pytest
 
 import sharding
 from model import pipeline
-from runtime.checkpoint import Checkpointer
+from runtime.checkpoint import Checkpointer, CheckpointMismatch
 from sharding import collectives
 from tests.conftest import tiny_config
 from training import step as step_lib
@@ -19,10 +19,10 @@ from training.state import build
 STEPS, M = 20, 4
 
 
-def pipeline_config(microbatches=M, dtype='float32', **mesh):
+def pipeline_config(microbatches=M, dtype='float32', virtual=1, n_layers=4, **mesh):
   config = tiny_config(**mesh)
-  config.model.n_layers, config.batch_size, config.microbatches = 4, 16, microbatches
-  config.model.compute_dtype = dtype
+  config.model.n_layers, config.batch_size, config.microbatches = n_layers, 16, microbatches
+  config.model.compute_dtype, config.model.virtual_stages = dtype, virtual
   return config
 
 
@@ -41,16 +41,16 @@ def batches(setup, config, steps=STEPS):
 
 
 @functools.cache
-def compiled(remat='none', microbatches=M, dtype='float32', **mesh):
-  config = pipeline_config(microbatches, dtype, **mesh)
+def compiled(remat='none', microbatches=M, dtype='float32', virtual=1, **mesh):
+  config = pipeline_config(microbatches, dtype, virtual, **mesh)
   config.model.remat_policy = remat
   setup = build(config, jax.devices() if mesh else jax.devices()[:1])
   return setup, config, step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
                                                     1e-4, microbatches=microbatches)
 
 
-def train(remat='none', steps=STEPS, dtype='float32', **mesh):
-  setup, config, step = compiled(remat, M if mesh else 1, dtype, **mesh)
+def train(remat='none', steps=STEPS, dtype='float32', virtual=1, **mesh):
+  setup, config, step = compiled(remat, M if mesh else 1, dtype, virtual, **mesh)
   state, losses = setup.init_state(), []
   for batch in batches(setup, config, steps):
     state, metrics = step(state, batch)
@@ -64,27 +64,31 @@ def reference(dtype='float32'):
   return losses, jax.tree.map(np.asarray, state.params)
 
 
-@pytest.mark.parametrize('remat,dtype,mesh', [
-    ('none', 'float32', dict(stage=2, fsdp=4)),
-    ('full', 'bfloat16', dict(stage=4, fsdp=2)),
-    ('dots', 'float32', dict(stage=2, fsdp=2, tensor=2))],
-    ids=['stage=2', 'stage=4,remat=full,bf16', 'stage=2×fsdp=2×tensor=2,remat=dots'])
-def test_stages_train_as_one_device(remat, dtype, mesh):
+@pytest.mark.parametrize('remat,dtype,virtual,mesh', [
+    ('none', 'float32', 1, dict(stage=2, fsdp=4)),
+    ('full', 'bfloat16', 1, dict(stage=4, fsdp=2)),
+    ('dots', 'float32', 1, dict(stage=2, fsdp=2, tensor=2)),
+    ('none', 'float32', 2, dict(stage=2, fsdp=4))],
+    ids=['stage=2', 'stage=4,remat=full,bf16', 'stage=2×fsdp=2×tensor=2,remat=dots',
+         'stage=2,virtual=2'])
+def test_stages_train_as_one_device(remat, dtype, virtual, mesh):
   """20 steps: the same losses as one device running the whole batch in the same compute dtype
-  (no remat), each stage holding only its layers; in fp32 the same parameters too (in bf16,
-  Adam's first steps turn rounding differences into visible ones)."""
+  (no remat, one chunk), each stage holding only its layers; in fp32 the same parameters too (in
+  bf16, Adam's first steps turn rounding differences into visible ones)."""
   want_losses, want_params = reference(dtype)
-  losses, state = train(remat, dtype=dtype, **mesh)
+  losses, state = train(remat, dtype=dtype, virtual=virtual, **mesh)
   assert want_losses[-1] < want_losses[0] / 2  # it learns
   tight = dtype == 'float32'  # bf16: the order of the sums over devices differs
   np.testing.assert_allclose(losses, want_losses, rtol=2e-5 if tight else 2e-3)
   compared = jax.tree.leaves(want_params) if tight else ()
-  for got, want in zip(jax.tree.leaves(state.params), compared):
-    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-6)
+  for got, want in zip(jax.tree.leaves(state.params), compared):  # [V, n/V, ...] is [n, ...]
+    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, rtol=2e-4, atol=2e-6)
   wq = state.params['blocks']['attn']['wq'][...]
-  layers = wq.shape[0] // mesh['stage']
-  assert {s.data.shape[0] for s in wq.addressable_shards} == {layers}
-  assert {s.index[0].start for s in wq.addressable_shards} == set(range(0, wq.shape[0], layers))
+  dim = int(virtual > 1)  # 'layers'
+  layers = wq.shape[dim] // mesh['stage']
+  assert {s.data.shape[dim] for s in wq.addressable_shards} == {layers}
+  assert {s.index[dim].start for s in wq.addressable_shards} == set(range(0, wq.shape[dim], layers))
+  assert {s.data.shape[0] for s in wq.addressable_shards} == {virtual} or virtual == 1
 
 
 def test_a_non_finite_step_is_skipped_by_every_stage():
@@ -99,54 +103,72 @@ def test_a_non_finite_step_is_skipped_by_every_stage():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_only_activations_cross_stages_in_the_compiled_step():
+@pytest.mark.parametrize('remat,virtual,mesh', [
+    ('dots', 1, dict(stage=2, fsdp=2, tensor=2)), ('none', 2, dict(stage=2, fsdp=4))],
+    ids=['gpipe', 'virtual=2'])
+def test_only_activations_cross_stages_in_the_compiled_step(remat, virtual, mesh):
   """Along `stage` the program moves a microbatch's activations by collective-permute, once a
   tick each way, plus the sums that hand the last stage's outputs (and the input's gradient) to
-  every stage; no parameter or gradient of one crosses. The schedule runs M + P − 1 ticks."""
-  setup, config, step = compiled('dots', M, 'float32', stage=2, fsdp=2, tensor=2)
-  stages, b = 2, config.batch_size // M // 2  # rows of a microbatch per device (fsdp=2)
+  every stage; no parameter or gradient of one crosses. The schedule runs V·M + P − 1 ticks; with
+  V chunks the last stage passes back to the first (a ring), without them it does not."""
+  setup, config, step = compiled(remat, M, 'float32', virtual, **mesh)
+  stages = mesh['stage']
+  b = config.batch_size // M // mesh['fsdp']  # rows of a microbatch per device
   activation = (b, config.seq_len, config.model.d_model)
   stage_of = lambda device: device // (8 // stages)  # stage is the mesh's outer axis here
   crossing = [c for c in collectives.executed(step.as_text()) if c.crosses(stage_of)]
   permutes = [c for c in crossing if c.op == 'collective-permute']
   assert len(permutes) == 2  # forward, and its transpose in the backward
+  forward = {(s, (s + 1) % stages) for s in range(stages if virtual > 1 else stages - 1)}
+  assert [{(stage_of(a), stage_of(b)) for a, b in c.devices} for c in permutes] in (
+      [forward, {(b, a) for a, b in forward}], [{(b, a) for a, b in forward}, forward])
   for c in permutes:
     assert c.arrays == (('f32', activation),)
-    assert c.executions == pipeline.ticks(M, stages) == M + stages - 1
+    assert c.executions == pipeline.ticks(M, stages, virtual) == virtual * M + stages - 1
   for c in crossing:
     assert c.op in ('collective-permute', 'all-reduce'), c
     assert {shape for _, shape in c.arrays} <= {activation, (M, *activation), ()}, c
 
 
-def test_a_checkpoint_moves_between_stage_counts(tmp_path):
-  """Saved with stage=4 (each stage holding a quarter of the layers), restored whole under
-  stage=2 and on one device: the stacked layers keep one array layout whatever the stages."""
-  saved = build(pipeline_config(stage=4, fsdp=2))
-  state = saved.init_state()
+@pytest.mark.parametrize('virtual', [1, 2])
+def test_a_checkpoint_moves_between_stage_counts(tmp_path, virtual):
+  """Saved with stage=4 (each stage holding a quarter of the layers, or of each chunk), restored
+  whole under stage=2 and on one device: the stacked layers keep one array layout whatever the
+  stages."""
+  layout = dict(virtual=virtual, n_layers=4 * virtual)
+  config = pipeline_config(stage=4, fsdp=2, **layout)
+  state = build(config).init_state()
   checkpointer = Checkpointer(tmp_path, keep=1)
-  checkpointer.save(1, state, {}, {})
+  checkpointer.save(1, state, {}, {'model': config.model.to_dict()})
   checkpointer.close()
   for mesh, devices in ((dict(stage=2, fsdp=4), jax.devices()), ({}, jax.devices()[:1])):
-    target = build(pipeline_config(**mesh), devices)
-    _, restored, _ = Checkpointer(tmp_path).restore_latest(target.abstract_state,
-                                                           target.model_cfg)
+    config = pipeline_config(**layout, **mesh)
+    target = build(config, devices)
+    _, restored, _ = Checkpointer(tmp_path).restore_latest(target.abstract_state, config.model)
     for got, want, where in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params),
                                 jax.tree.leaves(target.state_shardings.params)):
       assert got.sharding == where
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # The chunks are a dimension of the stacked parameters: another count is another model.
+  config = pipeline_config(virtual=3 - virtual, n_layers=4 * virtual, stage=2, fsdp=4)
+  with pytest.raises(CheckpointMismatch, match=f'virtual_stages {virtual} → {3 - virtual}'):
+    Checkpointer(tmp_path).restore_latest(build(config).abstract_state, config.model)
 
 
 @pytest.mark.parametrize('change, message', [
     (dict(n_layers=3), r'config.model.n_layers=3 is not divisible by config.mesh.stage=2'),
+    (dict(virtual_stages=4), r'config.model.n_layers=4 is not divisible by config.mesh.stage=2 '
+                             r'× config.model.virtual_stages=4'),
+    (dict(virtual_stages=3), r'config.model.n_layers=4 is not divisible by '
+                             r'config.model.virtual_stages=3'),
     (dict(microbatches=1), r'config.microbatches=1 is fewer than config.mesh.stage=2'),
     (dict(batch_size=12), r'config.batch_size=12 is not divisible by config.microbatches=4'),
 ])
 def test_pipeline_settings_that_cannot_work_are_named(change, message):
   config = pipeline_config(stage=2, fsdp=4)
-  if 'n_layers' in change:
-    config.model.n_layers = change['n_layers']
-  else:
-    config.update(change)
-  with pytest.raises(sharding.MeshMismatch, match=message):
+  model_fields = {'n_layers', 'virtual_stages'} & set(change)
+  config.model.update({k: change.pop(k) for k in model_fields})
+  config.update(change)
+  with pytest.raises(ValueError, match=message):
     build(config)
 

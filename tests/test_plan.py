@@ -146,6 +146,14 @@ def test_layout_charges_the_bytes_its_compiled_step_sends():
                                collectives={**the_plan.collectives, 'collective-permute': hops})
     np.testing.assert_allclose(layout.estimate(ring)[1], comm_s + charged_s, rtol=1e-9)
 
+  # For a GPU of the table: what crosses nodes goes at the NIC's speed, the rest at NVLink's.
+  assert the_plan.across_nodes_bytes == 0  # 8 devices here: one node
+  h100 = gpus.get('H100')
+  across = the_plan.collective_bytes / 4
+  two_nodes = dataclasses.replace(the_plan, device='H100', across_nodes_bytes=across)
+  np.testing.assert_allclose(layout.estimate(two_nodes)[1],
+                             3 * across / h100.link_bandwidth + across / h100.node_bandwidth)
+
 
 def test_layout_tries_both_context_choices_where_the_kernel_meets_a_sequence_split():
   from planning import layout
