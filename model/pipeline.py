@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
-
 def ticks(microbatches: int, stages: int, virtual_stages: int = 1) -> int:
   """Schedule length: every microbatch through every stage's every chunk."""
   return virtual_stages * microbatches + stages - 1
@@ -109,15 +108,14 @@ def schedule(run_layers, chunks, x_MbLD, extras_Mb, axis: str):
   return jax.lax.psum(y_MbLD.astype(jnp.float32), axis).astype(dtype)
 
 
-
 def pick(w, chunk, layer):
   """w[chunk, layer] of a stage's stacked [V, n/(V·P), …] weights, in the primitives that
-  `PICKED_RECOMPUTED` does not save."""
+  `recompute_picks` does not save."""
   start = (chunk, layer) + (0,) * (w.ndim - 2)
   return jax.lax.squeeze(jax.lax.dynamic_slice(w, start, (1, 1, *w.shape[2:])), (0, 1))
 
 
-def PICKED_RECOMPUTED(primitive, *_, **__):  # noqa: N802 (a remat policy, named as JAX's are)
+def recompute_picks(primitive, *_, **__):
   """A remat policy that saves everything but `pick`'s slices (for layers with no policy of
   their own, run as chunks)."""
   return primitive not in (jax.lax.dynamic_slice_p, jax.lax.squeeze_p)

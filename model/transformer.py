@@ -150,7 +150,7 @@ class Transformer(nnx.Module):
 
       policy = REMAT[self.cfg.remat_policy]
       if policy is None and chunk is not None:
-        policy = pipeline.PICKED_RECOMPUTED
+        policy = pipeline.recompute_picks
       if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
       xs = layers if chunk is None else jnp.arange(jax.tree.leaves(layers)[0].shape[1])
