@@ -45,9 +45,10 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    # std 1: rows are unit-scale vectors; the tied head rescales by 1/sqrt(D).
+    # Rows of unit-scale entries; a tied table is also the head, which multiplies by it with no
+    # scale (as transformers' Llama does): there rows of norm 1 give logits of unit scale at init.
     self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.weight_dtype,
-                       1.0)
+                       cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0)
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
     def make_blocks(rngs):
@@ -101,8 +102,7 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     x_BLD = self.final_norm(x_BLD)
     if cfg.tie_embeddings:
-      return matmul('bld,vd->blv', x_BLD, table_VD, jnp.float32, table_c_VD) \
-          * cfg.d_model ** -0.5
+      return matmul('bld,vd->blv', x_BLD, table_VD, jnp.float32, table_c_VD)
     w_DV = weight(self.unembed, cfg)
     w_c_DV = gathered(w_DV, ('embed', 'vocab'), cfg.dtype)
     return matmul('bld,dv->blv', x_BLD, w_DV, jnp.float32, w_c_DV)

@@ -89,6 +89,22 @@ def test_bf16_compute_keeps_fp32_params_and_tied_head_has_no_unembed():
   assert logits.dtype == jnp.float32 and np.all(np.isfinite(logits))
 
 
+def test_a_tied_head_is_the_untied_head_holding_the_table():
+  """transformers' tied Llama: lm_head.weight is the embedding table, with no scale. The same
+  weights in an untied model give the same logits; at init they are of unit scale, so the loss
+  starts near log(vocab), as the untied model's does."""
+  tied, untied = make_model(tie_embeddings=True), make_model()
+  untied.embed[...] = tied.embed[...]
+  untied.unembed[...] = tied.embed[...].T
+  untied.blocks, untied.final_norm = tied.blocks, tied.final_norm
+  np.testing.assert_allclose(tied(tokens(5)), untied(tokens(5)), rtol=1e-6, atol=1e-6)
+  vocab = tied.cfg.vocab_size
+  for model in (tied, make_model()):
+    logits = model(tokens(6))
+    loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens(6)[..., None], -1))
+    assert abs(float(loss) / np.log(vocab) - 1) < 0.15, float(loss)
+
+
 def test_layers_are_stacked_for_the_scan():
   model = make_model()
   assert model.blocks.attn.wq.shape == (2, 64, 4, 16)  # [layers, D, N, H]
