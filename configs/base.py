@@ -37,6 +37,11 @@ def get_config() -> ml_collections.ConfigDict:
   m.head_dim = 16
   m.d_ff = 192
   m.rope_theta = 10_000.0
+  m.rope_type = 'default'  # default | llama3: Llama 3.1's frequency rescaling, with the four below
+  m.rope_factor = 8.0  # llama3: low frequencies are divided by this
+  m.rope_low_freq_factor = 1.0  # wavelengths above original_length / this are low frequencies
+  m.rope_high_freq_factor = 4.0  # below original_length / this, high: kept; between, blended
+  m.rope_original_length = 8192  # the context the frequencies were trained for
   m.norm_eps = 1e-5
   m.tie_embeddings = False
   m.param_dtype = 'float32'

@@ -10,6 +10,7 @@ REMAT_POLICIES = ('none', 'full', 'dots', 'save_qkv_proj', 'save_attention', 'of
                   'offload_qkv_proj', 'offload_attention')
 DTYPES = ('float32', 'bfloat16', 'float16')
 CONTEXT_PARALLEL = ('all_gather', 'ring')  # kernels/context_parallel.py
+ROPE_TYPES = ('default', 'llama3')  # transformers' names: plain RoPE, Llama 3.1's rescaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,11 @@ class ModelConfig:
   head_dim: int
   d_ff: int
   rope_theta: float
+  rope_type: str
+  rope_factor: float
+  rope_low_freq_factor: float
+  rope_high_freq_factor: float
+  rope_original_length: int
   norm_eps: float
   tie_embeddings: bool
   param_dtype: str
@@ -53,6 +59,15 @@ class ModelConfig:
                        'stacked as that many equal chunks')
     if self.head_dim % 2:
       raise ValueError(f'config.model.head_dim ({self.head_dim}) must be even for rotary embeddings')
+    _check_choice('rope_type', self.rope_type, ROPE_TYPES)
+    if self.rope_type == 'llama3' and not (
+        self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        and self.rope_original_length > 0):
+      raise ValueError(
+          "config.model.rope_type='llama3' needs rope_factor >= 1, 0 < rope_low_freq_factor < "
+          f'rope_high_freq_factor and rope_original_length > 0; got {self.rope_factor}, '
+          f'{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, '
+          f'{self.rope_original_length}')
     _check_choice('attention', self.attention, IMPLEMENTATIONS)
     for name in ('attention_block_q', 'attention_block_k'):
       block = getattr(self, name)

@@ -103,10 +103,29 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...].astype(jnp.float32)).astype(x_BLD.dtype)
 
 
-def rotary(x_BLNH, positions_BL, theta: float):
-  """Rotary position embedding (Llama's rotate-half layout), in fp32."""
-  H = x_BLNH.shape[-1]
-  inv_freq_h = theta ** (-np.arange(0, H // 2, dtype=np.float32) / (H // 2))
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """RoPE's inverse frequencies, one per pair of head dimensions: theta^(-2i/H), and with
+  rope_type 'llama3' Llama 3.1's rescaling (as transformers computes it): wavelengths longer
+  than original_length/low_freq_factor are stretched by `factor`, those shorter than
+  original_length/high_freq_factor kept, those between blended linearly in
+  original_length/wavelength."""
+  H = cfg.head_dim
+  inv_freq_h = cfg.rope_theta ** (-np.arange(0, H // 2, dtype=np.float32) / (H // 2))
+  if cfg.rope_type == 'default':
+    return inv_freq_h
+  wavelength_h = 2 * np.pi / inv_freq_h
+  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  original = cfg.rope_original_length
+  blend_h = (original / wavelength_h - low) / (high - low)  # 0 at the low edge, 1 at the high
+  blended_h = (1 - blend_h) * inv_freq_h / cfg.rope_factor + blend_h * inv_freq_h
+  return np.where(wavelength_h > original / low, inv_freq_h / cfg.rope_factor,
+                  np.where(wavelength_h < original / high, inv_freq_h, blended_h)
+                  ).astype(np.float32)
+
+
+def rotary(x_BLNH, positions_BL, inv_freq_h: np.ndarray):
+  """Rotary position embedding (Llama's rotate-half layout), in fp32, at the frequencies of
+  `rope_frequencies`."""
   angle_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq_h
   sin_BL1h, cos_BL1h = jnp.sin(angle_BLh)[:, :, None], jnp.cos(angle_BLh)[:, :, None]
   x1, x2 = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
@@ -133,8 +152,9 @@ class Attention(nnx.Module):
     q_BLNH = project('bld,dnh->blnh', x_BLD, self.wq, cfg)
     k_BLKH = project('bld,dkh->blkh', x_BLD, self.wk, cfg)
     v_BLKH = project('bld,dkh->blkh', x_BLD, self.wv, cfg)
-    return (rotary(q_BLNH, positions_BL, cfg.rope_theta),
-            rotary(k_BLKH, positions_BL, cfg.rope_theta), v_BLKH)
+    inv_freq_h = rope_frequencies(cfg)
+    return (rotary(q_BLNH, positions_BL, inv_freq_h),
+            rotary(k_BLKH, positions_BL, inv_freq_h), v_BLKH)
 
   def decode(self, x_BTD, positions_BT, k_BSKH, v_BSKH):
     """T new tokens per row against a cache of S slots: writes their keys and values into the

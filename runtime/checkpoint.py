@@ -247,7 +247,9 @@ class Checkpointer:
 # resumed step on.
 KEPT_ON_RESUME = ('seed', 'batch_size', 'seq_len', 'data.paths', 'data.name', 'data.text_key',
                   'data.train_split', 'data.validation_fraction', 'data.tokenizer',
-                  'data.tokenizer_model', 'model.rope_theta', 'model.norm_eps')
+                  'data.tokenizer_model', 'model.rope_theta', 'model.rope_type',
+                  'model.rope_factor', 'model.rope_low_freq_factor', 'model.rope_high_freq_factor',
+                  'model.rope_original_length', 'model.norm_eps')
 
 
 def check_resume(saved_config: dict, config, checkpoint: pathlib.Path) -> None:

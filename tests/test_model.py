@@ -1,5 +1,7 @@
 """The model alone, on one device: causality, packing isolation, GQA attention, scan/remat."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +107,31 @@ def test_a_tied_head_is_the_untied_head_holding_the_table():
     assert abs(float(loss) / np.log(vocab) - 1) < 0.15, float(loss)
 
 
+def test_llama3_rope_keeps_high_frequencies_stretches_low_ones_and_blends_between():
+  from model.layers import rope_frequencies
+  cfg = ModelConfig.from_config(tiny_config().model)
+  llama3 = dataclasses.replace(cfg, head_dim=128, rope_theta=500_000.0, rope_type='llama3',
+                               rope_factor=8.0, rope_low_freq_factor=1.0,
+                               rope_high_freq_factor=4.0, rope_original_length=8192)
+  plain_h = rope_frequencies(dataclasses.replace(llama3, rope_type='default'))
+  np.testing.assert_allclose(plain_h, 500_000.0 ** (-np.arange(64) / 64), rtol=1e-6)
+  scaled_h = rope_frequencies(llama3)
+  wavelength_h = 2 * np.pi / plain_h
+  high, low = wavelength_h < 8192 / 4, wavelength_h > 8192 / 1
+  between = ~high & ~low
+  assert high.sum() and low.sum() and between.sum()  # all three kinds at these settings
+  np.testing.assert_array_equal(scaled_h[high], plain_h[high])
+  np.testing.assert_allclose(scaled_h[low], plain_h[low] / 8, rtol=1e-6)
+  ratio = scaled_h[between] / plain_h[between]  # from 1 at the high edge down to 1/8 at the low
+  assert np.all((ratio < 1) & (ratio > 1 / 8)) and np.all(np.diff(ratio) < 0)
+  # The blend meets both edges: at wavelength original/high the weight on the plain frequency is
+  # 1, at original/low it is 0.
+  edge = dataclasses.replace(llama3, rope_original_length=int(round(4 * wavelength_h[20])))
+  np.testing.assert_allclose(rope_frequencies(edge)[20], plain_h[20], rtol=1e-4)
+  with pytest.raises(ValueError, match=r"rope_type='llama3' needs rope_factor >= 1"):
+    dataclasses.replace(llama3, rope_factor=0.5)
+
+
 def test_layers_are_stacked_for_the_scan():
   model = make_model()
   assert model.blocks.attn.wq.shape == (2, 64, 4, 16)  # [layers, D, N, H]
@@ -114,6 +141,7 @@ def test_layers_are_stacked_for_the_scan():
 @pytest.mark.parametrize('field,value,match', [
     ('n_kv_heads', 3, 'config.model.n_heads'),
     ('attention', 'flash', 'config.model.attention'),
+    ('rope_type', 'yarn', 'config.model.rope_type'),
     ('remat_policy', 'some', 'config.model.remat_policy'),
     ('head_dim', 15, 'config.model.head_dim'),
 ])
