@@ -97,8 +97,8 @@ def get_config() -> ml_collections.ConfigDict:
   d.eval_split = 'validation'
   d.validation_fraction = 0.02  # of the files in `paths` held out, chosen by a hash of the path
   d.data_dir = ''  # TFDS data dir; '' is TFDS's default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
-  d.tokenizer = 'byte'  # byte | sentencepiece
-  d.tokenizer_model = ''  # the .model file for sentencepiece (python -m data.train_tokenizer)
+  d.tokenizer = 'byte'  # byte | sentencepiece | hf (a Hugging Face tokenizer.json)
+  d.tokenizer_model = ''  # sentencepiece: a .model (data.train_tokenizer); hf: a tokenizer.json
   d.workers = 0  # grain worker processes (0: in the training process); batches are the same
   d.prefetch = 2  # batches each worker prepares ahead
   return c

@@ -1,10 +1,14 @@
-"""Tokenizers: byte-level (the default; 256 bytes + BOS/EOS/PAD) and SentencePiece.
+"""Tokenizers: byte-level (the default; 256 bytes + BOS/EOS/PAD), SentencePiece, and Hugging Face's
+`tokenizer.json` (the `tokenizers` library: Llama 3's, GPT-2's, any model's on the Hub).
 
 A tokenizer turns a document's UTF-8 bytes into int32 ids and says how many bytes of text each id
 stands for (`token_bytes`), which makes bits per byte comparable across tokenizers. Only numpy is
-imported here (sentencepiece when used), so model-side code can read vocab sizes cheaply.
+imported here (sentencepiece or tokenizers when used), so model-side code can read vocab sizes
+cheaply.
 """
 
+import functools
+import json
 import pathlib
 
 import numpy as np
@@ -27,35 +31,42 @@ class ByteTokenizer:
     return (np.arange(self.vocab_size) < 256).astype(np.float32)
 
 
-class SentencePieceTokenizer:
-  """A trained SentencePiece model (python -m data.train_tokenizer makes one). Pickles by path,
-  so grain's worker processes load their own copy."""
-  name = 'sentencepiece'
+class _FromFile:
+  """A tokenizer loaded from a file. It pickles by path, so grain's worker processes load their
+  own copy."""
 
-  def __init__(self, model_file: str):
-    self.model_file = str(model_file)
+  def __init__(self, path: str):
+    self.path = str(path)
     self._load()
+
+  def _load(self):
+    raise NotImplementedError
+
+  def __getstate__(self):
+    return {'path': self.path}
+
+  def __setstate__(self, state):
+    self.path = state['path']
+    self._load()
+
+
+class SentencePieceTokenizer(_FromFile):
+  """A trained SentencePiece model (python -m data.train_tokenizer makes one)."""
+  name = 'sentencepiece'
 
   def _load(self):
     import sentencepiece  # only needed when this tokenizer is configured
     try:
-      self._sp = sentencepiece.SentencePieceProcessor(model_file=self.model_file)
+      self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
     except (OSError, RuntimeError) as e:
-      raise ValueError(f'config.data.tokenizer_model={self.model_file!r} is not a SentencePiece '
+      raise ValueError(f'config.data.tokenizer_model={self.path!r} is not a SentencePiece '
                        f'model ({e}); train one with python -m data.train_tokenizer') from None
     self.vocab_size = self._sp.get_piece_size()
     self.bos_id, self.eos_id, self.pad_id = self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()
     if min(self.bos_id, self.eos_id, self.pad_id) < 0:
-      raise ValueError(f'config.data.tokenizer_model={self.model_file!r} lacks a BOS, EOS or PAD '
+      raise ValueError(f'config.data.tokenizer_model={self.path!r} lacks a BOS, EOS or PAD '
                        'piece; train it with bos_id, eos_id and pad_id set (data.train_tokenizer '
                        'does)')
-
-  def __getstate__(self):
-    return {'model_file': self.model_file}
-
-  def __setstate__(self, state):
-    self.model_file = state['model_file']
-    self._load()
 
   def encode(self, text: bytes) -> np.ndarray:
     return np.asarray(self._sp.encode(text.decode('utf-8')), np.int32)
@@ -73,22 +84,100 @@ class SentencePieceTokenizer:
     return counts
 
 
-Tokenizer = ByteTokenizer | SentencePieceTokenizer
+class HFTokenizer(_FromFile):
+  """A Hugging Face `tokenizer.json`, with BOS and EOS (and PAD, else EOS) named by the
+  `tokenizer_config.json` beside it, as transformers reads them."""
+  name = 'hf'
+
+  def _load(self):
+    import tokenizers  # only needed when this tokenizer is configured
+    setting = f'config.data.tokenizer_model={self.path!r}'
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(self.path)
+    except Exception as e:  # the library raises a bare Exception for a malformed file
+      raise ValueError(f'{setting} is not a Hugging Face tokenizer.json ({e})') from None
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    special = pathlib.Path(self.path).with_name('tokenizer_config.json')
+    names = json.loads(special.read_text()) if special.is_file() else {}
+    ids = {}
+    for role in ('bos', 'eos', 'pad'):
+      token = names.get(f'{role}_token')
+      token = token.get('content') if isinstance(token, dict) else token
+      ids[role] = None if token is None else self._tok.token_to_id(token)
+      if token is not None and ids[role] is None:
+        raise ValueError(f'{setting}: its {special.name} names {role}_token {token!r}, which '
+                         'the tokenizer does not have')
+    if ids['bos'] is None or ids['eos'] is None:
+      raise ValueError(f'{setting}: every document is packed as BOS … EOS, and {special} does '
+                       'not name both bos_token and eos_token')
+    self.bos_id, self.eos_id = ids['bos'], ids['eos']
+    self.pad_id = self.eos_id if ids['pad'] is None else ids['pad']  # pads carry no weight
+
+  def encode(self, text: bytes) -> np.ndarray:
+    return np.asarray(self._tok.encode(text.decode('utf-8'), add_special_tokens=False).ids,
+                      np.int32)
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids if 0 <= i < self.vocab_size],
+                            skip_special_tokens=True)
+
+  def token_bytes(self) -> np.ndarray:
+    """Bytes of text per id: byte-level BPE maps each byte to a printable character (GPT-2's
+    table, inverted here); SentencePiece-style models write a space as ▁ and a fallback byte as
+    <0xNN>. Special tokens stand for no text."""
+    counts = np.zeros(self.vocab_size, np.float32)
+    special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+    byte_level = 'ByteLevel' in json.dumps(json.loads(self._tok.to_str()).get('decoder'))
+    for piece, i in self._tok.get_vocab(with_added_tokens=True).items():
+      if piece in special:
+        continue
+      if byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+        counts[i] = len(piece)
+      elif len(piece) == 6 and piece.startswith('<0x') and piece.endswith('>'):
+        counts[i] = 1
+      else:
+        counts[i] = len(piece.replace('\u2581', ' ').encode('utf-8'))
+    return counts
+
+
+@functools.cache
+def _gpt2_byte_table() -> dict[str, int]:
+  """GPT-2's byte-level alphabet: each byte is a printable character (the printable Latin-1 ones
+  stand for themselves, the rest are moved up past 255), so a token is a string of bytes."""
+  kept = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1),
+          *range(ord('®'), ord('ÿ') + 1)]
+  moved = [b for b in range(256) if b not in kept]
+  return {**{chr(b): b for b in kept}, **{chr(256 + n): b for n, b in enumerate(moved)}}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_table()
+
+Tokenizer = ByteTokenizer | SentencePieceTokenizer | HFTokenizer
+
+
+# What config.data.tokenizer_model must be, for the tokenizers that read one.
+_MODEL_FILES = {
+    'sentencepiece': (SentencePieceTokenizer, 'train a SentencePiece model with python -m '
+                      'data.train_tokenizer --config=... --vocab_size=N --output=PREFIX and pass '
+                      'PREFIX.model'),
+    'hf': (HFTokenizer, "with config.data.tokenizer='hf' it is a model's tokenizer.json, with "
+           'its tokenizer_config.json beside it'),
+}
 
 
 def load(data_config) -> Tokenizer:
   """The tokenizer `config.data` names; a missing or broken model file is a clear error."""
   if data_config.tokenizer == 'byte':
     return ByteTokenizer()
-  if data_config.tokenizer == 'sentencepiece':
-    model_file = pathlib.Path(data_config.tokenizer_model).expanduser()
-    if not data_config.tokenizer_model or not model_file.is_file():
-      raise ValueError(f'config.data.tokenizer_model={data_config.tokenizer_model!r} is not a file;'
-                       ' train a SentencePiece model with python -m data.train_tokenizer '
-                       '--config=... --vocab_size=N --output=PREFIX and pass PREFIX.model')
-    return SentencePieceTokenizer(str(model_file))
-  raise ValueError(f"config.data.tokenizer={data_config.tokenizer!r} is not 'byte' or "
-                   "'sentencepiece'")
+  if data_config.tokenizer not in _MODEL_FILES:
+    raise ValueError(f"config.data.tokenizer={data_config.tokenizer!r} is not 'byte', "
+                     "'sentencepiece' or 'hf'")
+  kind, what = _MODEL_FILES[data_config.tokenizer]
+  model_file = pathlib.Path(data_config.tokenizer_model).expanduser()
+  if not data_config.tokenizer_model or not model_file.is_file():
+    raise ValueError(f'config.data.tokenizer_model={data_config.tokenizer_model!r} is not a file;'
+                     f' {what}')
+  return kind(str(model_file))
 
 
 def padded_vocab_size(n: int) -> int:

@@ -4,6 +4,7 @@ exact, processes split the batch, tokenizers round-trip, and bad input fails ear
 import json
 import math
 import pathlib
+import pickle
 
 import grain
 import jax
@@ -201,15 +202,65 @@ def test_sentencepiece_trains_on_the_corpus_and_round_trips_exactly(tmp_path):
   assert len(sp.encode(TEXTS['b.txt'].encode())) < len(TEXTS['b.txt']) / 2  # it compresses
   config.model.vocab_size = 0
   assert tokenizers.with_vocab_size(config, sp).model.vocab_size == 512  # padded to 128s
-  # Through the pipeline: the rows decode back to the documents.
+  assert_rows_decode_to_the_documents(config, sp)
+
+
+def assert_rows_decode_to_the_documents(config, tokenizer):
+  """Through the pipeline: the packed rows' targets decode back to the training documents."""
   corpus = corpus_lib.load(config.data)
-  docs = pipeline.documents(corpus.train, 'text', sp, seed=None)
+  docs = pipeline.documents(corpus.train, 'text', tokenizer, seed=None)
   batches = pipeline.Batches(docs, batch_sharding=one_device_sharding(), batch_size=1,
-                             seq_len=64, pad_id=sp.pad_id, epochs=1)
+                             seq_len=64, pad_id=tokenizer.pad_id, epochs=1)
   targets = np.concatenate([b['targets'][b['weights'] > 0] for b in
                             (batches.next_local() for _ in range(40))])
-  text = sp.decode(targets[targets != sp.eos_id])
+  text = tokenizer.decode(targets[targets != tokenizer.eos_id])
   assert text == ''.join(corpus.train[i]['text'].decode() for i in range(len(corpus.train)))
+
+
+def hf_byte_level_bpe(directory: pathlib.Path, texts, vocab_size=600, config=True) -> str:
+  """A Hugging Face tokenizer.json made by the `tokenizers` library as GPT-2's and Llama 3's are
+  (byte-level BPE), trained on `texts`, with Llama 3's special tokens named in its
+  tokenizer_config.json as transformers saves them."""
+  import tokenizers as hf
+  special = ['<|begin_of_text|>', '<|end_of_text|>']
+  tok = hf.Tokenizer(hf.models.BPE())
+  tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = hf.decoders.ByteLevel()
+  tok.train_from_iterator(texts, hf.trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=special,
+      initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet()))
+  directory.mkdir(parents=True, exist_ok=True)
+  tok.save(str(directory / 'tokenizer.json'))
+  if config:
+    (directory / 'tokenizer_config.json').write_text(json.dumps(
+        {'bos_token': special[0], 'eos_token': {'content': special[1], 'special': True}}))
+  return str(directory / 'tokenizer.json')
+
+
+def test_a_hugging_face_tokenizer_round_trips_and_counts_its_bytes(tmp_path):
+  config = tiny_config()
+  config.data.paths = str(write_texts(tmp_path / 'corpus'))
+  config.data.data_dir = str(tmp_path / 'tfds')
+  config.data.tokenizer = 'hf'
+  config.data.tokenizer_model = hf_byte_level_bpe(tmp_path / 'hf', list(TEXTS.values()))
+  tok = tokenizers.load(config.data)
+  assert 258 < tok.vocab_size <= 600  # the bytes, the two special tokens, and merges
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 1)
+  for text in TEXTS.values():
+    ids = tok.encode(text.encode())
+    assert tok.decode(ids) == text  # lossless, whitespace and Unicode included
+    assert tok.token_bytes()[ids].sum() == len(text.encode())  # so bits per byte are right
+  assert len(tok.encode(TEXTS['b.txt'].encode())) < len(TEXTS['b.txt']) / 2  # it compresses
+  assert tok.token_bytes()[[tok.bos_id, tok.eos_id]].sum() == 0
+  again = pickle.loads(pickle.dumps(tok))  # as grain's worker processes get it: by path
+  text = TEXTS['a.py'].encode()
+  np.testing.assert_array_equal(again.encode(text), tok.encode(text))
+  assert_rows_decode_to_the_documents(config, tok)
+  # Without its special tokens named, the documents could not be packed.
+  hf_byte_level_bpe(tmp_path / 'bare', ['just text'], vocab_size=300, config=False)
+  config.data.tokenizer_model = str(tmp_path / 'bare' / 'tokenizer.json')
+  with pytest.raises(ValueError, match='does not name both bos_token and eos_token'):
+    tokenizers.load(config.data)
 
 
 def test_checkpoint_vocab_mismatch_is_a_clear_error():
@@ -255,13 +306,15 @@ def bad(tmp_path):
       (dict(name='lm1b'), "config.data.name='lm1b' is not prepared"),
       (dict(tokenizer='sentencepiece', tokenizer_model=str(tmp_path / 'none.model')),
        'config.data.tokenizer_model'),
+      (dict(tokenizer='hf', tokenizer_model=str(tmp_path / 'tokenizer.json')),
+       'config.data.tokenizer_model'),
       (dict(tokenizer='bpe'), 'config.data.tokenizer'),
       (dict(workers=3), 'config.data.workers'),
       (dict(validation_fraction=1.5), 'config.data.validation_fraction'),
   ]
 
 
-@pytest.mark.parametrize('index', range(11))
+@pytest.mark.parametrize('index', range(12))
 def test_bad_data_settings_fail_before_training_naming_the_setting(tmp_path, index):
   change, message = bad(tmp_path)[index]
   config = tiny_config(fsdp=8)
