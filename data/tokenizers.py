@@ -7,7 +7,6 @@ imported here (sentencepiece or tokenizers when used), so model-side code can re
 cheaply.
 """
 
-import functools
 import json
 import pathlib
 
@@ -140,7 +139,6 @@ class HFTokenizer(_FromFile):
     return counts
 
 
-@functools.cache
 def _gpt2_byte_table() -> dict[str, int]:
   """GPT-2's byte-level alphabet: each byte is a printable character (the printable Latin-1 ones
   stand for themselves, the rest are moved up past 255), so a token is a string of bytes."""

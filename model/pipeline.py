@@ -60,18 +60,18 @@ def over_stages(forward, axis: str, staged_dim: int = 0):
       axis_names={axis}, check_vma=True)(staged_tree, shared, *args)
 
 
-def schedule(run_layers, chunks, x_MbLD, extras_Mb, axis: str):
+def schedule(run_layers, layers, x_MbLD, extras_Mb, axis: str, loops: int = 1):
   """run_layers(layers, x_bLD, extras_b) applied to every microbatch of x_MbLD through all the
-  stages' layers, inside `over_stages`. `chunks` is this stage's share with a leading chunk
-  dimension ([V, n/(V·P), …]; V = 1 for GPipe); extras_Mb (a pytree of per-microbatch arrays,
-  such as positions) go with each microbatch. Returns y_MbLD, the same on every stage.
+  stages' layers, inside `over_stages`. `layers` is this stage's share: [n/P, …] for GPipe, or
+  with `loops` = V > 1 virtual stages its chunks, [V, n/(V·P), …]; extras_Mb (a pytree of
+  per-microbatch arrays, such as positions) go with each microbatch. Returns y_MbLD, the same on
+  every stage.
 
-  With V > 1, run_layers(chunks, x_bLD, extras_b, chunk=v) must run row v of the chunks, taking
+  With V > 1, run_layers(layers, x_bLD, extras_b, chunk=v) must run row v of the chunks, taking
   each layer's weights with `pick` inside the layer's remat region: a chunk's weights are then
   sliced again for the backward, not kept for every tick (a copy of the stage's weights per
   microbatch)."""
   stages, microbatches = jax.lax.axis_size(axis), x_MbLD.shape[0]
-  loops = jax.tree.leaves(chunks)[0].shape[0]
   items = loops * microbatches
   stage = jax.lax.axis_index(axis)
   # With chunks the last stage hands each microbatch back to the first: a ring.
@@ -82,8 +82,6 @@ def schedule(run_layers, chunks, x_MbLD, extras_Mb, axis: str):
   # Both sums over stages are taken in fp32: XLA's CPU compiler fails (a CHECK in
   # AllReducePromotion) on these bf16 all-reduces.
   inputs_MbLD = jax.lax.pcast(x_MbLD.astype(jnp.float32), axis, to='varying')
-
-  layers = jax.tree.map(lambda w: w[0], chunks) if loops == 1 else chunks
 
   def tick(carry, t):
     received_bLD, inputs_MbLD = carry

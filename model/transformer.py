@@ -159,11 +159,10 @@ class Transformer(nnx.Module):
     extras = (positions_BL, segment_ids_BL)
     if stage_axis is None:
       return run_layers(self._in_order(layers), x_BLD, extras)
-    if self.cfg.virtual_stages == 1:  # one chunk per stage
-      layers = jax.tree.map(lambda w: w[None], layers)  # (taken apart again, statically)
     x_MbLD = constrain(pipeline.split(x_BLD, microbatches), (None, 'batch', 'length', 'embed'))
     extras_Mb = jax.tree.map(lambda e: pipeline.split(e, microbatches), extras)
-    y_MbLD = pipeline.schedule(run_layers, layers, x_MbLD, extras_Mb, stage_axis)
+    y_MbLD = pipeline.schedule(run_layers, layers, x_MbLD, extras_Mb, stage_axis,
+                               self.cfg.virtual_stages)
     return constrain(pipeline.merge(y_MbLD), ('batch', 'length', 'embed'))
 
   def _in_order(self, layers):
