@@ -19,7 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_batches = 4  # batches of the validation split per evaluation; 0: all of it
   c.checkpoint_every = 50  # steps between asynchronous checkpoints (and one at the end); 0: none
   c.keep_checkpoints = 3  # the newest this many are kept
-  c.init_from = ''  # a run's workdir (or checkpoints/<step>): start from its parameters only
+  c.init_from = ''  # a run's workdir (or checkpoints/<step>): start from its parameters only;
+  # or hf:DIR, a Hugging Face Llama checkpoint, which also sets config.model (README)
   c.dry_run = False  # compile the step, print its memory/FLOPs/collectives plan, and stop
   c.max_bad_steps = 5  # this many steps in a row with a non-finite loss or gradient stop the run
   c.profile_steps = 0  # trace this many steps into workdir/profile (TensorBoard, Perfetto); 0: none

@@ -1,6 +1,7 @@
-"""Llama-shaped presets with real sizes: 125m (GPT-2-small sized, 124M), 1b (Llama-3.2-1B shapes,
-1.24B) and 8b (Llama-3-8B shapes, 8.03B); and 8b-128k, the 8b on one row of 131,072 tokens split
-over sequence=8 with our kernel's ring attention (README: Long context).
+"""Llama-shaped presets with real sizes: 125m (GPT-2-small sized, 124M), 1b (1.24B, the config of
+Hugging Face's meta-llama/Llama-3.2-1B: tied head, llama3 RoPE) and 8b (8.03B,
+meta-llama/Meta-Llama-3-8B's); and 8b-128k, the 8b on one row of 131,072 tokens split over
+sequence=8 with our kernel's ring attention (README: Long context).
 
 Run (pick the preset after the colon; on GPU, add --config.model.attention=cudnn or =pallas):
   python train.py --config=configs/llama.py:125m --config.workdir=/tmp/meshlm-125m
@@ -13,21 +14,27 @@ Plan on any machine, compiled for the H100s each preset is meant for (GPUS below
       --config.plan.devices=8
   python train.py --config=configs/llama.py:8b-128k --config.dry_run=True \
       --config.plan.target=H100 --config.plan.devices=8
-Should reach: the loss falls as the default run's does (they train byte-level on the default
-corpus until the tokenizer issue gives them a real vocabulary). Compiled for H100 (pallas or
-cudnn attention), a step needs 30.8 GiB (125m), 47.9 GiB (1b) and 55.8 GiB a GPU (8b, FSDP over
-8; 35.9 GiB for 8b-128k), within the 59.7 GiB JAX's allocator takes of each. On GPU, compare the benchmark's MFU with
-the peers' 33–50% MFU (MaxText, torchtitan).
+Start from the weights they mirror (README: Start from a Hugging Face checkpoint), which brings
+the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
+  python train.py --config=configs/llama.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B
+Should reach: the loss falls as the default run's does (without init_from they train
+byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 tokenizer.json gives
+them their real vocabulary). Compiled for H100 (pallas or cudnn attention), a step needs
+30.8 GiB (125m), 47.9 GiB (1b) and 55.8 GiB a GPU (8b, FSDP over 8; 35.9 GiB for 8b-128k),
+within the 59.7 GiB JAX's allocator takes of each. On GPU, compare the benchmark's MFU with the
+peers' 33–50% MFU (MaxText, torchtitan).
 """
 
 from configs import base
 
 PRESETS = {
-    # name: d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff, vocab, tied, rope_theta
+    # name: config.model's fields; 1b and 8b as the Hugging Face config.json of their namesakes
     '125m': dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64, d_ff=2048,
                  vocab_size=50304, tie_embeddings=True, rope_theta=10_000.0),
     '1b': dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, d_ff=8192,
-               vocab_size=128256, tie_embeddings=True, rope_theta=500_000.0),
+               vocab_size=128256, tie_embeddings=True, rope_theta=500_000.0,
+               rope_type='llama3', rope_factor=32.0, rope_low_freq_factor=1.0,
+               rope_high_freq_factor=4.0, rope_original_length=8192),
     '8b': dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
                vocab_size=128256, tie_embeddings=False, rope_theta=500_000.0),
 }

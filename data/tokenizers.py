@@ -9,6 +9,7 @@ cheaply.
 
 import json
 import pathlib
+import shutil
 
 import numpy as np
 
@@ -28,6 +29,21 @@ class ByteTokenizer:
 
   def token_bytes(self) -> np.ndarray:
     return (np.arange(self.vocab_size) < 256).astype(np.float32)
+
+  def save_hf(self, directory: pathlib.Path) -> None:
+    """This tokenizer as a Hugging Face tokenizer.json (and tokenizer_config.json): a byte-level
+    BPE with no merges, each byte its own id, then <s>, </s> and <pad> as BOS, EOS and PAD."""
+    import tokenizers  # only needed when exporting
+    vocab = {char: byte for char, byte in _BYTE_OF_CHAR.items()}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                            use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(['<s>', '</s>', '<pad>'])  # ids 256, 257, 258
+    tok.save(str(directory / 'tokenizer.json'))
+    (directory / 'tokenizer_config.json').write_text(json.dumps(
+        {'bos_token': '<s>', 'eos_token': '</s>', 'pad_token': '<pad>',
+         'tokenizer_class': 'PreTrainedTokenizerFast'}, indent=2) + '\n')
 
 
 class _FromFile:
@@ -119,6 +135,12 @@ class HFTokenizer(_FromFile):
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids if 0 <= i < self.vocab_size],
                             skip_special_tokens=True)
+
+  def save_hf(self, directory: pathlib.Path) -> None:
+    """Copies tokenizer.json and the files beside it that name its special tokens."""
+    for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
+      if (source := pathlib.Path(self.path).with_name(name)).is_file():
+        shutil.copyfile(source, directory / name)
 
   def token_bytes(self) -> np.ndarray:
     """Bytes of text per id: byte-level BPE maps each byte to a printable character (GPT-2's

@@ -1,5 +1,5 @@
-"""Mistakes in the settings end train.py and sample.py with one line naming the flag or file and
-the fix, exit status 2, no traceback (runtime/cli.py)."""
+"""Mistakes in the settings end train.py, sample.py and export.py with one line naming the flag
+or file and the fix, exit status 2, no traceback (runtime/cli.py)."""
 
 import pathlib
 import subprocess
@@ -33,6 +33,12 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
       ('train.py', '--config=configs/base.py', workdir, '--config.data.name=no_such_dataset'):
           "error: config.data.name='no_such_dataset': no such TFDS dataset in "
           'config.data.data_dir=',
+      ('train.py', '--config=configs/base.py', workdir, '--config.model.d_model=128',
+       '--config.init_from=hf:tests/data/hf-llama-untied'):
+          'error: config.model.d_model=128, but config.init_from=hf:tests/data/hf-llama-untied '
+          'has hidden_size=64 in its config.json; drop the setting',
+      ('export.py', f'--workdir={tmp_path}', f'--output={tmp_path}'):
+          f'error: --output={tmp_path} exists and is not an empty directory',
       ('sample.py', '--prompt=x'):
           "error: --workdir is required (A run's workdir, checkpoints/ or checkpoints/STEP.)",
       ('sample.py', f'--workdir={tmp_path}'):

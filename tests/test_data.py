@@ -263,6 +263,17 @@ def test_a_hugging_face_tokenizer_round_trips_and_counts_its_bytes(tmp_path):
     tokenizers.load(config.data)
 
 
+def test_the_byte_tokenizer_in_hugging_face_form_is_the_same_tokenizer(tmp_path):
+  tokenizers.ByteTokenizer().save_hf(tmp_path)  # what export.py writes for a byte-level run
+  hf = tokenizers.HFTokenizer(str(tmp_path / 'tokenizer.json'))
+  assert (hf.vocab_size, hf.bos_id, hf.eos_id, hf.pad_id) == (259, 256, 257, 258)
+  np.testing.assert_array_equal(hf.token_bytes(), BYTES.token_bytes())
+  for text in [*TEXTS.values(), 'tabs\t, CRLF\r\n and bytes \x00\x7f']:
+    ids = hf.encode(text.encode())
+    np.testing.assert_array_equal(ids, BYTES.encode(text.encode()))
+    assert hf.decode(ids) == text
+
+
 def test_checkpoint_vocab_mismatch_is_a_clear_error():
   with pytest.raises(ValueError, match='config.data.tokenizer'):
     tokenizers.check_checkpoint_vocab(50304, BYTES, 384)

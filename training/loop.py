@@ -15,7 +15,7 @@ from planning import plan as plan_lib
 from reporting import metrics as metrics_lib
 from reporting.profiling import StepTrace
 from runtime import checkpoint as checkpoint_lib
-from runtime import distributed
+from runtime import distributed, huggingface
 from runtime import workdir as workdir_lib
 from runtime.preemption import StopSignals
 import sharding
@@ -43,9 +43,9 @@ def warn_about_data(config, corpus: corpus_lib.Corpus) -> None:
 
 
 def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
-  """Before data or memory are touched: the workdir's checkpoints (else `config.init_from`'s)
-  hold this config's model, and a resumed run keeps what it must (checkpoint.KEPT_ON_RESUME);
-  another vocabulary is named as a tokenizer mistake."""
+  """Before data or memory are touched: the workdir's checkpoints (else `config.init_from`'s, a
+  meshlm run or a Hugging Face checkpoint) hold this config's model, and a resumed run keeps
+  what it must (checkpoint.KEPT_ON_RESUME); another vocabulary is named as a tokenizer mistake."""
   try:
     steps = checkpointer.steps() if checkpointer else []
     for step in steps:  # the newest whose metadata reads; older ones are fallbacks
@@ -54,7 +54,9 @@ def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
         checkpoint_lib.check_resume(checkpointer.saved_config(step), config,
                                     checkpointer.directory / str(step))
         return
-    if config.init_from and not steps:
+    if (hf := huggingface.directory(config.init_from)) and not steps:
+      huggingface.check(hf, setup.abstract_state.params, setup.model_cfg)
+    elif config.init_from and not steps:
       checkpoint_lib.check_init_from(config.init_from, setup.abstract_state.params, config.model)
   except checkpoint_lib.CheckpointMismatch as e:
     if 'vocab_size' in e.saved_model:
@@ -71,6 +73,10 @@ def initial_state(setup, config, checkpointer, log):
   if restored:
     log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')
     return restored
+  if hf := huggingface.directory(config.init_from):
+    params = huggingface.load_params(hf, setup.abstract_state.params, setup.model_cfg)
+    log(f'starting from the Hugging Face checkpoint {hf} (fresh optimizer, step 0)')
+    return 0, setup.init_state(params), None
   if config.init_from:
     params, path = checkpoint_lib.restore_params(config.init_from, setup.abstract_state.params,
                                                  config.model)

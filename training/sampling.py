@@ -42,6 +42,7 @@ def load(path: str) -> Loaded:
                      'another step')
   config = base.get_config()  # the settings a checkpoint from an older meshlm may lack
   config.update(saved)
+  config.init_from = ''  # the run's model settings are saved: where it started is not needed
   config = settings.resolve(config)
   tokenizer = tokenizers.load(config.data)
   model_cfg = ModelConfig.from_config(config.model)

@@ -3,21 +3,23 @@ through `loop.run`, sample.py through `sampling.load`, the benchmarks, a noteboo
 
   config = settings.resolve(config)
 
-Resolving fills in what the config leaves open: `config.model.vocab_size=0` becomes the
-tokenizer's size, padded. Checking (`check`) judges every setting that can be judged without
-devices or files, each bad one a ValueError naming `config.<field>` and the fix. What depends on
-the devices (the mesh against their count and the model's dimensions, cuDNN on a GPU, pinned host
-memory) is `training.state.build`'s, which raises `sharding.MeshMismatch` for a mesh the model or
-batch cannot use; files (data, checkpoints, the workdir) are checked where they are opened,
-before anything is written.
+Resolving fills in what the config leaves open: `config.init_from='hf:DIR'` gives config.model
+(and the tokenizer) from a Hugging Face checkpoint's config.json; `config.model.vocab_size=0`
+becomes the tokenizer's size, padded. Checking (`check`) judges every setting that can be judged
+without devices or files, each bad one a ValueError naming `config.<field>` and the fix. What
+depends on the devices (the mesh against their count and the model's dimensions, cuDNN on a
+GPU, pinned host memory) is `training.state.build`'s, which raises `sharding.MeshMismatch` for a
+mesh the model or batch cannot use; files (data, checkpoints, the workdir) are checked where
+they are opened, before anything is written.
 """
 
 import functools
 
+from configs import base
 from data import tokenizers
 from model import ModelConfig
 from planning import gpus
-from runtime import distributed
+from runtime import distributed, huggingface
 import sharding
 from training import optimizer
 
@@ -30,6 +32,7 @@ MINIMA = (('train_steps', 1), ('batch_size', 1), ('microbatches', 1), ('seq_len'
 
 def resolve(config):
   """A checked copy of `config` with what it leaves open filled in (module docstring)."""
+  config = huggingface.with_model_settings(config, base.get_config().model)
   config = tokenizers.with_vocab_size(config, tokenizers.load(config.data))
   check(config)
   return config

@@ -1,0 +1,363 @@
+"""Hugging Face Llama checkpoints in and out. meshlm's model computes the function of
+transformers' `LlamaForCausalLM` for the same weights, so a checkpoint is a renaming and a
+re-layout of tensors (`TENSORS`).
+
+Import, `--config.init_from=hf:DIR` (DIR holds config.json and model.safetensors, or the shards a
+model.safetensors.index.json names): `with_model_settings` takes config.model's fields from
+config.json (and the tokenizer.json beside it), `check` finds every tensor with its shape before
+anything is compiled, and `load_params` reads each device's share of each tensor straight into
+the run's shardings.
+
+Export, `python export.py --workdir=RUN --output=DIR` (`export`): config.json, safetensors in HF
+layout (sharded above a size, with an index) and the tokenizer's files, written beside DIR and
+moved into place whole.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import shutil
+import tempfile
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+PREFIX = 'hf:'
+SETTING = 'config.init_from'
+LAYER = 'model.layers.{}.'  # before the name of a stacked ('blocks') parameter's tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where a meshlm parameter is in a HF checkpoint: tensor `name` (after model.layers.{i}. for
+  the stacked 'blocks', once per layer), transposed or not, with meshlm's two dimensions
+  `joined` = (d, d + 1) one HF dimension: q_proj [N·H, D] is Wq[D, N, H] (joined (1, 2)),
+  o_proj [D, N·H] is Wo[N, H, D] (joined (0, 1))."""
+  name: str
+  transposed: bool = False
+  joined: tuple = ()
+
+  def groups(self, ndim) -> list[tuple]:
+    """meshlm's dimensions (per layer) as HF's, in meshlm's order."""
+    return [tuple(self.joined) if d in self.joined else (d,) for d in range(ndim)
+            if not self.joined or d != self.joined[1]]
+
+  def hf_shape(self, shape) -> tuple:
+    joined = [math.prod(shape[d] for d in group) for group in self.groups(len(shape))]
+    return tuple(joined[::-1] if self.transposed else joined)
+
+  def to_hf(self, x):
+    """meshlm's array (one layer) in HF's layout."""
+    x = x.reshape(self.hf_shape(x.shape)[::-1] if self.transposed else self.hf_shape(x.shape))
+    return x.T if self.transposed else x
+
+
+TENSORS = {
+    ('embed',): Layout('model.embed_tokens.weight'),
+    ('blocks', 'attn_norm', 'scale'): Layout('input_layernorm.weight'),
+    ('blocks', 'attn', 'wq'): Layout('self_attn.q_proj.weight', True, (1, 2)),
+    ('blocks', 'attn', 'wk'): Layout('self_attn.k_proj.weight', True, (1, 2)),
+    ('blocks', 'attn', 'wv'): Layout('self_attn.v_proj.weight', True, (1, 2)),
+    ('blocks', 'attn', 'wo'): Layout('self_attn.o_proj.weight', True, (0, 1)),
+    ('blocks', 'mlp_norm', 'scale'): Layout('post_attention_layernorm.weight'),
+    ('blocks', 'mlp', 'w_gate'): Layout('mlp.gate_proj.weight', True),
+    ('blocks', 'mlp', 'w_up'): Layout('mlp.up_proj.weight', True),
+    ('blocks', 'mlp', 'w_down'): Layout('mlp.down_proj.weight', True),
+    ('final_norm', 'scale'): Layout('model.norm.weight'),
+    ('unembed',): Layout('lm_head.weight', True),
+}
+IGNORED = ('rotary_emb.inv_freq',)  # buffers older transformers saved; recomputed from the config
+DTYPES = {'F32': np.float32, 'BF16': ml_dtypes.bfloat16, 'F16': np.float16}
+
+# config.model field ← config.json key (transformers' LlamaConfig; its defaults where absent).
+FIELDS = {'vocab_size': 'vocab_size', 'd_model': 'hidden_size', 'n_layers': 'num_hidden_layers',
+          'n_heads': 'num_attention_heads', 'n_kv_heads': 'num_key_value_heads',
+          'head_dim': 'head_dim', 'd_ff': 'intermediate_size', 'norm_eps': 'rms_norm_eps',
+          'tie_embeddings': 'tie_word_embeddings', 'rope_theta': 'rope_theta',
+          'rope_type': 'rope_type', 'rope_factor': 'factor',
+          'rope_low_freq_factor': 'low_freq_factor', 'rope_high_freq_factor': 'high_freq_factor',
+          'rope_original_length': 'original_max_position_embeddings'}
+LLAMA3_FIELDS = ('rope_factor', 'rope_low_freq_factor', 'rope_high_freq_factor',
+                 'rope_original_length')
+
+
+def directory(init_from: str) -> pathlib.Path | None:
+  """The directory of `config.init_from='hf:DIR'`, else None (a meshlm run or nothing)."""
+  if not init_from.startswith(PREFIX):
+    return None
+  path = pathlib.Path(init_from[len(PREFIX):]).expanduser()
+  if not (path / 'config.json').is_file():
+    raise ValueError(f'{SETTING}={init_from!r}: {path} holds no config.json; give a directory '
+                     'with a Hugging Face Llama checkpoint (config.json and model.safetensors)')
+  return path
+
+
+def model_settings(path: pathlib.Path) -> dict:
+  """config.model's fields from a Llama config.json (transformers 4's `rope_scaling` and
+  `rope_theta` or 5's `rope_parameters`); anything meshlm's Llama does not compute is an error."""
+  hf = json.loads((path / 'config.json').read_text())
+  where = f'{SETTING}={PREFIX}{path}: its config.json'
+  rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
+  rope_type = rope.get('rope_type', rope.get('type', 'default'))
+  unsupported = {
+      'model_type': hf.get('model_type') != 'llama',
+      'hidden_act': hf.get('hidden_act', 'silu') != 'silu',
+      'attention_bias': hf.get('attention_bias', False),
+      'mlp_bias': hf.get('mlp_bias', False),
+      'num_local_experts': 'num_local_experts' in hf,
+      'rope_type': rope_type not in ('default', 'llama3'),
+  }
+  if bad := [key for key, is_bad in unsupported.items() if is_bad]:
+    raise ValueError(f'{where} has {", ".join(f"{k}={hf.get(k, rope_type)!r}" for k in bad)}; '
+                     "meshlm imports Llama (model_type 'llama': SwiGLU, no biases, no experts, "
+                     "rope_type 'default' or 'llama3')")
+  required = ['vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads',
+              'intermediate_size'] + [key for f, key in FIELDS.items()
+                                      if f in LLAMA3_FIELDS and rope_type == 'llama3']
+  if missing := [key for key in required if key not in {**hf, **rope}]:
+    raise ValueError(f'{where} lacks {missing}; it is not a whole Llama config')
+  heads = hf['num_attention_heads']
+  values = {**hf, **rope, 'rope_type': rope_type,
+            'rope_theta': float(rope.get('rope_theta', hf.get('rope_theta', 10_000.0))),
+            'num_key_value_heads': hf.get('num_key_value_heads') or heads,
+            'head_dim': hf.get('head_dim') or hf['hidden_size'] // heads,
+            'rms_norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
+            'tie_word_embeddings': hf.get('tie_word_embeddings', False)}
+  fields = {f: values[key] for f, key in FIELDS.items()
+            if rope_type == 'llama3' or f not in LLAMA3_FIELDS}
+  for field in LLAMA3_FIELDS[:3]:
+    if field in fields:
+      fields[field] = float(fields[field])
+  return fields
+
+
+def with_model_settings(config, defaults):
+  """A copy of `config` whose config.model comes from `config.init_from='hf:DIR'`'s config.json,
+  and whose tokenizer, left at the default, is the tokenizer.json beside it. A field set to
+  something other than its default (`defaults`: configs/base.py's config.model) and other than
+  the checkpoint's is an error naming both."""
+  path = directory(config.init_from)
+  if path is None:
+    return config
+  config = config.copy_and_resolve_references()
+  for field, value in model_settings(path).items():
+    given = config.model[field]
+    if given != value and given != defaults[field]:
+      raise ValueError(
+          f'config.model.{field}={given!r}, but {SETTING}={config.init_from} has '
+          f'{FIELDS[field]}={value!r} in its config.json; drop the setting (the checkpoint '
+          'decides it) or start from another checkpoint')
+    config.model[field] = value
+  if config.data.tokenizer == 'byte' and (path / 'tokenizer.json').is_file():
+    config.data.tokenizer, config.data.tokenizer_model = 'hf', str(path / 'tokenizer.json')
+  return config
+
+
+def _parameters(abstract_params, virtual_stages):
+  """(leaf path, leaf, Layout, lead) of each meshlm parameter; the stacked ones have `lead`
+  leading layer dimensions: [n], or [V, n/V] (layer v·n/V + j at [v, j]) with virtual stages."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
+    names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+    yield path, leaf, TENSORS[names], (1 + (virtual_stages > 1)) * (names[0] == 'blocks')
+
+
+def _hf_names(layout: Layout, leaf, lead: int) -> list[str]:
+  if not lead:
+    return [layout.name]
+  return [LAYER.format(i) + layout.name for i in range(math.prod(leaf.shape[:lead]))]
+
+
+class Checkpoint(contextlib.ExitStack):
+  """A HF checkpoint's safetensors files, open for reading tensors by name (a context)."""
+
+  def __init__(self, path: pathlib.Path):
+    super().__init__()
+    where = f'{SETTING}={PREFIX}{path}'
+    index = path / 'model.safetensors.index.json'
+    if index.is_file():
+      weight_map = json.loads(index.read_text())['weight_map']
+    elif (path / 'model.safetensors').is_file():
+      weight_map = None
+    else:
+      raise ValueError(f'{where} holds neither model.safetensors nor model.safetensors.index.json;'
+                       ' give the directory transformers saved the model into')
+    files = {}
+    for file in sorted(set(weight_map.values())) if weight_map else ['model.safetensors']:
+      if not (path / file).is_file():
+        raise ValueError(f'{where}: {index.name} names {file}, which is not there; copy the '
+                         'whole checkpoint')
+      files[file] = self.enter_context(safe_open(path / file, framework='numpy'))
+    if weight_map is None:
+      weight_map = {name: 'model.safetensors' for name in files['model.safetensors'].keys()}
+    self.where = where
+    self.tensors = {name: files[file].get_slice(name) for name, file in weight_map.items()}
+
+  def check(self, abstract_params, virtual_stages: int) -> None:
+    """ValueError unless every parameter's tensors are here with the shapes the model's settings
+    give them, in a float dtype, and nothing else is (biases, experts: not this model)."""
+    wanted = set()
+    for _, leaf, layout, lead in _parameters(abstract_params, virtual_stages):
+      shape = layout.hf_shape(leaf.shape[lead:])
+      for name in _hf_names(layout, leaf, lead):
+        wanted.add(name)
+        if name not in self.tensors:
+          raise ValueError(f'{self.where} lacks tensor {name}; its config.json describes '
+                           'another model than its weights')
+        found = self.tensors[name]
+        if tuple(found.get_shape()) != shape or found.get_dtype() not in DTYPES:
+          raise ValueError(f'{self.where}: tensor {name} is {found.get_dtype()} '
+                           f'{found.get_shape()}, not {list(shape)} in one of {sorted(DTYPES)} '
+                           'as its config.json implies')
+    unused = {n for n in self.tensors if n not in wanted and not n.endswith(IGNORED)
+              and n != TENSORS['unembed',].name}  # a tied head may be saved as well
+    if unused:
+      raise ValueError(f'{self.where} holds tensors meshlm\'s Llama has no place for, such as '
+                       f'{sorted(unused)[:3]}; it is not a plain Llama checkpoint')
+
+  def read(self, name: str, layout: Layout, shape: tuple, index: list) -> np.ndarray:
+    """meshlm's part `index` ((start, stop) per dimension) of one layer's parameter of `shape`,
+    reading only the rows and columns of tensor `name` it needs."""
+    hf_slices, view, within = [], [], []
+    for group in layout.groups(len(shape)):
+      (start, stop), rest = index[group[0]], group[1:]
+      size = math.prod(shape[d] for d in rest)
+      hf_slices.append(slice(start * size, stop * size))
+      view += [stop - start, *(shape[d] for d in rest)]
+      within += [slice(None), *(slice(*index[d]) for d in rest)]
+    if layout.transposed:
+      part = self.tensors[name][tuple(hf_slices[::-1])].T
+    else:
+      part = self.tensors[name][tuple(hf_slices)]
+    return part.reshape(view)[tuple(within)]
+
+
+def check(path: pathlib.Path, abstract_params, model_cfg) -> None:
+  """Before data or memory are touched: `path` holds every tensor of this model (Checkpoint)."""
+  with Checkpoint(path) as checkpoint:
+    checkpoint.check(abstract_params, model_cfg.virtual_stages)
+
+
+def load_params(path: pathlib.Path, abstract_params, model_cfg):
+  """The parameters of the checkpoint at `path` as `abstract_params` (ShapeDtypeStructs with
+  shardings) has them: each device's part is read from the files on its own process, converted
+  to the parameter's dtype, and placed, one tensor at a time, so no process ever holds the
+  whole model."""
+  with Checkpoint(path) as checkpoint:
+    checkpoint.check(abstract_params, model_cfg.virtual_stages)
+    arrays = {}
+    for key, leaf, layout, lead in _parameters(abstract_params, model_cfg.virtual_stages):
+      layers = np.arange(math.prod(leaf.shape[:lead])).reshape(leaf.shape[:lead])
+
+      def part(index, leaf=leaf, layout=layout, lead=lead, layers=layers):
+        index = [s.indices(n)[:2] for s, n in zip(index, leaf.shape)]
+        rows = layers[tuple(slice(*i) for i in index[:lead])]
+        names = [LAYER.format(i) + layout.name for i in rows.flat] if lead else [layout.name]
+        parts = [checkpoint.read(name, layout, leaf.shape[lead:], index[lead:])
+                 for name in names]
+        return np.stack(parts).reshape(rows.shape + parts[0].shape).astype(leaf.dtype)
+
+      arrays[key] = jax.make_array_from_callback(leaf.shape, leaf.sharding, part)
+    return jax.tree_util.tree_map_with_path(lambda key, _: arrays[key], abstract_params)
+
+
+def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
+  """config.json for transformers' LlamaConfig (the form transformers 4 writes, which 5 reads)."""
+  rope_scaling = None
+  if cfg.rope_type == 'llama3':
+    rope_scaling = {'rope_type': 'llama3', 'factor': cfg.rope_factor,
+                    'low_freq_factor': cfg.rope_low_freq_factor,
+                    'high_freq_factor': cfg.rope_high_freq_factor,
+                    'original_max_position_embeddings': cfg.rope_original_length}
+  return {
+      'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
+      'vocab_size': cfg.vocab_size, 'hidden_size': cfg.d_model,
+      'intermediate_size': cfg.d_ff, 'num_hidden_layers': cfg.n_layers,
+      'num_attention_heads': cfg.n_heads, 'num_key_value_heads': cfg.n_kv_heads,
+      'head_dim': cfg.head_dim, 'hidden_act': 'silu', 'rms_norm_eps': cfg.norm_eps,
+      'rope_theta': cfg.rope_theta, 'rope_scaling': rope_scaling,
+      'max_position_embeddings': max(seq_len, int(cfg.rope_original_length * cfg.rope_factor)
+                                     if rope_scaling else seq_len),
+      'tie_word_embeddings': cfg.tie_embeddings, 'attention_bias': False, 'mlp_bias': False,
+      'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id,
+      'pad_token_id': tokenizer.pad_id, 'torch_dtype': dtype, 'dtype': dtype}
+
+
+def _shards(tensors: list, max_bytes: int) -> list[list]:
+  """`tensors` ((name, nbytes, read)) in order, cut into files of at most max_bytes each (a
+  larger tensor alone in its file)."""
+  shards, size = [[]], 0
+  for tensor in tensors:
+    if shards[-1] and size + tensor[1] > max_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(tensor)
+    size += tensor[1]
+  return shards
+
+
+def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype: str,
+           max_shard_bytes: int, log=print) -> None:
+  """Writes `params` (meshlm's, as arrays) as a checkpoint transformers loads: config.json,
+  safetensors in HF's names and layout, in `dtype` (sharded with an index above max_shard_bytes),
+  and the tokenizer's files where it has a HF form. Built in a directory beside `output` and
+  renamed to it at the end, so a failed export leaves no half checkpoint."""
+  np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
+  tensors = []  # (HF name, bytes, read): HF's order, one layer's tensors after another
+  stacked = []
+  for _, leaf, layout, lead in _parameters(params, cfg.virtual_stages):
+    def read(leaf=leaf, layout=layout, at=()):  # one layer (at) at a time: host memory
+      return np.ascontiguousarray(layout.to_hf(np.asarray(leaf[at])).astype(np_dtype))
+
+    nbytes = math.prod(leaf.shape[lead:]) * np_dtype.itemsize
+    if not lead:
+      tensors.append((layout.name, nbytes, read))
+      continue
+    for i, name in enumerate(_hf_names(layout, leaf, lead)):
+      at = np.unravel_index(i, leaf.shape[:lead])
+      stacked.append((i, name, nbytes, functools.partial(read, at=tuple(map(int, at)))))
+  embed, rest = tensors[:1], tensors[1:]  # embed_tokens first, then the layers, norm and head
+  tensors = embed + [t[1:] for t in sorted(stacked, key=lambda t: t[0])] + rest
+  shards = _shards(tensors, max_shard_bytes)
+
+  output.parent.mkdir(parents=True, exist_ok=True)
+  partial = pathlib.Path(tempfile.mkdtemp(prefix=f'.{output.name}.partial-', dir=output.parent))
+  try:
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+      file = ('model.safetensors' if len(shards) == 1 else
+              f'model-{n:05d}-of-{len(shards):05d}.safetensors')
+      save_file({name: read() for name, _, read in shard}, partial / file,
+                metadata={'format': 'pt'})
+      weight_map.update({name: file for name, _, _ in shard})
+      log(f'wrote {file} ({sum(t[1] for t in shard) / 2**20:,.1f} MiB)')
+    if len(shards) > 1:
+      (partial / 'model.safetensors.index.json').write_text(json.dumps(
+          {'metadata': {'total_size': sum(t[1] for t in tensors)}, 'weight_map': weight_map},
+          indent=2) + '\n')
+    (partial / 'config.json').write_text(
+        json.dumps(hf_config(cfg, tokenizer, seq_len, dtype), indent=2) + '\n')
+    if hasattr(tokenizer, 'save_hf'):
+      tokenizer.save_hf(partial)
+    else:
+      log(f'the {tokenizer.name} tokenizer has no Hugging Face form here: pass its model file '
+          'along with the checkpoint')
+    if output.exists():
+      output.rmdir()  # empty (checked before the export started); never replaced if not
+    partial.chmod(0o755)  # mkdtemp makes it private
+    partial.rename(output)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+
+
+def check_output(output: pathlib.Path) -> None:
+  """ValueError unless --output is new or an empty directory: an export never overwrites."""
+  if output.exists() and (not output.is_dir() or any(output.iterdir())):
+    raise ValueError(f'--output={output} exists and is not an empty directory; an export never '
+                     'overwrites: pick a new directory')

@@ -1,0 +1,83 @@
+"""Makes the Hugging Face test data: tiny random Llama models saved by transformers, with their
+logits on fixed tokens and greedy continuations, and a byte-level BPE tokenizer trained on the
+standard library. tests/test_huggingface.py checks meshlm against these without torch.
+
+  python -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers safetensors tokenizers
+  /tmp/hf/bin/python tests/data/make_hf_goldens.py
+
+Each model directory holds what from_pretrained wrote (config.json, safetensors) and
+goldens.npz: `tokens` [2, 24], their float32 `logits` [2, 24, vocab], and `greedy`, 12 tokens
+generate() appends greedily to tokens[:, :8].
+"""
+
+import pathlib
+import sysconfig
+
+import numpy as np
+import tokenizers
+import torch
+import transformers
+
+HERE = pathlib.Path(__file__).parent
+VOCAB = 320
+
+MODELS = {
+    # Untied, plain RoPE, float32 weights in one file, HF's default eps.
+    'hf-llama-untied': dict(tie_word_embeddings=False, rms_norm_eps=1e-6, dtype=torch.float32,
+                            num_key_value_heads=2, shard='1GB'),
+    # Tied, one KV head, Llama 3.1's RoPE rescaling with all three bands present at head_dim 16
+    # (wavelengths 6, 20, 63, 199, ... against 64/4 = 16 and 64/1 = 64), bf16 weights sharded
+    # over several files with an index.
+    'hf-llama-tied-llama3': dict(
+        tie_word_embeddings=True, rms_norm_eps=1e-5, dtype=torch.bfloat16, num_key_value_heads=1,
+        rope_parameters=dict(rope_type='llama3', rope_theta=10000.0, factor=8.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=64),
+        shard='60KB'),
+}
+
+
+def tokenizer():
+  """A byte-level BPE (GPT-2/Llama 3 style) of VOCAB - 2 tokens plus <s> and </s>."""
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+      vocab_size=VOCAB - 20, special_tokens=['<s>', '</s>'],
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  stdlib = pathlib.Path(sysconfig.get_paths()['stdlib'])
+  tok.train([str(p) for p in sorted((stdlib / 'json').glob('*.py'))], trainer)
+  return tok
+
+
+def main():
+  tok = tokenizer()
+  for name, settings in MODELS.items():
+    settings = dict(settings)
+    dtype, shard = settings.pop('dtype'), settings.pop('shard')
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, head_dim=16, max_position_embeddings=128, bos_token_id=0,
+        eos_token_id=1, **settings)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    directory = HERE / name
+    model.save_pretrained(directory, max_shard_size=shard)
+    tok.save(str(directory / 'tokenizer.json'))
+    (directory / 'tokenizer_config.json').write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", '
+        '"tokenizer_class": "PreTrainedTokenizerFast"}\n')
+    model = model.float()  # the goldens in float32, from the saved (maybe bf16) weights
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, VOCAB, (2, 24)))
+    with torch.no_grad():
+      logits = model(tokens).logits
+      greedy = model.generate(tokens[:, :8], max_new_tokens=12, do_sample=False,
+                              attention_mask=torch.ones_like(tokens[:, :8]), eos_token_id=None,
+                              pad_token_id=1)[:, 8:]
+    np.savez_compressed(directory / 'goldens.npz', tokens=tokens.numpy().astype(np.int32),
+                        logits=logits.numpy(), greedy=greedy.numpy().astype(np.int32))
+    print(name, sorted(p.name for p in directory.iterdir()))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,178 @@
+"""Hugging Face Llama checkpoints in and out (runtime/huggingface.py), against what transformers
+computed for tiny random models (tests/data/make_hf_goldens.py made them: no torch here)."""
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from configs import base
+from model.generate import generate
+from runtime import checkpoint as checkpoint_lib
+from runtime import huggingface
+from tests.conftest import SMALL_CORPUS
+from training import loop, settings
+from training.state import build
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DATA = REPO / 'tests' / 'data'
+UNTIED = DATA / 'hf-llama-untied'  # float32, one file, plain RoPE, eps 1e-6
+TIED = DATA / 'hf-llama-tied-llama3'  # bfloat16, four files and an index, llama3 RoPE
+
+
+def hf_config(path, **changes):
+  c = base.get_config()
+  c.init_from = f'hf:{path}'
+  c.model.compute_dtype = 'float32'
+  c.batch_size, c.seq_len = 8, 32
+  c.mesh.update(data=2, fsdp=4)
+  c.data.paths, c.data.validation_fraction = SMALL_CORPUS, 0.1
+  c.update(changes)
+  return c
+
+
+def tensors(path) -> dict:
+  return {k: v for f in sorted(path.glob('*.safetensors')) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize('path', [UNTIED, TIED], ids=['untied-fp32', 'tied-bf16-llama3'])
+def test_an_imported_checkpoint_computes_what_transformers_computes(path):
+  config = settings.resolve(hf_config(path))
+  assert (config.model.d_model, config.model.n_layers, config.model.vocab_size) == (64, 2, 320)
+  assert config.data.tokenizer_model == str(path / 'tokenizer.json')
+  setup = build(config)
+  params = huggingface.load_params(path, setup.abstract_state.params, setup.model_cfg)
+  hf = tensors(path)
+  wq = params['blocks']['attn']['wq'][...]  # [layers, D, N, H], D split 4 ways
+  assert wq.sharding == setup.abstract_state.params['blocks']['attn']['wq'].get_value().sharding
+  for shard in wq.addressable_shards:
+    layer, rows = shard.index[0], shard.index[1]
+    expected = np.stack([hf[f'model.layers.{i}.self_attn.q_proj.weight']
+                         for i in range(2)])[layer].astype(np.float32)
+    np.testing.assert_array_equal(shard.data, expected.transpose(0, 2, 1)[:, rows]
+                                  .reshape(shard.data.shape))
+  golden = np.load(path / 'goldens.npz')
+  model = nnx.merge(setup.graphdef, params)
+  with jax.set_mesh(setup.mesh):
+    logits = jax.jit(lambda model, tokens: model(tokens))(model, golden['tokens'])
+  np.testing.assert_allclose(logits, golden['logits'], atol=1e-4, rtol=0)
+  greedy = generate(model, golden['tokens'][:, :8].tolist(), 12)
+  np.testing.assert_array_equal(greedy, golden['greedy'])
+
+
+def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path):
+  """train.py from hf:DIR (its settings, tokenizer and weights) → checkpoint → export.py →
+  the same tensors transformers saved; and transformers, where installed, loads the export."""
+  workdir, output = tmp_path / 'run', tmp_path / 'export'
+  config = hf_config(UNTIED, workdir=str(workdir), train_steps=2, checkpoint_every=2,
+                     eval_every=0)
+  config.optimizer.learning_rate = 0.0  # the weights stay the checkpoint's
+  records = loop.run(config)
+  assert abs(records[-1]['loss'] - np.log(320)) < 0.5
+  saved = json.loads((workdir / 'config.json').read_text())
+  assert saved['model']['norm_eps'] == 1e-6 and saved['data']['tokenizer'] == 'hf'
+  done = subprocess.run([sys.executable, 'export.py', f'--workdir={workdir}', '--step=2',
+                         f'--output={output}', '--max_shard_gb=0.0002'], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert (output / 'model.safetensors.index.json').is_file()  # 0.2 MB shards: several files
+  assert not list(tmp_path.glob('.export.partial-*'))
+  original, exported = tensors(UNTIED), tensors(output)
+  assert sorted(original) == sorted(exported)
+  for name in original:
+    np.testing.assert_array_equal(exported[name], original[name], err_msg=name)
+  hf_config_json = json.loads((output / 'config.json').read_text())
+  assert hf_config_json['rms_norm_eps'] == 1e-6 and hf_config_json['tie_word_embeddings'] is False
+  assert (output / 'tokenizer.json').read_bytes() == (UNTIED / 'tokenizer.json').read_bytes()
+  # Re-imported, the export is the run's checkpoint, bit for bit.
+  setup = build(settings.resolve(hf_config(output)))
+  again = huggingface.load_params(output, setup.abstract_state.params, setup.model_cfg)
+  restored, _ = checkpoint_lib.restore_params(str(workdir), setup.abstract_state.params,
+                                              config.model)
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(a, b)
+  try:
+    import torch
+    import transformers
+  except ImportError:
+    return  # CI has no torch: the goldens above stand in for it
+  model = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+  golden = np.load(UNTIED / 'goldens.npz')
+  with torch.no_grad():
+    logits = model(torch.from_numpy(golden['tokens']).long()).logits.numpy()
+  np.testing.assert_allclose(logits, golden['logits'], atol=1e-5, rtol=0)
+
+
+def test_virtual_stages_take_the_layers_in_their_chunks():
+  flat = settings.resolve(hf_config(UNTIED))
+  chunked = settings.resolve(hf_config(UNTIED))
+  chunked.model.virtual_stages = 2
+  by_layer = [huggingface.load_params(UNTIED, s.abstract_state.params, s.model_cfg)
+              for s in (build(flat), build(chunked))]
+  for a, b in zip(*map(jax.tree.leaves, by_layer)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b).reshape(a.shape))
+
+
+def test_the_checkpoint_decides_the_model_and_says_what_it_cannot_import(tmp_path):
+  given = hf_config(UNTIED)
+  given.model.d_model = 128
+  with pytest.raises(ValueError, match=r'config.model.d_model=128, but config.init_from=hf:.*'
+                                       r'hf-llama-untied has hidden_size=64 in its config.json'):
+    settings.resolve(given)
+  # transformers 4 writes rope_theta and rope_scaling where 5 writes rope_parameters.
+  v5 = json.loads((TIED / 'config.json').read_text())
+  v4 = {k: v for k, v in v5.items() if k != 'rope_parameters'}
+  v4['rope_theta'] = v5['rope_parameters']['rope_theta']
+  v4['rope_scaling'] = {k: v for k, v in v5['rope_parameters'].items() if k != 'rope_theta'}
+  (tmp_path / 'config.json').write_text(json.dumps(v4))
+  assert huggingface.model_settings(tmp_path) == huggingface.model_settings(TIED)
+  assert huggingface.model_settings(TIED)['rope_original_length'] == 64
+  for change, message in [({'attention_bias': True}, 'attention_bias=True'),
+                          ({'model_type': 'mistral'}, "model_type='mistral'"),
+                          ({'rope_scaling': {'rope_type': 'yarn'}}, "rope_type='yarn'")]:
+    (tmp_path / 'config.json').write_text(json.dumps({**v4, **change}))
+    with pytest.raises(ValueError, match=rf'config.init_from=hf:{tmp_path}: its config.json has '
+                                         rf'{message}; meshlm imports Llama'):
+      huggingface.model_settings(tmp_path)
+  # Weights that are not the model config.json describes, found before anything is loaded.
+  broken = tmp_path / 'broken'
+  shutil.copytree(UNTIED, broken)
+  described = json.loads((broken / 'config.json').read_text())
+  (broken / 'config.json').write_text(json.dumps({**described, 'num_hidden_layers': 3}))
+  setup = build(settings.resolve(hf_config(broken)))
+  with pytest.raises(ValueError, match=r'lacks tensor model\.layers\.2\.'):
+    huggingface.check(broken, setup.abstract_state.params, setup.model_cfg)
+  (broken / 'config.json').write_text(json.dumps({**described, 'intermediate_size': 64}))
+  setup = build(settings.resolve(hf_config(broken)))
+  with pytest.raises(ValueError, match=r'mlp.down_proj.weight is F32 \[64, 128\], not \[64, 64\]'):
+    huggingface.check(broken, setup.abstract_state.params, setup.model_cfg)
+
+
+def test_a_failed_export_leaves_nothing_and_an_export_never_overwrites(tmp_path, monkeypatch):
+  config = settings.resolve(hf_config(TIED))
+  setup = build(config)
+  params = huggingface.load_params(TIED, setup.abstract_state.params, setup.model_cfg)
+  (tmp_path / 'taken').mkdir()
+  (tmp_path / 'taken' / 'keep.txt').write_text('mine')
+  with pytest.raises(ValueError, match=r'--output=.*taken exists and is not an empty directory'):
+    huggingface.check_output(tmp_path / 'taken')
+  written = []
+
+  def save_file(tensors, path, metadata):
+    if written:
+      raise OSError(28, 'No space left on device')
+    written.append(path)
+    path.write_bytes(b'partial')
+
+  monkeypatch.setattr(huggingface, 'save_file', save_file)
+  with pytest.raises(OSError, match='No space left'):
+    huggingface.export(params, setup.model_cfg, None, 32, tmp_path / 'out', dtype='bfloat16',
+                       max_shard_bytes=50_000, log=lambda *_: None)
+  assert written and sorted(p.name for p in tmp_path.iterdir()) == ['taken']
