@@ -1,6 +1,8 @@
 """Tests run on 8 CPU devices: XLA_FLAGS must be set before jax is first imported. Prepared
 datasets go to a temporary TFDS data dir (TFDS_DATA_DIR, also seen by subprocesses), removed at
-the end, so tests never write under the user's home."""
+the end, so tests never write under the user's home. Compiled programs go to a temporary
+persistent compilation cache, shared with the processes tests start: they compile the same tiny
+steps again and again (every subprocess run, every test that rebuilds a step)."""
 
 import os
 import shutil
@@ -14,6 +16,10 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 DATA_DIR = tempfile.mkdtemp(prefix='meshlm-tests-tfds-')
 os.environ['TFDS_DATA_DIR'] = DATA_DIR
+CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
+os.environ.update(JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
 STDLIB = sysconfig.get_paths()['stdlib']
 SMALL_CORPUS = f'{STDLIB}/json/*.py,{STDLIB}/email/*.py'  # 25 real files, ~330 kB
 
@@ -57,6 +63,7 @@ def free_port() -> int:
 
 def pytest_sessionfinish(session, exitstatus):
   shutil.rmtree(DATA_DIR, ignore_errors=True)
+  shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')
