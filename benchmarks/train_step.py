@@ -12,8 +12,9 @@ segment ids, so cuDNN runs its plain causal kernel; --packed adds them), run --w
 FLOPs (planning/flops.py, MaxText's convention): per token 6·(n_layers·matmul params per layer +
 d_model·vocab) for the matmuls, plus 12·n_layers·n_heads·head_dim·seq_len for attention, counted
 half because it is causal; recomputation from rematerialisation is not credited.
-MFU = achieved FLOP/s per device / the device's dense bf16 peak (planning/gpus.py). No MFU is
-reported for devices not in that table (CPU).
+MFU = achieved FLOP/s per device / the device's dense bf16 peak (planning/gpus.py), also with
+--config.model.matmul_precision=fp8 (whose projections may run at up to twice that peak). No MFU
+is reported for devices not in that table (CPU).
 """
 
 import statistics
@@ -67,7 +68,8 @@ def main(argv):
       'mesh': dict(setup.mesh.shape), 'jax': jax.__version__,
       'params': param_count(setup.abstract_state.params),
       'attention': config.model.attention, 'remat_policy': config.model.remat_policy,
-      'compute_dtype': config.model.compute_dtype, 'packed': _PACKED.value,
+      'compute_dtype': config.model.compute_dtype,
+      'matmul_precision': config.model.matmul_precision, 'packed': _PACKED.value,
       'batch_size': config.batch_size, 'seq_len': config.seq_len,
       'compile_s': round(compile_s, 2), 'step_time_s': step_s,
       'step_time_s_min': min(times), 'step_time_s_max': max(times),
@@ -81,6 +83,8 @@ def main(argv):
           ('parameters', f'{figures["params"] / 1e6:,.1f}M'),
           ('tokens / step', f'{tokens:,} ({config.batch_size} × {config.seq_len})'),
           ('attention, remat', f'{config.model.attention}, {config.model.remat_policy}'),
+          ('precision', f'{config.model.compute_dtype} compute, projections on '
+                        f'{config.model.matmul_precision} operands'),
           ('compile', f'{compile_s:.1f} s'),
           ('step time (median of %d)' % len(times), f'{step_s * 1e3:,.1f} ms'),
           ('tokens / s', f'{tokens / step_s:,.0f}'),

@@ -48,6 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.param_dtype = 'float32'
   m.compute_dtype = 'bfloat16'
   m.grad_reduce_dtype = 'float32'  # gradients are summed across devices in this (README: Precision)
+  m.matmul_precision = 'default'  # default | fp8: the layers' projections on scaled fp8 (README)
   m.attention = 'xla'  # xla | cudnn | pallas (ours: kernels/flash_attention.py)
   m.attention_block_q = 0  # pallas query/key tile rows; 0: a default for the device and head_dim
   m.attention_block_k = 0

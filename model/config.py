@@ -11,6 +11,7 @@ REMAT_POLICIES = ('none', 'full', 'dots', 'save_qkv_proj', 'save_attention', 'of
 DTYPES = ('float32', 'bfloat16', 'float16')
 CONTEXT_PARALLEL = ('all_gather', 'ring')  # kernels/context_parallel.py
 ROPE_TYPES = ('default', 'llama3')  # transformers' names: plain RoPE, Llama 3.1's rescaling
+MATMUL_PRECISIONS = ('default', 'fp8')  # projections on compute-dtype or scaled fp8 operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ModelConfig:
   param_dtype: str
   compute_dtype: str
   grad_reduce_dtype: str
+  matmul_precision: str
   attention: str
   attention_block_q: int
   attention_block_k: int
@@ -83,6 +85,7 @@ class ModelConfig:
     _check_choice('param_dtype', self.param_dtype, DTYPES)
     _check_choice('compute_dtype', self.compute_dtype, DTYPES)
     _check_choice('grad_reduce_dtype', self.grad_reduce_dtype, DTYPES)
+    _check_choice('matmul_precision', self.matmul_precision, MATMUL_PRECISIONS)
 
   @classmethod
   def from_config(cls, model_config) -> 'ModelConfig':

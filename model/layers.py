@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import kernels
 import sharding
-from kernels.matmul import matmul
+from kernels.matmul import fp8_matmul, matmul
 from model.config import ModelConfig
 
 constrain = nn.with_logical_constraint  # pins an activation to logical axes (no-op off a mesh)
@@ -83,9 +83,11 @@ def project(spec: str, x, p: nnx.Param, cfg: ModelConfig):
   """matmul of x by a layer's weight p. Under a remat policy the backward recomputes the forward,
   the weight's FSDP gather included, so the backward uses that gather rather than make its own;
   without one, the backward gathers again rather than hold every layer's whole weights from
-  forward to backward (ZeRO-3)."""
+  forward to backward (ZeRO-3). With matmul_precision 'fp8' the operands are scaled fp8
+  (kernels/matmul.py: fp8_matmul)."""
   w = weight(p, cfg)
-  out = matmul(spec, x, w, x.dtype, None if cfg.remat_policy == 'none' else w.astype(x.dtype))
+  multiply = fp8_matmul if cfg.matmul_precision == 'fp8' else matmul
+  out = multiply(spec, x, w, x.dtype, None if cfg.remat_policy == 'none' else w.astype(x.dtype))
   # Remat policies cannot see the dots inside a custom_vjp: the name lets them save its output.
   return checkpoint_name(out, 'projection')
 

@@ -6,14 +6,16 @@ tables; `memory_bytes` and `l2_bytes` are what the device itself reports (nvidia
 properties), which is a little less than the datasheet's "80 GB". `target_config` writes a
 device's description as XLA's GpuTargetConfigProto text, which is all a deviceless compile knows
 about the device: compute capability, SMs, shared memory and registers (these bound what a Triton
-kernel may use), memory size and bandwidth, L2, clock, and cuDNN 9.12 (the oldest the CUDA plugin
-accepts).
+kernel may use), memory size and bandwidth, L2, clock, CUDA 13 (the plugin's; XLA rewrites fp8
+matmuls into cuBLASLt's fp8 GEMMs only from CUDA 12 on) and cuDNN 9.12 (the oldest the CUDA
+plugin accepts).
 """
 
 import dataclasses
 import os
 
 MiB = 2**20
+CUDA_VERSION = '13.0.0'  # the jax[cuda13] plugin's runtime, as a device on it would report it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,8 @@ def target_config(gpu: GPU) -> str:
   device_memory_size: {gpu.memory_bytes}
   registers_per_core_limit: {gpu.registers_per_sm}
   registers_per_block_limit: {gpu.registers_per_sm}
+  runtime_version: "{CUDA_VERSION}"
+  compile_time_toolkit_version: "{CUDA_VERSION}"
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 12 }}

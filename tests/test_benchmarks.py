@@ -1,4 +1,4 @@
-"""The step and checkpoint benchmarks run end to end (on the tiny base config) and end with one
+"""The step, precision and checkpoint benchmarks run end to end (on the tiny base config) and end with one
 JSON line of figures that add up."""
 
 import json
@@ -21,6 +21,16 @@ def test_train_step_benchmark():
   assert f['step_time_s_min'] <= f['step_time_s'] <= f['step_time_s_max']
   assert f['tokens_per_sec'] == f['batch_size'] * f['seq_len'] / f['step_time_s']
   assert f['mfu'] is None  # no peak is known for a CPU
+  assert (f['compute_dtype'], f['matmul_precision']) == ('bfloat16', 'default')
+
+
+def test_precision_benchmark():
+  f = figures('precision', '--config.train_steps=4', '--config.eval_every=4',
+              '--config.eval_batches=1')
+  assert f['steps'] == 4 and sorted(f['loss_fp8']) == sorted(f['loss_default']) == ['1', '2', '4']
+  last = abs(f['loss_fp8']['4'] - f['loss_default']['4']) / f['loss_default']['4']
+  assert f['max_relative_gap_second_half'] >= last > 0  # fp8 is not the same computation
+  assert f['eval_loss_fp8'] > 0 and f['eval_loss_default'] > 0
 
 
 def test_checkpoint_benchmark():

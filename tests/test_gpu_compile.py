@@ -163,18 +163,18 @@ def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel
 
 
 _TYPED = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ([a-z0-9]+)\[')
-_DOT = re.compile(r'= [a-z0-9]+\[[^\]]*\]\S* (?:dot|custom-call)\(([^)]*)\)')
+_DOT = re.compile(r'= (?:\([^)]*\)|[a-z0-9]+\[[^\]]*\]\S*) (?:dot|custom-call)\(([^)]*)\)')
 
 
 def dot_operand_dtypes(hlo_text: str) -> list[tuple[str, ...]]:
   """The operand dtypes of every matmul of a compiled GPU program: `dot`s (in Triton GEMM
-  fusions too) and cuBLAS GEMM custom-calls."""
+  fusions too) and cuBLAS / cuBLASLt GEMM custom-calls (an fp8 one's scales are not counted)."""
   found = []
   for computation in hlo_text.split('\n\n'):
     dtypes = {m.group(1): m.group(2) for line in computation.splitlines()
               if (m := _TYPED.match(line))}
     for line in computation.splitlines():
-      if (' dot(' in line or '__cublas$gemm' in line) and (m := _DOT.search(line)):
+      if (' dot(' in line or '__cublas$' in line) and (m := _DOT.search(line)):
         names = re.findall(r'%([\w.\-]+)', m.group(1))
         found.append(tuple(dtypes.get(name, '?') for name in names))
   return found
@@ -252,3 +252,36 @@ def test_a_pipeline_step_passes_only_activations_between_stages_on_h100s(h100):
   for c in crossing:
     for _, shape in c.arrays:
       assert shape in (activation, (config.microbatches, *activation)) or math.prod(shape) < 64, c
+
+
+def test_fp8_projections_are_cublaslt_fp8_gemms_on_h100(h100):
+  """The 1b preset with matmul_precision='fp8', compiled for its H100: every projection's matmul,
+  forward and backward, is one cuBLASLt fp8 GEMM on the fp8 operands themselves (no bf16 dot
+  after a convert); only the head's three matmuls stay bf16."""
+  config = preset('1b', 'cudnn')
+  config.model.matmul_precision = 'fp8'
+  compiled, plan = plan_lib.compile_and_plan(build(config, plan_lib.target_devices(config)),
+                                             config)
+  assert plan.fits
+  hlo = compiled.as_text()
+  fp8_gemms = [line for line in hlo.splitlines() if '"__cublas$lt$matmul$f8"' in line]
+  # Forward 7, the backward's 14, and the forward again under full remat, less w_down's (its
+  # output is not needed by the backward).
+  assert len(fp8_gemms) == 7 + 14 + 6, len(fp8_gemms)
+  operands = [dtypes[:2] for dtypes in dot_operand_dtypes(hlo)]
+  e4m3, e5m2 = 'f8e4m3fn', 'f8e5m2'
+  assert operands.count((e4m3, e4m3)) == 7 + 6  # x and w
+  assert operands.count((e5m2, e4m3)) + operands.count((e4m3, e5m2)) == 14  # a gradient and one
+  bf16 = [line for line in hlo.splitlines() if '"__cublas$lt$matmul"' in line
+          or '"__cublas$gemm"' in line or ' dot(' in line]
+  assert len(bf16) == 3 and all('blv' in line or 'bld,dv' in line or 'dv->' in line
+                                for line in bf16), bf16
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_compiling():
+  config = preset('125m', 'cudnn')
+  config.model.matmul_precision = 'fp8'
+  config.plan.target = 'A100'
+  with pytest.raises(ValueError, match=r"config.model.matmul_precision='fp8' needs fp8 tensor "
+                                       r'cores .* which NVIDIA A100-SXM4-80GB lacks'):
+    build(config, plan_lib.target_devices(config))

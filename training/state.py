@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from model import ModelConfig, Transformer
+from planning import gpus
 import sharding
 from training import optimizer, settings
 
@@ -65,6 +66,10 @@ def build(config, devices=None) -> Setup:
   if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':
     raise ValueError(f"config.model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
                      f"{devices[0].platform}; use --config.model.attention=xla")
+  if model_cfg.matmul_precision == 'fp8' and not has_fp8(devices[0]):
+    raise ValueError(f"config.model.matmul_precision='fp8' needs fp8 tensor cores (compute "
+                     f"capability 8.9 or newer: Ada, Hopper), which {devices[0].device_kind} "
+                     "lacks; use --config.model.matmul_precision=default")
   if model_cfg.remat_policy.startswith('offload_') and not has_host_memory(local_device(devices)):
     raise ValueError(f'config.model.remat_policy={model_cfg.remat_policy!r} offloads to pinned '
                      f'host memory, which this {devices[0].platform} backend does not offer; use '
@@ -104,6 +109,17 @@ def build(config, devices=None) -> Setup:
 def local_device(devices):
   """The first of `devices` this process can address (only those report memory)."""
   return next(d for d in devices if d.process_index == jax.process_index())
+
+
+def has_fp8(device) -> bool:
+  """Whether `device` multiplies fp8 natively: a GPU of compute capability 8.9 or newer (from
+  planning/gpus.py, else as the device reports it); on CPU fp8 is emulated, for tests."""
+  if device.platform != 'gpu':
+    return True
+  known = gpus.find(device.device_kind)
+  capability = (known.compute_capability if known else
+                tuple(int(n) for n in str(device.compute_capability).split('.')))
+  return capability >= (8, 9)
 
 
 def has_host_memory(device) -> bool:

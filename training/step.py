@@ -143,6 +143,19 @@ def abstract_batch(mesh, batch_size: int, seq_len: int, packed: bool = True) -> 
           for k, dt in (BATCH_KEYS if packed else UNPACKED_KEYS).items()}
 
 
+# fp8 projections become cuBLASLt fp8 GEMMs only where XLA neither hands their dots to Triton nor
+# merges dots sharing an operand (q, k, v; gate, up): a merged dot's concatenated operand holds
+# tensors of different scales. Both options are XLA's GPU compiler's; the found rule is checked
+# on the compiled HLO (tests/test_gpu_compile.py).
+FP8_COMPILER_OPTIONS = {'xla_gpu_enable_triton_gemm': False, 'xla_gpu_dot_merger_threshold_mb': 0}
+
+
+def compiler_options(setup: Setup) -> dict:
+  """XLA options for this setup's programs: FP8_COMPILER_OPTIONS for fp8 projections on GPUs."""
+  fp8 = setup.model_cfg.matmul_precision == 'fp8'
+  return FP8_COMPILER_OPTIONS if fp8 and setup.mesh.devices.flat[0].platform == 'gpu' else {}
+
+
 def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
                        packed: bool = True, microbatches: int = 1):
   """Ahead-of-time compiled train step: (state, batch) → (state, metrics); state is donated.
@@ -153,7 +166,7 @@ def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: floa
                    out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
                    donate_argnums=0)
   with jax.set_mesh(setup.mesh):
-    return jitted.lower(setup.abstract_state, batch).compile()
+    return jitted.lower(setup.abstract_state, batch).compile(compiler_options(setup))
 
 
 def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V,
@@ -164,4 +177,4 @@ def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V
                                  jax.tree.map(lambda x: x.sharding, batch)),
                    out_shardings=sharding.replicated(setup.mesh))
   with jax.set_mesh(setup.mesh):
-    return jitted.lower(setup.abstract_state.params, batch).compile()
+    return jitted.lower(setup.abstract_state.params, batch).compile(compiler_options(setup))
