@@ -1,8 +1,8 @@
 """Tests run on 8 CPU devices: XLA_FLAGS must be set before jax is first imported. Prepared
 datasets go to a temporary TFDS data dir (TFDS_DATA_DIR, also seen by subprocesses), removed at
-the end, so tests never write under the user's home. Compiled programs go to a temporary
-persistent compilation cache, shared with the processes tests start: they compile the same tiny
-steps again and again (every subprocess run, every test that rebuilds a step)."""
+the end, so tests never write under the user's home. The processes tests start share a temporary
+persistent compilation cache: each compiles the same tiny steps again (a killed run and its
+restart, two processes of one job). This process compiles its own."""
 
 import os
 import shutil
@@ -16,10 +16,6 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 DATA_DIR = tempfile.mkdtemp(prefix='meshlm-tests-tfds-')
 os.environ['TFDS_DATA_DIR'] = DATA_DIR
-CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
-os.environ.update(JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
-                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
 STDLIB = sysconfig.get_paths()['stdlib']
 SMALL_CORPUS = f'{STDLIB}/json/*.py,{STDLIB}/email/*.py'  # 25 real files, ~330 kB
 
@@ -36,6 +32,13 @@ import pytest  # noqa: E402
 from configs import base  # noqa: E402
 
 assert jax.device_count() == 8, 'tests expect 8 CPU devices (XLA_FLAGS was set too late)'
+
+# Set after jax read its configuration, so only the processes tests start see it.
+CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
+os.environ.update(JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+assert not jax.config.jax_compilation_cache_dir
 
 
 def tiny_config(**mesh):
