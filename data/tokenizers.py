@@ -34,8 +34,7 @@ class ByteTokenizer:
     """This tokenizer as a Hugging Face tokenizer.json (and tokenizer_config.json): a byte-level
     BPE with no merges, each byte its own id, then <s>, </s> and <pad> as BOS, EOS and PAD."""
     import tokenizers  # only needed when exporting
-    vocab = {char: byte for char, byte in _BYTE_OF_CHAR.items()}
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=dict(_BYTE_OF_CHAR), merges=[]))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                             use_regex=False)
     tok.decoder = tokenizers.decoders.ByteLevel()

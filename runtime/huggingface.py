@@ -308,21 +308,20 @@ def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype:
   and the tokenizer's files where it has a HF form. Built in a directory beside `output` and
   renamed to it at the end, so a failed export leaves no half checkpoint."""
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
-  tensors = []  # (HF name, bytes, read): HF's order, one layer's tensors after another
-  stacked = []
+  tensors = []  # (position, HF name, bytes, read): embed_tokens, each layer's, norm and head
   for _, leaf, layout, lead in _parameters(params, cfg.virtual_stages):
     def read(leaf=leaf, layout=layout, at=()):  # one layer (at) at a time: host memory
       return np.ascontiguousarray(layout.to_hf(np.asarray(leaf[at])).astype(np_dtype))
 
     nbytes = math.prod(leaf.shape[lead:]) * np_dtype.itemsize
     if not lead:
-      tensors.append((layout.name, nbytes, read))
+      position = -1 if layout == TENSORS['embed',] else math.inf
+      tensors.append((position, layout.name, nbytes, read))
       continue
     for i, name in enumerate(_hf_names(layout, leaf, lead)):
-      at = np.unravel_index(i, leaf.shape[:lead])
-      stacked.append((i, name, nbytes, functools.partial(read, at=tuple(map(int, at)))))
-  embed, rest = tensors[:1], tensors[1:]  # embed_tokens first, then the layers, norm and head
-  tensors = embed + [t[1:] for t in sorted(stacked, key=lambda t: t[0])] + rest
+      at = tuple(map(int, np.unravel_index(i, leaf.shape[:lead])))
+      tensors.append((i, name, nbytes, functools.partial(read, at=at)))
+  tensors = [t[1:] for t in sorted(tensors, key=lambda t: t[0])]  # stable: tree order within
   shards = _shards(tensors, max_shard_bytes)
 
   output.parent.mkdir(parents=True, exist_ok=True)
