@@ -8,7 +8,8 @@ are the GPU compiler's.
 Each (length, mesh, context_parallel) is compiled once for --devices GPUs, with one row per
 data×fsdp shard (the batch the mesh splits least). Bytes are what each device sends per step
 (sharding/collectives.py), against planning/communication.py's ideal for that choice; 'ring' is
-the collective-permutes alone against the ideal of the sequence term.
+the collective-permutes alone against the ideal of the sequence term. Step time and MFU are the
+time model's prediction of the compiled step (planning/timing.py), not measurements.
 """
 
 import sys
@@ -52,7 +53,8 @@ def measure(config, length: int, mesh: dict, mode: str, devices) -> dict:
           'batch_size': config.batch_size, 'memory_bytes': plan.total_bytes, 'fits': plan.fits,
           'budget_bytes': plan.memory_bytes, 'collectives': plan.collectives,
           'sent_bytes': plan.collective_bytes, 'ideal': ideal, 'ideal_bytes': sum(ideal.values()),
-          'ring_bytes': ring, 'ring_ratio': ring / ideal['sequence'] if mode == 'ring' else None}
+          'ring_bytes': ring, 'ring_ratio': ring / ideal['sequence'] if mode == 'ring' else None,
+          'predicted': plan.time}
 
 
 def main(argv):
@@ -67,7 +69,7 @@ def main(argv):
         f'{m.n_layers} layers, pallas attention, remat {m.remat_policy}; one row per data×fsdp '
         'shard; GiB per device')
   print(f'{"length":>7}  {"mesh":<40}{"context":<11}{"memory":>8}{"fits":>6}{"sent":>8}'
-        f'{"ideal":>8}{"ratio":>7}{"ring/ideal":>11}')
+        f'{"ideal":>8}{"ratio":>7}{"ring/ideal":>11}{"step s":>8}{"MFU":>7}  (predicted)')
   results = []
   for length in (int(x) for x in _LENGTHS.value.split(',')):
     for mesh in (report.parse_mesh(x) for x in _MESHES.value.split(';') if x.strip()):
@@ -79,7 +81,8 @@ def main(argv):
         print(f'{length:>7}  {sharding.describe(mesh):<40}{mode:<11}{gib(r["memory_bytes"]):>8.2f}'
               f'{"yes" if r["fits"] else "no":>6}{gib(r["sent_bytes"]):>8.2f}'
               f'{gib(r["ideal_bytes"]):>8.2f}{r["sent_bytes"] / r["ideal_bytes"]:>7.2f}'
-              f'{ring:>11}', flush=True)
+              f'{ring:>11}{r["predicted"]["seconds"]:>8.2f}{r["predicted"]["mfu"]:>7.1%}',
+              flush=True)
   report.emit({'benchmark': 'long_context', 'compiled_for': devices[0].device_kind,
                'deviceless': True, 'n_devices': _DEVICES.value, 'jax': jax.__version__,
                'config': config_flags.get_config_filename(flags.FLAGS['config']),

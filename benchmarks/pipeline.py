@@ -11,8 +11,10 @@ collective-permute runs); the bubble is (T − V·M)/T, next to (P − 1)/(V·M 
 Layouts: the preset's step for --devices GPUs, the GPU's gpus_per_node a node (the mesh's devices
 in order, as a multi-process job orders them: by process), the mesh's first axes spanning nodes.
 Per device: memory, bytes sent per step, the bytes of collectives whose devices span nodes (those
-run at the NIC's speed, planning/gpus.py node_bandwidth; the rest at NVLink's), and the
-auto-layout's step-time estimate (planning/layout.py: the bubble is in its compute).
+run at the NIC's speed, planning/gpus.py node_bandwidth; the rest at NVLink's), and the time
+model's prediction of the compiled step (planning/timing.py: the bubble is in its kernels, every
+stage running its layers at every tick; communication is what the schedule leaves exposed), with
+the MFU it implies.
 """
 
 import itertools
@@ -26,7 +28,6 @@ from benchmarks import report
 from configs import base
 from model import pipeline
 from planning import gpu_compiler, gpus
-from planning import layout as layout_lib
 from planning import plan as plan_lib
 from runtime import cli
 import sharding
@@ -79,12 +80,11 @@ def layout(config, mesh: dict, microbatches: int, virtual: int, devices, gpu) ->
   config = settings.resolve(config)
   setup = build(config, devices)
   _, plan = plan_lib.compile_and_plan(setup, config)
-  compute_s, comm_s = layout_lib.estimate(plan, layout_lib.recomputed_flops(plan))
   return {'mesh': mesh, 'microbatches': microbatches, 'virtual_stages': virtual,
           'memory_bytes': plan.total_bytes,
           'argument_bytes': plan.argument_bytes, 'temp_bytes': plan.temp_bytes,
           'fits': plan.fits, 'sent_bytes': plan.collective_bytes,
-          'across_nodes_bytes': plan.across_nodes_bytes, 'compute_s': compute_s, 'comm_s': comm_s,
+          'across_nodes_bytes': plan.across_nodes_bytes, 'predicted': plan.time,
           'bubble': pipeline.bubble_fraction(microbatches, mesh['stage'], virtual),
           'collectives': plan.collectives}
 
@@ -116,7 +116,7 @@ def main(argv):
         f'{m.d_model}, {m.n_layers} layers, batch {config.batch_size} × {config.seq_len}, remat '
         f'{m.remat_policy}, {m.attention} attention; per device')
   print(f'{"mesh":<52}{"V":>3}{"M":>3}{"GiB":>8}{"fits":>6}{"temp GiB":>10}{"sent GiB":>10}'
-        f'{"across nodes GiB":>18}{"bubble":>8}{"compute s":>11}{"comm s":>8}{"step s":>8}')
+        f'{"across nodes GiB":>18}{"bubble":>8}{"step s":>8}{"MFU":>7}{"comm s":>8}  (predicted)')
   layouts = []
   for mesh in (report.parse_mesh(x) for x in _LAYOUTS.value.split(';') if x.strip()):
     staged = mesh['stage'] > 1
@@ -132,8 +132,8 @@ def main(argv):
             f'{gib(r["memory_bytes"]):>8.2f}'
             f'{"yes" if r["fits"] else "no":>6}{gib(r["temp_bytes"]):>10.2f}'
             f'{gib(r["sent_bytes"]):>10.2f}{gib(r["across_nodes_bytes"]):>18.2f}'
-            f'{r["bubble"]:>8.3f}{r["compute_s"]:>11.3f}{r["comm_s"]:>8.3f}'
-            f'{r["compute_s"] + r["comm_s"]:>8.3f}', flush=True)
+            f'{r["bubble"]:>8.3f}{r["predicted"]["seconds"]:>8.3f}{r["predicted"]["mfu"]:>7.1%}'
+            f'{r["predicted"]["breakdown"]["communication"]["s"]:>8.3f}', flush=True)
   report.emit({'benchmark': 'pipeline', 'compiled_for': gpu.device_kind, 'deviceless': True,
                'n_devices': _DEVICES.value, 'gpus_per_node': gpu.gpus_per_node,
                'node_bandwidth': gpu.node_bandwidth, 'link_bandwidth': gpu.link_bandwidth,

@@ -237,6 +237,11 @@ class _Static(NamedTuple):
   def dtype(self, x):
     return jnp.dtype(self.out_dtype) if self.out_dtype else x.dtype
 
+  def scope(self):
+    """Names a launch by its mask in the program's metadata, where the time model reads it
+    (planning/timing.py): a causal kernel skips the blocks past the diagonal."""
+    return jax.named_scope('causal' if self.causal else 'unmasked')
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _flash(q, k, v, q_seg, kv_seg, q_pos, static):
@@ -263,13 +268,14 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
   if positions:
     in_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
     args.append(q_pos)
-  o, lse = _pallas(
-      kernel, args, grid=(B, N, Lp // bq), in_specs=in_specs,
-      out_specs=[pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
-                 pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, st.dtype(q)),
-                 jax.ShapeDtypeStruct((B, N, Lp), jnp.float32)],
-      name='flash_attention_fwd', **st.launch())
+  with st.scope():
+    o, lse = _pallas(
+        kernel, args, grid=(B, N, Lp // bq), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
+                   pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, st.dtype(q)),
+                   jax.ShapeDtypeStruct((B, N, Lp), jnp.float32)],
+        name='flash_attention_fwd', **st.launch())
   return o, (q, k, v, q_seg, kv_seg, q_pos, o, lse)
 
 
@@ -299,12 +305,13 @@ def _backward(st: _Static, residuals, do, delta=None):
                  pl.BlockSpec((sq, Sp), lambda b, n, i: (b, 0))]
   if positions:
     dq_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
-  dq = _pallas(
-      functools.partial(_dq_kernel, n_kv=Sp // bk, **common), [q, k, v, do, lse, delta, *extra],
-      grid=(B, N, Lp // bq), in_specs=dq_specs,
-      out_specs=pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, st.dtype(q)), name='flash_attention_dq',
-      **st.launch())
+  with st.scope():
+    dq = _pallas(
+        functools.partial(_dq_kernel, n_kv=Sp // bk, **common), [q, k, v, do, lse, delta, *extra],
+        grid=(B, N, Lp // bq), in_specs=dq_specs,
+        out_specs=pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, st.dtype(q)), name='flash_attention_dq',
+        **st.launch())
 
   # q, do, lse, delta and the query segment ids and positions are read whole and indexed in the
   # kernel: one program walks all G query heads of its kv head.
@@ -317,13 +324,14 @@ def _backward(st: _Static, residuals, do, delta=None):
     dkv_specs += [whole, pl.BlockSpec((sq, bk), lambda b, h, j: (b, j))]
   if positions:
     dkv_specs.append(whole)
-  dk, dv = _pallas(
-      functools.partial(_dkv_kernel, n_q=Lp // bq, group=G, **common),
-      [q, k, v, do, lse, delta, *extra], grid=(B, K, Sp // bk), in_specs=dkv_specs,
-      out_specs=[pl.BlockSpec((sq, bk, sq, H), lambda b, h, j: (b, j, h, 0))] * 2,
-      out_shape=[jax.ShapeDtypeStruct(k.shape, st.dtype(k)),
-                 jax.ShapeDtypeStruct(v.shape, st.dtype(v))],
-      name='flash_attention_dkv', **st.launch())
+  with st.scope():
+    dk, dv = _pallas(
+        functools.partial(_dkv_kernel, n_q=Lp // bq, group=G, **common),
+        [q, k, v, do, lse, delta, *extra], grid=(B, K, Sp // bk), in_specs=dkv_specs,
+        out_specs=[pl.BlockSpec((sq, bk, sq, H), lambda b, h, j: (b, j, h, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct(k.shape, st.dtype(k)),
+                   jax.ShapeDtypeStruct(v.shape, st.dtype(v))],
+        name='flash_attention_dkv', **st.launch())
   return dq, dk, dv, None, None, None
 
 

@@ -8,12 +8,8 @@ convention:
 Rematerialised recomputation is not credited: MFU counts the model's work, not the program's.
 """
 
-import math
-import re
-
 from model.config import ModelConfig
 from planning import gpus
-from sharding import collectives
 
 
 def peak_tflops(device_kind: str) -> float | None:
@@ -45,31 +41,3 @@ def throughput(cfg: ModelConfig, seq_len: int, tokens_per_sec: float, n_devices:
   tflops = flops_per_token(cfg, seq_len) * tokens_per_sec / n_devices / 1e12
   peak = peak_tflops(device_kind)
   return {'tflops_per_device': tflops, **({'mfu': tflops / peak} if peak else {})}
-
-
-_RESULT = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = \(?([a-z0-9]+)\[([0-9,]*)\]')
-_DOT = re.compile(r' dot\(%?([\w.\-]+), .*?lhs_contracting_dims=\{([0-9,]*)\}')
-_GEMM = re.compile(r'custom-call\(%?([\w.\-]+), .*__cublas.*?"lhs_contracting_dimensions":'
-                   r'\[([^\]]*)\]')
-
-
-def compiled_matmul_flops(hlo_text: str) -> float:
-  """The matmul FLOPs one run of a compiled program does, per device: 2 · output elements ·
-  contracted elements of every dot and cuBLAS GEMM, each run counted (a layer's once per layer,
-  sharding/collectives.runs). Recomputation shows here; attention inside a cuDNN or Triton kernel
-  does not."""
-  computations, times, _ = collectives.runs(hlo_text)
-  total = 0.0
-  for name, count in times.items():
-    lines = computations.get(name, ())
-    shapes = {m.group(1): [int(d) for d in m.group(3).split(',') if d]
-              for line in lines if (m := _RESULT.match(line))}
-    for line in lines:
-      if not (m := _DOT.search(line) or _GEMM.search(line)) or not (out := _RESULT.match(line)):
-        continue
-      lhs = shapes.get(m.group(1), [])
-      contracted = [int(d.strip('" ')) for d in m.group(2).split(',') if d.strip('" ')]
-      if lhs and all(d < len(lhs) for d in contracted):
-        out_elements = math.prod(int(d) for d in out.group(3).split(',') if d)
-        total += count * 2 * out_elements * math.prod(lhs[d] for d in contracted)
-  return total

@@ -1,5 +1,6 @@
 """The GPUs meshlm knows: one table of what each device is, for planning, MFU and compiling for a
-GPU that is not there (planning/gpu_compiler.py).
+GPU that is not there (planning/gpu_compiler.py), and what kernels reach of its peaks (the time
+model's efficiencies, planning/timing.py).
 
 Figures come from NVIDIA's public datasheets and the CUDA programming guide's compute-capability
 tables; `memory_bytes` and `l2_bytes` are what the device itself reports (nvidia-smi, CUDA device
@@ -33,9 +34,16 @@ class GPU:
   memory_bytes: int  # HBM as the device reports it
   memory_bandwidth: float  # bytes/s
   peak_bf16_flops: float  # dense tensor-core FLOP/s, no sparsity
+  peak_fp8_flops: float  # likewise for fp8 operands; 0 where there are no fp8 tensor cores
   link_bandwidth: float  # bytes/s per direction to each other GPU of a node (NVLink or PCIe)
   node_bandwidth: float  # bytes/s per direction from each GPU to other nodes (its NIC's share)
+  host_bandwidth: float  # bytes/s per direction between the GPU and host memory (its PCIe link)
   gpus_per_node: int = 8
+
+  @property
+  def vector_flops(self) -> float:
+    """FP32 FLOP/s of the CUDA cores (an FMA is two): what a fusion's arithmetic runs at."""
+    return 2 * self.fp32_units_per_sm * self.sms * self.clock_ghz * 1e9
 
 
 GPUS = {gpu.name: gpu for gpu in (
@@ -43,27 +51,91 @@ GPUS = {gpu.name: gpu for gpu in (
         clock_ghz=1.41, fp32_units_per_sm=64, shared_memory_per_sm=164 * 1024,
         shared_memory_per_block_optin=163 * 1024, registers_per_sm=65536,
         l2_bytes=40 * MiB, memory_bytes=81920 * MiB, memory_bandwidth=2.039e12,
-        peak_bf16_flops=312e12, link_bandwidth=300e9,  # NVLink 3: 600 GB/s both ways
-        node_bandwidth=25e9),  # DGX A100: a 200 Gb/s HDR InfiniBand NIC per GPU
+        peak_bf16_flops=312e12, peak_fp8_flops=0,
+        link_bandwidth=300e9,  # NVLink 3: 600 GB/s both ways
+        node_bandwidth=25e9,  # DGX A100: a 200 Gb/s HDR InfiniBand NIC per GPU
+        host_bandwidth=32e9),  # PCIe Gen4 x16
     GPU(name='H100', device_kind='NVIDIA H100 80GB HBM3', compute_capability=(9, 0), sms=132,
         clock_ghz=1.98, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
         l2_bytes=50 * MiB, memory_bytes=81559 * MiB, memory_bandwidth=3.35e12,
-        peak_bf16_flops=989e12, link_bandwidth=450e9,  # H100 SXM; NVLink 4: 900 GB/s
-        node_bandwidth=50e9),  # DGX H100: a 400 Gb/s NDR InfiniBand NIC per GPU
+        peak_bf16_flops=989e12, peak_fp8_flops=1979e12,
+        link_bandwidth=450e9,  # H100 SXM; NVLink 4: 900 GB/s both ways
+        node_bandwidth=50e9,  # DGX H100: a 400 Gb/s NDR InfiniBand NIC per GPU
+        host_bandwidth=64e9),  # PCIe Gen5 x16
     GPU(name='H100-PCIe', device_kind='NVIDIA H100 PCIe', compute_capability=(9, 0), sms=114,
         clock_ghz=1.755, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
         l2_bytes=50 * MiB, memory_bytes=81559 * MiB, memory_bandwidth=2.0e12,
-        peak_bf16_flops=756e12, link_bandwidth=64e9,  # PCIe Gen5 x16 between cards
-        node_bandwidth=25e9),  # a 200 Gb/s NIC per card
+        peak_bf16_flops=756e12, peak_fp8_flops=1513e12,
+        link_bandwidth=64e9,  # PCIe Gen5 x16 between cards
+        node_bandwidth=25e9,  # a 200 Gb/s NIC per card
+        host_bandwidth=64e9),
     GPU(name='H200', device_kind='NVIDIA H200', compute_capability=(9, 0), sms=132,
         clock_ghz=1.98, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
         l2_bytes=60 * MiB, memory_bytes=143771 * MiB, memory_bandwidth=4.8e12,
-        peak_bf16_flops=989e12, link_bandwidth=450e9,  # H200 SXM; NVLink 4
-        node_bandwidth=50e9),  # HGX H200: a 400 Gb/s NDR NIC per GPU
+        peak_bf16_flops=989e12, peak_fp8_flops=1979e12,
+        link_bandwidth=450e9,  # H200 SXM; NVLink 4
+        node_bandwidth=50e9,  # HGX H200: a 400 Gb/s NDR NIC per GPU
+        host_bandwidth=64e9),
 )}
+
+# A device not in the table (the CPU): the time model ranks layouts for it against these round
+# figures, and says so; it never prints them as a GPU's time.
+NOMINAL = GPU(name='nominal device', device_kind='', compute_capability=(0, 0), sms=100,
+              clock_ghz=1.0, fp32_units_per_sm=128, shared_memory_per_sm=0,
+              shared_memory_per_block_optin=0, registers_per_sm=0, l2_bytes=0, memory_bytes=0,
+              memory_bandwidth=1e12, peak_bf16_flops=100e12, peak_fp8_flops=200e12,
+              link_bandwidth=100e9, node_bandwidth=100e9, host_bandwidth=30e9)
+
+
+def tile_waves(m: int, n: int, batch: int, sms: int) -> float:
+  """The share of its SMs' time a GEMM's output tiles keep busy: tiles of GEMM_TILE are dealt to
+  the SMs in waves, and the last wave may leave most of them idle (wave quantization)."""
+  tiles = batch * -(-m // GEMM_TILE[0]) * -(-n // GEMM_TILE[1])
+  return tiles / (-(-tiles // sms) * sms)
+
+
+# What kernels reach of the peaks above: the time model's efficiencies (planning/timing.py). Each
+# comes from a measurement, named beside it. `python -m benchmarks.calibrate` measures them again
+# on whatever GPU it runs on, beside the model's prediction; docs/time-model.md says how to refit
+# these constants from its results.
+#
+# GEMMs: an 8192×8192×8192 bf16 matmul ran at 798 of the H100's 989 TFLOP/s (cuBLAS, random
+# data; on the H100 lent to this project, and 769–798 on its H200s). Output tiles of 128×256
+# (cuBLAS's Hopper tile) fill 15.5 waves of 132 SMs there, 97%: a full wave reaches the rest.
+GEMM_TILE = (128, 256)
+GEMM_EFFICIENCY = 798 / 989 / tile_waves(8192, 8192, 1, 132)
+# fp8 GEMMs (cuBLASLt): no fp8 measurement yet; until calibrate's fp8 GEMM gives one, the same
+# share of the fp8 peak as bf16 reaches of its own.
+FP8_GEMM_EFFICIENCY = GEMM_EFFICIENCY
+# HBM: a device-to-device copy moved 3.0 of the H100's 3.35 TB/s (bytes read and written) and
+# 4.3 of the H200's 4.8 TB/s: 0.90 on both.
+HBM_EFFICIENCY = 3.0 / 3.35
+# Fused attention, forward and backward TFLOP/s at 8k keys, causal, H100 SXM, bf16, by kernel and
+# head dim (FLOPs as FlashAttention counts them: forward 4·B·N·L·S·H, halved when causal;
+# backward 2.5 × forward). cuDNN at head dim 128: 529 forward, 518 backward (FlashAttention-3,
+# Shah et al. 2024, figs. 5 and 6); at 64, the paper's non-causal 412/600 of 128's applied to
+# both. pallas, our Triton kernel, not yet measured: JAX's bundled Pallas Triton attention op's
+# published H100 figures, ≈360 forward and ≈230 forward+backward (so 201 backward), at both head
+# dims (Triton's non-causal 401 at 64 and 392 at 128 in the same paper).
+ATTENTION_TFLOPS = {'cudnn': {64: (529 * 412 / 600, 518 * 412 / 600), 128: (529.0, 518.0)},
+                    'pallas': {64: (360.0, 201.0), 128: (360.0, 201.0)}}
+ATTENTION_MEASURED_ON = 989e12  # the H100's peak: the figures above are shares of it
+# Shorter keys reach less, as in the FlashAttention-3 paper's non-causal head-dim-128 sweep
+# (cuDNN 497, 574, 617, 609, 600 TFLOP/s at 512 … 8k; Triton 323 … 392): the share of the 8k
+# figure by keys per query, geometric in between and proportional below 512.
+ATTENTION_LENGTH_FACTOR = {512: 0.83, 1024: 0.95, 2048: 1.0, 8192: 1.0}
+# Collectives: NCCL's ring all-gather and reduce-scatter on NVLink reach about 0.8 of the link
+# (nccl-tests bus bandwidth on 8 × H100 SXM; all-reduce goes higher through NVLink SHARP); across
+# nodes about 0.9 of the NIC. Each also pays a latency. One GPU cannot measure these: they are
+# priors until a multi-GPU run times them.
+LINK_EFFICIENCY, NETWORK_EFFICIENCY = 0.8, 0.9
+LINK_LATENCY_S, NETWORK_LATENCY_S = 10e-6, 25e-6
+# Every kernel pays a launch gap on its stream; XLA launches most of a step as CUDA graphs. A
+# prior until calibrate's chain of small kernels measures it.
+KERNEL_LAUNCH_S = 2e-6
 
 # JAX's GPU allocator takes this fraction of the device's memory unless told otherwise; a run
 # must fit in that, not in the whole HBM.

@@ -7,6 +7,8 @@ Per device: argument bytes (parameters, optimizer state, batch), output bytes, t
 (activations, gradients, workspace), total = arguments + outputs + temporaries − aliased (the
 donated state is updated in place); FLOPs per step (the model's, planning/flops.py, as MFU counts
 them; on CPU also XLA's own count, which counts a scanned layer once; the GPU compiler gives none);
+for a program compiled for a GPU of planning/gpus.py, the time model's prediction of its step
+(planning/timing.py: step time, tokens/s a device, MFU, its parts and costliest kernels);
 the collectives one step runs, by kind, with the bytes each device sends (sharding/collectives.py:
 a layer's run once per layer), and how many of those bytes cross between nodes (the target GPU's
 gpus_per_node to a node, filled in the mesh's device order, as a multi-process job orders them).
@@ -27,7 +29,7 @@ import json
 import jax
 
 from planning import flops as flops_lib
-from planning import gpu_compiler, gpus
+from planning import gpu_compiler, gpus, timing
 from reporting import metrics
 from sharding import collectives
 import sharding
@@ -55,12 +57,14 @@ class Plan:
   host_bytes: int  # in pinned host memory (offloaded optimizer state or activations), if reported
   flops: float  # per device per step, the model's (planning/flops.py)
   attention_flops: float  # the part of `flops` that attention does
-  matmul_flops: float  # the compiled program's dots, each run counted (flops.compiled_matmul_flops)
+  matmul_flops: float  # the compiled program's dots, each run counted (timing.gemm_flops)
   compiled_flops: float | None  # XLA's cost analysis of the per-device program (CPU only)
   collectives: dict  # {op: {'count', 'bytes', 'overlapped_bytes', 'by_dtype'}} (collectives.summary)
   across_nodes_bytes: int  # of those bytes, what collectives spanning nodes send (gpus_per_node)
   memory_bytes: int | None  # what the target device offers a run; None if unknown
   memory_source: str  # where memory_bytes comes from
+  time: dict | None = None  # the time model's prediction of this program (planning/timing.py),
+                            # for a GPU of planning/gpus.py; None for other devices
 
   @property
   def collective_bytes(self) -> int:
@@ -155,6 +159,7 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
   hlo = compiled.as_text()
   gpu = gpus.find(config.plan.target or kind)
   per_node = gpu.gpus_per_node if gpu else n  # devices in mesh order, nodes filled in turn
+  flops = flops_lib.flops_per_token(setup.model_cfg, config.seq_len) * tokens / n
   return Plan(
       device=config.plan.target or kind, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
@@ -167,14 +172,25 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
                    + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
       host_bytes=(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
                   + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
-      flops=flops_lib.flops_per_token(setup.model_cfg, config.seq_len) * tokens / n,
-      attention_flops=flops_lib.attention_flops_per_token(setup.model_cfg, config.seq_len)
+      flops=flops, attention_flops=flops_lib.attention_flops_per_token(setup.model_cfg, config.seq_len)
       * tokens / n,
-      matmul_flops=flops_lib.compiled_matmul_flops(hlo),
+      matmul_flops=timing.gemm_flops(hlo),
       compiled_flops=float(cost['flops']) if cost and 'flops' in cost else None,
       collectives=collectives.summary(hlo),
       across_nodes_bytes=collectives.crossing_bytes(hlo, lambda device: device // per_node),
-      memory_bytes=budget, memory_source=source)
+      memory_bytes=budget, memory_source=source,
+      time=predicted_time(hlo, gpus.find(kind), tokens / n, flops))
+
+
+def predicted_time(hlo: str, gpu: gpus.GPU | None, tokens: float, flops: float) -> dict | None:
+  """The time model's step (planning/timing.py) for a program compiled for `gpu`, with the
+  tokens/s a device and MFU it implies (`tokens` and `flops` per device); None for a device not
+  in planning/gpus.py, whose program the model does not describe."""
+  if gpu is None:
+    return None
+  predicted = timing.predict(hlo, gpu)
+  return {**predicted.table(), 'gpu': gpu.name, 'tokens_per_s_per_device': tokens / predicted.seconds,
+          'mfu': flops / predicted.seconds / gpu.peak_bf16_flops}
 
 
 def check_fits(plan: Plan) -> None:
@@ -239,8 +255,38 @@ def report(plan: Plan) -> None:
   if plan.across_nodes_bytes:
     rows.append(('across nodes / step', f'{readable_bytes(plan.across_nodes_bytes)} of it sent '
                                         'by collectives spanning nodes'))
+  rows += time_rows(plan.time)
   metrics.print_table(rows)
   print(json.dumps(plan.as_dict()))
+
+
+PART_NAMES = {'gemm': 'GEMMs', 'attention': 'attention', 'fusion': 'other fusions',
+              'other': 'other kernels', 'communication': 'exposed communication',
+              'launch': 'launch gaps'}
+
+
+def time_rows(time: dict | None, kernels: int = 10) -> list[tuple[str, str]]:
+  """The plan's rows for the time model's prediction: the step, its parts, the costliest kernels."""
+  if time is None:
+    return [('step time', 'not predicted: the time model describes programs compiled for the '
+                          'GPUs of planning/gpus.py')]
+  rows = [('step time (predicted)', f'{readable_seconds(time["seconds"])}, '
+                                    f'{time["tokens_per_s_per_device"]:,.0f} tokens/s a device, '
+                                    f'MFU {time["mfu"]:.1%}: the time model of this program on '
+                                    f'{time["gpu"]}, not a measurement')]
+  rows += [(f'  {PART_NAMES[part]}', f'{readable_seconds(t["s"])} ({t["share"]:.0%})'
+            + (f' of {readable_seconds(time["communication_s"])} in all'
+               if part == 'communication' else ''))
+           for part, t in time['breakdown'].items()]
+  rows += [(f'  costliest #{i}', f'{readable_seconds(k["s"])} {k["part"]}: {k["op"]} '
+                                 f'({k["name"]}) × {k["runs"]}')
+           for i, k in enumerate(time['kernels'][:kernels], 1)]
+  return rows
+
+
+def readable_seconds(s: float) -> str:
+  return f'{s:,.3f} s' if s >= 1 else f'{s * 1e3:,.2f} ms'
+
 
 
 def compile_and_plan(setup: Setup, config):

@@ -1,9 +1,8 @@
 """The collectives a compiled program runs, read from its HLO text: each op once per execution.
 
 A collective inside a `lax.scan` body (the layer stack) appears once in the text but runs once per
-layer: the text's computations are walked from ENTRY, and a while loop's body counts its known
-trip count (XLA's `known_trip_count`) times. Async pairs count once (at their `-done`, whose result
-is the collective's; a `-start` also carries its operands).
+layer: each counts the runs of its computation (sharding/hlo.py's `runs`). Async pairs count once
+(at their `-done`, whose result is the collective's; a `-start` also carries its operands).
 
 An async pair whose -start and -done have compute scheduled between them (a fusion, a kernel, a
 conditional or loop that launches them) is `overlapped`: its bytes move while the device works.
@@ -15,30 +14,23 @@ operand is n·r); all-reduce 2·S·(n−1)/n; all-to-all S·(n−1)/n; collectiv
 one moves nothing.
 """
 
-import collections
 import dataclasses
 import math
 import re
 
 import numpy as np
 
+from sharding import hlo
+
 OPS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
-_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2, 's16': 2,
-          'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
-_COMPUTATION = re.compile(r'^(ENTRY )?%?([\w.\-]+) .*\{$')
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\(')
 _NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
 _OPERAND = re.compile(r'-done\(%?([\w.\-]+)')
-_ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([0-9,]*)\]')
-_CALLS = re.compile(r'\b(body|condition|calls|to_apply|true_computation|false_computation|'
-                    r'branch_computations)=(\{[^}]*\}|%?[\w.\-]+)')
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _GROUPS_IOTA = re.compile(r'replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?')
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
                           r"(?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}")
 _GROUPS_LIST = re.compile(r'replica_groups=\{((?:\{[0-9,]*\},?)*)\}')
 _PAIRS = re.compile(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}')
-_PARTITIONS = re.compile(r'num_partitions=(\d+)')
 _COMPUTE = ('fusion', 'custom-call', 'conditional', 'while', 'call', 'dot', 'convolution')
 
 
@@ -59,13 +51,7 @@ class Collective:
 
   @property
   def result_bytes(self) -> int:
-    total = 0
-    for dtype, shape in self.arrays:
-      size = _BYTES.get(dtype, 4)
-      for d in shape:
-        size *= d
-      total += size
-    return total
+    return hlo.nbytes(self.arrays)
 
   @property
   def sent_bytes(self) -> float:
@@ -114,70 +100,32 @@ def _device_groups(line: str, devices: int) -> tuple[tuple[int, ...], ...]:
   return (tuple(range(devices)),)
 
 
-def _parse(hlo_text: str):
-  """({computation: [instruction lines]}, entry name, device count)."""
-  computations, entry, current = {}, None, None
-  for line in hlo_text.splitlines():
-    if current is None:
-      if m := _COMPUTATION.match(line.strip()):
-        current = m.group(2)
-        computations[current] = []
-        entry = current if m.group(1) else entry
-    elif line.strip() == '}':
-      current = None
-    else:
-      computations[current].append(line)
-  devices = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text)) else 1
-  return computations, entry, devices
-
-
-def runs(hlo_text: str) -> tuple[dict, collections.Counter, int]:
-  """({computation: its instruction lines}, {computation: times one execution of the program
-  runs it}, device count): the walk from ENTRY the module docstring describes."""
-  computations, entry, devices = _parse(hlo_text)
-  times = collections.Counter()
-
-  def visit(name: str, count: int) -> None:
-    times[name] += count
-    for line in computations.get(name, ()):
-      m = _INSTRUCTION.match(line)
-      opcode = m.group(2) if m else ''
-      if opcode in ('async-update', 'async-done'):
-        continue  # their `calls` is the computation the async-start already counted
-      trips = int(t.group(1)) if (t := _TRIP_COUNT.search(line)) else 1
-      for kind, callees in _CALLS.findall(line):
-        factor = {'body': trips, 'condition': trips + 1}.get(kind, 1) if opcode == 'while' else 1
-        for callee in re.findall(r'%?([\w.\-]+)', callees.strip('{}')):
-          if kind != 'to_apply':  # reductions' scalar computations: nothing to count
-            visit(callee, count * factor)
-
-  if entry is not None:
-    visit(entry, 1)
-  return computations, times, devices
+def in_computation(lines: list[str], devices: int, executions: int = 1):
+  """[(index of its start, index of its done, Collective)] for the collectives of one
+  computation's instruction lines, in program order of their done (a synchronous collective's
+  start and done are its own line; an async -done whose -start is not in these lines, one a loop
+  started in its previous iteration, has its own index as its start)."""
+  position = {m.group(1): i for i, line in enumerate(lines) if (m := _NAME.match(line))}
+  found = []
+  for i, line in enumerate(lines):
+    if (m := _INSTRUCTION.match(line)) and (op := _op_of(m.group(2))):
+      arrays = hlo.arrays(m.group(1))
+      begin, overlapped = i, False
+      if m.group(2).endswith('-done'):  # its groups are written on its -start
+        begin = position.get(_OPERAND.search(line).group(1), i)
+        overlapped = any((c := _INSTRUCTION.match(between)) and c.group(2) in _COMPUTE
+                         for between in lines[begin + 1:i])
+      groups = _device_groups(lines[begin], devices)
+      size = devices if op == 'collective-permute' else len(groups[0])
+      found.append((begin, i, Collective(op, arrays, size, executions, overlapped, groups)))
+  return found
 
 
 def executed(hlo_text: str) -> list[Collective]:
   """Every collective of the program, with how many times one execution of it runs each."""
-  computations, times, devices = runs(hlo_text)
-  found = []
-  for name, count in times.items():
-    lines = computations.get(name, ())
-    position = {m.group(1): i for i, line in enumerate(lines) if (m := _NAME.match(line))}
-    for i, line in enumerate(lines):
-      if (m := _INSTRUCTION.match(line)) and (op := _op_of(m.group(2))):
-        arrays = tuple((dtype, tuple(int(d) for d in dims.split(',') if d))
-                       for dtype, dims in _ARRAY.findall(m.group(1)))
-        overlapped = False
-        if m.group(2).endswith('-done'):  # its groups are written on its -start
-          start = _OPERAND.search(line).group(1)
-          begin = position.get(start, i)
-          line = lines[begin]
-          overlapped = any((c := _INSTRUCTION.match(between)) and c.group(2) in _COMPUTE
-                           for between in lines[begin + 1:i])
-        groups = _device_groups(line, devices)
-        size = devices if op == 'collective-permute' else len(groups[0])
-        found.append(Collective(op, arrays, size, count, overlapped, groups))
-  return found
+  computations, times, devices = hlo.runs(hlo_text)
+  return [c for name, count in times.items()
+          for _, _, c in in_computation(computations.get(name, []), devices, count)]
 
 
 def summary(hlo_text: str) -> dict[str, dict]:

@@ -73,6 +73,9 @@ def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
   assert plan.n_devices == llama.GPUS[name] and plan.compiled_flops is None
   assert plan.memory_bytes == gpus.usable_memory_bytes(H100)
   assert plan.fits, (plan.total_bytes / 2**30, plan.memory_bytes / 2**30)
+  # The time model's MFU stays below what GEMMs alone reach (planning/timing.py).
+  assert 0.1 < plan.time['mfu'] < gpus.GEMM_EFFICIENCY, plan.time['mfu']
+  assert plan.time['gpu'] == 'H100' and plan.time['source'] == 'model'
   hlo = compiled.as_text()
   if attention == 'pallas':  # our kernel, lowered by Triton, not interpreted
     assert 'xla.gpu.triton' in hlo and 'flash_attention_fwd' in hlo

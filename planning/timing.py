@@ -1,0 +1,348 @@
+"""The time model: how long one run of a compiled GPU program takes, predicted kernel by kernel
+from the program XLA compiled for the GPU (after fusion and scheduling) and the efficiencies of
+planning/gpus.py. A prediction, never a measurement; what prints it says so.
+
+Every instruction of every computation the program runs (ENTRY, loop bodies, the slowest branch of
+a conditional), each counted once per run of its loop, is one of:
+  gemm       a dot: in a Triton GEMM fusion, a cuBLAS or cuBLASLt custom call (fp8 too), or left
+             alone. 2·batch·M·N·K FLOPs at its operands' peak (fp8; bf16 and f16; f32 as TF32,
+             half of bf16's) × GEMM_EFFICIENCY (FP8_GEMM_EFFICIENCY) × the share of the SMs its
+             output tiles keep busy (gpus.tile_waves). Tiles the deviceless compile chose are
+             ignored: on the GPU, XLA autotunes them.
+  attention  cuDNN's fused attention and our Pallas kernels (flash_attention_fwd, _dq, _dkv):
+             FlashAttention's FLOPs (forward 4·B·N·L·S·H, causal the share 1 − L/2S of the keys a
+             query sees: half when L = S, the last device's share with keys all-gathered over a
+             sequence split; backward 2.5 × forward, split 3 : 4 between our dq and dkv kernels as
+             their matmuls are) at gpus.ATTENTION_TFLOPS for the kernel, direction, head dim and
+             keys per query (ATTENTION_LENGTH_FACTOR)
+  fusion     any other fusion: the HBM bytes it reads and writes, a parameter read only through a
+             slice counting the slice and the buffer a dynamic-update-slice writes in place only
+             the update; its element-wise arithmetic at the CUDA cores' FP32 rate
+  other      copies, other custom calls (other Triton kernels) and lone ops, as fusions
+A kernel takes max(FLOPs / (peak × efficiency), bytes / (HBM bandwidth × HBM_EFFICIENCY)), and
+every launch (collectives' too) KERNEL_LAUNCH_S more.
+
+A collective costs the bytes each device sends (sharding/collectives.py's ring model) over the
+NVLink bandwidth × LINK_EFFICIENCY, or the NIC's × NETWORK_EFFICIENCY where its groups span
+nodes (gpus_per_node GPUs a node, in device order), plus LINK_LATENCY_S (NETWORK_LATENCY_S); a
+copy to or from host memory (offloaded state) its bytes over the PCIe link. The compiled schedule
+decides what hides them: each computation runs its instructions in order on a compute stream; an
+async collective runs on a communication stream from its -start, one at a time in the order
+started, and its -done waits for it. So a collective is hidden as far as the kernels scheduled
+between its start and done last, and exposed for the rest; a synchronous one is exposed whole. A
+loop body's schedule runs trip-count times; a -done whose -start an earlier iteration issued
+(XLA's collective pipelining) counts from the start of the body.
+
+Why not XLA's own GPU cost model: the one its latency-hiding scheduler can use
+(--xla_gpu_enable_analytical_latency_estimator) is not in what a compile returns
+(`cost_analysis()` is None for these programs), only in verbose logs, and there it charges a cuBLAS
+GEMM at the CUDA cores' FP32 rate: 514 µs for a 1024×4096×4096 bf16 GEMM an H100 runs in about
+45 µs. docs/time-model.md has the comparison.
+"""
+
+import dataclasses
+import math
+import re
+
+from planning import gpus
+from sharding import collectives, hlo
+
+PARTS = ('gemm', 'attention', 'fusion', 'other', 'communication', 'launch')
+_FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all',
+         'partition-id', 'replica-id', 'add-dependency', 'opt-barrier', 'domain'}
+_ARITHMETIC = {'add', 'subtract', 'multiply', 'divide', 'exponential', 'log', 'tanh', 'rsqrt',
+               'sqrt', 'power', 'maximum', 'minimum', 'negate', 'compare', 'select', 'logistic',
+               'exponential-minus-one', 'log-plus-one', 'cosine', 'sine', 'abs', 'clamp',
+               'convert', 'and', 'or', 'not', 'is-finite', 'remainder', 'atan2', 'floor'}
+_DIMS = re.compile(r'\b(lhs|rhs)_(batch|contracting)_dims=\{([0-9,]*)\}')
+_GEMM_DIMS = re.compile(r'"(lhs|rhs)_(batch|contracting)_dimensions":\[([^\]]*)\]')
+_FLASH = re.compile(r'flash_attention_(fwd|dq|dkv)')
+_SCORES = re.compile(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":\[([^\]]*)\]')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+BACKWARD_SHARE = {'dq': 3 / 7, 'dkv': 4 / 7}  # of the backward's matmuls: 3 in dq, 4 in dkv
+
+
+@dataclasses.dataclass
+class Kernel:
+  """One kernel launch of the program, as the model charges it."""
+  name: str  # the instruction
+  op: str  # what it computes: the JAX operation it comes from, or its custom call
+  part: str  # gemm, attention, fusion or other (PARTS)
+  flops: float  # one run's, as its efficiency counts them
+  bytes: float  # HBM bytes one run reads and writes
+  seconds: float  # one run, launch excluded
+  runs: int = 0  # per run of the program
+
+
+@dataclasses.dataclass
+class StepTime:
+  """The model's prediction for one run of a program."""
+  seconds: float
+  breakdown: dict[str, float]  # {part of PARTS: seconds of the run}; communication is exposed
+  kernels: list[Kernel]  # every kernel that runs, costliest (seconds × runs) first
+  communication_s: float  # every collective's time, hidden or not
+  launches: int
+
+  def table(self, top: int = 10) -> dict:
+    """As the plan's JSON has it: the parts with their shares, and the costliest kernels."""
+    return {'seconds': self.seconds, 'source': 'model',
+            'breakdown': {part: {'s': s, 'share': s / self.seconds if self.seconds else 0.0}
+                          for part, s in self.breakdown.items()},
+            'communication_s': self.communication_s, 'launches': self.launches,
+            'kernels': [{'name': k.name, 'op': k.op, 'part': k.part, 'runs': k.runs,
+                         's': k.seconds * k.runs, 'flops': k.flops * k.runs,
+                         'bytes': k.bytes * k.runs} for k in self.kernels[:top]]}
+
+
+def predict(hlo_text: str, gpu: gpus.GPU) -> StepTime:
+  """The time one run of the compiled program takes on `gpu`, per the module docstring."""
+  computations, entry, devices = hlo.parse(hlo_text)
+  model = _Model(computations, devices, gpu)
+  seconds = model.run(entry, 1) if entry else 0.0
+  kernels = sorted((k for k in model.kernels.values() if k.runs),
+                   key=lambda k: -k.seconds * k.runs)
+  breakdown = dict.fromkeys(PARTS, 0.0)
+  for k in kernels:
+    breakdown[k.part] += k.seconds * k.runs
+  breakdown['launch'] = model.launches * gpus.KERNEL_LAUNCH_S
+  breakdown['communication'] = max(0.0, seconds - sum(breakdown.values()))
+  return StepTime(seconds, breakdown, kernels, model.communication_s, model.launches)
+
+
+def gemm_flops(hlo_text: str) -> float:
+  """The matmul FLOPs one run of the program does: every dot and GEMM, each run counted."""
+  return sum(k.flops * k.runs for k in predict(hlo_text, gpus.NOMINAL).kernels
+             if k.part == 'gemm')
+
+
+def attention_efficiency(kernel: str, backward: bool, head_dim: int, keys: int) -> float:
+  """The share of the bf16 peak a fused attention kernel reaches (planning/gpus.py)."""
+  by_head_dim = gpus.ATTENTION_TFLOPS[kernel]
+  tflops = by_head_dim[min(by_head_dim, key=lambda h: (abs(h - head_dim), h))][int(backward)]
+  lengths = sorted(gpus.ATTENTION_LENGTH_FACTOR)
+  factors = [gpus.ATTENTION_LENGTH_FACTOR[n] for n in lengths]
+  if keys <= lengths[0]:
+    factor = factors[0] * keys / lengths[0]
+  elif keys >= lengths[-1]:
+    factor = factors[-1]
+  else:
+    i = next(i for i, n in enumerate(lengths) if n >= keys) - 1
+    t = math.log(keys / lengths[i]) / math.log(lengths[i + 1] / lengths[i])
+    factor = factors[i] * (factors[i + 1] / factors[i]) ** t
+  return tflops * 1e12 / gpus.ATTENTION_MEASURED_ON * factor
+
+
+class _Model:
+  """Walks the program's computations, charging kernels and simulating the streams."""
+
+  def __init__(self, computations: dict, devices: int, gpu: gpus.GPU):
+    self.computations, self.devices, self.gpu = computations, devices, gpu
+    self.kernels: dict[tuple[str, str], Kernel] = {}
+    self.launches = 0
+    self.communication_s = 0.0
+    self._parsed = {}
+
+  def instructions(self, computation: str) -> list[hlo.Instruction]:
+    if computation not in self._parsed:
+      self._parsed[computation] = [i for line in self.computations.get(computation, ())
+                                   if (i := hlo.instruction(line))]
+    return self._parsed[computation]
+
+  def run(self, computation: str, runs: int) -> float:
+    """Seconds one run of `computation` takes; records its kernels as run `runs` times (0: only
+    the time)."""
+    instructions = self.instructions(computation)
+    types = {i.name: i.arrays for i in instructions}
+    starts, dones = {}, {}  # a collective's start index → (done index, seconds); done → seconds
+    for begin, done, c in collectives.in_computation([i.line for i in instructions], self.devices):
+      seconds = self.collective_seconds(c)
+      starts[begin], dones[done] = (done, seconds), seconds
+      self.communication_s += seconds * runs
+    now = comm_free = host_free = 0.0  # when the compute, communication and host streams free up
+    finish = {}  # a collective's done index, or a host copy's start name → when it is over
+    for index, inst in enumerate(instructions):
+      op = inst.opcode
+      if index in starts and not op.endswith('-done'):  # a start, or a synchronous collective
+        done, seconds = starts[index]
+        comm_free = max(now, comm_free) + seconds
+        if done == index:
+          now = comm_free
+        finish[done] = comm_free
+      elif index in dones:  # a done; without its start here, started by an earlier iteration
+        now = max(now, finish.get(index, dones[index]))
+      elif op == 'copy-start' and ':S(5)' in inst.line:  # to or from host memory
+        host_free = max(now, host_free) + hlo.nbytes(inst.arrays[:1]) / self.gpu.host_bandwidth
+        finish[inst.name] = host_free
+      elif op == 'copy-done' and inst.operands and inst.operands[0] in finish:
+        now = max(now, finish[inst.operands[0]])
+      elif op == 'while':
+        callees, trips = dict(inst.callees()), inst.trip_count
+        now += (trips * self.run(callees['body'], runs * trips)
+                + (trips + 1) * self.run(callees['condition'], runs * (trips + 1)))
+      elif op == 'conditional':
+        slowest = max((callee for _, callee in inst.callees()), key=lambda b: self.run(b, 0))
+        now += self.run(slowest, runs)
+      elif op in ('call', 'async-start'):
+        now += sum(self.run(callee, runs) for kind, callee in inst.callees()
+                   if kind in ('to_apply', 'calls'))
+      elif not (op in _FREE or op.startswith('async-') or op.endswith(('-start', '-done'))):
+        kernel = self.kernel(inst, types)
+        now += kernel.seconds + gpus.KERNEL_LAUNCH_S
+        if runs:
+          self.kernels.setdefault((computation, inst.name), kernel).runs += runs
+          self.launches += runs
+    return now
+
+  def collective_seconds(self, c: collectives.Collective) -> float:
+    if c.group <= 1 or not c.sent_bytes:
+      return 0.0
+    if c.crosses(lambda device: device // self.gpu.gpus_per_node):
+      return (c.sent_bytes / (self.gpu.node_bandwidth * gpus.NETWORK_EFFICIENCY)
+              + gpus.NETWORK_LATENCY_S)
+    return c.sent_bytes / (self.gpu.link_bandwidth * gpus.LINK_EFFICIENCY) + gpus.LINK_LATENCY_S
+
+  def kernel(self, inst: hlo.Instruction, types: dict) -> Kernel:
+    """The kernel `inst` launches, with its one-run time."""
+    op, operand_arrays = inst.opcode, [types.get(name, ()) for name in inst.operands]
+    target = m.group(1) if (m := _TARGET.search(inst.line)) else ''
+    what = inst.op_name.rsplit('/', 2)
+    what = '/'.join(what[-2:]) if what[0] else target or op
+    if op == 'fusion':
+      body = dict(inst.callees()).get('calls', '')
+      dots = self.dots(body)
+      read, written, arithmetic = self.fusion_bytes(body)
+      if dots:
+        return self.gemm(inst.name, what, dots, read + written)
+      return self.timed(Kernel(inst.name, what, 'fusion', arithmetic, read + written, 0.0),
+                        self.gpu.vector_flops)
+    if op == 'custom-call' and target.startswith('__cudnn$fmha'):
+      return self.attention(inst, 'cudnn', operand_arrays, what)
+    if op == 'custom-call' and (flash := _FLASH.search(inst.op_name)):
+      return self.attention(inst, 'pallas', operand_arrays, what, flash.group(1))
+    moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays)
+    if op == 'custom-call' and target.startswith('__cublas'):
+      dims = {(side, kind): _ints(value) for side, kind, value in _GEMM_DIMS.findall(inst.line)}
+      dot = _dot(operand_arrays[0][0], operand_arrays[1][0], inst.arrays[0], dims)
+      return self.gemm(inst.name, what, [dot], moved + hlo.nbytes(inst.arrays[:1]))
+    if op in ('dot', 'convolution'):
+      dims = {(side, kind): _ints(value) for side, kind, value in _DIMS.findall(inst.line)}
+      dot = _dot(operand_arrays[0][0], operand_arrays[1][0], inst.arrays[0], dims)
+      return self.gemm(inst.name, what, [dot], moved + hlo.nbytes(inst.arrays))
+    written = hlo.nbytes(inst.arrays)
+    if op in ('dynamic-slice', 'slice'):
+      moved = 0
+    elif op == 'dynamic-update-slice':
+      moved, written = hlo.nbytes(operand_arrays[1]), hlo.nbytes(operand_arrays[1])
+    return self.timed(Kernel(inst.name, what, 'other', 0.0, moved + written, 0.0), 1.0)
+
+  def timed(self, kernel: Kernel, flops_per_s: float) -> Kernel:
+    kernel.seconds = max(kernel.flops / flops_per_s,
+                         kernel.bytes / (self.gpu.memory_bandwidth * gpus.HBM_EFFICIENCY))
+    return kernel
+
+  def gemm(self, name: str, what: str, dots: list, moved: float) -> Kernel:
+    """A kernel of dots: [(batch, m, n, k, operand dtype)], each at its tile waves."""
+    compute = 0.0
+    for batch, m, n, k, dtype in dots:
+      if dtype.startswith('f8') or dtype in ('s8', 'u8'):
+        rate = self.gpu.peak_fp8_flops * gpus.FP8_GEMM_EFFICIENCY
+      elif dtype in ('bf16', 'f16'):
+        rate = self.gpu.peak_bf16_flops * gpus.GEMM_EFFICIENCY
+      elif dtype == 'f32':  # TF32 tensor cores
+        rate = self.gpu.peak_bf16_flops / 2 * gpus.GEMM_EFFICIENCY
+      else:
+        rate = self.gpu.vector_flops
+      compute += 2 * batch * m * n * k / (rate * gpus.tile_waves(m, n, batch, self.gpu.sms))
+    flops = sum(2 * batch * m * n * k for batch, m, n, k, _ in dots)
+    kernel = Kernel(name, what, 'gemm', flops, moved, 0.0)
+    kernel.seconds = max(compute, moved / (self.gpu.memory_bandwidth * gpus.HBM_EFFICIENCY))
+    return kernel
+
+  def attention(self, inst, kernel: str, operand_arrays, what: str, part: str = '') -> Kernel:
+    (_, q), (_, k) = operand_arrays[0][0], operand_arrays[1][0]
+    if kernel == 'cudnn':  # the scores' [B, N, L, S] is in its config; q's dims in any order
+      B, N, L, S = _ints(_SCORES.search(inst.line.replace(' ', '')).group(1))
+      H = math.prod(q) // (B * N * L)
+      causal = 'CAUSAL' in inst.line
+      backward = 'Backward' in inst.line
+      share = 1.0
+    else:  # ours: q[B, L, N, H], k[B, S, K, H]
+      (B, L, N, H), S = q, k[1]
+      causal = '/unmasked/' not in inst.op_name
+      backward, share = part != 'fwd', BACKWARD_SHARE.get(part, 1.0)
+    forward = 4 * B * N * L * S * H * ((1 - L / (2 * S)) if causal and L <= S else 1.0)
+    flops = forward * (2.5 * share if backward else 1.0)
+    moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays) + hlo.nbytes(inst.arrays)
+    efficiency = attention_efficiency(kernel, backward, H, S)
+    return self.timed(Kernel(inst.name, what, 'attention', flops, moved, 0.0),
+                      self.gpu.peak_bf16_flops * efficiency)
+
+  def dots(self, computation: str) -> list:
+    """The dots of a fused computation (and of the fusions nested in it)."""
+    found = []
+    instructions = self.instructions(computation)
+    types = {i.name: i.arrays for i in instructions}
+    for inst in instructions:
+      if inst.opcode == 'dot':
+        dims = {(side, kind): _ints(value) for side, kind, value in _DIMS.findall(inst.line)}
+        found.append(_dot(types[inst.operands[0]][0], types[inst.operands[1]][0],
+                          inst.arrays[0], dims))
+      elif inst.opcode == 'fusion':
+        found += self.dots(dict(inst.callees()).get('calls', ''))
+    return found
+
+  def fusion_bytes(self, computation: str) -> tuple[float, float, float]:
+    """(HBM bytes read, bytes written, element-wise FLOPs) of one run of a fused computation."""
+    instructions = self.instructions(computation)
+    by_name = {i.name: i for i in instructions}
+    users = {}
+    for inst in instructions:
+      for position, operand in enumerate(inst.operands):
+        users.setdefault(operand, []).append((inst, position))
+
+    def read(name: str) -> float:
+      whole, part = hlo.nbytes(by_name[name].arrays), 0.0
+      for user, position in users.get(name, ()):
+        if user.opcode in ('dynamic-slice', 'slice', 'gather') and position == 0:
+          part += hlo.nbytes(user.arrays)
+        elif user.opcode in ('dynamic-update-slice', 'scatter') and position == 0:
+          continue  # written in place: only the update moves
+        elif user.opcode == 'bitcast':
+          part += read(user.name)
+        else:
+          return whole
+      return min(part, whole)
+
+    def written(inst: hlo.Instruction) -> float:
+      if inst.opcode == 'tuple':
+        return sum(written(by_name[name]) for name in inst.operands)
+      if inst.opcode == 'bitcast':
+        return written(by_name[inst.operands[0]])
+      if inst.opcode == 'dynamic-update-slice':
+        return hlo.nbytes(by_name[inst.operands[1]].arrays)
+      if inst.opcode == 'scatter':
+        return hlo.nbytes(by_name[inst.operands[-1]].arrays)
+      return hlo.nbytes(inst.arrays)
+
+    root = next((i for i in instructions if i.root), instructions[-1] if instructions else None)
+    reads = sum(read(i.name) for i in instructions if i.opcode == 'parameter')
+    arithmetic = sum(math.prod(i.arrays[0][1]) if i.opcode in _ARITHMETIC else
+                     math.prod(by_name[i.operands[0]].arrays[0][1]) if i.opcode == 'reduce' else 0
+                     for i in instructions if i.arrays)
+    return reads, written(root) if root else 0.0, arithmetic
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x.strip('" ')) for x in text.split(',') if x.strip('" ')]
+
+
+def _dot(lhs, rhs, out, dims) -> tuple[int, int, int, int, str]:
+  """(batch, m, n, k, lhs dtype) of a dot from its operands' and result's (dtype, shape)."""
+  (dtype, lhs_shape), (_, rhs_shape) = lhs, rhs
+  batch_dims = dims.get(('lhs', 'batch'), [])
+  contracting = dims.get(('lhs', 'contracting'), [])
+  batch = math.prod(lhs_shape[d] for d in batch_dims)
+  k = math.prod(lhs_shape[d] for d in contracting)
+  m = math.prod(s for d, s in enumerate(lhs_shape) if d not in batch_dims and d not in contracting)
+  n = math.prod(out[1]) // max(batch * m, 1)
+  return batch, m, n, k, dtype

@@ -1,0 +1,210 @@
+"""The time model (planning/timing.py): known kernels on hand-written HLO give the times the
+efficiencies of planning/gpus.py say; programs the GPU compiler built for H100s that are not here
+are charged as the model's docstring says."""
+
+import pytest
+
+from planning import gpu_compiler, gpus, timing
+from planning import plan as plan_lib
+from tests.conftest import tiny_config
+from training.state import build
+
+H100 = gpus.GPUS['H100']
+HBM = H100.memory_bandwidth * gpus.HBM_EFFICIENCY
+NVLINK = H100.link_bandwidth * gpus.LINK_EFFICIENCY
+LAUNCH = gpus.KERNEL_LAUNCH_S
+MiB = 2**20
+
+
+def gemm_s(m, n, k, batch=1):
+  return (2 * batch * m * n * k / (H100.peak_bf16_flops * gpus.GEMM_EFFICIENCY
+                                   * gpus.tile_waves(m, n, batch, H100.sms)))
+
+
+def module(entry: str, devices: int = 8, extra: str = '') -> str:
+  """A scheduled HLO module: a 4096² bf16 GEMM fusion, an add fusion of two 1024² bf16 arrays,
+  a fusion updating one row of a stacked buffer in place, and `entry` as ENTRY's body."""
+  return f'''HloModule test, is_scheduled=true, num_partitions={devices}
+
+%gemm (p0: bf16[4096,4096], p1: bf16[4096,4096]) -> bf16[4096,4096] {{
+  %p0 = bf16[4096,4096]{{1,0}} parameter(0)
+  %p1 = bf16[4096,4096]{{1,0}} parameter(1)
+  ROOT %dot.1 = bf16[4096,4096]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%add (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {{
+  %p0 = bf16[1024,1024]{{1,0}} parameter(0)
+  %p1 = bf16[1024,1024]{{1,0}} parameter(1)
+  ROOT %sum = bf16[1024,1024]{{1,0}} add(%p0, %p1)
+}}
+
+%update (p0: f32[64,1024,1024], p1: f32[1,1024,1024], p2: s32[]) -> f32[64,1024,1024] {{
+  %p0 = f32[64,1024,1024]{{2,1,0}} parameter(0)
+  %p1 = f32[1,1024,1024]{{2,1,0}} parameter(1)
+  %p2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[64,1024,1024]{{2,1,0}} dynamic-update-slice(%p0, %p1, %p2, %zero, %zero)
+}}
+{extra}
+ENTRY %main (a: bf16[4096,4096], b: bf16[4096,4096], x: bf16[1024,1024], s: bf16[512,4096]) -> bf16[4096,4096] {{
+  %a = bf16[4096,4096]{{1,0}} parameter(0)
+  %b = bf16[4096,4096]{{1,0}} parameter(1)
+  %x = bf16[1024,1024]{{1,0}} parameter(2)
+  %s = bf16[512,4096]{{1,0}} parameter(3)
+{entry}
+}}
+'''
+
+
+def test_known_kernels_take_their_known_times():
+  """A GEMM at the GEMM efficiency (compute-bound), an add at HBM speed (3 arrays moved), an
+  in-place row update moving only the row (read, written), each with a launch."""
+  hlo = module('''
+  %g = bf16[4096,4096]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm
+  %y = bf16[1024,1024]{1,0} fusion(%x, %x), kind=kLoop, calls=%add
+  %buf = f32[64,1024,1024]{2,1,0} parameter(4)
+  %row = f32[1,1024,1024]{2,1,0} parameter(5)
+  %i = s32[] parameter(6)
+  %u = f32[64,1024,1024]{2,1,0} fusion(%buf, %row, %i), kind=kLoop, calls=%update
+  ROOT %t = (bf16[4096,4096]{1,0}, bf16[1024,1024]{1,0}) tuple(%g, %y)''')
+  predicted = timing.predict(hlo, H100)
+  by_name = {k.name: k for k in predicted.kernels}
+  assert by_name['g'].seconds == pytest.approx(gemm_s(4096, 4096, 4096), rel=1e-12)
+  assert by_name['g'].flops == 2 * 4096**3 and by_name['g'].part == 'gemm'
+  assert by_name['y'].seconds == pytest.approx(3 * MiB * 2 / HBM, rel=1e-12)
+  assert by_name['u'].bytes == 2 * 4 * MiB + 4  # the row read and written, and the index: not
+                                                # the 256 MiB buffer
+  expected = gemm_s(4096, 4096, 4096) + 3 * 2 * MiB / HBM + (2 * 4 * MiB + 4) / HBM + 3 * LAUNCH
+  assert predicted.seconds == pytest.approx(expected, rel=1e-12)
+  assert predicted.breakdown['launch'] == pytest.approx(3 * LAUNCH)
+  assert predicted.breakdown['communication'] == pytest.approx(0, abs=1e-15)
+
+
+def test_a_loop_body_counts_once_per_trip():
+  body = '''
+%body (t: (s32[], bf16[1024,1024])) -> (s32[], bf16[1024,1024]) {
+  %t = (s32[], bf16[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = bf16[1024,1024]{1,0} get-tuple-element(%t), index=1
+  %w = bf16[1024,1024]{1,0} fusion(%v, %v), kind=kLoop, calls=%add
+  ROOT %r = (s32[], bf16[1024,1024]{1,0}) tuple(%i, %w)
+}
+
+%cond (t: (s32[], bf16[1024,1024])) -> pred[] {
+  %t = (s32[], bf16[1024,1024]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+'''
+  hlo = module('''
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[1024,1024]{1,0}) tuple(%zero, %x)
+  ROOT %loop = (s32[], bf16[1024,1024]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}''',
+               extra=body)
+  predicted = timing.predict(hlo, H100)
+  add, = predicted.kernels
+  assert add.runs == 6
+  assert predicted.seconds == pytest.approx(6 * (3 * 2 * MiB / HBM + LAUNCH), rel=1e-12)
+
+
+GATHER = ('%ag = (bf16[512,4096]{{1,0}}, bf16[4096,4096]{{1,0}}) all-gather-start(%s), channel_id=1, '
+          'replica_groups={groups}, dimensions={{0}}, '
+          'use_global_device_ids=true')
+
+
+def gathered_s(bandwidth, latency, group=8):
+  return 32 * MiB * (group - 1) / group / bandwidth + latency
+
+
+def test_a_collective_with_no_compute_beside_it_is_exposed_and_one_overlapped_is_hidden():
+  start = GATHER.format(groups='[1,8]<=[8]')
+  exposed = module(f'''
+  {start}
+  %w = bf16[4096,4096]{{1,0}} all-gather-done(%ag)
+  %g = bf16[4096,4096]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%gemm
+  ROOT %h = bf16[4096,4096]{{1,0}} fusion(%g, %w), kind=kCustom, calls=%gemm''')
+  hidden = module(f'''
+  {start}
+  %g = bf16[4096,4096]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%gemm
+  %w = bf16[4096,4096]{{1,0}} all-gather-done(%ag)
+  ROOT %h = bf16[4096,4096]{{1,0}} fusion(%g, %w), kind=kCustom, calls=%gemm''')
+  gather = gathered_s(NVLINK, gpus.LINK_LATENCY_S)
+  gemms = 2 * (gemm_s(4096, 4096, 4096) + LAUNCH)
+  assert gather < gemm_s(4096, 4096, 4096)  # so the first GEMM can hide it
+  for hlo, exposed_s in ((exposed, gather), (hidden, 0.0)):
+    predicted = timing.predict(hlo, H100)
+    assert predicted.communication_s == pytest.approx(gather, rel=1e-12)
+    assert predicted.breakdown['communication'] == pytest.approx(exposed_s, abs=1e-12)
+    assert predicted.seconds == pytest.approx(gemms + exposed_s, rel=1e-12)
+
+  # Half hidden: the add fusion lasts less than the gather, which shows for the rest.
+  partly = module(f'''
+  {start}
+  %y = bf16[1024,1024]{{1,0}} fusion(%x, %x), kind=kLoop, calls=%add
+  %w = bf16[4096,4096]{{1,0}} all-gather-done(%ag)
+  ROOT %h = bf16[4096,4096]{{1,0}} fusion(%a, %w), kind=kCustom, calls=%gemm''')
+  add = 3 * 2 * MiB / HBM + LAUNCH
+  predicted = timing.predict(partly, H100)
+  assert predicted.breakdown['communication'] == pytest.approx(gather - add, rel=1e-9)
+
+
+def test_a_collective_spanning_nodes_goes_at_the_nics_speed():
+  """Of 16 GPUs (8 a node), groups of 8 within a node go over NVLink; the same groups of 8 made
+  of devices 0, 2, 4, … (each spanning both nodes) go over the NIC."""
+  for groups, bandwidth, latency in (
+      ('[2,8]<=[16]', NVLINK, gpus.LINK_LATENCY_S),
+      ('[2,8]<=[8,2]T(1,0)', H100.node_bandwidth * gpus.NETWORK_EFFICIENCY,
+       gpus.NETWORK_LATENCY_S)):
+    hlo = module(f'''
+  {GATHER.format(groups=groups)}
+  ROOT %w = bf16[4096,4096]{{1,0}} all-gather-done(%ag)''', devices=16)
+    assert timing.predict(hlo, H100).seconds == pytest.approx(
+        gathered_s(bandwidth, latency), rel=1e-12), groups
+
+
+@pytest.fixture(scope='module')
+def h100():
+  assert gpu_compiler.in_this_process(), f'the GPU compiler is not installed: `{gpu_compiler.INSTALL}`'
+  device, = gpu_compiler.devices(H100, 1)
+  return device
+
+
+def test_a_gemm_only_program_takes_its_flops_at_the_gemm_efficiency(h100):
+  """Compiled for an H100: an 8192³ bf16 matmul is predicted at the 798 TFLOP/s measured."""
+  import jax
+  import jax.numpy as jnp
+  x = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16,
+                           sharding=jax.sharding.SingleDeviceSharding(h100))
+  hlo = jax.jit(lambda a, b: a @ b).lower(x, x).compile().as_text()
+  predicted = timing.predict(hlo, H100)
+  gemm, = predicted.kernels
+  assert gemm.part == 'gemm' and gemm.flops == 2 * 8192**3
+  assert predicted.seconds == pytest.approx(2 * 8192**3 / 798e12 + LAUNCH, rel=1e-9)
+
+
+def compiled_for_h100(**changes):
+  """A 2-layer model big enough that its GEMMs are compute-bound, compiled for one H100."""
+  config = tiny_config()
+  config.model.update(d_model=1024, d_ff=4096, n_heads=8, n_kv_heads=8, head_dim=128,
+                      compute_dtype='bfloat16', attention='cudnn')
+  config.seq_len = 1024
+  config.plan.target, config.plan.devices = 'H100', 1
+  config.model.update(changes)
+  setup = build(config, plan_lib.target_devices(config))
+  compiled, plan = plan_lib.compile_and_plan(setup, config)
+  return compiled.as_text(), plan
+
+
+def test_remat_full_is_predicted_slower_than_dots_by_its_recomputed_flops(h100):
+  dots, dots_plan = compiled_for_h100(remat_policy='dots')
+  full, full_plan = compiled_for_h100(remat_policy='full')
+  fast, slow = timing.predict(dots, H100), timing.predict(full, H100)
+  recomputed = full_plan.matmul_flops - dots_plan.matmul_flops
+  assert recomputed > 0.1 * dots_plan.matmul_flops  # the projections' forward again
+  rate = H100.peak_bf16_flops * gpus.GEMM_EFFICIENCY * gpus.tile_waves(8192, 1024, 1, H100.sms)
+  extra_gemm_s = slow.breakdown['gemm'] - fast.breakdown['gemm']
+  assert extra_gemm_s == pytest.approx(recomputed / rate, rel=0.05)
+  # Not all of it shows in the step: `dots` writes every projection's output for the backward
+  # and reads it back, HBM traffic `full` saves.
+  assert slow.breakdown['fusion'] < fast.breakdown['fusion']
+  assert slow.seconds > fast.seconds
+  assert full_plan.time['seconds'] == pytest.approx(slow.seconds)  # the plan carries it
