@@ -23,9 +23,6 @@ import numpy as np
 from sharding import hlo
 
 OPS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\(')
-_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
-_OPERAND = re.compile(r'-done\(%?([\w.\-]+)')
 _GROUPS_IOTA = re.compile(r'replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?')
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
                           r"(?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}")
@@ -105,19 +102,19 @@ def in_computation(lines: list[str], devices: int, executions: int = 1):
   computation's instruction lines, in program order of their done (a synchronous collective's
   start and done are its own line; an async -done whose -start is not in these lines, one a loop
   started in its previous iteration, has its own index as its start)."""
-  position = {m.group(1): i for i, line in enumerate(lines) if (m := _NAME.match(line))}
+  instructions = [hlo.instruction(line) for line in lines]
+  position = {inst.name: i for i, inst in enumerate(instructions) if inst}
   found = []
-  for i, line in enumerate(lines):
-    if (m := _INSTRUCTION.match(line)) and (op := _op_of(m.group(2))):
-      arrays = hlo.arrays(m.group(1))
+  for i, inst in enumerate(instructions):
+    if inst and (op := _op_of(inst.opcode)):
       begin, overlapped = i, False
-      if m.group(2).endswith('-done'):  # its groups are written on its -start
-        begin = position.get(_OPERAND.search(line).group(1), i)
-        overlapped = any((c := _INSTRUCTION.match(between)) and c.group(2) in _COMPUTE
-                         for between in lines[begin + 1:i])
+      if inst.opcode.endswith('-done'):  # its groups are written on its -start
+        begin = position.get(inst.operands[0], i)
+        overlapped = any(between and between.opcode in _COMPUTE
+                         for between in instructions[begin + 1:i])
       groups = _device_groups(lines[begin], devices)
       size = devices if op == 'collective-permute' else len(groups[0])
-      found.append((begin, i, Collective(op, arrays, size, executions, overlapped, groups)))
+      found.append((begin, i, Collective(op, inst.arrays, size, executions, overlapped, groups)))
   return found
 
 

@@ -1,5 +1,5 @@
-"""The step, precision and checkpoint benchmarks run end to end (on the tiny base config) and end with one
-JSON line of figures that add up."""
+"""The step, precision, checkpoint and calibrate benchmarks run end to end (on the tiny base config,
+or tiny shapes) and end with one JSON line of figures that add up."""
 
 import json
 import pathlib
@@ -9,9 +9,9 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def figures(script, *flags):
-  result = subprocess.run([sys.executable, '-m', f'benchmarks.{script}', '--config=configs/base.py',
-                           *flags], cwd=REPO, capture_output=True, text=True, timeout=600)
+def figures(script, *flags, config=('--config=configs/base.py',)):
+  result = subprocess.run([sys.executable, '-m', f'benchmarks.{script}', *config, *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -38,3 +38,35 @@ def test_checkpoint_benchmark():
   assert 0 < f['blocked_s'] < f['save_s'] and 0 < f['restore_s']
   assert f['blocked_fraction_of_step'] == f['blocked_s'] / f['step_time_s']
   assert f['checkpoint_bytes'] > 3 * 4 * f['params']  # parameters and two Adam moments in fp32
+
+
+def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):
+  """Its plumbing, on the CPU (ratios against the time model's nominal device mean nothing here):
+  each part's rows measured and predicted, its file, and the constants its rows imply."""
+  from planning import timing
+  f = figures('calibrate', '--gemms=64x64x64,128x256x64', '--copy_mib=1', '--chain=5',
+              '--head_dims=64', '--seq_lens=128', '--tokens=256', '--impls=pallas,xla',
+              '--step_configs=configs/base.py', '--step_attention=xla', '--iters=2',
+              '--step_iters=1', f'--out_dir={tmp_path}', config=())
+  assert sorted(f['parts']) == ['attention', 'copy', 'gemm', 'steps_base']
+  for part, figures_of in f['parts'].items():
+    written = json.loads((tmp_path / f'calibrate_{part}-cpu.json').read_text())
+    assert written == figures_of and written['jax'] and 'benchmarks.calibrate' in written['command']
+    for row in written['rows']:
+      assert row['measured_s'] > 0 and row['predicted_s'] > 0
+      assert row['ratio'] == row['measured_s'] / row['predicted_s']
+  parts = f['parts']
+  assert [r['precision'] for r in parts['gemm']['rows']] == ['bf16', 'fp8'] * 2
+  assert set(parts['gemm']['refit']) == {'GEMM_EFFICIENCY', 'FP8_GEMM_EFFICIENCY'}
+  assert set(parts['copy']['refit']) == {'HBM_EFFICIENCY', 'KERNEL_LAUNCH_S'}
+  assert [r['impl'] for r in parts['attention']['rows']] == ['pallas', 'xla']  # no cuDNN on CPU
+  steps = parts['steps_base']['rows']
+  assert [r['matmul_precision'] for r in steps] == ['default', 'fp8']
+  assert all(set(r['predicted_breakdown']) == set(timing.PARTS) for r in steps)
+
+
+def test_calibrate_stops_a_part_past_its_budget(tmp_path):
+  f = figures('calibrate', '--parts=copy', '--copy_mib=1,2', '--part_budget_s=0', '--iters=1',
+              f'--out_dir={tmp_path}', config=())
+  rows = f['parts']['copy']['rows']
+  assert len(rows) == 2 and rows[0]['what'] == 'pass over 1 MiB' and 'skipped' in rows[1]

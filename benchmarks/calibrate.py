@@ -1,0 +1,261 @@
+"""The first command to run on a GPU: measures, on whatever GPU it runs on, what the time model's
+efficiencies stand for (planning/gpus.py), each beside the model's prediction of the very
+program that ran (planning/timing.py on its compiled HLO), as measured / predicted.
+
+  python -m benchmarks.calibrate                        # every part, ≈ 25 min on one H100
+  python -m benchmarks.calibrate --parts=gemm,copy      # some of them
+
+Parts, each stopping once past --part_budget_s (the shapes left are listed as skipped), so each
+fits a borrowed GPU's 10-minute command:
+  gemm       bf16 and fp8 matmuls: squares 2k–8k and the presets' projection shapes
+  copy       an element-wise pass over 64 MiB – 2 GiB (HBM bandwidth), and a chain of --chain small
+             dependent matmuls (the launch gap between kernels)
+  attention  forward, and forward+backward, of pallas, cudnn and xla; head dims 64 and 128; keys
+             2k, 4k and 8k; causal; GQA 32/8 heads; --tokens a call
+  steps      the train steps of --step_configs (125m, 1b), bf16 and fp8, pallas and cudnn: a part
+             for each config (steps_125m, steps_1b)
+Time: a kernel program is called --iters times back to back and waited for once (the GPU never
+idles between calls), the median of three such rounds; a train step, the median of --step_iters
+steps each waited for, as benchmarks/train_step.py. Each part writes
+--out_dir/calibrate_<part>-<device>.json (device, jax version, command, its rows and `refit`,
+the constants its measurements imply: docs/time-model.md says how to carry them into
+planning/gpus.py). Off a GPU (the CPU test runs tiny shapes) the model is gpus.NOMINAL's and the
+ratios mean nothing.
+"""
+
+import importlib
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+
+from benchmarks import inputs, report
+import kernels
+from kernels import matmul
+from planning import flops, gpus, timing
+from runtime import cli
+from training import step as step_lib
+
+_PARTS = flags.DEFINE_list('parts', ['gemm', 'copy', 'attention', 'steps'], 'Parts to run.')
+_GEMMS = flags.DEFINE_list('gemms', ['2048x2048x2048', '4096x4096x4096', '8192x8192x8192',
+                                     '32768x2048x8192', '32768x8192x2048', '32768x4096x14336'],
+                           'GEMMs m×k×n: squares, then 1b and 8b projections.')
+_COPY_MIB = flags.DEFINE_list('copy_mib', ['64', '512', '2048'], 'Arrays passed over, MiB.')
+_CHAIN = flags.DEFINE_integer('chain', 200, 'Dependent small matmuls of the launch-gap program.')
+_IMPLS = flags.DEFINE_list('impls', ['pallas', 'cudnn', 'xla'], 'Attention implementations.')
+_HEAD_DIMS = flags.DEFINE_list('head_dims', ['64', '128'], 'Attention head dims.')
+_SEQ_LENS = flags.DEFINE_list('seq_lens', ['2048', '4096', '8192'], 'Attention lengths.')
+_HEADS = flags.DEFINE_string('heads', '32/8', 'Query/kv heads.')
+_TOKENS = flags.DEFINE_integer('tokens', 16384, 'Batch × length of an attention call.')
+_STEP_CONFIGS = flags.DEFINE_list('step_configs', ['configs/llama.py:125m', 'configs/llama.py:1b'],
+                                  'Configs whose train steps are timed (file:argument).')
+_STEP_ATTENTION = flags.DEFINE_list('step_attention', ['pallas', 'cudnn'], 'Their attentions.')
+_STEP_PRECISION = flags.DEFINE_list('step_precision', ['default', 'fp8'],
+                                    'Their config.model.matmul_precision.')
+_ITERS = flags.DEFINE_integer('iters', 20, 'Calls of a kernel program a round.')
+_STEP_ITERS = flags.DEFINE_integer('step_iters', 6, 'Timed train steps.')
+_BUDGET = flags.DEFINE_float('part_budget_s', 420, 'A part adds no shape after this long.')
+_OUT_DIR = flags.DEFINE_string('out_dir', 'benchmarks/results', 'Where the JSON files go.')
+
+
+def place(shape, dtype, seed=0):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def measured_and_predicted(fn, args, gpu, options=None) -> dict:
+  """{measured_s, predicted_s, ratio, kernels} for one call of jit(fn)(*args)."""
+  compiled = jax.jit(fn).lower(*args).compile(options or {})
+  predicted = timing.predict(compiled.as_text(), gpu)
+  jax.block_until_ready(compiled(*args))
+  rounds = []
+  for _ in range(3):
+    start = time.perf_counter()
+    out = [compiled(*args) for _ in range(_ITERS.value)]
+    jax.block_until_ready(out)
+    rounds.append((time.perf_counter() - start) / _ITERS.value)
+  measured = statistics.median(rounds)
+  return {'measured_s': measured, 'predicted_s': predicted.seconds,
+          'ratio': measured / predicted.seconds, 'launches': predicted.launches}
+
+
+def gemm_rows(gpu):
+  fp8_options = step_lib.FP8_COMPILER_OPTIONS if jax.devices()[0].platform == 'gpu' else {}
+  for shape in _GEMMS.value:
+    m, k, n = map(int, shape.split('x'))
+    x, w = place((m, k), jnp.bfloat16), place((k, n), jnp.bfloat16, 1)
+    for precision in ('bf16', 'fp8'):
+      if precision == 'bf16':
+        fn, options = (lambda a, b: a @ b), None
+      else:
+        fn, options = (lambda a, b: matmul.fp8_matmul('mk,kn->mn', a, b, jnp.bfloat16)), fp8_options
+      row = measured_and_predicted(fn, (x, w), gpu, options)
+      yield {'what': f'{precision} GEMM {m}×{k}×{n}', 'precision': precision, 'm': m, 'k': k,
+             'n': n, 'flops': 2 * m * n * k, **row,
+             'tflops': 2 * m * n * k / row['measured_s'] / 1e12}
+
+
+def copy_rows(gpu):
+  for mib in map(int, _COPY_MIB.value):
+    x = place((mib * 2**20 // 4,), jnp.float32)
+    row = measured_and_predicted(lambda a: a * 2, (x,), gpu)
+    yield {'what': f'pass over {mib} MiB', 'bytes': 2 * mib * 2**20, **row,
+           'tb_per_s': 2 * mib * 2**20 / row['measured_s'] / 1e12}
+
+  def chain(x, w):
+    for _ in range(_CHAIN.value):
+      x = jnp.tanh(x @ w)
+    return x
+  row = measured_and_predicted(chain, (place((64, 64), jnp.bfloat16), place((64, 64), jnp.bfloat16, 1)),
+                               gpu)
+  yield {'what': f'chain of {_CHAIN.value} small matmuls', 'kernels': _CHAIN.value, **row,
+         'per_kernel_s': row['measured_s'] / row['launches']}
+
+
+def attention_rows(gpu):
+  N, K = map(int, _HEADS.value.split('/'))
+  for H in map(int, _HEAD_DIMS.value):
+    for S in map(int, _SEQ_LENS.value):
+      B = max(1, _TOKENS.value // S)
+      q, ct = place((B, S, N, H), jnp.bfloat16), place((B, S, N, H), jnp.bfloat16, 3)
+      k, v = place((B, S, K, H), jnp.bfloat16, 1), place((B, S, K, H), jnp.bfloat16, 2)
+      for impl in _IMPLS.value:
+        if impl == 'cudnn' and jax.devices()[0].platform != 'gpu':
+          continue
+        call = lambda q, k, v, impl=impl: kernels.attention(q, k, v, causal=True,
+                                                                  implementation=impl)
+        both = jax.grad(lambda q, k, v: (call(q, k, v).astype(jnp.float32) * ct).sum(), (0, 1, 2))
+        fwd = measured_and_predicted(call, (q, k, v), gpu)
+        fwd_bwd = measured_and_predicted(both, (q, k, v), gpu)
+        forward_flops = 4 * B * N * S * S * H / 2
+        yield {'what': f'{impl} attention H={H} S={S}', 'impl': impl, 'head_dim': H, 'seq_len': S,
+               'batch': B, 'heads': N, 'kv_heads': K, **fwd,
+               'fwd_tflops': forward_flops / fwd['measured_s'] / 1e12,
+               'fwd_bwd': fwd_bwd, 'bwd_measured_s': fwd_bwd['measured_s'] - fwd['measured_s'],
+               'bwd_predicted_s': fwd_bwd['predicted_s'] - fwd['predicted_s'],
+               'bwd_tflops': 2.5 * forward_flops / max(fwd_bwd['measured_s'] - fwd['measured_s'],
+                                                       1e-9) / 1e12}
+
+
+def load_config(path: str):
+  """`configs/llama.py:1b` → that file's get_config('1b')."""
+  file, _, arg = path.partition(':')
+  module = importlib.import_module(file.removesuffix('.py').replace('/', '.'))
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def step_rows(gpu, path):
+  for attention in _STEP_ATTENTION.value:
+    if attention == 'cudnn' and jax.devices()[0].platform != 'gpu':
+      continue
+    for precision in _STEP_PRECISION.value:
+      config = load_config(path)
+      config.model.attention, config.model.matmul_precision = attention, precision
+      prepared = inputs.prepare(config)
+      predicted = timing.predict(prepared.train_step.as_text(), gpu)
+      state, times = prepared.state, []
+      for _ in range(2 + _STEP_ITERS.value):
+        start = time.perf_counter()
+        state, metrics = prepared.train_step(state, prepared.batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+      measured = statistics.median(times[2:])
+      tokens = prepared.config.batch_size * prepared.config.seq_len
+      n = prepared.setup.mesh.size
+      model_flops = flops.flops_per_token(prepared.setup.model_cfg, prepared.config.seq_len)
+      yield {'what': f'{path} {attention} {precision}', 'config': path, 'attention': attention,
+             'matmul_precision': precision, 'measured_s': measured,
+             'predicted_s': predicted.seconds, 'ratio': measured / predicted.seconds,
+             'tokens_per_s_per_device': tokens / measured / n,
+             'mfu': model_flops * tokens / n / measured / gpu.peak_bf16_flops,
+             'predicted_mfu': model_flops * tokens / n / predicted.seconds / gpu.peak_bf16_flops,
+             'predicted_breakdown': predicted.breakdown, 'compile_s': prepared.compile_s}
+      del prepared, state
+
+
+PARTS = {'gemm': gemm_rows, 'copy': copy_rows, 'attention': attention_rows, 'steps': step_rows}
+
+
+def parts() -> dict:
+  """{name: rows(gpu)} of --parts; `steps` is a part for each of --step_configs (steps_125m…)."""
+  chosen = {}
+  for part in _PARTS.value:
+    if part not in PARTS:
+      raise ValueError(f'--parts: {part!r} is not one of {sorted(PARTS)}')
+    if part == 'steps':
+      for path in _STEP_CONFIGS.value:
+        tag = path.partition(':')[2] or path.rpartition('/')[2].removesuffix('.py')
+        chosen[f'steps_{tag}'] = lambda gpu, path=path: step_rows(gpu, path)
+    else:
+      chosen[part] = PARTS[part]
+  return chosen
+
+
+def refit(part: str, rows: list) -> dict:
+  """The constants of planning/gpus.py these measurements imply: each scaled by predicted /
+  measured of the program it governs (the largest of its kind)."""
+  ok = [r for r in rows if 'measured_s' in r]
+  scale = lambda r: r['predicted_s'] / r['measured_s']
+  if part == 'gemm':
+    largest = {p: max((r for r in ok if r['precision'] == p), key=lambda r: r['flops'], default=None)
+               for p in ('bf16', 'fp8')}
+    return {name: constant * scale(largest[p]) for name, p, constant in (
+        ('GEMM_EFFICIENCY', 'bf16', gpus.GEMM_EFFICIENCY),
+        ('FP8_GEMM_EFFICIENCY', 'fp8', gpus.FP8_GEMM_EFFICIENCY)) if largest[p]}
+  if part == 'copy':
+    passes = [r for r in ok if 'bytes' in r]
+    chain = next((r for r in ok if 'kernels' in r), None)
+    out = {'HBM_EFFICIENCY': gpus.HBM_EFFICIENCY * scale(max(passes, key=lambda r: r['bytes']))
+           } if passes else {}
+    if chain:
+      out['KERNEL_LAUNCH_S'] = (gpus.KERNEL_LAUNCH_S
+                                + (chain['measured_s'] - chain['predicted_s']) / chain['launches'])
+    return out
+  if part == 'attention':
+    longest = {}
+    for r in ok:
+      if r['impl'] in gpus.ATTENTION_TFLOPS and r['seq_len'] >= longest.get(
+          (r['impl'], r['head_dim']), {'seq_len': 0})['seq_len']:
+        longest[r['impl'], r['head_dim']] = r
+    return {f'ATTENTION_TFLOPS[{impl!r}][{H}]': (
+        round(r['fwd_tflops'], 1), round(r['bwd_tflops'], 1), f'at {r["seq_len"]} keys')
+            for (impl, H), r in sorted(longest.items())}
+  return {}
+
+
+def main(argv):
+  del argv
+  device = jax.devices()[0]
+  gpu = gpus.find(device.device_kind)
+  name = gpu.name.lower() if gpu else device.platform
+  gpu = gpu or gpus.NOMINAL
+  results = {}
+  for part, rows_of in parts().items():
+    started, rows = time.perf_counter(), []
+    print(f'\n{part}: measured on {device.device_kind}, predicted by the time model for {gpu.name}')
+    print(f'{"":<44}{"measured":>12}{"predicted":>12}{"ratio":>8}')
+    for row in rows_of(gpu):
+      rows.append(row)
+      print(f'{row["what"]:<44}{row["measured_s"] * 1e3:>10.3f}ms{row["predicted_s"] * 1e3:>10.3f}ms'
+            f'{row["ratio"]:>8.2f}', flush=True)
+      if time.perf_counter() - started > _BUDGET.value:
+        rows.append({'what': 'the rest of this part', 'skipped': f'past --part_budget_s='
+                                                                  f'{_BUDGET.value:g}'})
+        print(f'{part}: past {_BUDGET.value:g} s, the rest skipped')
+        break
+    figures = {'benchmark': f'calibrate_{part}', 'device': device.device_kind,
+               'platform': device.platform, 'jax': jax.__version__, 'model_for': gpu.name,
+               'rows': rows, 'refit': refit(part, rows), 'seconds': time.perf_counter() - started,
+               'command': report.command()}
+    print(f'{part} refit: {figures["refit"]}')
+    with open(f'{_OUT_DIR.value}/calibrate_{part}-{name}.json', 'w') as f:
+      f.write(json.dumps(figures, indent=2) + '\n')
+    results[part] = figures
+  report.emit({'benchmark': 'calibrate', 'device': device.device_kind, 'jax': jax.__version__,
+               'parts': results, 'command': report.command()}, None)
+
+
+if __name__ == '__main__':
+  cli.run(main)
