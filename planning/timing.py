@@ -215,9 +215,11 @@ class _Model:
         return self.gemm(inst.name, what, dots, read + written)
       return self.timed(Kernel(inst.name, what, 'fusion', arithmetic, read + written, 0.0),
                         self.gpu.vector_flops)
-    if op == 'custom-call' and target.startswith('__cudnn$fmha'):
+    if op == 'custom-call' and target.startswith('__cudnn$fmha') and _SCORES.search(
+        inst.line.replace(' ', '')):
       return self.attention(inst, 'cudnn', operand_arrays, what)
-    if op == 'custom-call' and (flash := _FLASH.search(inst.op_name)):
+    if (op == 'custom-call' and (flash := _FLASH.search(inst.op_name))
+        and len(operand_arrays[0][0][1]) == 4):
       return self.attention(inst, 'pallas', operand_arrays, what, flash.group(1))
     moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays)
     if op == 'custom-call' and target.startswith('__cublas'):
