@@ -57,7 +57,7 @@ class Plan:
   host_bytes: int  # in pinned host memory (offloaded optimizer state or activations), if reported
   flops: float  # per device per step, the model's (planning/flops.py)
   attention_flops: float  # the part of `flops` that attention does
-  matmul_flops: float  # the compiled program's dots, each run counted (timing.gemm_flops)
+  matmul_flops: float  # the compiled program's dots, each run counted (timing's gemm_flops)
   compiled_flops: float | None  # XLA's cost analysis of the per-device program (CPU only)
   collectives: dict  # {op: {'count', 'bytes', 'overlapped_bytes', 'by_dtype'}} (collectives.summary)
   across_nodes_bytes: int  # of those bytes, what collectives spanning nodes send (gpus_per_node)
@@ -160,6 +160,7 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
   gpu = gpus.find(config.plan.target or kind)
   per_node = gpu.gpus_per_node if gpu else n  # devices in mesh order, nodes filled in turn
   flops = flops_lib.flops_per_token(setup.model_cfg, config.seq_len) * tokens / n
+  predicted = timing.predict(hlo, gpus.find(kind) or gpus.NOMINAL)
   return Plan(
       device=config.plan.target or kind, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
@@ -172,24 +173,26 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
                    + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
       host_bytes=(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
                   + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
-      flops=flops, attention_flops=flops_lib.attention_flops_per_token(setup.model_cfg, config.seq_len)
+      flops=flops,
+      attention_flops=flops_lib.attention_flops_per_token(setup.model_cfg, config.seq_len)
       * tokens / n,
-      matmul_flops=timing.gemm_flops(hlo),
+      matmul_flops=predicted.gemm_flops,
       compiled_flops=float(cost['flops']) if cost and 'flops' in cost else None,
       collectives=collectives.summary(hlo),
       across_nodes_bytes=collectives.crossing_bytes(hlo, lambda device: device // per_node),
       memory_bytes=budget, memory_source=source,
-      time=predicted_time(hlo, gpus.find(kind), tokens / n, flops))
+      time=predicted_time(predicted, gpus.find(kind), tokens / n, flops))
 
 
-def predicted_time(hlo: str, gpu: gpus.GPU | None, tokens: float, flops: float) -> dict | None:
-  """The time model's step (planning/timing.py) for a program compiled for `gpu`, with the
-  tokens/s a device and MFU it implies (`tokens` and `flops` per device); None for a device not
-  in planning/gpus.py, whose program the model does not describe."""
+def predicted_time(predicted: timing.StepTime, gpu: gpus.GPU | None, tokens: float,
+                   flops: float) -> dict | None:
+  """The time model's step for a program compiled for `gpu`, with the tokens/s a device and MFU
+  it implies (`tokens` and `flops` per device); None for a device not in planning/gpus.py, whose
+  program the model does not describe."""
   if gpu is None:
     return None
-  predicted = timing.predict(hlo, gpu)
-  return {**predicted.table(), 'gpu': gpu.name, 'tokens_per_s_per_device': tokens / predicted.seconds,
+  return {**predicted.table(), 'gpu': gpu.name,
+          'tokens_per_s_per_device': tokens / predicted.seconds,
           'mfu': flops / predicted.seconds / gpu.peak_bf16_flops}
 
 

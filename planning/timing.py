@@ -83,6 +83,11 @@ class StepTime:
   communication_s: float  # every collective's time, hidden or not
   launches: int
 
+  @property
+  def gemm_flops(self) -> float:
+    """The matmul FLOPs of one run: every dot and GEMM, each run counted (recomputation too)."""
+    return sum(k.flops * k.runs for k in self.kernels if k.part == 'gemm')
+
   def table(self, top: int = 10) -> dict:
     """As the plan's JSON has it: the parts with their shares, and the costliest kernels."""
     return {'seconds': self.seconds, 'source': 'model',
@@ -107,12 +112,6 @@ def predict(hlo_text: str, gpu: gpus.GPU) -> StepTime:
   breakdown['launch'] = model.launches * gpus.KERNEL_LAUNCH_S
   breakdown['communication'] = max(0.0, seconds - sum(breakdown.values()))
   return StepTime(seconds, breakdown, kernels, model.communication_s, model.launches)
-
-
-def gemm_flops(hlo_text: str) -> float:
-  """The matmul FLOPs one run of the program does: every dot and GEMM, each run counted."""
-  return sum(k.flops * k.runs for k in predict(hlo_text, gpus.NOMINAL).kernels
-             if k.part == 'gemm')
 
 
 def attention_efficiency(kernel: str, backward: bool, head_dim: int, keys: int) -> float:
