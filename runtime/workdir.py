@@ -20,7 +20,11 @@ LOCK_FILE = '.meshlm-lock'
 
 
 def prepare(workdir: str) -> pathlib.Path:
-  """Create the workdir and prove it is writable, before anything expensive happens."""
+  """Create the workdir and prove it is writable, before anything expensive happens. An empty one
+  is refused: it would be the current directory, and a run's files would land among the user's."""
+  if not workdir.strip():
+    raise ValueError('config.workdir is empty; give the run a directory of its own for its '
+                     'checkpoints and metrics, e.g. --config.workdir=/tmp/meshlm-run')
   return writable_dir(workdir, 'config.workdir')
 
 

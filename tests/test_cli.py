@@ -39,6 +39,11 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
           'has hidden_size=64 in its config.json; drop the setting',
       ('export.py', f'--workdir={tmp_path}', f'--output={tmp_path}'):
           f'error: --output={tmp_path} exists and is not an empty directory',
+      ('train.py', '--config=configs/base.py', workdir, '--config.optimizer.learning_rate=nan'):
+          'error: config.optimizer.learning_rate=nan is not a number a run can use; give a '
+          'finite one',
+      ('train.py', '--config=configs/base.py', workdir, '--config.loss.z_loss=inf'):
+          'error: config.loss.z_loss=inf is not a number a run can use',
       ('sample.py', '--prompt=x'):
           "error: --workdir is required (A run's workdir, checkpoints/ or checkpoints/STEP.)",
       ('sample.py', f'--workdir={tmp_path}'):
@@ -53,3 +58,17 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
     assert processes[args].returncode == 2, (args, err[-2000:])
     assert len(lines) == 1 and lines[0].startswith(expected), (args, err[-2000:])
   assert not (tmp_path / 'run').exists()  # nothing was created for the refused runs
+
+
+def test_an_empty_workdir_is_refused_and_nothing_lands_in_the_current_directory(tmp_path):
+  """Empty, the workdir would be the current directory: checkpoints, metrics, events and the lock
+  among the user's files."""
+  here = tmp_path / 'here'
+  here.mkdir()
+  result = subprocess.run([sys.executable, str(REPO / 'train.py'),
+                           f'--config={REPO / "configs/base.py"}', '--config.workdir='],
+                          cwd=here, capture_output=True, text=True, timeout=300)
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+  assert lines[0].startswith('error: config.workdir is empty; give the run a directory of its own')
+  assert not list(here.iterdir())

@@ -2,6 +2,7 @@
 
 import importlib
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -76,3 +77,27 @@ import benchmarks.train_step
   result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           cwd=pathlib.Path(__file__).resolve().parents[1], timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_every_number_of_the_base_config_must_be_finite_and_in_range():
+  """Each int and float setting of configs/base.py, set to NaN, inf (floats: an int setting takes
+  neither) and a negative value (-2 where -1 means something), is refused by settings.resolve
+  naming it; nothing the rule leaves out can reach a run."""
+  from training import settings
+  base = load('base.py')
+  fields = dict(settings.numbers(base))
+  assert {'optimizer.learning_rate', 'loss.z_loss', 'model.norm_eps', 'seed'} <= set(fields)
+  for field, default in fields.items():
+    bad = [-2 if field.startswith('mesh.') or field == 'distributed.process_id' else -1]
+    if isinstance(default, float):
+      bad += [float('nan'), float('inf'), -float('inf')]
+    for value in bad:
+      config = load('base.py')
+      *parents, name = field.split('.')
+      node = config
+      for parent in parents:
+        node = node[parent]
+      node[name] = type(default)(value) if isinstance(default, int) else value
+      with pytest.raises(ValueError, match=rf'config\.{re.escape(field)}\b'):
+        settings.resolve(config)
+  settings.resolve(load('base.py'))  # and its defaults pass

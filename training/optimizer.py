@@ -23,13 +23,6 @@ def decay_mask(params):
   return jax.tree.map(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def check(opt_config) -> None:
-  for field in ('learning_rate', 'b1', 'b2', 'eps', 'weight_decay', 'grad_clip', 'min_lr_ratio',
-                'warmup_steps'):
-    if opt_config[field] < 0:
-      raise ValueError(f'config.optimizer.{field}={opt_config[field]} must not be negative')
-
-
 def make_optimizer(opt_config, schedule) -> optax.GradientTransformation:
   adamw = optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
                       weight_decay=opt_config.weight_decay, mask=decay_mask)

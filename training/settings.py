@@ -13,7 +13,9 @@ mesh the model or batch cannot use; files (data, checkpoints, the workdir) are c
 they are opened, before anything is written.
 """
 
-import functools
+import math
+
+import ml_collections
 
 from configs import base
 from data import tokenizers
@@ -21,13 +23,37 @@ from model import ModelConfig
 from planning import gpus
 from runtime import distributed, huggingface
 import sharding
-from training import optimizer
 
-MINIMA = (('train_steps', 1), ('batch_size', 1), ('microbatches', 1), ('seq_len', 1),
-          ('log_every', 1), ('profile_steps', 0), ('profile_start', 0), ('eval_every', 0),
-          ('eval_batches', 0), ('checkpoint_every', 0), ('keep_checkpoints', 1),
-          ('max_bad_steps', 1), ('data.workers', 0), ('data.prefetch', 1), ('plan.devices', 0),
-          ('plan.memory_gb', 0))
+
+def _at_least(low):
+  return lambda value: value >= low, f'at least {low}'
+
+
+POSITIVE = (lambda value: value > 0, 'positive')
+SHARE = (lambda value: 0 <= value < 1, 'in [0, 1)')
+
+# The values every number of a config may take. The model's shapes and blocks and the mesh's sizes
+# are ModelConfig's and sharding.check_mesh_config's to judge, with what they must divide.
+RANGES = {
+    'seed': _at_least(0), 'train_steps': _at_least(1), 'batch_size': _at_least(1),
+    'microbatches': _at_least(1), 'seq_len': _at_least(1), 'log_every': _at_least(1),
+    'profile_steps': _at_least(0), 'profile_start': _at_least(0), 'eval_every': _at_least(0),
+    'eval_batches': _at_least(0), 'checkpoint_every': _at_least(0),
+    'keep_checkpoints': _at_least(1), 'max_bad_steps': _at_least(1),
+    'model.rope_theta': POSITIVE, 'model.rope_factor': POSITIVE,
+    'model.rope_low_freq_factor': POSITIVE, 'model.rope_high_freq_factor': POSITIVE,
+    'model.rope_original_length': _at_least(1), 'model.norm_eps': POSITIVE,
+    'optimizer.learning_rate': _at_least(0), 'optimizer.warmup_steps': _at_least(0),
+    'optimizer.min_lr_ratio': (lambda value: 0 <= value <= 1, 'in [0, 1]'),
+    'optimizer.b1': SHARE, 'optimizer.b2': SHARE, 'optimizer.eps': _at_least(0),
+    'optimizer.weight_decay': _at_least(0), 'optimizer.grad_clip': _at_least(0),
+    'loss.z_loss': _at_least(0),
+    'distributed.num_processes': _at_least(0), 'distributed.process_id': _at_least(-1),
+    'distributed.initialization_timeout_s': POSITIVE,
+    'distributed.heartbeat_timeout_s': POSITIVE,
+    'plan.devices': _at_least(0), 'plan.memory_gb': _at_least(0),
+    'data.validation_fraction': SHARE, 'data.workers': _at_least(0), 'data.prefetch': _at_least(1),
+}
 
 
 def resolve(config):
@@ -39,14 +65,25 @@ def resolve(config):
 
 
 def check(config) -> None:
-  """Every check of `config` that needs no devices or files; ValueError naming the setting."""
-  for field, low in MINIMA:
-    value = functools.reduce(getattr, field.split('.'), config)
-    if value < low:
-      raise ValueError(f'config.{field}={value} must be at least {low}')
+  """Every check of `config` that needs no devices or files; ValueError naming the setting.
+  Every number first: finite, and within RANGES."""
+  for field, value in numbers(config):
+    if not math.isfinite(value):
+      raise ValueError(f'config.{field}={value} is not a number a run can use; give a finite one')
+    if field in RANGES and not RANGES[field][0](value):
+      raise ValueError(f'config.{field}={value} must be {RANGES[field][1]}')
   ModelConfig.from_config(config.model)
   sharding.check_mesh_config(config.mesh)
-  optimizer.check(config.optimizer)
   distributed.check(config.distributed)
   if config.plan.target:
     gpus.get(config.plan.target)
+
+
+def numbers(config, prefix: str = ''):
+  """(field, value) for every int and float a config holds (not its booleans), nested fields as
+  `optimizer.b1`."""
+  for key, value in config.items():
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      yield from numbers(value, f'{prefix}{key}.')
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+      yield f'{prefix}{key}', value
