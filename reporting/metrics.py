@@ -12,19 +12,28 @@ import tqdm
 
 class MetricsWriter:
   """Appends records to DIR/metrics.jsonl and, each number a scalar named by its key, to
-  TensorBoard event files in DIR; only process 0 writes."""
+  TensorBoard event files in DIR; only process 0 writes.
+
+  A resumed run logs again the steps after its checkpoint (`drop_after`): metrics.jsonl forgets
+  them, and this run's event file opens with TensorBoard's purge marker (tensorboardX's
+  `purge_step`), so TensorBoard hides what earlier files hold from that step on."""
 
   def __init__(self, workdir: pathlib.Path, enabled: bool = True):
-    self.path = workdir / 'metrics.jsonl'
+    self.workdir, self.path = workdir, workdir / 'metrics.jsonl'
     self.enabled = enabled
     self.events = None
-    if enabled:
-      from tensorboardX import SummaryWriter  # imported here: the GPU image lacks it
-      self.events = SummaryWriter(logdir=str(workdir))
+
+  def _open_events(self, purge_step: int | None = None) -> None:
+    from tensorboardX import SummaryWriter  # imported here: the GPU image lacks it
+    self.events = SummaryWriter(logdir=str(self.workdir), purge_step=purge_step)
 
   def drop_after(self, step: int) -> None:
     """Forget records of steps after `step` (a resumed run logs them again), atomically."""
-    if not self.enabled or not self.path.exists():
+    if not self.enabled:
+      return
+    if self.events is None:
+      self._open_events(purge_step=step + 1)
+    if not self.path.exists():
       return
     kept = [line for line in self.path.read_text().splitlines()
             if line and json.loads(line)['step'] <= step]
@@ -36,6 +45,8 @@ class MetricsWriter:
     if self.enabled:
       with self.path.open('a') as f:
         f.write(json.dumps(record) + '\n')
+      if self.events is None:
+        self._open_events()
       for key, value in record.items():
         if key != 'step':
           self.events.add_scalar(key, value, record['step'])

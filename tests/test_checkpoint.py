@@ -366,7 +366,9 @@ def test_a_save_due_in_a_bad_streak_waits_for_the_next_finite_step(tmp_path, mon
 
 def test_a_crash_before_the_first_checkpoint_leaves_no_duplicate_metrics(tmp_path, monkeypatch):
   """The first run dies at step 4 with nothing saved; the next starts from step 0 and must not
-  keep the dead run's records beside its own."""
+  keep the dead run's records beside its own: not in metrics.jsonl, nor in what TensorBoard
+  shows of the event files both runs wrote."""
+  from tensorboard.backend.event_processing import event_accumulator
   real = loop.pipeline.train_batches
 
   def crashing(*args, **kwargs):
@@ -388,5 +390,10 @@ def test_a_crash_before_the_first_checkpoint_leaves_no_duplicate_metrics(tmp_pat
   assert Checkpointer(tmp_path / 'checkpoints').steps() == []
   monkeypatch.setattr(loop.pipeline, 'train_batches', real)
   loop.run(tiny_run(tmp_path, train_steps=6, checkpoint_every=5))
-  steps = [json.loads(l)['step'] for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
-  assert steps == [1, 2, 3, 4, 5, 6]
+  logged = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in logged] == [1, 2, 3, 4, 5, 6]
+  events = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={'scalars': 0})
+  events.Reload()
+  shown = [(e.step, e.value) for e in events.Scalars('learning_rate')]
+  assert [step for step, _ in shown] == [1, 2, 3, 4, 5, 6]
+  assert [value for _, value in shown] == pytest.approx([r['learning_rate'] for r in logged])
