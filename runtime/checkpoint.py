@@ -205,16 +205,18 @@ class Checkpointer:
             abstract_state, ocp.checkpoint_utils.construct_restore_args(abstract_state)),
         data=ocp.args.JsonRestore()))
 
-  def _verify(self, step: int, state) -> str | None:
-    """None if `state` has the checksums saved with it, else what differs. (A checkpoint from
-    before checksums were saved cannot be verified, and is accepted.)"""
+  def _verify(self, step: int, tree) -> str | None:
+    """None if `tree` (a state, or a part of one such as {'params': ...}) has the checksums saved
+    with it, else what differs. (A checkpoint from before checksums were saved cannot be
+    verified, and is accepted.)"""
     if not (self.directory / str(step) / 'checksums').exists():
       return None
     saved = self.manager.restore(step, args=ocp.args.Composite(
         checksums=ocp.args.JsonRestore())).checksums
-    changed = [name for name, value in checksums(state).items() if saved.get(name) != value]
+    restored = checksums(tree)
+    changed = [name for name, value in restored.items() if saved.get(name) != value]
     if changed:
-      return (f'{len(changed)} of {len(saved)} arrays differ from their checksums: '
+      return (f'{len(changed)} of {len(restored)} arrays differ from their checksums: '
               f'{", ".join(changed[:3])}{", …" if len(changed) > 3 else ""}')
     return None
 
@@ -300,15 +302,27 @@ def check_init_from(path: str, abstract_params, model_config) -> None:
   _init_from(path, abstract_params, model_config)[0].close()
 
 
-def restore_params(path: str, abstract_params, model_config):
+def restore_params(path: str, abstract_params, model_config, setting: str = 'config.init_from'):
   """The parameters alone of the checkpoint at `path` (see step_directory), into the shardings
   of `abstract_params`, and the step directory they came from: a new run's starting point, with
-  a fresh optimizer and step 0."""
+  a fresh optimizer and step 0, or what sample.py and export.py read. Parameters that differ from
+  the checksums saved with them are refused, `setting` named, the checkpoint left as it is."""
   checkpointer, step, wanted = _init_from(path, abstract_params, model_config)
   try:
-    restored = checkpointer.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(wanted, ocp.checkpoint_utils.construct_restore_args(wanted),
-                                     partial_restore=True)))
+    try:
+      restored = checkpointer.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(wanted, ocp.checkpoint_utils.construct_restore_args(wanted),
+                                       partial_restore=True)))
+      error = checkpointer._verify(step, {'params': restored.state['params']})
+    except Exception as e:  # orbax raises many types for truncated or corrupted files
+      error = f'{type(e).__name__}: {str(e).splitlines()[0][:200]}'
+    if error:
+      others = [s for s in checkpointer.steps() if s != step]
+      raise ValueError(
+          f'{setting}: checkpoint {checkpointer.directory / str(step)} is damaged ({error}); it is '
+          'left as it is. ' + (f'The run has checkpoints {others} too: give one of them '
+                               f'({checkpointer.directory}/STEP)' if others else
+                               'The run has no other checkpoint'))
     return restored.state['params'], checkpointer.directory / str(step)
   finally:
     checkpointer.close()

@@ -7,6 +7,7 @@ counted, and too many in a row stop the run with its last good checkpoint intact
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -201,6 +202,48 @@ def test_corrupted_bytes_fail_the_checksums_and_are_not_trained_from(tmp_path):
     step, _, _ = Checkpointer(tmp_path / 'checkpoints').restore_latest(setup.abstract_state,
                                                                         config.model)
   assert step == 2 and (tmp_path / 'checkpoints-damaged' / '4').is_dir()
+
+
+def test_sample_export_and_init_from_refuse_parameters_that_fail_their_checksums(tmp_path):
+  """Bytes changed inside the array files restore without an error from orbax. sample.py,
+  export.py and config.init_from read only the parameters, and verify them as a resume does:
+  each stops with one line naming the checkpoint and the steps left, before it writes anything
+  (an export) or trains a step (init_from)."""
+  run = tmp_path / 'run'
+  loop.run(tiny_run(run, train_steps=4))
+  noise = np.random.default_rng(0)
+  for f in array_files(run / 'checkpoints' / '4'):
+    if f.stat().st_size > 100_000:  # array chunks, not the index's nodes: 64 bytes every 8 KiB
+      data = bytearray(f.read_bytes())
+      for at in range(4096, len(data) - 64, 8192):
+        data[at:at + 64] = noise.bytes(64)
+      f.write_bytes(bytes(data))
+  setup = build(tiny_run(run))
+  restored = Checkpointer(run / 'checkpoints', read_only=True)
+  assert 'params.' in restored._verify(4, restored._restore(4, setup.abstract_state).state)
+  restored.close()
+  commands = {
+      'sample': [sys.executable, 'sample.py', f'--workdir={run}', '--prompt=x',
+                 '--max_new_tokens=4'],
+      'export': [sys.executable, 'export.py', f'--workdir={run}', f'--output={tmp_path / "hf"}'],
+      'train': [sys.executable, 'train.py', '--config=configs/base.py', f'--config.init_from={run}',
+                f'--config.workdir={tmp_path / "new"}', '--config.model.d_ff=128',
+                '--config.model.compute_dtype=float32',  # tiny_config's model and data
+                f'--config.data.paths={SMALL_CORPUS}', '--config.data.validation_fraction=0.1'],
+  }
+  processes = {name: subprocess.Popen(args, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE) for name, args in commands.items()}
+  for name, process in processes.items():
+    _, err = process.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert process.returncode == 2 and len(lines) == 1, (name, err[-3000:])
+    assert re.match(rf'error: (--workdir|config.init_from): checkpoint {run}/checkpoints/4 is '
+                    r'damaged \(\d+ of \d+ arrays differ from their checksums: params\.', lines[0])
+    assert 'The run has checkpoints [2] too' in lines[0], lines[0]
+  assert not (tmp_path / 'hf').exists()
+  new = tmp_path / 'new'  # read after compiling: the new run stops before its first step
+  assert not (new / 'metrics.jsonl').exists() and not list((new / 'checkpoints').glob('*'))
+  assert (run / 'checkpoints' / '4').is_dir()  # left as it is
 
 
 def test_checksums_do_not_depend_on_the_sharding():

@@ -57,7 +57,7 @@ def load(path: str) -> Loaded:
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
   params, step_dir = checkpoint_lib.restore_params(str(directory / str(step)), abstract,
-                                                   config.model)
+                                                   config.model, setting='--workdir')
   return Loaded(nnx.merge(graphdef, params), tokenizer, config, str(step_dir))
 
 
