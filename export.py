@@ -36,8 +36,7 @@ def main(argv):
   if _MAX_SHARD_GB.value <= 0:
     raise ValueError(f'--max_shard_gb={_MAX_SHARD_GB.value} must be positive')
   workdir = pathlib.Path(_WORKDIR.value).expanduser()
-  loaded = sampling.load(str(workdir if _STEP.value is None else
-                             workdir / 'checkpoints' / str(_STEP.value)))
+  loaded = sampling.load(str(workdir), step=_STEP.value)
   dtype = _DTYPE.value or loaded.config.model.param_dtype
   print(f'# {loaded.checkpoint} → {output} ({dtype})')
   huggingface.export(nnx.state(loaded.model), loaded.model.cfg, loaded.tokenizer,

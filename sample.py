@@ -27,9 +27,11 @@ _MAX_LEN = flags.DEFINE_integer('max_len', 0, 'Prompt + continuation at most, in
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  sampling.check_arguments(_MAX_NEW_TOKENS.value, _TEMPERATURE.value, _TOP_K.value,
+                           _MAX_LEN.value)
   loaded = sampling.load(_WORKDIR.value)
   print(f'# {loaded.checkpoint}: temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
-        f'seed {_SEED.value}')
+        f'seed {_SEED.value}', flush=True)
   texts = sampling.complete(loaded, _PROMPT.value, _MAX_NEW_TOKENS.value,
                             temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value,
                             max_len=_MAX_LEN.value)

@@ -7,8 +7,8 @@ background slows the steps it overlaps, and the restore.
 
 Goal: the loop is blocked for at most 5% of a step. (On this 2-core CPU a 125M step of 4 × 256
 tokens takes seconds; the preset's own 32 × 1024 batch on a GPU takes about as long, so the
-fraction is comparable for the copy off the devices. Not for the checksums a save computes: a
-read of the state that XLA:CPU does at about 3 GB/s, a GPU at the speed of its memory.)
+fraction is comparable for the copy off the devices. The checksums a save computes are not in
+the blocked time: orbax's background commit waits for them, while the loop goes on.)
 
 Method: build the state and compiled step as train.py does, on random tokens; time --steps
 steps one by one (median: the step time). Then --saves times: (1) save and wait with nothing else

@@ -26,6 +26,7 @@ import warnings
 import tensorflow_datasets as tfds
 
 from data.paths import writable_dir
+from runtime import faults
 
 STDLIB = 'stdlib'
 
@@ -198,24 +199,29 @@ def _named_builder(data_config):
 
 class QuietSource:
   """A TFDS data source that re-opens without TFDS's config warnings in grain's worker processes
-  (which receive it pickled)."""
+  (which receive it pickled), and whose damaged records are a Fault naming the prepared files
+  and the fix (`damaged`), not a Riegeli traceback."""
 
-  def __init__(self, source):
-    self.source = source
+  def __init__(self, source, damaged: str):
+    self.source, self.damaged = source, damaged
 
   def __len__(self):
     return len(self.source)
 
   def __getitem__(self, index):
-    return self.source[index]
+    try:
+      return self.source[index]
+    except Exception as e:  # array_record's own errors: a truncated or corrupted file
+      raise faults.Fault(f'{self.damaged} (record {index}: {str(e).splitlines()[0][:160]})'
+                         ) from None
 
   def __reduce__(self):
-    return _unpickle_quietly, (pickle.dumps(self.source),)
+    return _unpickle_quietly, (pickle.dumps(self.source), self.damaged)
 
 
-def _unpickle_quietly(blob: bytes) -> QuietSource:
+def _unpickle_quietly(blob: bytes, damaged: str) -> QuietSource:
   with _quiet_tfds():
-    return QuietSource(pickle.loads(blob))
+    return QuietSource(pickle.loads(blob), damaged)
 
 
 @dataclasses.dataclass
@@ -269,10 +275,18 @@ def load(data_config) -> Corpus:
   except Exception as e:
     raise ValueError(f'{builder.name} in {builder.data_dir} cannot be read at random ({e}); '
                      'prepare it with --file_format=array_record') from None
-  train, validation = QuietSource(sources[splits[0]]), QuietSource(sources[splits[1]])
+  fix = (f'prepare it again: move {builder.data_dir} away, and the next run prepares it afresh'
+         if not data_config.name else
+         f'prepare it again (tfds build {builder.name} --data_dir={data_dir(data_config)} '
+         '--file_format=array_record --overwrite)')
+  train, validation = (QuietSource(sources[split], f'config.data: the prepared {split} split of '
+                                   f'{builder.name} in {builder.data_dir} is damaged; {fix}')
+                       for split in splits)
   if not len(train) or not len(validation):
     raise ValueError(f'{builder.name}: the {splits} splits hold {len(train)} and '
                      f'{len(validation)} documents; both need at least one')
+  for source in (train, validation):  # a truncated file fails at its end: before any compile
+    source[len(source) - 1]
   max_bytes = builder.info.metadata.get('max_document_bytes') if builder.info.metadata else None
   return Corpus(train=train, validation=validation, text_key=text_key,
                 description=f'{builder.info.full_name} ({len(train):,} train / '

@@ -49,6 +49,8 @@ def _command():
   """The command line; its flags are defined only when run as a command, so importing `train`
   elsewhere (benchmarks/data.py) defines none."""
   from ml_collections import config_flags
+
+  from runtime import cli
   config = config_flags.DEFINE_config_file('config', None, 'Config file (its data settings).',
                                            lock_config=True)
   vocab = flags.DEFINE_integer('vocab_size', 4096, 'Pieces in the model, specials included.')
@@ -64,7 +66,7 @@ def _command():
     print(f'wrote {model}; train with --config.data.tokenizer=sentencepiece '
           f'--config.data.tokenizer_model={model}')
 
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == '__main__':

@@ -3,11 +3,15 @@ workdir (tensorboardX), the readable stdout line with a tqdm progress bar on a t
 memory, and the two-column tables that plans and benchmarks print."""
 
 import json
+import logging
 import pathlib
 import sys
 
 import jax
 import tqdm
+
+# tensorboardX warns of every non-finite value it writes: the step's own line says so already.
+logging.getLogger('tensorboardX.x2num').setLevel(logging.ERROR)
 
 
 class MetricsWriter:

@@ -18,16 +18,22 @@ compared with the state this config builds, so another model's checkpoint is a c
 naming what differs, not an orbax traceback after allocating memory.
 """
 
+import contextlib
+import dataclasses
 import logging
 import pathlib
+import re
 import time
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from runtime import faults
 
 
 class CheckpointWarning(UserWarning):
@@ -42,12 +48,39 @@ class CheckpointMismatch(ValueError):
     self.saved_model = saved_model  # the checkpoint's config.model, {} if unreadable
 
 
-def _quiet_read_only(record) -> bool:
-  # orbax warns on every read-only open (sampling and init_from open checkpoints that way).
-  return not str(record.msg).startswith('Given directory is read only')
+def _quiet(record) -> bool:
+  # orbax warns on every read-only open (sampling and init_from open checkpoints that way), and
+  # logs a failed background save from each of its threads: Checkpointer reports it, once.
+  message = record.getMessage()
+  return not (message.startswith('Given directory is read only') or
+              re.search(r'raised an exception|background save thread|thread \(\w+\) failed',
+                        message))
 
 
-logging.getLogger('absl').addFilter(_quiet_read_only)
+logging.getLogger('absl').addFilter(_quiet)
+logging.getLogger('asyncio').addFilter(lambda record: record.levelno < logging.ERROR or not (
+    'exception was never retrieved' in record.getMessage()))  # the same failed save, from asyncio
+
+
+class _PendingChecksums(ocp.JsonCheckpointHandler):
+  """The checksums item, saved from device arrays still being computed (`checksum_arrays`): they
+  are read in orbax's background commit, so the loop does not wait for the pass over the state."""
+
+  async def _save_fn(self, x, directory):
+    await super()._save_fn({name: int(value) for name, value in jax.device_get(x).items()},
+                           directory)
+
+
+@ocp.args.register_with_handler(_PendingChecksums, for_save=True)
+@dataclasses.dataclass
+class _ChecksumsSave(ocp.args.JsonSave):
+  pass
+
+
+@ocp.args.register_with_handler(_PendingChecksums, for_restore=True)
+@dataclasses.dataclass
+class _ChecksumsRestore(ocp.args.JsonRestore):
+  pass
 
 
 def _manager(directory: pathlib.Path, **options) -> ocp.CheckpointManager:
@@ -55,7 +88,7 @@ def _manager(directory: pathlib.Path, **options) -> ocp.CheckpointManager:
       directory.absolute(), options=ocp.CheckpointManagerOptions(**options),
       item_handlers={'state': ocp.PyTreeCheckpointHandler(use_compression=False),
                      'data': ocp.JsonCheckpointHandler(), 'config': ocp.JsonCheckpointHandler(),
-                     'checksums': ocp.JsonCheckpointHandler()})
+                     'checksums': _PendingChecksums()})
 
 
 def _names(tree) -> list[str]:
@@ -78,14 +111,19 @@ def _checksum_arrays(leaves):
   return [checksum(x) for x in leaves]
 
 
-def checksums(tree) -> dict[str, int]:
-  """{array name: checksum of its bits}, computed where the arrays are (one read of each on the
-  devices; XLA:CPU manages about 3 GB/s, as it copies the bits before summing them), the same
-  for any sharding of the same values."""
+def checksum_arrays(tree) -> dict[str, jax.Array]:
+  """{array name: checksum of its bits}, dispatched where the arrays are and not waited for (one
+  read of each on the devices; XLA:CPU manages about 3 GB/s, as it copies the bits before summing
+  them), the same for any sharding of the same values."""
   leaves = [x if x.sharding.memory_kind in (None, 'device')
             else jax.device_put(x, x.sharding.with_memory_kind('device'))  # offloaded to host
             for x in jax.tree.leaves(tree)]
-  return dict(zip(_names(tree), (int(c) for c in jax.device_get(_checksum_arrays(leaves)))))
+  return dict(zip(_names(tree), _checksum_arrays(leaves)))
+
+
+def checksums(tree) -> dict[str, int]:
+  """checksum_arrays(tree), as numbers."""
+  return {name: int(value) for name, value in jax.device_get(checksum_arrays(tree)).items()}
 
 
 def _agree(ok: bool) -> bool:
@@ -122,6 +160,9 @@ class Checkpointer:
 
   def __init__(self, directory: pathlib.Path, *, keep: int = 1, read_only: bool = False):
     self.directory, self.read_only = pathlib.Path(directory), read_only
+    self.saving = None  # the step of the last save started
+    self._own_reader = None  # see _reader
+    _OPEN.add(self)
     self.manager = _manager(self.directory, max_to_keep=None if read_only else keep,
                             save_interval_steps=0 if read_only else 1, create=not read_only,
                             read_only=read_only, enable_async_checkpointing=not read_only,
@@ -132,11 +173,41 @@ class Checkpointer:
     return sorted(self.manager.all_steps(), reverse=True)
 
   def save(self, step: int, state, data_state: dict, config_json: dict) -> None:
-    """Start an asynchronous save; returns once the arrays are copied off the devices."""
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave(config_json), checksums=ocp.args.JsonSave(checksums(state))),
-        force=True)
+    """Start an asynchronous save; returns once the arrays are copied off the devices. A failed
+    save (the last one, or this) is a Fault: the run stops rather than train on unsaved."""
+    with self._failing_save(self.saving):  # orbax waits for the last save before the next
+      self.manager.wait_until_finished()
+    with self._failing_save(step):
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
+          config=ocp.args.JsonSave(config_json),
+          checksums=_ChecksumsSave(checksum_arrays(state))),
+          force=True)
+    self.saving = step
+
+  def check_saved(self) -> None:
+    """A Fault if the last save has failed (a full disk): called every step, cheaply (no wait,
+    no collective: a save still in flight is checked at a later call)."""
+    if self.saving is not None and not self.manager.is_saving_in_progress():
+      with self._failing_save(self.saving):
+        self.manager.wait_until_finished()  # done: returns at once, or raises its error
+      self.saving = None
+
+  @contextlib.contextmanager
+  def _failing_save(self, step):
+    try:
+      yield
+    except Exception as e:
+      whole = [s for s in self.steps() if s != step]
+      kept = (f'checkpoint {whole[0]} is whole, and the same command resumes from it once that '
+              'is fixed' if whole else 'no checkpoint is whole yet')
+      fault = faults.on_disk(e, where=f'config.workdir: saving checkpoint {step} to '
+                                      f'{self.directory}')
+      message = str(fault) if fault else (f'config.workdir: saving checkpoint {step} to '
+                                          f'{self.directory} failed ({type(e).__name__}: '
+                                          f'{str(e).splitlines()[0][:300]})')
+      self.saving = None
+      raise faults.Fault(f'{message}. The run stopped; {kept}') from None
 
   def saved_config(self, step: int) -> dict:
     """The config a checkpoint was written with; {} if it does not read."""
@@ -173,34 +244,66 @@ class Checkpointer:
     """(step, state, data_state) of the newest checkpoint that restores intact, into the
     shardings of `abstract_state`; None when there is none. Damaged ones on the way are moved
     aside (module docstring). A checkpoint of another model is an error (starting afresh would
-    in time delete it); so is having checkpoints of which none restores."""
+    in time delete it); so is having checkpoints of which none restores (check_fresh_start)."""
     steps = self.steps()
     for step in steps:
       restored, error = None, None
       try:
         if self.check(abstract_state, step, setting='config.workdir', model_config=model_config):
           restored = self._restore(step, abstract_state)
-          error = self._verify(step, restored.state)
         else:
           error = 'its metadata does not read'
       except CheckpointMismatch:
         raise
       except Exception as e:  # orbax raises many types for truncated or corrupted files
         error = f'{type(e).__name__}: {str(e)[:200]}'
-      if _agree(error is None):
-        return step, restored.state, restored.data
+      # Each process read its own shards. Only if all did are the checksums computed: a
+      # collective, which every process must run or none.
+      if _agree(error is None) and not (error := self._verify(step, restored.state)):
+        return step, restored.state, restored.data  # the checksums are global: all agree
       where = ('left in place (read only)' if self.read_only else
                f'moved to {self._set_aside(step)}')
       warnings.warn(f'checkpoint {self.directory / str(step)} is damaged '
                     f'({error or "on another process"}); {where}; trying the one before it',
                     CheckpointWarning, stacklevel=2)
-    if steps:
-      raise ValueError(f'config.workdir holds checkpoints {steps} in {self.directory} but none '
-                       'restores; move them away (or use a new --config.workdir) to start afresh')
+    self.check_fresh_start()
     return None
 
+  @property
+  def aside(self) -> pathlib.Path:
+    """Where damaged checkpoints are moved."""
+    return self.directory.parent / f'{self.directory.name}-damaged'
+
+  def check_fresh_start(self) -> None:
+    """A Fault if no checkpoint is left but damaged ones were set aside: a run from step 0 here
+    would replace the metrics of the steps they reached."""
+    if self.read_only or self.steps() or not self.aside.is_dir():
+      return
+    if damaged := sorted(p.name for p in self.aside.iterdir()):
+      raise faults.Fault(
+          f'config.workdir: every checkpoint of this run is damaged and was moved to '
+          f'{self.aside} ({", ".join(damaged)}); nothing restores, so nothing was trained. Use '
+          f'a new --config.workdir (with --config.init_from to start from other parameters), or '
+          f'move {self.aside} away to train this one again from step 0')
+
+  def _reader(self) -> ocp.CheckpointManager:
+    """The manager that reads arrays. On a multi-process job, one for this process alone: each
+    reads its own shards, without orbax's barrier after the read, which a process whose read
+    fails would skip, leaving the others' next collective unmatched (restore_latest agrees
+    instead)."""
+    if jax.process_count() == 1:
+      return self.manager
+    if self._own_reader is None:
+      me = jax.process_index()
+      self._own_reader = _manager(
+          self.directory, read_only=True, create=False, enable_async_checkpointing=False,
+          cleanup_tmp_directories=False, save_interval_steps=0, max_to_keep=None,
+          multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me,
+                                                                     active_processes={me}))
+    return self._own_reader
+
   def _restore(self, step: int, abstract_state):
-    return self.manager.restore(step, args=ocp.args.Composite(
+    return self._reader().restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
             abstract_state, ocp.checkpoint_utils.construct_restore_args(abstract_state)),
         data=ocp.args.JsonRestore()))
@@ -212,7 +315,7 @@ class Checkpointer:
     if not (self.directory / str(step) / 'checksums').exists():
       return None
     saved = self.manager.restore(step, args=ocp.args.Composite(
-        checksums=ocp.args.JsonRestore())).checksums
+        checksums=_ChecksumsRestore())).checksums
     restored = checksums(tree)
     changed = [name for name, value in restored.items() if saved.get(name) != value]
     if changed:
@@ -223,7 +326,7 @@ class Checkpointer:
   def _set_aside(self, step: int) -> pathlib.Path:
     """Moves checkpoint `step` to checkpoints-damaged/ (process 0; the others wait), so that
     this step can be saved again; returns where it went."""
-    aside = self.directory.parent / f'{self.directory.name}-damaged'
+    aside = self.aside
     where = aside / str(step)
     if jax.process_index() == 0:
       aside.mkdir(exist_ok=True)
@@ -233,12 +336,33 @@ class Checkpointer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f'meshlm: checkpoint {step} set aside')
     self.manager.reload()
+    if self._own_reader is not None:
+      self._own_reader.reload()
     return where
 
   def close(self) -> None:
     """Wait for the save in flight, then release orbax's threads."""
-    self.manager.wait_until_finished()
-    self.manager.close()
+    _OPEN.discard(self)
+    try:
+      with self._failing_save(self.saving):
+        self.manager.wait_until_finished()
+    finally:
+      self.manager.close()
+      if self._own_reader is not None:
+        self._own_reader.close()
+
+
+_OPEN = weakref.WeakSet()  # Checkpointers not closed yet
+
+
+def close_all() -> None:
+  """Closes every Checkpointer still open: an entry point's last act, so that no orbax thread is
+  left to fail at interpreter shutdown after the program's own last line."""
+  for checkpointer in list(_OPEN):
+    try:
+      checkpointer.close()
+    except Exception:  # the program is already ending with its own error
+      pass
 
 
 # What a resumed run must keep, checked against the config saved with its checkpoint: the data
@@ -269,19 +393,31 @@ def check_resume(saved_config: dict, config, checkpoint: pathlib.Path) -> None:
           f'--config.init_from={checkpoint.parent.parent} to start from its parameters)')
 
 
-def step_directory(path: str, setting: str = 'config.init_from') -> tuple[pathlib.Path, int]:
-  """(checkpoints dir, step) for `setting`: a run's workdir (its newest checkpoint), its
+def saved_steps(workdir: str) -> list[int]:
+  """The steps a workdir's checkpoints/ holds, read without orbax (nothing is created)."""
+  directory = pathlib.Path(workdir).expanduser() / 'checkpoints'
+  return sorted(int(p.name) for p in directory.glob('*') if p.name.isdigit() and p.is_dir())
+
+
+def step_directory(path: str, setting: str = 'config.init_from',
+                   step: int | None = None) -> tuple[pathlib.Path, int]:
+  """(checkpoints dir, step) for `setting`: a run's workdir (its newest checkpoint, or `step`), its
   checkpoints/ dir, or one checkpoints/<step> dir."""
   path = pathlib.Path(path).expanduser()
-  if path.name.isdigit() and (path / 'state').is_dir():
+  if path.name.isdigit() and (path / 'state').is_dir() and step is None:
     return path.parent, int(path.name)
   for directory in (path / 'checkpoints', path):
     if directory.is_dir():
       checkpointer = Checkpointer(directory, read_only=True)
       steps = checkpointer.steps()
       checkpointer.close()
-      if steps:
+      if steps and step is None:
         return directory, steps[0]
+      if steps and step in steps:
+        return directory, step
+      if steps:
+        raise ValueError(f'--step={step}: {directory} holds checkpoints of steps '
+                         f'{sorted(steps)}; give one of them')
   raise ValueError(f'{setting}={str(path)!r} holds no checkpoint; give a run\'s workdir, its '
                    'checkpoints/ dir, or one checkpoints/<step> dir')
 
@@ -310,12 +446,16 @@ def restore_params(path: str, abstract_params, model_config, setting: str = 'con
   checkpointer, step, wanted = _init_from(path, abstract_params, model_config)
   try:
     try:
-      restored = checkpointer.manager.restore(step, args=ocp.args.Composite(
+      restored = checkpointer._reader().restore(step, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(wanted, ocp.checkpoint_utils.construct_restore_args(wanted),
                                        partial_restore=True)))
-      error = checkpointer._verify(step, {'params': restored.state['params']})
+      error = None
     except Exception as e:  # orbax raises many types for truncated or corrupted files
       error = f'{type(e).__name__}: {str(e).splitlines()[0][:200]}'
+    if not _agree(error is None):  # as restore_latest: all processes verify, or none
+      error = error or 'on another process'
+    else:
+      error = checkpointer._verify(step, {'params': restored.state['params']})
     if error:
       others = [s for s in checkpointer.steps() if s != step]
       raise ValueError(

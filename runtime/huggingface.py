@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
 import shutil
 import tempfile
@@ -27,6 +28,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
+
+from runtime import faults
 
 PREFIX = 'hf:'
 SETTING = 'config.init_from'
@@ -101,8 +104,11 @@ def directory(init_from: str) -> pathlib.Path | None:
 def model_settings(path: pathlib.Path) -> dict:
   """config.model's fields from a Llama config.json (transformers 4's `rope_scaling` and
   `rope_theta` or 5's `rope_parameters`); anything meshlm's Llama does not compute is an error."""
-  hf = json.loads((path / 'config.json').read_text())
   where = f'{SETTING}={PREFIX}{path}: its config.json'
+  try:
+    hf = json.loads((path / 'config.json').read_text())
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f'{where} is not JSON ({e}); copy the checkpoint again') from None
   rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
   unsupported = {
@@ -181,7 +187,11 @@ class Checkpoint(contextlib.ExitStack):
     where = f'{SETTING}={PREFIX}{path}'
     index = path / 'model.safetensors.index.json'
     if index.is_file():
-      weight_map = json.loads(index.read_text())['weight_map']
+      try:
+        weight_map = json.loads(index.read_text())['weight_map']
+      except (ValueError, KeyError, UnicodeDecodeError) as e:
+        raise ValueError(f'{where}: {index} is not a safetensors index ({type(e).__name__}: '
+                         f'{e}); copy the checkpoint again') from None
     elif (path / 'model.safetensors').is_file():
       weight_map = None
     else:
@@ -192,7 +202,11 @@ class Checkpoint(contextlib.ExitStack):
       if not (path / file).is_file():
         raise ValueError(f'{where}: {index.name} names {file}, which is not there; copy the '
                          'whole checkpoint')
-      files[file] = self.enter_context(safe_open(path / file, framework='numpy'))
+      try:
+        files[file] = self.enter_context(safe_open(path / file, framework='numpy'))
+      except Exception as e:  # safetensors' own error type, for a truncated or damaged file
+        raise ValueError(f'{where}: {path / file} does not read ({str(e).splitlines()[0]}); it '
+                         'is truncated or damaged: copy the checkpoint again') from None
     if weight_map is None:
       weight_map = {name: 'model.safetensors' for name in files['model.safetensors'].keys()}
     self.where = where
@@ -348,10 +362,16 @@ def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype:
           'along with the checkpoint')
     if output.exists():
       output.rmdir()  # empty (checked before the export started); never replaced if not
-    partial.chmod(0o755)  # mkdtemp makes it private
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for file in partial.iterdir():  # as any file the user writes (safetensors makes it private)
+      file.chmod(0o666 & ~umask)
+    partial.chmod(0o777 & ~umask)  # mkdtemp makes it private
     partial.rename(output)
-  except BaseException:
+  except BaseException as e:
     shutil.rmtree(partial, ignore_errors=True)
+    if fault := faults.on_disk(e, where=f'--output={output}'):
+      raise faults.Fault(f'{fault}; nothing was written there') from None
     raise
 
 

@@ -64,6 +64,15 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def with_file_size_limit(limit: int, args: list[str]) -> list[str]:
+  """`args` (a python command) run where writes past `limit` bytes fail with EFBIG, as a full
+  disk's fail with ENOSPC (SIGXFSZ ignored: the write returns the error instead of killing)."""
+  return [sys.executable, '-c', 'import os, resource, signal, sys\n'
+          'signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n'
+          f'resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n'
+          'os.execv(sys.executable, [sys.executable, *sys.argv[1:]])', *args[1:]]
+
+
 def pytest_sessionfinish(session, exitstatus):
   shutil.rmtree(DATA_DIR, ignore_errors=True)
   shutil.rmtree(CACHE_DIR, ignore_errors=True)

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runtime import faults
 from runtime.checkpoint import Checkpointer, CheckpointMismatch, CheckpointWarning
-from tests.conftest import SMALL_CORPUS, tiny_config
+from tests.conftest import SMALL_CORPUS, tiny_config, with_file_size_limit
 from training import loop
 from training.state import build
 
@@ -220,7 +221,8 @@ def test_sample_export_and_init_from_refuse_parameters_that_fail_their_checksums
       f.write_bytes(bytes(data))
   setup = build(tiny_run(run))
   restored = Checkpointer(run / 'checkpoints', read_only=True)
-  assert 'params.' in restored._verify(4, restored._restore(4, setup.abstract_state).state)
+  assert 'arrays differ from their checksums' in restored._verify(
+      4, restored._restore(4, setup.abstract_state).state)
   restored.close()
   commands = {
       'sample': [sys.executable, 'sample.py', f'--workdir={run}', '--prompt=x',
@@ -440,3 +442,82 @@ def test_a_crash_before_the_first_checkpoint_leaves_no_duplicate_metrics(tmp_pat
   shown = [(e.step, e.value) for e in events.Scalars('learning_rate')]
   assert [step for step, _ in shown] == [1, 2, 3, 4, 5, 6]
   assert [value for _, value in shown] == pytest.approx([r['learning_rate'] for r in logged])
+
+
+def stderr_lines(result) -> list[str]:
+  return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def test_the_non_finite_stop_of_train_py_is_its_warnings_and_one_line(tmp_path):
+  """A learning rate of 1e30 is finite, so it is accepted; from step 2 on every step is skipped,
+  and the stop reads as the steps' warnings and one error line (exit 2), no traceback."""
+  result = subprocess.run(command(tmp_path) + [
+      '--config.optimizer.learning_rate=1e30', '--config.optimizer.warmup_steps=0',
+      '--config.max_bad_steps=2'], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+  lines = stderr_lines(result)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert lines == ['warning: step 2: the loss or gradient is not finite; the step was skipped',
+                   'warning: step 3: the loss or gradient is not finite; the step was skipped',
+                   lines[-1]], result.stderr[-3000:]
+  assert lines[-1].startswith('error: steps 2..3: 2 steps in a row had a non-finite loss or '
+                              'gradient (config.max_bad_steps=2); no checkpoint was saved.')
+
+
+def test_a_save_the_disk_refuses_stops_the_run_with_one_line_and_the_next_run_is_whole(tmp_path,
+                                                                                       straight):
+  """The first save's array files are past the limit (the prepared data is not): the save fails
+  in orbax's background thread, and the run stops at once, one line, exit 2, rather than
+  train on with nothing saved. The next run, with room, clears the unfinished save and trains
+  exactly as an uninterrupted run."""
+  result = subprocess.run(with_file_size_limit(300_000, command(tmp_path)), cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=ENV)
+  lines = stderr_lines(result)
+  assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+  assert lines[0] == (f'error: config.workdir: saving checkpoint 5 to {tmp_path}/checkpoints: '
+                      'File too large; raise the file size limit (ulimit -f), or write somewhere '
+                      'else. The run stopped; no checkpoint is whole yet')
+  logged = [json.loads(line)['step'] for line in (tmp_path / 'metrics.jsonl').open()]
+  assert 5 <= logged[-1] <= 7  # stopped within the save's time, not at the end
+  assert Checkpointer(tmp_path / 'checkpoints').steps() == []
+  assert 'resuming' not in run_to_end(tmp_path)
+  assert_same_as_uninterrupted(tmp_path, straight)
+
+
+def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
+  """With an evaluation every step, a SIGINT always lands on an evaluation step; its grace
+  period is for saving, and the resumed run evaluates that step first: each step is evaluated
+  once."""
+  every_step = ['--config.eval_every=1', '--config.eval_batches=1', '--config.train_steps=16']
+  process = subprocess.Popen(command(tmp_path) + every_step, cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=ENV)
+  read_until(process, 'step  6/')
+  process.send_signal(signal.SIGINT)
+  stopped = read_until(process, 'stopped by SIGINT after step ')
+  assert process.wait(timeout=60) == 0
+  step = int(stopped.split('after step ')[1].split(';')[0])
+  resumed = subprocess.run(command(tmp_path) + every_step, cwd=REPO, capture_output=True,
+                           text=True, timeout=600, env=ENV)
+  assert resumed.returncode == 0 and f'resuming from step {step} ' in resumed.stdout
+  records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').open()]
+  assert sorted(r['step'] for r in records if 'eval_loss' in r) == list(range(1, 17))
+  assert sorted(r['step'] for r in records if 'loss' in r) == list(range(1, 17))
+
+
+def test_when_every_checkpoint_is_damaged_the_run_says_where_they_went_and_never_restarts(
+    tmp_path):
+  """Both checkpoints truncated: each is moved aside, and the run stops saying where, instead of
+  training from step 0 over the old run's metrics; so does every later run in that workdir."""
+  loop.run(tiny_run(tmp_path, train_steps=4))
+  metrics_before = (tmp_path / 'metrics.jsonl').read_text()
+  for step in (2, 4):
+    for f in array_files(tmp_path / 'checkpoints' / str(step)):
+      f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 3])
+  message = (rf'config.workdir: every checkpoint of this run is damaged and was moved to '
+             rf'{tmp_path}/checkpoints-damaged \(2, 4\); nothing restores, so nothing was '
+             rf'trained. Use a new --config.workdir')
+  with pytest.raises(faults.Fault, match=message), pytest.warns(CheckpointWarning):
+    loop.run(tiny_run(tmp_path, train_steps=6))
+  with pytest.raises(faults.Fault, match=message):  # and before compiling, the next time
+    loop.run(tiny_run(tmp_path, train_steps=6))
+  assert (tmp_path / 'metrics.jsonl').read_text() == metrics_before
+  assert sorted(p.name for p in (tmp_path / 'checkpoints-damaged').iterdir()) == ['2', '4']

@@ -2,6 +2,7 @@
 or file and the fix, exit status 2, no traceback (runtime/cli.py)."""
 
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +12,19 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_bad_settings_print_one_line_and_exit_2(tmp_path):
   (tmp_path / 'syntax.py').write_text('def get_config(:\n')
   (tmp_path / 'no_get.py').write_text('x = 1\n')
+  (tmp_path / 'raises.py').write_text('raise RuntimeError("no GPU quota")\n')
+  (tmp_path / 'key.py').write_text('def get_config():\n  return {}["nope"]\n')
+  (tmp_path / 'typo.py').write_text('from configs import base\n\n\ndef get_config():\n'
+                                    '  c = base.get_config()\n  c.modle.d_model = 3\n  return c\n')
+  (tmp_path / 'new_field.py').write_text('from configs import base\n\n\ndef get_config():\n'
+                                         '  c = base.get_config()\n  c.optimizer.lr = 3e-4\n'
+                                         '  return c\n')
+  truncated, not_json = tmp_path / 'hf-truncated', tmp_path / 'hf-not-json'
+  for copy in (truncated, not_json):
+    shutil.copytree(REPO / 'tests/data/hf-llama-untied', copy)
+  weights = (truncated / 'model.safetensors').read_bytes()
+  (truncated / 'model.safetensors').write_bytes(weights[:len(weights) // 2])
+  (not_json / 'config.json').write_text('{"vocab_size": 384,')
   workdir = f'--config.workdir={tmp_path / "run"}'
   cases = {  # arguments: what the one line must say
       ('train.py', '--config=configs/base.py', '--config.train_step=5'):
@@ -27,7 +41,33 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
       ('train.py', f'--config={tmp_path / "no_get.py"}'):
           f'error: --config={tmp_path / "no_get.py"}: the config file has no get_config()',
       ('train.py', '--config=configs/llama.py:3b'):
-          "error: ValueError: configs/llama.py: unknown preset '3b'",
+          "error: --config=configs/llama.py:3b: configs/llama.py: unknown preset '3b'; use one of",
+      ('train.py', f'--config={tmp_path / "raises.py"}'):
+          f'error: --config={tmp_path / "raises.py"}: the config file raises RuntimeError: no GPU '
+          'quota (line 1, at import); fix the file',
+      ('train.py', f'--config={tmp_path / "key.py"}'):  # not an override the user never gave
+          f"error: --config={tmp_path / 'key.py'}: the config file raises KeyError: 'nope' (line "
+          '2, in get_config()); fix the file',
+      ('train.py', f'--config={tmp_path / "typo.py"}'):
+          f"error: --config={tmp_path / 'typo.py'}: the config file raises AttributeError: "
+          "'modle'; Did you mean \"model\" instead of \"modle\"? (line 6, in get_config())",
+      ('train.py', f'--config={tmp_path / "new_field.py"}', workdir):
+          'error: config.optimizer.lr is not a setting meshlm has (configs/base.py lists every '
+          'setting); fix the config file',
+      ('train.py', '--config=configs/nope.py', '--config.train_steps=3'):
+          'error: --config=configs/nope.py: no such config file',
+      ('train.py', '--config=configs/base.py', workdir, f'--config.init_from=hf:{truncated}'):
+          f'error: config.init_from=hf:{truncated}: {truncated}/model.safetensors does not read ('
+          'Error while deserializing header',
+      ('train.py', '--config=configs/base.py', workdir, f'--config.init_from=hf:{not_json}'):
+          f'error: config.init_from=hf:{not_json}: its config.json is not JSON (',
+      ('sample.py', f'--workdir={tmp_path}', '--temperature=-1'):  # checked before loading
+          'error: --temperature=-1.0 must be a finite number ≥ 0 (0: greedy)',
+      ('sample.py', f'--workdir={tmp_path}', '--max_new_tokens=0'):
+          'error: --max_new_tokens=0 must be at least 1',
+      ('-m', 'data.train_tokenizer', '--config=configs/default.py', '--vocab_size=100',
+       f'--output={tmp_path / "spm"}'):
+          'error: --vocab_size=100 must be at least 260',
       ('train.py', '--config=configs/base.py', workdir, '--config.mesh.data=3'):
           'error: config.mesh: the fixed axes multiply to 3, which does not divide the 8 devices',
       ('train.py', '--config=configs/base.py', workdir, '--config.data.name=no_such_dataset'):

@@ -15,6 +15,7 @@ import sharding
 from data import corpus as corpus_lib
 from data import pipeline, tokenizers, train_tokenizer
 from data.packing import ROW_KEYS
+from runtime import faults
 from training import loop
 from training.state import build
 from tests.conftest import tiny_config
@@ -367,3 +368,21 @@ def test_a_failed_preparation_leaves_nothing_a_later_run_would_read(tmp_path, mo
   monkeypatch.undo()
   corpus = corpus_lib.load(config.data)  # a later run prepares it afresh
   assert len(corpus.train) + len(corpus.validation) == len(TEXTS)
+
+
+def test_a_truncated_prepared_split_is_one_line_naming_it_and_how_to_prepare_it_again(tmp_path):
+  """A copy cut short (a full disk, a half-synced data dir) fails when the corpus is opened, before
+  anything is compiled, naming the directory; the file is left as it is."""
+  config = tiny_config()
+  config.data.paths = str(write_texts(tmp_path / 'corpus'))
+  config.data.data_dir = str(tmp_path / 'tfds')
+  corpus_lib.load(config.data)
+  train_file, = (tmp_path / 'tfds').rglob('*-train.array_record*')
+  with open(train_file, 'r+b') as f:
+    f.truncate(1000)  # within the first record
+  prepared = corpus_lib.text_files_builder(config.data).data_dir
+  with pytest.raises(faults.Fault, match=rf'config.data: the prepared train split of text_files in '
+                                          rf'{prepared} is damaged; prepare it again: move '
+                                          rf'{prepared} away'):
+    corpus_lib.load(config.data)
+  assert train_file.stat().st_size == 1000

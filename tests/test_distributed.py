@@ -72,6 +72,22 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path
   # Only process 0 logs and writes metrics.
   assert 'step 6/6' in logs[0] and not any(l.startswith('step') for l in logs[1].splitlines())
 
+  # Process 1's part of checkpoint 6 damaged: both processes find it so (each reads its own
+  # shards), set it aside once, resume from step 3 and train as before.
+  for f in (tmp_path / 'two' / 'checkpoints' / str(STEPS) / 'state').rglob('*'):
+    if f.is_file() and 'ocdbt.process_1/d/' in str(f):
+      f.write_bytes(f.read_bytes()[:f.stat().st_size // 3])
+  processes = launch('configs/default.py', default_overrides(tmp_path / 'two'), logs=tmp_path)
+  codes = [p.wait(timeout=600) for p in processes]
+  logs = [(tmp_path / f'process{i}.txt').read_text() for i in range(2)]
+  assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+  assert 'resuming from step 3' in logs[0] and f'checkpoints/{STEPS} is damaged' in logs[0]
+  assert sorted(p.name for p in (tmp_path / 'two' / 'checkpoints-damaged').iterdir()) == ['6']
+  again = losses(tmp_path / 'two')
+  assert sorted(again) == list(range(1, STEPS + 1))
+  for step in range(4, STEPS + 1):
+    assert again[step] == pytest.approx(reference[step], rel=2e-4), step
+
   # Both processes' data rows went into the checkpoint: one process resumes it exactly.
   shutil.rmtree(tmp_path / 'two' / 'checkpoints' / str(STEPS))
   loop.run(config(tmp_path / 'two'))

@@ -2,6 +2,7 @@
 greedy and sampled (same keys), prompts of different lengths in one batch, tied and untied heads."""
 
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -100,7 +101,7 @@ def test_bad_generation_arguments_are_named():
     gen.generate(tiny_model(), [[1]], 4, temperature=-1.0)
 
 
-def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path):
+def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatch):
   c = tiny_config(fsdp=8)
   c.workdir, c.train_steps, c.checkpoint_every, c.eval_every = str(tmp_path), 4, 4, 0
   loop.run(c)
@@ -122,10 +123,24 @@ def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path):
   assert result.returncode == 2 and 'Traceback' not in result.stderr
   assert ('error: --max_new_tokens=10000000: the longest prompt and its continuation make '
           "10,000,007 tokens, more than the seq_len it was trained at, 32") in result.stderr
-  with pytest.raises(ValueError, match=r'--max_len=2000000000: the KV cache of 1 prompt\(s\) × '
-                                       r'1,000,000,005 tokens needs .* GiB, more than'):
+  with pytest.raises(ValueError, match=r'--max_len=2,000,000,000 is more than 16× the seq_len the '
+                                       r'model was trained at \(32\).*give at most --max_len=512'):
     sampling.complete(loaded, ['def '], 10**9, max_len=2 * 10**9)
+  with monkeypatch.context() as m:  # the memory there is, the bound past that
+    m.setattr(sampling, 'MAX_LEN_FACTOR', 10**9)
+    with pytest.raises(ValueError, match=r'--max_len=2000000000: the KV cache of 1 prompt\(s\) × '
+                                         r'1,000,000,005 tokens needs .* GiB, more than'):
+      sampling.complete(loaded, ['def '], 10**9, max_len=2 * 10**9)
   assert sampling.complete(loaded, ['def '], 40, temperature=0, max_len=64)  # past 32, asked
+
+  # SIGTERM while it samples: one line saying so, and the signal's exit status.
+  process = subprocess.Popen([*command[:-2], '--max_len=512', '--max_new_tokens=480'], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  assert process.stdout.readline().startswith('# ')  # loaded: compiling or sampling now
+  process.send_signal(signal.SIGTERM)
+  _, err = process.communicate(timeout=300)
+  assert process.returncode == 128 + signal.SIGTERM
+  assert [line for line in err.splitlines() if line.strip()] == ['sample.py: stopped by SIGTERM']
 
 
 def test_sampling_from_a_workdir_without_checkpoints_is_a_clear_error(tmp_path):

@@ -2,6 +2,7 @@
 computed for tiny random models (tests/data/make_hf_goldens.py made them: no torch here)."""
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -16,8 +17,8 @@ from safetensors.numpy import load_file
 from configs import base
 from model.generate import generate
 from runtime import checkpoint as checkpoint_lib
-from runtime import huggingface
-from tests.conftest import SMALL_CORPUS
+from runtime import faults, huggingface
+from tests.conftest import SMALL_CORPUS, with_file_size_limit
 from training import loop, settings
 from training.state import build
 
@@ -91,6 +92,31 @@ def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path
   hf_config_json = json.loads((output / 'config.json').read_text())
   assert hf_config_json['rms_norm_eps'] == 1e-6 and hf_config_json['tie_word_embeddings'] is False
   assert (output / 'tokenizer.json').read_bytes() == (UNTIED / 'tokenizer.json').read_bytes()
+  umask = os.umask(0o022)
+  os.umask(umask)
+  assert {f.name: f.stat().st_mode & 0o777 for f in output.iterdir()} == {
+      f.name: 0o666 & ~umask for f in output.iterdir()}  # as any file the user writes
+  assert output.stat().st_mode & 0o777 == 0o777 & ~umask
+  refusals = {  # each one line, exit 2, nothing written
+      ('export.py', f'--workdir={workdir}', '--step=7', f'--output={tmp_path / "a"}'):
+          f'error: --step=7: {workdir}/checkpoints holds checkpoints of steps [2]; give one of '
+          'them',
+      ('sample.py', f'--workdir={workdir}', '--max_len=10000010', '--max_new_tokens=10000000'):
+          'error: --max_len=10,000,010 is more than 16× the seq_len the model was trained at',
+      ('with a full disk', 'export.py', f'--workdir={workdir}', f'--output={tmp_path / "b"}'):
+          f'error: --output={tmp_path / "b"}: File too large; raise the file size limit (ulimit '
+          '-f), or write somewhere else; nothing was written there',
+  }
+  processes = {args: subprocess.Popen(
+      with_file_size_limit(100_000, [sys.executable, *args[1:]]) if 'full' in args[0] else
+      [sys.executable, *args], cwd=REPO, text=True, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE) for args in refusals}
+  for args, expected in refusals.items():
+    _, err = processes[args].communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert processes[args].returncode == 2 and len(lines) == 1, (args, err[-2000:])
+    assert lines[0].startswith(expected), (args, lines)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['export', 'run']
   # Re-imported, the export is the run's checkpoint, bit for bit.
   setup = build(settings.resolve(hf_config(output)))
   again = huggingface.load_params(output, setup.abstract_state.params, setup.model_cfg)
@@ -172,7 +198,9 @@ def test_a_failed_export_leaves_nothing_and_an_export_never_overwrites(tmp_path,
     path.write_bytes(b'partial')
 
   monkeypatch.setattr(huggingface, 'save_file', save_file)
-  with pytest.raises(OSError, match='No space left'):
+  with pytest.raises(faults.Fault, match=r'--output=.*out: No space left on device; free space '
+                                         r'on that disk, or write somewhere else; nothing was '
+                                         r'written there'):
     huggingface.export(params, setup.model_cfg, None, 32, tmp_path / 'out', dtype='bfloat16',
                        max_shard_bytes=50_000, log=lambda *_: None)
   assert written and sorted(p.name for p in tmp_path.iterdir()) == ['taken']

@@ -6,7 +6,7 @@ only dispatches steps and hands each to its hooks, in order. A new policy is a n
               stop the run
   Progress    the progress bar
   LogMetrics  every log_every steps and at the last: metrics.jsonl, TensorBoard, the console
-  Evaluate    every eval_every steps and at the last, unless the run is stopping
+  Evaluate    every eval_every steps and at the last; one a stop skips is the resumed run's first
   Save        every checkpoint_every steps, at the last and when stopping; never from a state
               that follows a skipped step (the save waits for the next finite step)
 
@@ -23,6 +23,7 @@ import jax
 from planning import flops
 from reporting import metrics as metrics_lib
 from reporting.profiling import StepTrace
+from runtime import faults
 
 
 @dataclasses.dataclass
@@ -33,6 +34,7 @@ class Step:
   metrics: dict  # its metrics, on the devices
   last: bool  # the run's last step
   stopping: bool  # a signal asked the run to stop after it
+  unevaluated: bool = False  # an evaluation was due but the stop skipped it
 
 
 def due(step: Step, every: int) -> bool:
@@ -95,7 +97,7 @@ class NonFinite(Hook):
       newest = self.newest_checkpoint()
       kept = (f'the last good checkpoint, step {newest}, is in {self.checkpointer.directory}'
               if newest is not None else 'no checkpoint was saved')
-      raise FloatingPointError(
+      raise faults.NonFiniteSteps(
           f'steps {step.done - self.in_a_row + 1}..{step.done}: {self.in_a_row} steps in a row '
           f'had a non-finite loss or gradient (config.max_bad_steps={self.limit}); {kept}. '
           'Lower config.optimizer.learning_rate, raise config.optimizer.warmup_steps or check the '
@@ -173,10 +175,16 @@ class Evaluate(Hook):
     self.every, self.evaluator, self.report, self.clock = every, evaluator, report, clock
 
   def after(self, step):
-    if step.stopping or not due(step, self.every):  # a stop's grace period is for saving
+    if not due(step, self.every):
+      return
+    if step.stopping:  # a stop's grace period is for saving: the resumed run evaluates it
+      step.unevaluated = True
       return
     self.report({'step': step.done, **self.evaluator(step.state.params)})
     self.clock.restart_clock()
+
+
+EVALUATE_FIRST = 'evaluate_first'  # in a checkpoint's data state: its step's evaluation is due
 
 
 class Save(Hook):
@@ -188,6 +196,9 @@ class Save(Hook):
     self.pending = False  # a save was due while the last steps were not finite
     self.saved = None  # the checkpoint of this step, if one was saved
 
+  def before(self, step_index):
+    self.checkpointer.check_saved()  # a save that failed in the background stops the run now
+
   def after(self, step):
     self.saved = None
     if not (self.pending or step.stopping or due(step, self.every)):
@@ -195,5 +206,6 @@ class Save(Hook):
     self.guard.judge(step)  # waits for this step: never save after the run should stop
     self.pending = self.guard.in_a_row > 0
     if not self.pending:
-      self.checkpointer.save(step.done, step.state, self.batches.state(), self.config_json)
+      data_state = {**self.batches.state(), **({EVALUATE_FIRST: True} if step.unevaluated else {})}
+      self.checkpointer.save(step.done, step.state, data_state, self.config_json)
       self.saved = self.checkpointer.directory / str(step.done)

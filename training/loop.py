@@ -48,6 +48,8 @@ def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
   what it must (checkpoint.KEPT_ON_RESUME); another vocabulary is named as a tokenizer mistake."""
   try:
     steps = checkpointer.steps() if checkpointer else []
+    if checkpointer:
+      checkpointer.check_fresh_start()
     for step in steps:  # the newest whose metadata reads; older ones are fallbacks
       if checkpointer.check(setup.abstract_state, step, setting='config.workdir',
                             model_config=config.model):
@@ -105,6 +107,9 @@ def run(config, devices=None) -> list[dict]:
       return [the_plan.as_dict()]
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
   corpus_lib.check(config.data)  # and the data's, before the workdir is created
+  if (hf := huggingface.directory(config.init_from)) and not checkpoint_lib.saved_steps(
+      config.workdir):  # a new run from a HF checkpoint: its files read (headers only)
+    huggingface.check(hf, setup.abstract_state.params, setup.model_cfg)
   workdir = workdir_lib.prepare(config.workdir)
   with workdir_lib.hold(workdir, enabled=jax.process_index() == 0):  # one run per workdir
     checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints',
@@ -149,6 +154,8 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
 
   guard = hooks.NonFinite(config.max_bad_steps, checkpointer)
   report = hooks.Report(writer, console, config.train_steps)
+  if evaluate and (data_state or {}).get(hooks.EVALUATE_FIRST):  # a stop skipped it
+    report({'step': start_step, **evaluate(state.params)})
   log_metrics = hooks.LogMetrics(config.log_every, report, setup, config, start_step,
                                  local_device(setup.mesh.devices.flat).device_kind)
   save = (hooks.Save(config.checkpoint_every, checkpointer, guard, batches, config.to_dict())

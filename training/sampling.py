@@ -7,6 +7,7 @@ else kept on one device: sampling needs neither the training mesh nor its batch 
 """
 
 import dataclasses
+import math
 import os
 
 import jax
@@ -22,6 +23,7 @@ import sharding
 from training import settings
 
 ONE_AXIS = {axis: 1 for axis in sharding.AXES}  # sampling splits parameters over fsdp at most
+MAX_LEN_FACTOR = 16  # --max_len past the trained seq_len, at most this many times it
 
 @dataclasses.dataclass
 class Loaded:
@@ -31,9 +33,22 @@ class Loaded:
   checkpoint: str  # the step directory it came from
 
 
-def load(path: str) -> Loaded:
-  """A run's workdir (its newest checkpoint), its checkpoints/ dir, or one checkpoints/<step>."""
-  directory, step = checkpoint_lib.step_directory(path, setting='--workdir')
+def check_arguments(max_new_tokens: int, temperature: float, top_k: int, max_len: int) -> None:
+  """ValueError naming the flag, before anything is loaded."""
+  if max_new_tokens < 1:
+    raise ValueError(f'--max_new_tokens={max_new_tokens} must be at least 1')
+  if not (math.isfinite(temperature) and temperature >= 0):
+    raise ValueError(f'--temperature={temperature} must be a finite number ≥ 0 (0: greedy)')
+  if top_k < 0:
+    raise ValueError(f'--top_k={top_k} must be ≥ 0 (0: all tokens)')
+  if max_len < 0:
+    raise ValueError(f'--max_len={max_len} must be ≥ 0 (0: the seq_len the model was trained at)')
+
+
+def load(path: str, step: int | None = None) -> Loaded:
+  """A run's workdir (its newest checkpoint, or `step`), its checkpoints/ dir, or one
+  checkpoints/<step>."""
+  directory, step = checkpoint_lib.step_directory(path, setting='--workdir', step=step)
   checkpointer = checkpoint_lib.Checkpointer(directory, read_only=True)
   saved = checkpointer.saved_config(step)
   checkpointer.close()
@@ -41,7 +56,7 @@ def load(path: str) -> Loaded:
     raise ValueError(f'checkpoint {directory / str(step)} holds no readable config; point at '
                      'another step')
   config = base.get_config()  # the settings a checkpoint from an older meshlm may lack
-  config.update(saved)
+  config.update(_known(saved, config))  # and those it has that meshlm no longer has
   config.init_from = ''  # the run's model settings are saved: where it started is not needed
   config = settings.resolve(config)
   tokenizer = tokenizers.load(config.data)
@@ -59,6 +74,11 @@ def load(path: str) -> Loaded:
   params, step_dir = checkpoint_lib.restore_params(str(directory / str(step)), abstract,
                                                    config.model, setting='--workdir')
   return Loaded(nnx.merge(graphdef, params), tokenizer, config, str(step_dir))
+
+
+def _known(saved: dict, known) -> dict:
+  return {key: _known(value, known[key]) if isinstance(value, dict) else value
+          for key, value in saved.items() if key in known}
 
 
 def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.8,
@@ -86,7 +106,12 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
 def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, max_len: int):
   """ValueError naming the flag, if `rows` sequences of `length` tokens go past max_len (0: the
   trained seq_len) or, for an explicit max_len, their KV cache past the memory there is."""
-  limit = max_len or loaded.config.seq_len
+  limit, trained = max_len or loaded.config.seq_len, loaded.config.seq_len
+  if max_len > MAX_LEN_FACTOR * trained:
+    raise ValueError(f'--max_len={max_len:,} is more than {MAX_LEN_FACTOR}× the seq_len the model '
+                     f'was trained at ({trained:,}): positions that far are ones it has never '
+                     f'seen, and each token would attend over all {max_len:,} slots; give at most '
+                     f'--max_len={MAX_LEN_FACTOR * trained}')
   if length > limit:
     bound = f'--max_len={max_len}' if max_len else f'the seq_len it was trained at, {limit}'
     raise ValueError(f'--max_new_tokens={max_new_tokens}: the longest prompt and its continuation '
@@ -94,7 +119,8 @@ def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, ma
                      'raise --max_len to sample past the trained length')
   if max_len:
     cfg = loaded.model.cfg
-    cache = 2 * cfg.n_layers * rows * length * cfg.n_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    # The scan over new tokens holds the cache it reads and the one it writes.
+    cache = 4 * cfg.n_layers * rows * length * cfg.n_kv_heads * cfg.head_dim * cfg.dtype.itemsize
     device = jax.local_devices()[0]
     free = ((device.memory_stats() or {}).get('bytes_limit')
             or os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))  # CPU: free RAM

@@ -13,6 +13,7 @@ mesh the model or batch cannot use; files (data, checkpoints, the workdir) are c
 they are opened, before anything is written.
 """
 
+import difflib
 import math
 
 import ml_collections
@@ -66,7 +67,9 @@ def resolve(config):
 
 def check(config) -> None:
   """Every check of `config` that needs no devices or files; ValueError naming the setting.
-  Every number first: finite, and within RANGES."""
+  The fields first: those of configs/base.py, no others (a typo in a config file would otherwise
+  set a field nothing reads); then every number: finite, and within RANGES."""
+  unknown(config, base.get_config())
   for field, value in numbers(config):
     if not math.isfinite(value):
       raise ValueError(f'config.{field}={value} is not a number a run can use; give a finite one')
@@ -87,3 +90,16 @@ def numbers(config, prefix: str = ''):
       yield from numbers(value, f'{prefix}{key}.')
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
       yield f'{prefix}{key}', value
+
+
+def unknown(config, known, prefix: str = '') -> None:
+  """ValueError naming a field of `config` that `known` (configs/base.py's config) lacks."""
+  for key, value in config.items():
+    if key not in known:
+      hint = difflib.get_close_matches(key, list(known), n=1)
+      raise ValueError(f'config.{prefix}{key} is not a setting meshlm has'
+                       f'{f"; did you mean config.{prefix}{hint[0]}?" if hint else ""} '
+                       '(configs/base.py lists every setting); fix the config file')
+    if isinstance(value, (ml_collections.ConfigDict, dict)) and isinstance(
+        known[key], (ml_collections.ConfigDict, dict)):
+      unknown(value, known[key], f'{prefix}{key}.')

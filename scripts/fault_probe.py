@@ -1,0 +1,611 @@
+"""The fault probe: the ways a user or their machine can make meshlm fail that we know of, each run
+as a user would, with real files, processes and signals, and judged:
+
+  GOOD  the run did what it should: an expected failure is one `error:` line naming the file or
+        setting, exit status 2, and nothing written; a run that should survive survives exactly
+  UGLY  the right outcome, but buried: a traceback, more than one line, another exit status
+  BAD   work lost or corrupted, or a mistake accepted
+
+  python scripts/fault_probe.py            # every case (about 10 minutes on 2 cores)
+  python scripts/fault_probe.py --only=sample
+
+On the CPU with 8 simulated devices: base.py's small model on the standard library's json and
+email packages. Prints a table and ends with one JSON line of the counts.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STDLIB = sysconfig.get_paths()['stdlib']
+CORPUS = f'{STDLIB}/json/*.py,{STDLIB}/email/*.py'
+HF = REPO / 'tests' / 'data' / 'hf-llama-untied'
+
+
+class Probe:
+  """Where the cases run: a scratch directory, its TFDS data dir and compilation cache, and a
+  trained run (6 steps, checkpoints at 3 and 6) each case may copy."""
+
+  def __init__(self, root: pathlib.Path):
+    self.root, self.count = root, 0
+    self.env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1',
+                'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
+                'TFDS_DATA_DIR': str(root / 'tfds'),
+                'JAX_COMPILATION_CACHE_DIR': str(root / 'xla-cache'),
+                'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+    self.template = root / 'trained'
+    result = self.run(*self.train(self.template, steps=6))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+  def path(self, name: str) -> pathlib.Path:
+    self.count += 1
+    return self.root / f'{self.count:02d}-{name}'
+
+  def trained(self) -> pathlib.Path:
+    """A copy of the trained run."""
+    copy = self.path('run')
+    shutil.copytree(self.template, copy)
+    return copy
+
+  @staticmethod
+  def train(workdir, steps=6, *more):
+    return ('train.py', '--config=configs/base.py', f'--config.workdir={workdir}',
+            f'--config.train_steps={steps}', '--config.checkpoint_every=3', '--config.log_every=1',
+            '--config.eval_every=3', '--config.eval_batches=1', f'--config.data.paths={CORPUS}',
+            '--config.data.validation_fraction=0.1', *more)
+
+  def command(self, args, file_size_limit=None):
+    command = [sys.executable, *args]
+    if file_size_limit:  # writes past it fail with EFBIG, as a full disk's with ENOSPC
+      command = [sys.executable, '-c', 'import os, resource, signal, sys\n'
+                 'signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n'
+                 f'resource.setrlimit(resource.RLIMIT_FSIZE, ({file_size_limit},) * 2)\n'
+                 'os.execv(sys.executable, [sys.executable, *sys.argv[1:]])', *args]
+    return command
+
+  def run(self, *args, file_size_limit=None, cwd=REPO):
+    return subprocess.run(self.command(args, file_size_limit), cwd=cwd, env=self.env, text=True,
+                          capture_output=True, timeout=900)
+
+  def start(self, *args):
+    return subprocess.Popen(self.command(args), cwd=REPO, env=self.env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def lines(text: str) -> list[str]:
+  return [line for line in text.splitlines() if line.strip()]
+
+
+def refused(result, expected: str, untouched=()) -> tuple[str, str]:
+  """An expected failure: one `error:` line containing `expected`, exit 2, `untouched` paths
+  not created."""
+  err = lines(result.stderr)
+  if result.returncode == 0:
+    return 'BAD', 'accepted (exit 0)'
+  if created := [str(p) for p in untouched if pathlib.Path(p).exists()]:
+    return 'BAD', f'wrote {created}'
+  if result.returncode != 2 or 'Traceback' in result.stderr or len(err) != 1:
+    return 'UGLY', f'exit {result.returncode}, {len(err)} lines: {err[-1][:120] if err else ""}'
+  if not err[0].startswith('error: ') or expected not in err[0]:
+    return 'UGLY', f'another message: {err[0][:160]}'
+  return 'GOOD', err[0][:160]
+
+
+def survived(result, must=()) -> tuple[str, str]:
+  if result.returncode != 0:
+    return 'BAD', f'exit {result.returncode}: {lines(result.stderr)[-1:]}'
+  if 'Traceback' in result.stderr:
+    return 'UGLY', 'exit 0 with a traceback'
+  missing = [m for m in must if m not in result.stdout + result.stderr]
+  return ('GOOD', 'exit 0') if not missing else ('BAD', f'never said {missing}')
+
+
+def metrics(workdir) -> list[dict]:
+  return [json.loads(line) for line in (pathlib.Path(workdir) / 'metrics.jsonl').open()]
+
+
+def steps_once(workdir, n: int) -> bool:
+  logged = [r['step'] for r in metrics(workdir) if 'loss' in r]
+  return logged == list(range(1, n + 1))
+
+
+def read_until(process, prefix: str) -> str:
+  for line in process.stdout:
+    if line.startswith(prefix):
+      return line
+  return ''
+
+
+def array_files(checkpoint: pathlib.Path) -> list[pathlib.Path]:
+  return [f for f in (checkpoint / 'state').rglob('*') if f.is_file() and '/d/' in str(f)]
+
+
+# Each case: (name, function of the probe) → (verdict, what was seen).
+CASES = {}
+
+
+def case(name):
+  def register(fn):
+    CASES[name] = fn
+    return fn
+  return register
+
+
+def config_file(p, name, text):
+  path = p.path(name).with_suffix('.py')
+  path.write_text(text)
+  return path
+
+
+BASE = 'from configs import base\n\n\ndef get_config():\n  c = base.get_config()\n'
+
+SETTINGS = {  # name: (arguments after train.py's, what the line must say)
+    'flag typo': (['--config.train_step=5'], "no setting 'train_step'; did you mean train_steps"),
+    'nested flag typo': (['--config.model.n_layer=3'], 'did you mean n_layers'),
+    'unknown preset': (['--config=configs/llama.py:3b'], "unknown preset '3b'"),
+    'mesh that does not divide': (['--config.mesh.data=3'], 'config.mesh'),
+    'unknown TFDS dataset': (['--config.data.name=no_such'], 'config.data.name'),
+    'learning rate NaN': (['--config.optimizer.learning_rate=nan'], 'learning_rate=nan'),
+    'learning rate inf': (['--config.optimizer.learning_rate=inf'], 'learning_rate=inf'),
+    'learning rate negative': (['--config.optimizer.learning_rate=-1'], 'learning_rate=-1'),
+    'z-loss NaN': (['--config.loss.z_loss=nan'], 'config.loss.z_loss=nan'),
+    'warmup negative': (['--config.optimizer.warmup_steps=-3'], 'warmup_steps=-3'),
+    'seq_len 0': (['--config.seq_len=0'], 'config.seq_len=0'),
+    'batch not divisible': (['--config.batch_size=6'], 'config.batch_size=6'),
+    'bad data paths': (['--config.data.paths=/nonexistent/*.txt'], 'config.data.paths'),
+    'init_from nothing': (['--config.init_from=/nonexistent'], 'config.init_from'),
+    'hf: without config.json': (['--config.init_from=hf:/nonexistent'], 'holds no config.json'),
+    'extra argument': (['oops'], 'unexpected arguments'),
+}
+
+
+def settings_case(args, expected):
+  def probe(p):
+    workdir = p.path('refused')
+    train = [a for a in p.train(workdir) if not (args[0].startswith('--config=') and
+                                                 a.startswith('--config='))]
+    return refused(p.run(*train, *args), expected, [workdir])
+  return probe
+
+
+for _name, (_args, _expected) in SETTINGS.items():
+  CASES[f'setting: {_name}'] = settings_case(_args, _expected)
+
+
+@case('config: missing file')
+def _(p):
+  return refused(p.run('train.py', '--config=configs/nope.py'), 'no such config file')
+
+
+@case('config: missing file and an override')
+def _(p):
+  return refused(p.run('train.py', '--config=configs/nope.py', '--config.train_steps=3'),
+                 'no such config file')
+
+
+@case('config: does not parse')
+def _(p):
+  path = config_file(p, 'syntax', 'def get_config(:\n')
+  return refused(p.run('train.py', f'--config={path}'), 'does not parse')
+
+
+@case('config: no get_config')
+def _(p):
+  return refused(p.run('train.py', f'--config={config_file(p, "noget", "x = 1")}'),
+                 'has no get_config()')
+
+
+@case('config: raises at import')
+def _(p):
+  path = config_file(p, 'raises', 'raise RuntimeError("no quota")\n')
+  return refused(p.run('train.py', f'--config={path}'), 'raises RuntimeError: no quota (line 1')
+
+
+@case('config: get_config raises')
+def _(p):
+  path = config_file(p, 'key', 'def get_config():\n  return {}["nope"]\n')
+  return refused(p.run('train.py', f'--config={path}'), "raises KeyError: 'nope' (line 2")
+
+
+@case('config: typo inside the file')
+def _(p):
+  path = config_file(p, 'typo', BASE + '  c.modle.d_model = 3\n  return c\n')
+  return refused(p.run('train.py', f'--config={path}'), "'modle'")
+
+
+@case('config: a field meshlm lacks')
+def _(p):
+  workdir = p.path('refused')
+  path = config_file(p, 'field', BASE + '  c.optimizer.lr = 1e-3\n  return c\n')
+  train = [f'--config={path}' if a.startswith('--config=') else a for a in p.train(workdir)]
+  return refused(p.run(*train), 'config.optimizer.lr is not a setting', [workdir])
+
+
+@case('workdir: empty')
+def _(p):
+  here = p.path('here')
+  here.mkdir()
+  result = p.run(*[str(REPO / a) if a == 'train.py' else a.replace('configs/', f'{REPO}/configs/')
+                   for a in p.train('')], cwd=here)
+  return refused(result, 'config.workdir is empty') if not list(here.iterdir()) else (
+      'BAD', f'wrote {list(here.iterdir())}')
+
+
+@case('workdir: a file')
+def _(p):
+  file = p.path('file')
+  file.write_text('mine')
+  verdict = refused(p.run(*p.train(file)), 'config.workdir')
+  return verdict if file.read_text() == 'mine' else ('BAD', 'the file was changed')
+
+
+@case('workdir: held by a live run')
+def _(p):
+  workdir = p.path('held')
+  first = p.start(*p.train(workdir, 400))
+  read_until(first, 'step  2/')
+  second = p.run(*p.train(workdir, 400))
+  first.send_signal(signal.SIGKILL)
+  first.wait()
+  return refused(second, 'is in use by another run')
+
+
+@case('hf: truncated safetensors')
+def _(p):
+  hf = p.path('hf')
+  shutil.copytree(HF, hf)
+  weights = (hf / 'model.safetensors').read_bytes()
+  (hf / 'model.safetensors').write_bytes(weights[:len(weights) // 2])
+  workdir = p.path('refused')
+  return refused(p.run(*p.train(workdir), f'--config.init_from=hf:{hf}'),
+                 'model.safetensors does not read', [workdir])
+
+
+@case('hf: config.json not JSON')
+def _(p):
+  hf = p.path('hf')
+  shutil.copytree(HF, hf)
+  (hf / 'config.json').write_text('{"vocab_size": ')
+  return refused(p.run(*p.train(p.path('x')), f'--config.init_from=hf:{hf}'), 'is not JSON')
+
+
+@case('hf: weights of another shape')
+def _(p):
+  hf = p.path('hf')
+  shutil.copytree(HF, hf)
+  config = json.loads((hf / 'config.json').read_text())
+  (hf / 'config.json').write_text(json.dumps({**config, 'intermediate_size': 96}))
+  return refused(p.run(*p.train(p.path('x')), f'--config.init_from=hf:{hf}'), 'not [64, 96]')
+
+
+@case('resume: changed seed')
+def _(p):
+  run = p.trained()
+  return refused(p.run(*p.train(run, 9), '--config.seed=5'), 'config.seed=5')
+
+
+@case('resume: another model')
+def _(p):
+  run = p.trained()
+  before = (run / 'metrics.jsonl').read_text()
+  verdict = refused(p.run(*p.train(run, 9), '--config.model.d_model=32'), 'another model')
+  return verdict if (run / 'metrics.jsonl').read_text() == before else ('BAD', 'metrics changed')
+
+
+@case('resume: another mesh')
+def _(p):
+  run = p.trained()
+  result = p.run(*p.train(run, 9), '--config.mesh.fsdp=4', '--config.mesh.tensor=2')
+  verdict = survived(result, ['resuming from step 6'])
+  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+
+
+@case('resume: stages and fp8')
+def _(p):
+  run = p.trained()
+  result = p.run(*p.train(run, 9), '--config.mesh.stage=2', '--config.model.matmul_precision=fp8')
+  verdict = survived(result, ['resuming from step 6'])
+  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+
+
+def stopped_and_resumed(p, signum, at='step  4/'):
+  workdir = p.path('signal')
+  process = p.start(*p.train(workdir, 12))
+  read_until(process, at)
+  process.send_signal(signum)
+  out, _ = process.communicate(timeout=300)
+  if process.returncode != 0 or 'stopped by' not in out:
+    return 'BAD', f'exit {process.returncode} without saving'
+  verdict = survived(p.run(*p.train(workdir, 12)), ['resuming from step'])
+  return verdict if steps_once(workdir, 12) else ('BAD', 'steps logged twice or missing')
+
+
+@case('signal: SIGTERM mid-run, then resume')
+def _(p):
+  return stopped_and_resumed(p, signal.SIGTERM)
+
+
+@case('signal: SIGINT mid-run, then resume')
+def _(p):
+  return stopped_and_resumed(p, signal.SIGINT)
+
+
+@case('signal: SIGTERM while compiling')
+def _(p):
+  return stopped_and_resumed(p, signal.SIGTERM, at='data: ')
+
+
+@case('signal: SIGKILL mid-run, then resume')
+def _(p):
+  workdir = p.path('killed')
+  process = p.start(*p.train(workdir, 12))
+  read_until(process, 'step  5/')
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  verdict = survived(p.run(*p.train(workdir, 12)), ['resuming from step 3'])
+  return verdict if steps_once(workdir, 12) else ('BAD', 'steps logged twice or missing')
+
+
+@case('signal: SIGINT on an evaluation step')
+def _(p):
+  workdir = p.path('eval')
+  every = ['--config.eval_every=1']
+  process = p.start(*p.train(workdir, 12), *every)
+  read_until(process, 'step  5/')
+  process.send_signal(signal.SIGINT)
+  process.communicate(timeout=300)
+  verdict = survived(p.run(*p.train(workdir, 12), *every), ['resuming from step'])
+  evaluated = sorted(r['step'] for r in metrics(workdir) if 'eval_loss' in r)
+  return verdict if evaluated == list(range(1, 13)) else ('BAD', f'evaluated {evaluated}')
+
+
+@case('signal: sample.py SIGTERM')
+def _(p):
+  process = p.start('sample.py', f'--workdir={p.template}', '--max_len=2048',
+                    '--max_new_tokens=2000')
+  read_until(process, '# ')
+  process.send_signal(signal.SIGTERM)
+  out, _ = process.communicate(timeout=300)
+  if process.returncode != 128 + signal.SIGTERM:
+    return 'UGLY', f'exit {process.returncode}'
+  return ('GOOD', lines(out)[-1]) if lines(out)[-1:] == ['sample.py: stopped by SIGTERM'] else (
+      'UGLY', f'said {lines(out)[-2:]}')
+
+
+def damage(checkpoint: pathlib.Path, how: str) -> None:
+  for f in array_files(checkpoint):
+    data = bytearray(f.read_bytes())
+    if how == 'truncate':
+      data = data[:len(data) // 3]
+    else:  # bytes changed inside: orbax restores them without complaint
+      for at in range(4096, len(data) - 64, 8192):
+        data[at:at + 64] = os.urandom(64)
+    f.write_bytes(bytes(data))
+
+
+@case('checkpoint: newest truncated')
+def _(p):
+  run = p.trained()
+  damage(run / 'checkpoints' / '6', 'truncate')
+  verdict = survived(p.run(*p.train(run, 9)), ['resuming from step 3'])
+  kept = (run / 'checkpoints-damaged' / '6').is_dir()
+  return verdict if kept and steps_once(run, 9) else ('BAD', 'not set aside, or steps twice')
+
+
+@case('checkpoint: newest with bytes changed')
+def _(p):
+  run = p.trained()
+  damage(run / 'checkpoints' / '6', 'bytes')
+  verdict = survived(p.run(*p.train(run, 9)), ['resuming from step 3', 'checksums'])
+  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+
+
+@case('checkpoint: every one damaged, and the next run')
+def _(p):
+  run = p.trained()
+  before = (run / 'metrics.jsonl').read_text()
+  for step in (3, 6):
+    damage(run / 'checkpoints' / str(step), 'truncate')
+  first, second = p.run(*p.train(run, 9)), p.run(*p.train(run, 9))
+  if (run / 'metrics.jsonl').read_text() != before:
+    return 'BAD', 'the old run\'s metrics were replaced'
+  last = lines(first.stderr)[-1:]
+  if first.returncode != 2 or not last or 'moved to' not in last[0]:
+    return 'UGLY', f'first run: exit {first.returncode}, {last}'
+  return refused(second, 'every checkpoint of this run is damaged')
+
+
+def damaged_reader(p, *args):
+  run = p.trained()
+  damage(run / 'checkpoints' / '6', 'bytes')
+  return run, [a.format(run=run, out=p.path('out')) for a in args]
+
+
+@case('checkpoint: sample.py from a damaged one')
+def _(p):
+  run, args = damaged_reader(p, 'sample.py', '--workdir={run}', '--max_new_tokens=4')
+  return refused(p.run(*args), 'arrays differ from their checksums')
+
+
+@case('checkpoint: export.py from a damaged one')
+def _(p):
+  run, args = damaged_reader(p, 'export.py', '--workdir={run}', '--output={out}')
+  return refused(p.run(*args), 'arrays differ from their checksums', [args[-1][9:]])
+
+
+@case('checkpoint: init_from a damaged one')
+def _(p):
+  run, _ = damaged_reader(p)
+  return refused(p.run(*p.train(p.path('new')), f'--config.init_from={run}'),
+                 'arrays differ from their checksums')
+
+
+@case('non-finite: learning rate 1e30')
+def _(p):
+  result = p.run(*p.train(p.path('nan'), 12), '--config.optimizer.learning_rate=1e30',
+                 '--config.optimizer.warmup_steps=0', '--config.max_bad_steps=2')
+  err = lines(result.stderr)
+  if result.returncode != 2 or 'Traceback' in result.stderr:
+    return 'UGLY', f'exit {result.returncode}, {len(err)} lines'
+  if not all(line.startswith(('warning: step', 'error: ')) for line in err):
+    return 'UGLY', f'other lines: {[l for l in err if not l.startswith("warning: step")][:2]}'
+  return ('GOOD', err[-1][:160]) if 'max_bad_steps=2' in err[-1] else ('UGLY', err[-1][:160])
+
+
+@case('disk: full during a training save')
+def _(p):
+  workdir = p.path('full')
+  verdict = refused(p.run(*p.train(workdir, 12), file_size_limit=300_000),
+                    'saving checkpoint 3')
+  if verdict[0] != 'GOOD':
+    return verdict
+  again = survived(p.run(*p.train(workdir, 12)))
+  return verdict if again[0] == 'GOOD' and steps_once(workdir, 12) else (
+      'BAD', f'the next run: {again[1]}')
+
+
+@case('disk: full under an export')
+def _(p):
+  out = p.path('export')
+  verdict = refused(p.run('export.py', f'--workdir={p.template}', f'--output={out}',
+                          file_size_limit=100_000), 'File too large', [out])
+  leftovers = list(out.parent.glob(f'.{out.name}.partial-*'))
+  return verdict if not leftovers else ('BAD', f'left {leftovers}')
+
+
+@case('data: truncated prepared split')
+def _(p):
+  data = p.root / 'tfds-damaged'
+  shutil.copytree(p.root / 'tfds', data)
+  for f in data.rglob('*-train.array_record*'):
+    with open(f, 'r+b') as file:
+      file.truncate(f.stat().st_size // 2)
+  p.env['TFDS_DATA_DIR'] = str(data)
+  try:
+    return refused(p.run(*p.train(p.path('x'))), 'is damaged; prepare it again')
+  finally:
+    p.env['TFDS_DATA_DIR'] = str(p.root / 'tfds')
+
+
+SAMPLING = {
+    'missing --workdir': ([], '--workdir is required'),
+    'no checkpoint there': (['--workdir=/tmp'], 'holds no checkpoint'),
+    'temperature -1': (['--workdir=/nonexistent', '--temperature=-1'], '--temperature=-1.0'),
+    'temperature NaN': (['--workdir=/nonexistent', '--temperature=nan'], '--temperature=nan'),
+    'max_new_tokens 0': (['--workdir=/nonexistent', '--max_new_tokens=0'], '--max_new_tokens=0'),
+    'top_k -1': (['--workdir=/nonexistent', '--top_k=-1'], '--top_k=-1'),
+    'ten million tokens': (['--workdir={run}', '--max_new_tokens=10000000'], 'seq_len it was'),
+    'max_len ten million': (['--workdir={run}', '--max_len=10000010',
+                             '--max_new_tokens=10000000'], 'more than 16×'),
+}
+
+
+def sampling_case(args, expected):
+  def probe(p):
+    return refused(p.run('sample.py', *[a.format(run=p.template) for a in args]), expected)
+  return probe
+
+
+for _name, (_args, _expected) in SAMPLING.items():
+  CASES[f'sample.py: {_name}'] = sampling_case(_args, _expected)
+
+
+@case('export.py: a step that does not exist')
+def _(p):
+  return refused(p.run('export.py', f'--workdir={p.template}', '--step=7',
+                       f'--output={p.path("out")}'), 'checkpoints of steps [3, 6]')
+
+
+@case('export.py: a non-empty output')
+def _(p):
+  out = p.path('out')
+  out.mkdir()
+  (out / 'mine').write_text('mine')
+  verdict = refused(p.run('export.py', f'--workdir={p.template}', f'--output={out}'),
+                    'is not an empty directory')
+  return verdict if (out / 'mine').read_text() == 'mine' else ('BAD', 'overwritten')
+
+
+@case('export.py: --max_shard_gb=0')
+def _(p):
+  return refused(p.run('export.py', f'--workdir={p.template}', f'--output={p.path("o")}',
+                       '--max_shard_gb=0'), '--max_shard_gb=0.0 must be positive')
+
+
+@case('export.py: files as readable as the user\'s')
+def _(p):
+  out = p.path('out')
+  verdict = survived(p.run('export.py', f'--workdir={p.template}', f'--output={out}'))
+  umask = os.umask(0o022)
+  os.umask(umask)
+  modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
+  wrong = {n: m for n, m in modes.items() if m != oct(0o666 & ~umask)}
+  return verdict if not wrong else ('UGLY', f'modes {wrong}')
+
+
+@case('tokenizer: vocabulary too small')
+def _(p):
+  return refused(p.run('-m', 'data.train_tokenizer', '--config=configs/default.py',
+                       '--vocab_size=100', f'--output={p.path("spm")}'), '--vocab_size=100')
+
+
+@case('tokenizer: missing config file')
+def _(p):
+  return refused(p.run('-m', 'data.train_tokenizer', '--config=configs/nope.py',
+                       f'--output={p.path("spm")}'), 'no such config file')
+
+
+@case('metrics: TensorBoard after a resume')
+def _(p):
+  from tensorboard.backend.event_processing import event_accumulator
+  run = p.trained()
+  damage(run / 'checkpoints' / '6', 'truncate')  # steps 4..6 are logged again
+  verdict = survived(p.run(*p.train(run, 9)))
+  events = event_accumulator.EventAccumulator(str(run), size_guidance={'scalars': 0})
+  events.Reload()
+  shown = [e.step for e in events.Scalars('loss')]
+  return verdict if shown == list(range(1, 10)) else ('BAD', f'TensorBoard shows {shown}')
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--only', default='', help='Cases whose name contains this.')
+  parser.add_argument('--keep', default=None, help='Run in this directory and keep it.')
+  args = parser.parse_args()
+  root = pathlib.Path(args.keep or tempfile.mkdtemp(prefix='meshlm-fault-probe-'))
+  root.mkdir(parents=True, exist_ok=True)
+  probe, rows = Probe(root), []
+  try:
+    for name, fn in CASES.items():
+      if args.only not in name:
+        continue
+      start = time.perf_counter()
+      try:
+        verdict, seen = fn(probe)
+      except Exception as e:  # the probe's own expectation failed: count it against us
+        verdict, seen = 'BAD', f'probe: {type(e).__name__}: {e}'
+      rows.append((name, verdict, seen))
+      print(f'{verdict:<5} {name:<48} {time.perf_counter() - start:5.1f}s  {seen}', flush=True)
+  finally:
+    if not args.keep:
+      shutil.rmtree(root, ignore_errors=True)
+  counts = {v: sum(r[1] == v for r in rows) for v in ('GOOD', 'UGLY', 'BAD')}
+  print(f'\n{len(rows)} cases: {counts["GOOD"]} GOOD, {counts["UGLY"]} UGLY, {counts["BAD"]} BAD')
+  print(json.dumps({'benchmark': 'fault_probe', 'cases': len(rows), **counts,
+                    'not_good': {r[0]: r[1] for r in rows if r[1] != 'GOOD'},
+                    'command': ' '.join(['python', 'scripts/fault_probe.py', *sys.argv[1:]])}))
+  return 1 if counts['BAD'] or counts['UGLY'] else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
