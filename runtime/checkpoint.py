@@ -422,15 +422,21 @@ def step_directory(path: str, setting: str = 'config.init_from',
                    'checkpoints/ dir, or one checkpoints/<step> dir')
 
 
-def _init_from(path: str, abstract_params, model_config):
-  """The read-only Checkpointer, step and wanted tree of `config.init_from`, checked."""
-  directory, step = step_directory(path)
+def _init_from(path: str, abstract_params, model_config, setting: str = 'config.init_from'):
+  """The read-only Checkpointer, step and wanted tree of `setting` (config.init_from), checked."""
+  directory, step = step_directory(path, setting)
   checkpointer, wanted = Checkpointer(directory, read_only=True), {'params': abstract_params}
-  if not checkpointer.check(wanted, step, setting='config.init_from', model_config=model_config):
+  if not checkpointer.check(wanted, step, setting=setting, model_config=model_config):
     checkpointer.close()
-    raise ValueError(f'config.init_from: checkpoint {directory / str(step)} does not read '
-                     '(truncated or corrupted?); point it at another step')
+    raise ValueError(f'{setting}: checkpoint {directory / str(step)} is damaged (its metadata '
+                     f'does not read); it is left as it is. {_others(checkpointer, step)}')
   return checkpointer, step, wanted
+
+
+def _others(checkpointer: Checkpointer, step: int) -> str:
+  others = [s for s in checkpointer.steps() if s != step]
+  return (f'The run has checkpoints {others} too: give one of them ({checkpointer.directory}/STEP)'
+          if others else 'The run has no other checkpoint')
 
 
 def check_init_from(path: str, abstract_params, model_config) -> None:
@@ -443,7 +449,7 @@ def restore_params(path: str, abstract_params, model_config, setting: str = 'con
   of `abstract_params`, and the step directory they came from: a new run's starting point, with
   a fresh optimizer and step 0, or what sample.py and export.py read. Parameters that differ from
   the checksums saved with them are refused, `setting` named, the checkpoint left as it is."""
-  checkpointer, step, wanted = _init_from(path, abstract_params, model_config)
+  checkpointer, step, wanted = _init_from(path, abstract_params, model_config, setting)
   try:
     try:
       restored = checkpointer._reader().restore(step, args=ocp.args.Composite(
@@ -457,12 +463,8 @@ def restore_params(path: str, abstract_params, model_config, setting: str = 'con
     else:
       error = checkpointer._verify(step, {'params': restored.state['params']})
     if error:
-      others = [s for s in checkpointer.steps() if s != step]
-      raise ValueError(
-          f'{setting}: checkpoint {checkpointer.directory / str(step)} is damaged ({error}); it is '
-          'left as it is. ' + (f'The run has checkpoints {others} too: give one of them '
-                               f'({checkpointer.directory}/STEP)' if others else
-                               'The run has no other checkpoint'))
+      raise ValueError(f'{setting}: checkpoint {checkpointer.directory / str(step)} is damaged '
+                       f'({error}); it is left as it is. {_others(checkpointer, step)}')
     return restored.state['params'], checkpointer.directory / str(step)
   finally:
     checkpointer.close()

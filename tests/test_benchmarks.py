@@ -1,5 +1,5 @@
-"""The step, precision, checkpoint and calibrate benchmarks run end to end (on the tiny base config,
-or tiny shapes) and end with one JSON line of figures that add up."""
+"""The step, precision, checkpoint and calibrate benchmarks, and the fault probe, run end to end (on
+the tiny base config, or tiny shapes) and end with one JSON line of figures that add up."""
 
 import json
 import pathlib
@@ -70,3 +70,12 @@ def test_calibrate_stops_a_part_past_its_budget(tmp_path):
               f'--out_dir={tmp_path}', config=())
   rows = f['parts']['copy']['rows']
   assert len(rows) == 2 and rows[0]['what'] == 'pass over 1 MiB' and 'skipped' in rows[1]
+
+
+def test_the_fault_probe_runs_its_cases_and_counts_them():
+  """Cheap cases only (no training): the probe script stays runnable, and judges."""
+  result = subprocess.run([sys.executable, 'scripts/fault_probe.py', '--only=config: missing'], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+  f = json.loads(result.stdout.strip().splitlines()[-1])
+  assert result.returncode == 0 and f == {**f, 'cases': 2, 'GOOD': 2, 'UGLY': 0, 'BAD': 0}, (
+      result.stdout[-3000:])

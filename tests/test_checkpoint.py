@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from runtime import faults
-from runtime.checkpoint import Checkpointer, CheckpointMismatch, CheckpointWarning
+from runtime.checkpoint import (Checkpointer, CheckpointMismatch, CheckpointWarning,
+                                restore_params)
 from tests.conftest import SMALL_CORPUS, tiny_config, with_file_size_limit
 from training import loop
 from training.state import build
@@ -246,6 +247,12 @@ def test_sample_export_and_init_from_refuse_parameters_that_fail_their_checksums
   new = tmp_path / 'new'  # read after compiling: the new run stops before its first step
   assert not (new / 'metrics.jsonl').exists() and not list((new / 'checkpoints').glob('*'))
   assert (run / 'checkpoints' / '4').is_dir()  # left as it is
+  for f in array_files(run / 'checkpoints' / '4'):  # the index too: its metadata does not read
+    f.write_bytes(f.read_bytes()[:f.stat().st_size // 3])
+  with pytest.raises(ValueError, match=r'--workdir: checkpoint .*/checkpoints/4 is damaged \(its '
+                                       r'metadata does not read\); it is left as it is. The run '
+                                       r'has checkpoints \[2\] too'):
+    restore_params(str(run), setup.abstract_state.params, tiny_run(run).model, setting='--workdir')
 
 
 def test_checksums_do_not_depend_on_the_sharding():

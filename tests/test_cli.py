@@ -61,6 +61,8 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
           'Error while deserializing header',
       ('train.py', '--config=configs/base.py', workdir, f'--config.init_from=hf:{not_json}'):
           f'error: config.init_from=hf:{not_json}: its config.json is not JSON (',
+      ('train.py', '--config=configs/base.py', workdir, '--config.init_from=/nonexistent'):
+          "error: config.init_from='/nonexistent' holds no checkpoint",
       ('sample.py', f'--workdir={tmp_path}', '--temperature=-1'):  # checked before loading
           'error: --temperature=-1.0 must be a finite number ≥ 0 (0: greedy)',
       ('sample.py', f'--workdir={tmp_path}', '--max_new_tokens=0'):

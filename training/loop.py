@@ -107,9 +107,8 @@ def run(config, devices=None) -> list[dict]:
       return [the_plan.as_dict()]
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
   corpus_lib.check(config.data)  # and the data's, before the workdir is created
-  if (hf := huggingface.directory(config.init_from)) and not checkpoint_lib.saved_steps(
-      config.workdir):  # a new run from a HF checkpoint: its files read (headers only)
-    huggingface.check(hf, setup.abstract_state.params, setup.model_cfg)
+  if not checkpoint_lib.saved_steps(config.workdir):  # a new run: where it starts from, checked
+    check_checkpoints(None, setup, config, tokenizer)  # (metadata and headers only) before then
   workdir = workdir_lib.prepare(config.workdir)
   with workdir_lib.hold(workdir, enabled=jax.process_index() == 0):  # one run per workdir
     checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints',
