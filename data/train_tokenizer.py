@@ -47,7 +47,7 @@ def train(data_config, vocab_size: int, output: str, model_type: str = 'bpe',
 
 def _command():
   """The command line; its flags are defined only when run as a command, so importing `train`
-  elsewhere (benchmarks/data.py) defines none."""
+  elsewhere (benchmarks/data_pipeline.py) defines none."""
   from ml_collections import config_flags
 
   from runtime import cli

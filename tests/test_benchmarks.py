@@ -5,6 +5,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -79,3 +80,14 @@ def test_the_fault_probe_runs_its_cases_and_counts_them():
   f = json.loads(result.stdout.strip().splitlines()[-1])
   assert result.returncode == 0 and f == {**f, 'cases': 2, 'GOOD': 2, 'UGLY': 0, 'BAD': 0}, (
       result.stdout[-3000:])
+
+
+def test_every_benchmark_runs_as_a_script_too():
+  """`python benchmarks/X.py` puts benchmarks/ first on the path: a benchmark named as one of
+  meshlm's packages (benchmarks/data.py once) would hide it from every import of it."""
+  packages = set(tomllib.loads((REPO / 'pyproject.toml').read_text())['tool']['setuptools'][
+      'packages']) | {p.stem for p in REPO.glob('*.py')}
+  assert not {p.stem for p in (REPO / 'benchmarks').glob('*.py')} & packages
+  result = subprocess.run([sys.executable, 'benchmarks/calibrate.py', '--help'], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+  assert '--parts' in result.stdout and not result.stderr, result.stderr[-3000:]  # absl: exit 1

@@ -1,7 +1,7 @@
 """Packed tokens per second that one host's data pipeline delivers, per tokenizer and worker count.
 
-  python -m benchmarks.data --config=configs/default.py
-  python -m benchmarks.data --config=configs/llama.py:1b --workers=0,2,8 \
+  python -m benchmarks.data_pipeline --config=configs/default.py
+  python -m benchmarks.data_pipeline --config=configs/llama.py:1b --workers=0,2,8 \
       --spm_model=/tmp/meshlm-spm/stdlib4k.model
 
 Method: the training pipeline exactly as train.py builds it (TFDS array_record source → grain
@@ -79,7 +79,7 @@ def main(argv):
             flush=True)
 
   figures = {
-      'benchmark': 'data', 'config': config_flags.get_config_filename(flags.FLAGS['config']),
+      'benchmark': 'data_pipeline', 'config': config_flags.get_config_filename(flags.FLAGS['config']),
       'corpus': corpus.description, 'host': platform.processor() or platform.machine(),
       'cpu_count': os.cpu_count(), 'batch_size': config.batch_size, 'seq_len': config.seq_len,
       'batches': _BATCHES.value, 'spm_model': spm_model, 'spm_train_s': spm_train_s,
