@@ -73,6 +73,110 @@ def with_file_size_limit(limit: int, args: list[str]) -> list[str]:
           'os.execv(sys.executable, [sys.executable, *sys.argv[1:]])', *args[1:]]
 
 
+# The inner loop's subset, `pytest -m fast` (≤ 4 minutes on 2 cores): tests that exercise every
+# package, each cheap. Entries are node ids under tests/, or a test's name for all its parameters.
+FAST = (
+    'test_model.py::test_a_document_is_blind_to_what_is_packed_before_it',
+    'test_model.py::test_a_tied_head_is_the_untied_head_holding_the_table',
+    'test_model.py::test_bf16_compute_keeps_fp32_params_and_tied_head_has_no_unembed',
+    'test_model.py::test_changing_token_t_changes_no_earlier_logit',
+    'test_model.py::test_fully_masked_rows_give_zeros_not_nan',
+    'test_model.py::test_layers_are_stacked_for_the_scan',
+    'test_kernels.py::test_matches_reference_values_and_gradients[True-1-False]',
+    'test_kernels.py::test_matches_reference_values_and_gradients[True-4-True]',
+    'test_kernels.py::test_sharded_over_batch_and_heads_equals_unsharded',
+    'test_fp8.py::test_forward_and_gradients_match_numpy',
+    'test_fp8.py::test_overflow_cannot_reach_the_weights',
+    'test_context_parallel.py::test_equals_unsharded_attention_values_and_gradients'
+    '[all_gather-4-False-4-False]',
+    'test_context_parallel.py::test_equals_unsharded_attention_values_and_gradients'
+    '[ring-4-False-2-True]',
+    'test_context_parallel.py::test_zigzag_gives_every_device_the_same_attention_work',
+    'test_sharding.py::test_batch_is_split_over_data_and_fsdp_and_length_over_sequence',
+    'test_sharding.py::test_fsdp_splits_every_large_parameter_and_its_adam_moments_8_ways',
+    'test_sharding.py::test_tensor_parallel_hlo_has_row_parallel_all_reduce_and_no_full_weight_'
+    'collective',
+    'test_sharding.py::test_same_loss_curve_as_one_device[fsdp=8]',
+    'test_pipeline.py::test_only_activations_cross_stages_in_the_compiled_step',
+    'test_pipeline.py::test_a_checkpoint_moves_between_stage_counts[2]',
+    'test_training.py::test_cross_entropy_is_the_weighted_mean_nll_and_z_loss_penalises_log_z',
+    'test_training.py::test_weight_decay_skips_norm_scales_only',
+    'test_training.py::test_schedule_warms_up_linearly_then_decays_to_the_floor',
+    'test_training.py::test_clipping_bounds_the_update',
+    'test_training.py::test_bad_config_fails_before_anything_is_built_naming_the_field',
+    'test_training.py::test_unwritable_workdir_is_a_clear_error',
+    'test_training.py::test_unknown_override_key_is_an_error_naming_it',
+    'test_training.py::test_flops_per_token_matches_a_hand_count',
+    'test_training.py::test_microbatches_must_split_each_devices_rows',
+    'test_data.py::test_packing_keeps_every_pair_once_with_right_segments_and_positions',
+    'test_data.py::test_training_rows_are_fully_packed_and_the_next_epoch_reshuffles',
+    'test_data.py::test_resume_from_saved_state_continues_exactly[0]',
+    'test_data.py::test_process_shares_are_disjoint_and_rebuild_the_global_batch',
+    'test_data.py::test_global_array_shards_hold_the_rows_the_pipeline_built',
+    'test_data.py::test_sentencepiece_trains_on_the_corpus_and_round_trips_exactly',
+    'test_data.py::test_a_hugging_face_tokenizer_round_trips_and_counts_its_bytes',
+    'test_data.py::test_bad_data_settings_fail_before_training_naming_the_setting',
+    'test_data.py::test_a_truncated_prepared_split_is_one_line_naming_it_and_how_to_prepare_it_'
+    'again',
+    'test_generate.py::test_bad_generation_arguments_are_named',
+    'test_generate.py::test_top_k_draws_only_the_k_most_likely',
+    'test_generate.py::test_rows_stop_at_eos',
+    'test_plan.py::test_a_run_that_cannot_fit_stops_before_allocating_naming_the_settings',
+    'test_plan.py::test_compiled_matmul_flops_are_the_formula_plus_what_remat_recomputes[none]',
+    'test_plan.py::test_layout_tries_both_context_choices_where_the_kernel_meets_a_sequence_split',
+    'test_gpu_compile.py::test_the_train_step_sends_within_ten_percent_of_the_ideal[True-None-'
+    'mesh1]',
+    'test_timing.py::test_known_kernels_take_their_known_times',
+    'test_timing.py::test_a_loop_body_counts_once_per_trip',
+    'test_timing.py::test_a_collective_with_no_compute_beside_it_is_exposed_and_one_overlapped_is_'
+    'hidden',
+    'test_timing.py::test_a_gemm_only_program_takes_its_flops_at_the_gemm_efficiency',
+    'test_gpu_compile.py::test_flash_attention_compiles_for_h100_with_no_spills[False-64]',
+    'test_gpu_compile.py::test_every_preset_compiles_for_its_h100s_and_fits[cudnn-125m]',
+    'test_gpu_compile.py::test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_compiling',
+    'test_gpu_compile.py::test_a_tile_too_big_for_shared_memory_is_refused_by_the_compiler',
+    'test_cli.py::test_an_empty_workdir_is_refused_and_nothing_lands_in_the_current_directory',
+    'test_workdir.py::test_bad_data_paths_fail_before_the_workdir_is_created',
+    'test_workdir.py::test_a_second_run_on_a_live_workdir_stops_at_once_naming_the_holder',
+    'test_checkpoint.py::test_checksums_do_not_depend_on_the_sharding',
+    'test_checkpoint.py::test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint',
+    'test_checkpoint.py::test_a_resumed_run_that_changes_its_data_or_model_is_refused_before_'
+    'compiling',
+    'test_checkpoint.py::test_another_models_checkpoint_is_a_clear_error_before_training',
+    'test_huggingface.py::test_an_imported_checkpoint_computes_what_transformers_computes',
+    'test_huggingface.py::test_the_checkpoint_decides_the_model_and_says_what_it_cannot_import',
+    'test_huggingface.py::test_a_failed_export_leaves_nothing_and_an_export_never_overwrites',
+    'test_distributed.py::test_scheduler_detection_reads_what_jax_reads',
+    'test_distributed.py::test_bad_distributed_settings_are_named',
+    'test_preemption.py::test_a_signal_to_one_process_stops_all_at_the_same_step[SIGTERM]',
+    'test_instruments.py::test_a_run_reports_tflops_to_stdout_metrics_and_tensorboard_and_traces_'
+    'steps',
+    'test_configs.py::test_every_config_file_loads_and_has_a_runnable_docstring',
+    'test_configs.py::test_llama_presets_have_their_real_sizes_and_shard_over_8_devices',
+    'test_configs.py::test_unknown_preset_names_the_choices',
+    'test_configs.py::test_every_number_of_the_base_config_must_be_finite_and_in_range',
+    'test_configs.py::test_small_configs_run_one_step_on_8_devices[base.py]',
+    'test_benchmarks.py::test_the_fault_probe_runs_its_cases_and_counts_them',
+    'test_benchmarks.py::test_every_benchmark_runs_as_a_script_too',
+    'test_benchmarks.py::test_calibrate_stops_a_part_past_its_budget',
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by it
+def pytest_collection_modifyitems(config, items):
+  """Marks the FAST tests `fast`; an entry of a collected file that names no test is an error
+  (a test renamed without its entry)."""
+  unmatched, files = set(FAST), {item.nodeid.split('::')[0] for item in items}
+  for item in items:
+    nodeid = item.nodeid.removeprefix('tests/')
+    for entry in FAST:
+      if nodeid == entry or nodeid.startswith(entry + '['):
+        item.add_marker(pytest.mark.fast)
+        unmatched.discard(entry)
+  if stale := [e for e in unmatched if f'tests/{e.split("::")[0]}' in files]:
+    raise pytest.UsageError(f'tests/conftest.py FAST names tests that do not exist: {stale}')
+
+
 def pytest_sessionfinish(session, exitstatus):
   shutil.rmtree(DATA_DIR, ignore_errors=True)
   shutil.rmtree(CACHE_DIR, ignore_errors=True)
