@@ -113,10 +113,6 @@ def _config_message(argv, error: BaseException) -> str:
   text = str(error)
   if raised := _raised_in_config_file(config_flag, error):
     return raised
-  if 'Failed loading config file' in text or isinstance(error.__cause__, OSError):
-    text = str(error.__cause__ or error)
-    if 'No such file' in text:
-      return f'{config_flag}: no such config file'
   if isinstance(error, (AttributeError, KeyError)) and (key := re.match(r"\W*'?([\w.]+)", text)) \
       and 'get_config' not in text:  # an override of a setting the config does not have
     key = key.group(1).strip("'\\")

@@ -200,34 +200,25 @@ def _(p):
                  'no such config file')
 
 
-@case('config: does not parse')
-def _(p):
-  path = config_file(p, 'syntax', 'def get_config(:\n')
-  return refused(p.run('train.py', f'--config={path}'), 'does not parse')
+CONFIG_FILES = {  # name: (the file's text, what the line must say)
+    'does not parse': ('def get_config(:\n', 'does not parse'),
+    'no get_config': ('x = 1\n', 'has no get_config()'),
+    'raises at import': ('raise RuntimeError("no quota")\n',
+                         'raises RuntimeError: no quota (line 1'),
+    'get_config raises': ('def get_config():\n  return {}["nope"]\n',
+                          "raises KeyError: 'nope' (line 2"),
+    'typo inside the file': (BASE + '  c.modle.d_model = 3\n  return c\n', "'modle'"),
+}
 
 
-@case('config: no get_config')
-def _(p):
-  return refused(p.run('train.py', f'--config={config_file(p, "noget", "x = 1")}'),
-                 'has no get_config()')
+def config_file_case(text, expected):
+  def probe(p):
+    return refused(p.run('train.py', f'--config={config_file(p, "config", text)}'), expected)
+  return probe
 
 
-@case('config: raises at import')
-def _(p):
-  path = config_file(p, 'raises', 'raise RuntimeError("no quota")\n')
-  return refused(p.run('train.py', f'--config={path}'), 'raises RuntimeError: no quota (line 1')
-
-
-@case('config: get_config raises')
-def _(p):
-  path = config_file(p, 'key', 'def get_config():\n  return {}["nope"]\n')
-  return refused(p.run('train.py', f'--config={path}'), "raises KeyError: 'nope' (line 2")
-
-
-@case('config: typo inside the file')
-def _(p):
-  path = config_file(p, 'typo', BASE + '  c.modle.d_model = 3\n  return c\n')
-  return refused(p.run('train.py', f'--config={path}'), "'modle'")
+for _name, (_text, _expected) in CONFIG_FILES.items():
+  CASES[f'config: {_name}'] = config_file_case(_text, _expected)
 
 
 @case('config: a field meshlm lacks')
