@@ -1,7 +1,7 @@
 """meshlm's entry point: flags → config → run.
 
   python train.py --config=configs/default.py --config.workdir=/tmp/meshlm-default
-  python train.py --config=configs/llama.py:1b --config.mesh.fsdp=8 --config.model.attention=cudnn
+  python train.py --config=configs/llama.py:1b --config.mesh.fsdp=8
 """
 
 import os

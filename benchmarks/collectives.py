@@ -25,6 +25,7 @@ from runtime import cli
 import sharding
 from training import settings
 from training.state import build
+from training.step import compile_and_plan
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:125m', 'Config file.',
                                           lock_config=True)
@@ -40,7 +41,7 @@ def measure(config, mesh: dict, devices) -> dict:
   config.mesh.update(mesh)
   config = settings.resolve(config)
   setup = build(config, devices)
-  plan = plan_lib.compile_and_plan(setup, config)[1]  # its collectives: sharding/collectives.py
+  plan = compile_and_plan(setup, config)[1]  # its collectives: sharding/collectives.py
   ideal = communication.ideal_bytes(
       setup.model_cfg, mesh, config.batch_size, config.seq_len, config.microbatches,
       config.model.remat_policy, setup.model_cfg.reduce_dtype.itemsize)

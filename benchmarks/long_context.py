@@ -25,6 +25,7 @@ from runtime import cli
 import sharding
 from training import settings
 from training.state import build
+from training.step import compile_and_plan
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:8b-128k', 'Config file.',
                                           lock_config=True)
@@ -44,7 +45,7 @@ def measure(config, length: int, mesh: dict, mode: str, devices) -> dict:
   config.model.context_parallel = mode
   config = settings.resolve(config)
   setup = build(config, devices)
-  plan = plan_lib.compile_and_plan(setup, config)[1]
+  plan = compile_and_plan(setup, config)[1]
   ideal = communication.ideal_bytes(
       setup.model_cfg, mesh, config.batch_size, config.seq_len, config.microbatches,
       config.model.remat_policy, setup.model_cfg.reduce_dtype.itemsize)

@@ -35,6 +35,7 @@ from sharding import collectives
 from training import settings
 from training import step as step_lib
 from training.state import build
+from training.step import compile_and_plan
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:8b', 'Config file.',
                                           lock_config=True)
@@ -79,7 +80,7 @@ def layout(config, mesh: dict, microbatches: int, virtual: int, devices, gpu) ->
   config.microbatches, config.model.virtual_stages = microbatches, virtual
   config = settings.resolve(config)
   setup = build(config, devices)
-  _, plan = plan_lib.compile_and_plan(setup, config)
+  _, plan = compile_and_plan(setup, config)
   return {'mesh': mesh, 'microbatches': microbatches, 'virtual_stages': virtual,
           'memory_bytes': plan.total_bytes,
           'argument_bytes': plan.argument_bytes, 'temp_bytes': plan.temp_bytes,

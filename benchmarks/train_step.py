@@ -1,7 +1,7 @@
 """Times the compiled train step of any config: tokens/s, TFLOP/s per device and MFU.
 
   python -m benchmarks.train_step --config=configs/default.py
-  python -m benchmarks.train_step --config=configs/llama.py:1b --config.model.attention=cudnn \
+  python -m benchmarks.train_step --config=configs/llama.py:1b \
       --out=benchmarks/results/train_step-h100.json
 
 Method: build the state and the AOT-compiled step exactly as train.py does, feed random tokens

@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 50  # steps between asynchronous checkpoints (and one at the end); 0: none
   c.keep_checkpoints = 3  # the newest this many are kept
   c.init_from = ''  # a run's workdir (or checkpoints/<step>): start from its parameters only;
-  # or hf:DIR, a Hugging Face Llama checkpoint, which also sets config.model (README)
+  # or hf:DIR, a Hugging Face Llama checkpoint, which also sets config.model (docs/huggingface.md)
   c.dry_run = False  # compile the step, print its memory/FLOPs/collectives plan, and stop
   c.max_bad_steps = 5  # this many steps in a row with a non-finite loss or gradient stop the run
   c.profile_steps = 0  # trace this many steps into workdir/profile (TensorBoard, Perfetto); 0: none
@@ -47,23 +47,24 @@ def get_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = False
   m.param_dtype = 'float32'
   m.compute_dtype = 'bfloat16'
-  m.grad_reduce_dtype = 'float32'  # gradients are summed across devices in this (README: Precision)
-  m.matmul_precision = 'default'  # default | fp8: the layers' projections on scaled fp8 (README)
-  m.attention = 'xla'  # xla | cudnn | pallas (ours: kernels/flash_attention.py)
+  m.grad_reduce_dtype = 'float32'  # gradients are summed across devices in this (docs/precision.md)
+  m.matmul_precision = 'default'  # default | fp8: the layers' projections on scaled fp8 (docs/precision.md)
+  m.attention = 'auto'  # auto | xla | cudnn | pallas (ours); auto: xla on CPU, on GPU the fused one
+                       # the time model predicts fastest (training/settings.py: with_attention)
   m.attention_block_q = 0  # pallas query/key tile rows; 0: a default for the device and head_dim
   m.attention_block_k = 0
-  m.context_parallel = 'all_gather'  # all_gather | ring: attention over a sequence split (README)
+  m.context_parallel = 'all_gather'  # all_gather | ring: attention over a sequence split (docs/parallelism.md)
   m.scan_layers = True  # False unrolls the layer scan (same parameters, longer compile)
-  m.remat_policy = 'none'  # none | full | dots | save_qkv_proj | save_attention | offload_* (README)
-  m.virtual_stages = 1  # pipeline chunks per stage, interleaved (README: Pipeline); shapes params
+  m.remat_policy = 'none'  # none | full | dots | save_qkv_proj | save_attention | offload_* (docs/memory.md)
+  m.virtual_stages = 1  # pipeline chunks per stage, interleaved (docs/parallelism.md); shapes params
 
   c.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = 1  # pure data parallelism: parameters replicated
-  mesh.stage = 1  # pipeline stages: each holds n_layers/stage consecutive layers (README: Pipeline)
+  mesh.stage = 1  # pipeline stages: each holds n_layers/stage consecutive layers (docs/parallelism.md)
   mesh.fsdp = -1  # ZeRO-3: parameters, gradients, optimizer state sharded; -1 takes the rest
   mesh.tensor = 1  # Megatron column/row-parallel attention heads and MLP
   mesh.sequence = 1  # activations split along the length
-  mesh.auto = False  # pick mesh, remat policy and microbatches that fit, fastest first (README)
+  mesh.auto = False  # pick mesh, remat policy and microbatches that fit, fastest first (docs/memory.md)
 
   c.optimizer = o = ml_collections.ConfigDict()
   o.learning_rate = 3e-3

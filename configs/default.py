@@ -7,7 +7,7 @@ after its 200 steps (from ln(384) ≈ 5.95 at step 0; ln(256) ≈ 5.55 is a unif
 in about 4 minutes on a 2-core CPU (≈ 1.1 s/step, 3.3M parameters, 4,096 tokens a step). The
 first run also prepares the corpus (the stdlib's .py files, about a second). Then
   python sample.py --workdir=/tmp/meshlm-default --prompt='def '
-writes Python-looking text (README, Sampling).
+writes Python-looking text (docs/sampling.md).
 """
 
 from configs import base

@@ -1,20 +1,21 @@
 """Llama-shaped presets with real sizes: 125m (GPT-2-small sized, 124M), 1b (1.24B, the config of
 Hugging Face's meta-llama/Llama-3.2-1B: tied head, llama3 RoPE) and 8b (8.03B,
 meta-llama/Meta-Llama-3-8B's); and 8b-128k, the 8b on one row of 131,072 tokens split over
-sequence=8 with our kernel's ring attention (README: Long context).
+sequence=8 with our kernel's ring attention (docs/parallelism.md).
 
-Run (pick the preset after the colon; on GPU, add --config.model.attention=cudnn or =pallas):
+Run (pick the preset after the colon; attention is auto: cuDNN's on an H100, ours under a split
+sequence, as the time model ranks them):
   python train.py --config=configs/llama.py:125m --config.workdir=/tmp/meshlm-125m
   python train.py --config=configs/llama.py:1b --config.workdir=/tmp/meshlm-1b
   python train.py --config=configs/llama.py:8b --config.workdir=/tmp/meshlm-8b
 Time a step instead of training:
-  python -m benchmarks.train_step --config=configs/llama.py:1b --config.model.attention=cudnn
+  python -m benchmarks.train_step --config=configs/llama.py:1b
 Plan on any machine, compiled for the H100s each preset is meant for (GPUS below):
   python train.py --config=configs/llama.py:8b --config.dry_run=True --config.plan.target=H100 \
       --config.plan.devices=8
   python train.py --config=configs/llama.py:8b-128k --config.dry_run=True \
       --config.plan.target=H100 --config.plan.devices=8
-Start from the weights they mirror (README: Start from a Hugging Face checkpoint), which brings
+Start from the weights they mirror (docs/huggingface.md), which brings
 the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
   python train.py --config=configs/llama.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B
 Should reach: the loss falls as the default run's does (without init_from they train
@@ -57,7 +58,7 @@ def get_config(preset: str = '1b'):
     c = get_config(shapes)
     c.workdir = f'/tmp/meshlm-{preset}'
     c.batch_size, c.seq_len = mesh['data'] * mesh['fsdp'], seq_len  # one row per batch shard
-    c.model.attention, c.model.context_parallel = 'pallas', 'ring'
+    c.model.context_parallel = 'ring'  # so attention='auto' takes our kernel
     c.mesh.update(mesh)
     return c
   if preset not in PRESETS:

@@ -25,7 +25,7 @@ import warnings
 
 import tensorflow_datasets as tfds
 
-from data.paths import writable_dir
+from runtime.workdir import writable_dir
 from runtime import faults
 
 STDLIB = 'stdlib'

@@ -22,7 +22,7 @@ def train(data_config, vocab_size: int, output: str, model_type: str = 'bpe',
   import sentencepiece
 
   from data import corpus as corpus_lib
-  from data.paths import writable_dir
+  from runtime.workdir import writable_dir
   if vocab_size < 260:
     raise ValueError(f'--vocab_size={vocab_size} must be at least 260 (4 specials and 256 byte '
                      'pieces)')

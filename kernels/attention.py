@@ -14,6 +14,16 @@ from kernels.flash_attention import flash_attention
 from kernels.matmul import matmul
 
 IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
+FUSED = ('cudnn', 'pallas')  # never store the [L, S] scores; GPU only (pallas interprets on CPU)
+
+
+def fused_for(head_dim: int, compute_dtype: str, length_split: bool) -> tuple[str, ...]:
+  """The fused implementations that run this attention on an NVIDIA GPU. cuDNN's flash
+  attention takes head dims up to 128 in multiples of 8, in bf16 or fp16, and cannot split the
+  length (XLA partitions it whole); ours takes any of these."""
+  cudnn = (head_dim <= 128 and head_dim % 8 == 0 and compute_dtype in ('bfloat16', 'float16')
+           and not length_split)
+  return FUSED if cudnn else ('pallas',)
 
 
 def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_segment_ids_BS=None,

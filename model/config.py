@@ -70,14 +70,15 @@ class ModelConfig:
           f'rope_high_freq_factor and rope_original_length > 0; got {self.rope_factor}, '
           f'{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, '
           f'{self.rope_original_length}')
-    _check_choice('attention', self.attention, IMPLEMENTATIONS)
+    # 'auto' is made concrete for the devices before a model is built (training/settings.py)
+    _check_choice('attention', self.attention, ('auto', *IMPLEMENTATIONS))
     for name in ('attention_block_q', 'attention_block_k'):
       block = getattr(self, name)
       if block < 0 or block & (block - 1):
         raise ValueError(f'config.model.{name}={block} must be 0 (the default for the device) or '
                          'a power of two such as 64 or 128')
     _check_choice('context_parallel', self.context_parallel, CONTEXT_PARALLEL)
-    if self.context_parallel == 'ring' and self.attention != 'pallas':
+    if self.context_parallel == 'ring' and self.attention not in ('pallas', 'auto'):
       raise ValueError(f"config.model.context_parallel='ring' runs our Pallas kernel on each visiting "
                        f"chunk; set --config.model.attention=pallas (it is "
                        f"{self.attention!r}), or context_parallel='all_gather'")

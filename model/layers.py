@@ -55,10 +55,8 @@ def _lookup_fwd(table_VD, table_c_VD, tokens_BL):
 def _lookup_bwd(residuals, g_BLD):
   table_VD, tokens_BL = residuals
   # Built in the parameter's layout: XLA then mostly reduces the lookup's share of a tied table's
-  # gradient together with the head's (README: Precision and communication). Inside a pipeline's
-  # per-stage region XLA's partitioner fails (a CHECK in spmd_partitioner_util) on this scatter
-  # with the vocabulary split; there each device adds into the whole vocabulary, keeping its part.
-  names = (None, 'embed') if jax.sharding.get_abstract_mesh().manual_axes else ('vocab', 'embed')
+  # gradient together with the head's (docs/precision.md).
+  names = sharding.scatter_names(('vocab', 'embed'))
   d_VD = constrain(jnp.zeros(table_VD.shape, jnp.float32), names, rules=sharding.PARAM_RULES)
   d_VD = d_VD.at[tokens_BL].add(g_BLD.astype(jnp.float32))
   d_VD = constrain(d_VD, ('vocab', 'embed'), rules=sharding.PARAM_RULES)
@@ -172,13 +170,12 @@ class Attention(nnx.Module):
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
     cfg = self.cfg
     blocks = dict(block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
-    if cfg.attention == 'cudnn' and jax.sharding.get_abstract_mesh().manual_axes:
-      # cuDNN's custom partitioner fails inside a pipeline stage's region (it is handed shardings
-      # without a spec): each device runs it on its own rows and heads instead.
+    run = sharding.per_shard
+    if cfg.attention == 'xla':
+      return kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids_BL=segment_ids_BL)
+    if cfg.attention == 'cudnn':  # XLA partitions it, where it can
       attend = functools.partial(kernels.attention, causal=True, implementation='cudnn')
-    elif cfg.attention != 'pallas':
-      return kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids_BL=segment_ids_BL,
-                               implementation=cfg.attention, **blocks)
+      run = sharding.partitioned
     elif (axis := sharding.mesh_axis('length')) is None:
       attend = functools.partial(kernels.flash_attention, causal=True, **blocks)
     elif cfg.context_parallel == 'ring':
@@ -191,11 +188,11 @@ class Attention(nnx.Module):
     q_names = ('batch', 'length', 'heads', 'head_dim')
     kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
     if segment_ids_BL is None:
-      return sharding.per_shard(lambda q, k, v: attend(q, k, v), (q_names, kv_names, kv_names),
-                                q_names)(q_BLNH, k_BLKH, v_BLKH)
-    return sharding.per_shard(lambda q, k, v, s: attend(q, k, v, segment_ids_BL=s),
-                              (q_names, kv_names, kv_names, ('batch', 'length')),
-                              q_names)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+      return run(lambda q, k, v: attend(q, k, v), (q_names, kv_names, kv_names),
+                 q_names)(q_BLNH, k_BLKH, v_BLKH)
+    return run(lambda q, k, v, s: attend(q, k, v, segment_ids_BL=s),
+               (q_names, kv_names, kv_names, ('batch', 'length')),
+               q_names)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
     q_BLNH, k_BLKH, v_BLKH = self._project(x_BLD, positions_BL)

@@ -20,7 +20,7 @@ def _offload(names):
       offload_src='device', offload_dst='pinned_host')
 
 
-# What each layer keeps for the backward pass (the rest is recomputed); README has the table.
+# What each layer keeps for the backward pass (the rest is recomputed); docs/memory.md has the table.
 REMAT = {
     'none': None,  # everything
     'full': _policies.nothing_saveable,  # only the layer's input

@@ -131,16 +131,16 @@ def is_deviceless(device) -> bool:
     return True
 
 
-def plan_in_compiler_process(config) -> dict:
-  """`loop.run(config)` for a dry run, in a child process that can compile for GPUs: its output
-  appears here as it is printed; returns its plan. A ValueError in the child (a bad setting) is
-  raised here as one."""
+def plan_in_compiler_process(config, module: str) -> dict:
+  """A dry run of `config` as `python -m module config.json` (training.loop's) in a child process
+  that can compile for GPUs: its output appears here as it is printed; returns its plan, the last
+  line. A ValueError in the child (a bad setting) is raised here as one."""
   with tempfile.TemporaryDirectory(prefix='meshlm-plan-') as tmp:
     config_file, errors = pathlib.Path(tmp) / 'config.json', pathlib.Path(tmp) / 'stderr'
     config_file.write_text(config.to_json())
     with errors.open('w') as stderr:
-      child = subprocess.Popen([sys.executable, '-m', 'planning.gpu_compiler', 'plan',
-                                str(config_file)], env=environment(), stdout=subprocess.PIPE,
+      child = subprocess.Popen([sys.executable, '-m', module, str(config_file)],
+                               env=environment(), stdout=subprocess.PIPE,
                                stderr=stderr, text=True)
       lines = []
       for line in child.stdout:
@@ -196,7 +196,8 @@ def kernels(lowered) -> list[Kernel]:
   grid, threads and shared memory as XLA launches it (its thunk sequence), registers and spills
   as ptxas assembles the PTX XLA emitted (ptxas -v, the same assembler XLA uses)."""
   with tempfile.TemporaryDirectory(prefix='meshlm-kernels-') as dump:
-    lowered.compile(compiler_options={'xla_dump_to': dump})
+    # At XLA's own optimisation level, whatever XLA_FLAGS says: registers and spills depend on it.
+    lowered.compile(compiler_options={'xla_dump_to': dump, 'xla_backend_optimization_level': 2})
     files = sorted(pathlib.Path(dump).iterdir())
     launches = {}
     for f in files:
@@ -280,11 +281,7 @@ def main(argv) -> None:
   if command == 'install':
     install()
     command = 'check'
-  if command == 'plan':  # the child of plan_in_compiler_process
-    import ml_collections
-    from training import loop
-    loop.run(ml_collections.ConfigDict(json.loads(pathlib.Path(argv[2]).read_text())))
-  elif command == 'check':
+  if command == 'check':
     run_as_compiler_process(['-m', 'planning.gpu_compiler', 'check'])
     import jax
     import jax.numpy as jnp

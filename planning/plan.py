@@ -33,8 +33,6 @@ from planning import gpu_compiler, gpus, timing
 from reporting import metrics
 from sharding import collectives
 import sharding
-from training import step as step_lib
-from training.state import Setup, local_device
 
 
 @dataclasses.dataclass
@@ -46,6 +44,7 @@ class Plan:
   mesh: dict
   remat_policy: str
   attention: str
+  attention_ranking: list  # [(fused kernel, predicted time ÷ the fastest's)] for a GPU, else []
   context_parallel: str
   microbatches: int
   virtual_stages: int
@@ -84,7 +83,7 @@ def check_target(config, devices) -> None:
   """A run that trains must train on the GPU its plan is for (a dry run may plan for any)."""
   if config.plan.target and not config.dry_run:
     gpu = gpus.get(config.plan.target)
-    kind = local_device(devices).device_kind
+    kind = sharding.local_device(devices).device_kind
     if kind != gpu.device_kind:
       raise ValueError(
           f'config.plan.target={config.plan.target!r} plans for {gpu.device_kind}, but this run '
@@ -115,12 +114,13 @@ def target_devices(config, devices=None) -> list:
 
 
 def _are_the_target(devices, gpu: gpus.GPU, n: int) -> bool:
-  return local_device(devices).device_kind == gpu.device_kind and n == len(devices)
+  return sharding.local_device(devices).device_kind == gpu.device_kind and n == len(devices)
 
 
-def plan_in_compiler_process(config, devices) -> dict | None:
+def plan_in_compiler_process(config, devices, module: str) -> dict | None:
   """A dry run for a GPU that neither this process has nor can compile for, but a child process
-  can (planning/gpu_compiler.py): its plan, made there. None where the plan is made here."""
+  can (planning/gpu_compiler.py): its plan, made there by `python -m module config.json`. None
+  where the plan is made here."""
   if not (config.dry_run and config.plan.target):
     return None
   n = config.plan.devices or len(devices)
@@ -129,7 +129,7 @@ def plan_in_compiler_process(config, devices) -> dict | None:
     return None
   config = config.copy_and_resolve_references()
   config.plan.devices = n
-  return gpu_compiler.plan_in_compiler_process(config)
+  return gpu_compiler.plan_in_compiler_process(config, module)
 
 
 def memory_budget(config, devices) -> tuple[int | None, str]:
@@ -143,18 +143,19 @@ def memory_budget(config, devices) -> tuple[int | None, str]:
     return gpus.usable_memory_bytes(gpu), (
         f'{gpus.memory_fraction():.0%} of {gpu.name} {readable_bytes(gpu.memory_bytes)}, '
         "JAX's allocator (XLA_PYTHON_CLIENT_MEM_FRACTION)")
-  stats = local_device(devices).memory_stats() or {}
+  stats = sharding.local_device(devices).memory_stats() or {}
   return stats.get('bytes_limit'), "the allocator's bytes_limit"
 
 
-def make_plan(compiled, setup: Setup, config) -> Plan:
+def make_plan(compiled, setup, config) -> Plan:
+  """The Plan of `compiled`, the train step of `setup` (training.state.Setup) for `config`."""
   devices = list(setup.mesh.devices.flat)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
   n = setup.mesh.size
   tokens = config.batch_size * config.seq_len
-  kind = local_device(devices).device_kind
+  kind = sharding.local_device(devices).device_kind
   budget, source = memory_budget(config, devices)
   hlo = compiled.as_text()
   gpu = gpus.find(config.plan.target or kind)
@@ -165,7 +166,11 @@ def make_plan(compiled, setup: Setup, config) -> Plan:
       device=config.plan.target or kind, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
       mesh=dict(setup.mesh.shape), remat_policy=config.model.remat_policy,
-      attention=config.model.attention, context_parallel=config.model.context_parallel,
+      attention=setup.model_cfg.attention,
+      attention_ranking=timing.rank_attention(
+          setup.model_cfg.head_dim, setup.model_cfg.compute_dtype, config.seq_len,
+          length_split=setup.mesh.shape['sequence'] > 1) if gpus.find(kind) else [],
+      context_parallel=config.model.context_parallel,
       microbatches=config.microbatches, virtual_stages=config.model.virtual_stages,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
@@ -237,6 +242,9 @@ def report(plan: Plan) -> None:
           ('compiled for', compiled_for(plan)),
           ('mesh', sharding.describe(plan.mesh)),
           ('attention, remat policy', f'{plan.attention}{context}, {plan.remat_policy}'),
+          *([('attention, time model', ', '.join(f'{k} {r:.2f}×' for k, r in plan.attention_ranking)
+              + " the fastest's time (config.model.attention='auto' takes the first)")]
+            if plan.attention_ranking else []),
           ('microbatches', str(plan.microbatches) + (
               f' through {plan.mesh["stage"]} stages × {plan.virtual_stages} virtual'
               if plan.mesh.get('stage', 1) > 1 else '')),
@@ -289,12 +297,3 @@ def time_rows(time: dict | None, kernels: int = 10) -> list[tuple[str, str]]:
 
 def readable_seconds(s: float) -> str:
   return f'{s:,.3f} s' if s >= 1 else f'{s * 1e3:,.2f} ms'
-
-
-
-def compile_and_plan(setup: Setup, config):
-  """(compiled train step, its Plan) for the devices of setup's mesh: compiling needs only the
-  abstract state."""
-  compiled = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
-                                         config.loss.z_loss, microbatches=config.microbatches)
-  return compiled, make_plan(compiled, setup, config)

@@ -44,6 +44,7 @@ import dataclasses
 import math
 import re
 
+import kernels
 from planning import gpus
 from sharding import collectives, hlo
 
@@ -129,6 +130,24 @@ def attention_efficiency(kernel: str, backward: bool, head_dim: int, keys: int) 
     t = math.log(keys / lengths[i]) / math.log(lengths[i + 1] / lengths[i])
     factor = factors[i] * (factors[i + 1] / factors[i]) ** t
   return tflops * 1e12 / gpus.ATTENTION_MEASURED_ON * factor
+
+
+def attention_seconds(kernel: str, head_dim: int, keys: int) -> float:
+  """The time model's seconds for one FLOP of causal attention forward and backward (backward
+  2.5 × the forward's FLOPs) with `kernel` on a GPU of 1 FLOP/s bf16 peak: a rate to rank
+  kernels by, the same on every GPU of planning/gpus.py."""
+  return (1 / attention_efficiency(kernel, False, head_dim, keys)
+          + 2.5 / attention_efficiency(kernel, True, head_dim, keys)) / 3.5
+
+
+def rank_attention(head_dim: int, compute_dtype: str, keys: int,
+                   length_split: bool) -> list[tuple[str, float]]:
+  """[(kernel, its time ÷ the fastest's)] of the fused attentions that run this model on a GPU
+  (kernels.fused_for), fastest first, as the time model charges a train step's attention."""
+  runnable = kernels.fused_for(head_dim, compute_dtype, length_split)
+  seconds = {k: attention_seconds(k, head_dim, keys) for k in runnable}
+  fastest = min(seconds.values())
+  return sorted(((k, t / fastest) for k, t in seconds.items()), key=lambda kt: kt[1])
 
 
 class _Model:

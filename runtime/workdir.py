@@ -1,5 +1,5 @@
 """A run's workdir: created and proven writable before anything expensive happens, and held by
-one run at a time.
+one run at a time; `writable_dir` proves any directory a run writes (the prepared data's too).
 
 The hold is an exclusive OS lock (flock) on WORKDIR/.meshlm-lock, taken by process 0 for the
 whole run. The kernel drops it when the process ends, however it ends (SIGKILL included), so a
@@ -14,9 +14,22 @@ import pathlib
 import socket
 import time
 
-from data.paths import writable_dir
-
 LOCK_FILE = '.meshlm-lock'
+
+
+def writable_dir(path: str, setting: str) -> pathlib.Path:
+  """Create `path` and prove it is writable, before anything expensive is done; the error names
+  the setting to change."""
+  directory = pathlib.Path(path).expanduser()
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f'.write-test-{os.getpid()}'
+    probe.write_text('ok')
+    probe.unlink()
+  except OSError as e:
+    raise ValueError(f'{setting}={path!r} is not a writable directory ({e}); pass '
+                     f'--{setting}=DIR with a directory you can write') from None
+  return directory
 
 
 def prepare(workdir: str) -> pathlib.Path:

@@ -16,7 +16,7 @@ class MeshMismatch(ValueError):
 
 def check_mesh_config(mesh_config) -> None:
   """What config.mesh says about itself: known axes, sizes positive or -1, at most one -1."""
-  if unknown := set(mesh_config) - set(AXES) - {'auto'}:  # auto: planning/layout.py
+  if unknown := set(mesh_config) - set(AXES) - {'auto'}:  # auto: training/layout.py
     raise ValueError(f'config.mesh has unknown axes {sorted(unknown)}; the axes are {AXES}')
   sizes = {axis: mesh_config[axis] for axis in AXES}
   if bad := [axis for axis, size in sizes.items() if size == 0 or size < -1]:
@@ -53,6 +53,11 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   sizes = mesh_shape(mesh_config, len(devices))
   return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
                        devices=devices)
+
+
+def local_device(devices):
+  """The first of `devices` this process can address (only those report memory)."""
+  return next(d for d in devices if d.process_index == jax.process_index())
 
 
 def describe(sizes: dict) -> str:

@@ -1,4 +1,6 @@
-"""Running a kernel that XLA cannot partition (a Pallas call) on each device's shard."""
+"""Running a kernel that XLA cannot partition (a Pallas call) on each device's shard, and where
+XLA's partitioner fails inside a manual region (a pipeline stage's): the model names logical
+axes, and these decide what a mesh makes of them."""
 
 import flax.core.spmd
 import flax.linen as nn
@@ -31,3 +33,21 @@ def per_shard(fn, in_names: tuple, out_names: tuple):
                          in_specs=tuple(nn.logical_to_mesh_axes(n) for n in in_names),
                          out_specs=nn.logical_to_mesh_axes(out_names))(*args)
   return run
+
+
+def partitioned(fn, in_names: tuple, out_names: tuple):
+  """`fn`, a call with a partitioner of its own (cuDNN's attention), left to XLA to partition;
+  inside a manual region (a pipeline stage's), where that partitioner is handed shardings without
+  a spec and fails, run per shard instead."""
+  def run(*args):
+    if jax.sharding.get_abstract_mesh().manual_axes:
+      return per_shard(fn, in_names, out_names)(*args)
+    return fn(*args)
+  return run
+
+
+def scatter_names(names: tuple) -> tuple:
+  """The logical names to build a scatter's operand in: `names`, but inside a manual region (a
+  pipeline stage's) with its first, scattered-into axis whole. XLA's partitioner fails there (a
+  CHECK in spmd_partitioner_util) on a scatter into an operand split along that axis."""
+  return (None, *names[1:]) if jax.sharding.get_abstract_mesh().manual_axes else names

@@ -58,7 +58,7 @@ def read_until(process, prefix):
     if line.startswith(prefix):
       return line
     seen.append(line)
-  raise AssertionError(f'the run ended before printing {prefix!r}:\n{"".join(seen[-20:])}')
+  raise AssertionError(f'the run ended before printing {prefix!r}:\n{"".join(seen[-80:])}')
 
 
 def metrics(workdir):
@@ -310,7 +310,7 @@ def test_a_resumed_run_that_changes_its_data_or_model_is_refused_before_compilin
     trained, monkeypatch, field, value):
   def compile_and_plan(*args):
     raise AssertionError('compiled before the settings were checked')
-  monkeypatch.setattr(loop.plan_lib, 'compile_and_plan', compile_and_plan)
+  monkeypatch.setattr(loop, 'compile_and_plan', compile_and_plan)
   before = (trained / 'metrics.jsonl').read_text()
   changed = tiny_run(trained, train_steps=6)
   section, _, name = field.rpartition('.')

@@ -170,7 +170,7 @@ def test_a_train_step_over_sequence_4_equals_one_device(context_parallel, mesh):
 
 def test_ring_needs_our_kernel_and_two_chunks_a_device():
   config = tiny_config(fsdp=2, sequence=4)
-  config.model.context_parallel = 'ring'
+  config.model.attention, config.model.context_parallel = 'xla', 'ring'  # auto would take ours
   with pytest.raises(ValueError, match="context_parallel='ring'.*attention=pallas"):
     build(config)
   config.model.attention, config.seq_len = 'pallas', 36

@@ -20,6 +20,7 @@ from planning import plan as plan_lib
 from sharding import collectives
 from training import loop
 from training.state import build
+from training.step import compile_and_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 H100 = gpus.GPUS['H100']
@@ -64,11 +65,14 @@ def preset(name: str, attention: str):
 
 
 @pytest.mark.parametrize('name', sorted(llama.PRESETS))
-@pytest.mark.parametrize('attention', ['pallas', 'cudnn'])
+@pytest.mark.parametrize('attention', ['auto', 'pallas'])
 def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
+  """With no attention flag (auto: cuDNN's, the time model's fastest here), and with ours."""
   config = preset(name, attention)
   devices = plan_lib.target_devices(config)
-  compiled, plan = plan_lib.compile_and_plan(build(config, devices), config)
+  compiled, plan = compile_and_plan(build(config, devices), config)
+  assert plan.attention == {'auto': 'cudnn', 'pallas': 'pallas'}[attention]
+  assert plan.attention_ranking[0][0] == 'cudnn' and plan.attention_ranking[1][1] > 1
   assert plan.deviceless and plan.compiled_for == H100.device_kind
   assert plan.n_devices == llama.GPUS[name] and plan.compiled_flops is None
   assert plan.memory_bytes == gpus.usable_memory_bytes(H100)
@@ -98,7 +102,7 @@ def test_cudnn_attention_with_a_sequence_split_is_refused_before_compiling(h100)
 def test_xla_attention_on_one_h100_does_not_fit_the_1b_step(h100):
   """The [L, S] scores of 8 × 4096 tokens: the plan says no, as a real H100 would."""
   config = preset('1b', 'xla')
-  plan = plan_lib.compile_and_plan(build(config, plan_lib.target_devices(config)), config)[1]
+  plan = compile_and_plan(build(config, plan_lib.target_devices(config)), config)[1]
   assert plan.fits is False and plan.total_bytes > 70 * 2**30
 
 
@@ -107,13 +111,13 @@ def test_dry_run_plans_for_h100s_from_train_py(h100):
   here, said so in its JSON line, and no CUDA plugin noise on stderr."""
   result = subprocess.run(
       [sys.executable, 'train.py', '--config=configs/llama.py:8b', '--config.dry_run=True',
-       '--config.plan.target=H100', '--config.model.attention=cudnn'], cwd=REPO,
+       '--config.plan.target=H100'], cwd=REPO,
       capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   figures = json.loads(result.stdout.strip().splitlines()[-1])
   assert figures['compiled_for'] == H100.device_kind and figures['deviceless'] is True
   assert figures['n_devices'] == 8 and figures['fits'] is True  # conftest's 8 CPU devices
-  assert 'deviceless: the GPU compiler' in result.stdout
+  assert 'deviceless: the GPU compiler' in result.stdout and figures['attention'] == 'cudnn'
   assert 'Traceback' not in result.stderr and 'plugin' not in result.stderr.lower()
 
 
@@ -148,7 +152,7 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
 def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel=None,
                         microbatches=1, virtual_stages=1, **mesh):
   """The tiny model's train step in bf16, compiled for 8 H100s: (HLO text, setup, config).
-  With context_parallel, attention is our kernel, with that choice; with virtual_stages, the
+  Attention is xla; with context_parallel, our kernel, with that choice; with virtual_stages, the
   model has two layers for each."""
   from tests.conftest import tiny_config
   config = tiny_config(**mesh)
@@ -156,12 +160,13 @@ def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel
   if virtual_stages > 1:
     config.model.n_layers, config.model.virtual_stages = 2 * virtual_stages, virtual_stages
   config.model.compute_dtype, config.model.grad_reduce_dtype = 'bfloat16', grad_reduce_dtype
+  config.model.attention = 'xla'  # its matmuls are dots too, for the precision tests to read
   if context_parallel:
     config.model.attention, config.model.context_parallel = 'pallas', context_parallel
   config.model.tie_embeddings = tied  # tied: the table serves the lookup and the head
   config.plan.target, config.plan.devices = 'H100', 8
   setup = build(config, plan_lib.target_devices(config))
-  compiled, _ = plan_lib.compile_and_plan(setup, config)
+  compiled, _ = compile_and_plan(setup, config)
   return compiled.as_text(), setup, config
 
 
@@ -214,8 +219,8 @@ def test_layer_gradients_are_reduced_in_grad_reduce_dtype(h100, grad_reduce_dtyp
 @pytest.mark.parametrize('tied,context_parallel,mesh', [
     (True, None, dict(fsdp=8)), (True, None, dict(fsdp=4, tensor=2)),
     (True, None, dict(fsdp=4, sequence=2)),
-    # Tied, this mesh reduces the table's gradient over `data` twice (README: Precision and
-    # communication); untied, it is at the ideal.
+    # Tied, this mesh reduces the table's gradient over `data` twice (docs/precision.md); untied,
+    # it is at the ideal.
     (False, None, dict(data=2, fsdp=2, tensor=2)),
     (True, 'ring', dict(fsdp=2, sequence=4)), (True, 'all_gather', dict(fsdp=2, sequence=4)),
     (True, None, dict(microbatches=2, stage=2, fsdp=4)),
@@ -263,7 +268,7 @@ def test_fp8_projections_are_cublaslt_fp8_gemms_on_h100(h100):
   after a convert); only the head's three matmuls stay bf16."""
   config = preset('1b', 'cudnn')
   config.model.matmul_precision = 'fp8'
-  compiled, plan = plan_lib.compile_and_plan(build(config, plan_lib.target_devices(config)),
+  compiled, plan = compile_and_plan(build(config, plan_lib.target_devices(config)),
                                              config)
   assert plan.fits
   hlo = compiled.as_text()

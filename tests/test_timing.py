@@ -8,6 +8,7 @@ from planning import gpu_compiler, gpus, timing
 from planning import plan as plan_lib
 from tests.conftest import tiny_config
 from training.state import build
+from training.step import compile_and_plan
 
 H100 = gpus.GPUS['H100']
 HBM = H100.memory_bandwidth * gpus.HBM_EFFICIENCY
@@ -190,7 +191,7 @@ def compiled_for_h100(**changes):
   config.plan.target, config.plan.devices = 'H100', 1
   config.model.update(changes)
   setup = build(config, plan_lib.target_devices(config))
-  compiled, plan = plan_lib.compile_and_plan(setup, config)
+  compiled, plan = compile_and_plan(setup, config)
   return compiled.as_text(), plan
 
 

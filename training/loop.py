@@ -2,15 +2,18 @@
 checkpoints checked → data → the step compiled and its plan checked → state restored or
 initialised → steps, each handed to the hooks of training/hooks.py (logs, evals, saves, …)."""
 
+import json
+import pathlib
+import sys
 import time
 import warnings
 
 import jax
+import ml_collections
 from jax.experimental import multihost_utils
 
 from data import corpus as corpus_lib
 from data import pipeline, tokenizers
-from planning import layout
 from planning import plan as plan_lib
 from reporting import metrics as metrics_lib
 from reporting.profiling import StepTrace
@@ -19,9 +22,13 @@ from runtime import distributed, huggingface
 from runtime import workdir as workdir_lib
 from runtime.preemption import StopSignals
 import sharding
-from training import hooks, settings
+from training import hooks, layout, settings
 from training.evaluation import Evaluator
-from training.state import build, local_device, param_count
+from training.state import build, param_count
+from training.step import compile_and_plan
+
+
+CHILD = 'training.loop'  # a dry run in a process that compiles for GPUs runs this module: main()
 
 
 def load_corpus(data_config) -> corpus_lib.Corpus:
@@ -94,7 +101,7 @@ def run(config, devices=None) -> list[dict]:
   tokenizer = tokenizers.load(config.data)
   devices = jax.devices() if devices is None else list(devices)
   plan_lib.check_target(config, devices)
-  if planned_elsewhere := plan_lib.plan_in_compiler_process(config, devices):
+  if planned_elsewhere := plan_lib.plan_in_compiler_process(config, devices, CHILD):
     return [planned_elsewhere]
   if config.dry_run or config.mesh.auto:  # compile for the GPUs planned for, if not these
     planned = plan_lib.target_devices(config, devices)
@@ -102,7 +109,7 @@ def run(config, devices=None) -> list[dict]:
       config, _ = layout.choose(config, planned,
                                 log=print if jax.process_index() == 0 else lambda *a: None)
     if config.dry_run:
-      _, the_plan = plan_lib.compile_and_plan(build(config, planned), config)
+      _, the_plan = compile_and_plan(build(config, planned), config)
       plan_lib.report(the_plan)
       return [the_plan.as_dict()]
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
@@ -142,7 +149,7 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
       f'model vocab {config.model.vocab_size}), {config.data.workers} worker(s)')
   t0 = time.perf_counter()
-  train_step, the_plan = plan_lib.compile_and_plan(setup, config)
+  train_step, the_plan = compile_and_plan(setup, config)
   plan_lib.check_fits(the_plan)  # before the state is allocated
   start_step, state, data_state = initial_state(setup, config, checkpointer, log)
   writer.drop_after(start_step)  # the steps after the checkpoint (or all, from 0) are logged again
@@ -156,7 +163,7 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   if evaluate and (data_state or {}).get(hooks.EVALUATE_FIRST):  # a stop skipped it
     report({'step': start_step, **evaluate(state.params)})
   log_metrics = hooks.LogMetrics(config.log_every, report, setup, config, start_step,
-                                 local_device(setup.mesh.devices.flat).device_kind)
+                                 sharding.local_device(setup.mesh.devices.flat).device_kind)
   save = (hooks.Save(config.checkpoint_every, checkpointer, guard, batches, config.to_dict())
           if checkpointer else None)
   trace = StepTrace(workdir / 'profile', start_step + config.profile_start, config.profile_steps)
@@ -195,3 +202,12 @@ def stop_message(stop, done: int, save, guard) -> str:
          f'the last {guard.in_a_row} step(s) were not finite; the newest checkpoint is '
          f'{guard.newest_checkpoint()}')
   return f'{head}; nothing saved: {why}'
+
+
+def main(argv) -> None:
+  """A dry run's child process (planning.plan.plan_in_compiler_process): `run` of a JSON config."""
+  run(ml_collections.ConfigDict(json.loads(pathlib.Path(argv[1]).read_text())))
+
+
+if __name__ == '__main__':
+  main(sys.argv)

@@ -16,12 +16,13 @@ they are opened, before anything is written.
 import difflib
 import math
 
+import jax
 import ml_collections
 
 from configs import base
 from data import tokenizers
 from model import ModelConfig
-from planning import gpus
+from planning import gpus, timing
 from runtime import distributed, huggingface
 import sharding
 
@@ -57,12 +58,49 @@ RANGES = {
 }
 
 
-def resolve(config):
-  """A checked copy of `config` with what it leaves open filled in (module docstring)."""
+def resolve(config, devices=None):
+  """A checked copy of `config` with what it leaves open filled in (module docstring), for the
+  run's `devices` (default: this process's; a plan for config.plan.target is for that GPU)."""
   config = huggingface.with_model_settings(config, base.get_config().model)
   config = tokenizers.with_vocab_size(config, tokenizers.load(config.data))
+  config = with_attention(config, devices)
   check(config)
   return config
+
+
+def target(config, devices=None) -> gpus.GPU | None:
+  """The GPU the run's programs are compiled for: config.plan.target's, else the devices' (a GPU
+  planning/gpus.py lacks is ranked as an H100), else None (a CPU)."""
+  if config.plan.target:
+    return gpus.get(config.plan.target)
+  device = (jax.devices() if devices is None else list(devices))[0]
+  if device.platform != 'gpu':
+    return None
+  return gpus.find(device.device_kind) or gpus.GPUS['H100']
+
+
+def with_attention(config, devices=None):
+  """`config.model.attention='auto'` made concrete: on a CPU `xla` (our kernel only interprets
+  there; it runs only the ring, context_parallel='ring'); on a GPU the fused kernel that runs
+  this model and mesh (kernels.fused_for) which the time model predicts fastest
+  (timing.rank_attention: cuDNN on an H100 at head dims 64 and 128, its backward reaching 2.6×
+  ours). A config that names one keeps it, and so does one whose mesh the layout search picks
+  (config.mesh.auto): state.build chooses for each candidate there."""
+  if config.model.attention != 'auto' or config.mesh.auto:
+    return config
+  config = config.copy_and_resolve_references()
+  config.model.attention = attention_choice(config, target(config, devices))[0][0]
+  return config
+
+
+def attention_choice(config, gpu: gpus.GPU | None) -> list[tuple[str, float]]:
+  """[(implementation, its predicted time ÷ the fastest's)] that `with_attention` chooses from,
+  fastest first. Without a GPU, xla; but ring attention is our kernel's alone, anywhere."""
+  m = config.model
+  if gpu is None:
+    return [('pallas' if m.context_parallel == 'ring' else 'xla', 1.0)]
+  return timing.rank_attention(m.head_dim, m.compute_dtype, config.seq_len, length_split=(
+      config.mesh.sequence != 1 or m.context_parallel == 'ring'))
 
 
 def check(config) -> None:

@@ -58,6 +58,7 @@ def build(config, devices=None) -> Setup:
   """Check `config` against `devices` (settings.check, then the mesh: MeshMismatch) and derive
   the mesh, model, optimizer and state shardings (all abstract)."""
   devices = jax.devices() if devices is None else list(devices)
+  config = settings.with_attention(config, devices)  # for a config settings.resolve left it to
   settings.check(config)  # again, for a config that did not come through settings.resolve
   model_cfg = ModelConfig.from_config(config.model)
   sizes = sharding.mesh_shape(config.mesh, len(devices))
@@ -70,7 +71,8 @@ def build(config, devices=None) -> Setup:
     raise ValueError(f"config.model.matmul_precision='fp8' needs fp8 tensor cores (compute "
                      f"capability 8.9 or newer: Ada, Hopper), which {devices[0].device_kind} "
                      "lacks; use --config.model.matmul_precision=default")
-  if model_cfg.remat_policy.startswith('offload_') and not has_host_memory(local_device(devices)):
+  if (model_cfg.remat_policy.startswith('offload_')
+      and not has_host_memory(sharding.local_device(devices))):
     raise ValueError(f'config.model.remat_policy={model_cfg.remat_policy!r} offloads to pinned '
                      f'host memory, which this {devices[0].platform} backend does not offer; use '
                      'a policy without offload_, such as full or dots')
@@ -90,7 +92,7 @@ def build(config, devices=None) -> Setup:
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   opt_compute_shardings = None
   if config.optimizer.offload_state:  # ZeRO-Offload style: moments in pinned host memory
-    if not has_host_memory(local_device(devices)):
+    if not has_host_memory(sharding.local_device(devices)):
       raise ValueError(f'config.optimizer.offload_state=True needs pinned host memory, which '
                        f'this {devices[0].platform} backend does not offer; set it to False')
     opt_compute_shardings = opt_shardings
@@ -104,11 +106,6 @@ def build(config, devices=None) -> Setup:
   return Setup(model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
                abstract_state=abstract_state, state_shardings=state_shardings,
                opt_compute_shardings=opt_compute_shardings, seed=config.seed)
-
-
-def local_device(devices):
-  """The first of `devices` this process can address (only those report memory)."""
-  return next(d for d in devices if d.process_index == jax.process_index())
 
 
 def has_fp8(device) -> bool:

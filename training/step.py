@@ -10,6 +10,7 @@ import kernels
 import sharding
 from model import pipeline
 from model.layers import constrain
+from planning import plan as plan_lib
 from training.state import Setup, TrainState
 
 BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
@@ -178,3 +179,11 @@ def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V
                    out_shardings=sharding.replicated(setup.mesh))
   with jax.set_mesh(setup.mesh):
     return jitted.lower(setup.abstract_state.params, batch).compile(compiler_options(setup))
+
+
+def compile_and_plan(setup: Setup, config):
+  """(compiled train step, its planning.plan.Plan) for the devices of setup's mesh: compiling
+  needs only the abstract state."""
+  compiled = compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
+                                microbatches=config.microbatches)
+  return compiled, plan_lib.make_plan(compiled, setup, config)

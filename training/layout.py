@@ -24,7 +24,8 @@ from planning import gpus, timing
 from planning import plan as plan_lib
 from sharding import AXES
 import sharding
-from training.state import build, local_device
+from training.state import build
+from training.step import compile_and_plan
 
 POLICIES = ('none', 'dots', 'full')
 
@@ -65,8 +66,9 @@ def with_layout(config, mesh: dict, context_parallel: str, policy: str, microbat
 
 
 def context_choices(config, mesh: dict) -> tuple:
-  """Both ways of attending over a sequence split, with our kernel; else the config's own."""
-  if mesh['sequence'] > 1 and config.model.attention == 'pallas':
+  """Both ways of attending over a sequence split, with our kernel (auto's choice there); else
+  the config's own."""
+  if mesh['sequence'] > 1 and config.model.attention in ('pallas', 'auto'):
     return CONTEXT_PARALLEL
   return (config.model.context_parallel,)
 
@@ -77,7 +79,7 @@ def search(config, devices, log=print) -> list[Candidate]:
     raise ValueError('config.mesh.auto=True needs the memory to fit: set config.plan.target '
                      f'(one of {sorted(gpus.GPUS)}) or config.plan.memory_gb')
   found = []
-  gpu = gpus.find(local_device(devices).device_kind) or gpus.NOMINAL
+  gpu = gpus.find(sharding.local_device(devices).device_kind) or gpus.NOMINAL
   for mesh in meshes(len(devices)):
     state_fits = True
     for context, policy in itertools.product(context_choices(config, mesh), POLICIES):
@@ -88,7 +90,7 @@ def search(config, devices, log=print) -> list[Candidate]:
           setup = build(candidate, devices)
         except sharding.MeshMismatch:  # the model or batch does not divide this way
           break
-        compiled, the_plan = plan_lib.compile_and_plan(setup, candidate)
+        compiled, the_plan = compile_and_plan(setup, candidate)
         if the_plan.fits:
           found.append(Candidate(mesh, context, policy, microbatches, the_plan,
                                  timing.predict(compiled.as_text(), gpu), gpu))

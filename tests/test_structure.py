@@ -1,0 +1,108 @@
+"""The tree as DEVELOPERS.md draws it: packages on floors, each importing only the floors below
+it, no module importing itself back through others; and the docs naming only what exists."""
+
+import ast
+import importlib.util
+import pathlib
+import re
+
+import configs
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# Lowest first (DEVELOPERS.md: Layout). Data flows config → mesh → abstract state → shardings →
+# compiled step → loop: what a floor needs is below it, never above.
+FLOORS = [('configs', 'kernels', 'sharding', 'reporting'), ('model', 'runtime'),
+          ('planning', 'data'), ('training',)]
+FLOOR = {package: i for i, packages in enumerate(FLOORS) for package in packages}
+
+
+def modules() -> dict[str, pathlib.Path]:
+  """{dotted name: file} of every module of the packages on FLOORS."""
+  found = {}
+  for package in FLOOR:
+    for path in (REPO / package).rglob('*.py'):
+      parts = path.relative_to(REPO).with_suffix('').parts
+      found['.'.join(parts[:-1] if parts[-1] == '__init__' else parts)] = path
+  return found
+
+
+def imports(path: pathlib.Path, known) -> set[str]:
+  """The modules of `known` that `path` imports, at its top or inside a function."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names = [f'{node.module}.{alias.name}' for alias in node.names]
+      found |= set(names) if all(name in known for name in names) else {node.module}
+  return found & set(known)
+
+
+def test_every_package_imports_only_the_floors_below_it():
+  known = modules()
+  assert set(FLOOR) == {p.name for p in REPO.iterdir() if (p / '__init__.py').exists()} - {
+      'tests', 'benchmarks', 'scripts'}, 'a new package needs a floor here and in DEVELOPERS.md'
+  upward = [f'{name} imports {target}' for name, path in known.items()
+            for target in imports(path, known)
+            if FLOOR[target.split('.')[0]] > FLOOR[name.split('.')[0]]
+            or (FLOOR[target.split('.')[0]] == FLOOR[name.split('.')[0]]
+                and target.split('.')[0] != name.split('.')[0])]
+  assert not upward, upward
+
+
+def test_no_module_imports_itself_back_through_others():
+  known = modules()
+  graph = {name: imports(path, known) - {name} for name, path in known.items()}
+  done, circles = set(), []
+
+  def visit(name, path):
+    for target in sorted(graph[name]):
+      if target in path:
+        circles.append(path[path.index(target):] + [target])
+      elif target not in done:
+        visit(target, path + [target])
+    done.add(name)
+
+  for name in sorted(graph):
+    if name not in done:
+      visit(name, [name])
+  assert not circles, circles
+
+
+DOCS = [REPO / 'README.md', REPO / 'DEVELOPERS.md', *sorted((REPO / 'docs').glob('*.md'))]
+LINK = re.compile(r'\]\(([^)\s]+)\)')
+CONFIG = re.compile(r'\bconfigs/[\w-]+\.py(?::[\w-]+)?')
+MODULE = re.compile(r'\bpython3? -m ([\w.]+)')
+SCRIPT = re.compile(r'\bpython3? ([\w/.-]+\.py)\b')
+
+
+def anchors(path: pathlib.Path) -> set[str]:
+  """The #fragments GitHub gives the headings of a markdown file."""
+  text = re.sub(r'```.*?```', '', path.read_text(), flags=re.S)
+  return {re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
+          for heading in re.findall(r'^#+ (.*)$', text, flags=re.M)}
+
+
+def test_every_link_config_module_and_script_the_docs_name_exists():
+  missing = []
+  for doc in DOCS:
+    text = doc.read_text()
+    for target in LINK.findall(text):
+      if re.match(r'[a-z]+:', target):
+        continue  # a web address
+      path, _, fragment = target.partition('#')
+      file = (doc.parent / path).resolve() if path else doc
+      if not file.exists() or (fragment and fragment not in anchors(file)):
+        missing.append(f'{doc.name}: link {target}')
+    for named in set(CONFIG.findall(text)):
+      try:
+        configs.load(named.removeprefix('configs/'))
+      except Exception as e:  # a file or preset that is not there
+        missing.append(f'{doc.name}: {named} ({type(e).__name__}: {e})')
+    for module in set(MODULE.findall(text)):
+      if importlib.util.find_spec(module) is None:
+        missing.append(f'{doc.name}: python -m {module}')
+    for script in set(SCRIPT.findall(text)):
+      if not (REPO / script).exists():
+        missing.append(f'{doc.name}: python {script}')
+  assert not missing, missing
