@@ -238,13 +238,14 @@ def report(plan: Plan) -> None:
                f' (XLA counts {plan.compiled_flops:.3e}, a scanned layer once)')
   split = plan.mesh.get('sequence', 1) > 1 and plan.attention == 'pallas'
   context = f' ({plan.context_parallel} over sequence)' if split else ''
+  ranking = plan.attention_ranking and (
+      ', '.join(f'{k} {r:.2f}×' for k, r in plan.attention_ranking)
+      + " the fastest's time (config.model.attention='auto' takes the first)")
   rows = [('device', f'{plan.n_devices} × {plan.device}'),
           ('compiled for', compiled_for(plan)),
           ('mesh', sharding.describe(plan.mesh)),
           ('attention, remat policy', f'{plan.attention}{context}, {plan.remat_policy}'),
-          *([('attention, time model', ', '.join(f'{k} {r:.2f}×' for k, r in plan.attention_ranking)
-              + " the fastest's time (config.model.attention='auto' takes the first)")]
-            if plan.attention_ranking else []),
+          *([('attention, time model', ranking)] if ranking else []),
           ('microbatches', str(plan.microbatches) + (
               f' through {plan.mesh["stage"]} stages × {plan.virtual_stages} virtual'
               if plan.mesh.get('stage', 1) > 1 else '')),

@@ -176,10 +176,8 @@ def pytest_collection_modifyitems(config, items):
   """Marks the FAST tests `fast`; an entry of a wholly collected file that names no test is an
   error (a test renamed without its entry)."""
   unmatched = set(FAST)
-  files = {str(arg).split('::')[0] for arg in config.args} if any(
-      '::' in str(arg) for arg in config.args) else set()  # files only partly collected
-  files = {item.nodeid.split('::')[0] for item in items} - {f'tests/{f.split("/")[-1]}'
-                                                             for f in files}
+  partly = {f'tests/{os.path.basename(arg.split("::")[0])}' for arg in config.args if '::' in arg}
+  files = {item.nodeid.split('::')[0] for item in items} - partly
   for item in items:
     nodeid = item.nodeid.removeprefix('tests/')
     for entry in FAST:
