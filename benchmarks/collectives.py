@@ -36,12 +36,12 @@ _DEVICES = flags.DEFINE_integer('devices', 8, 'How many GPUs each mesh spans.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
 
 
-def measure(config, mesh: dict, devices) -> dict:
+def measure(config, mesh: dict) -> dict:
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh)
-  config = settings.resolve(config)
-  setup = build(config, devices)
-  plan = compile_and_plan(setup, config)[1]  # its collectives: sharding/collectives.py
+  config, target = settings.resolve(config)
+  setup = build(config, target.devices)
+  plan = compile_and_plan(setup, config, target)[1]  # its collectives: sharding/collectives.py
   ideal = communication.ideal_bytes(
       setup.model_cfg, mesh, config.batch_size, config.seq_len, config.microbatches,
       config.model.remat_policy, setup.model_cfg.reduce_dtype.itemsize)
@@ -55,10 +55,11 @@ def main(argv):
   gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.collectives', *sys.argv[1:]])
   config = _CONFIG.value.copy_and_resolve_references()
   config.plan.target, config.plan.devices = _TARGET.value, _DEVICES.value
+  config.dry_run = True  # plans: for GPUs that are not here
   meshes = [report.parse_mesh(m) for m in _MESHES.value.split(';') if m.strip()]
-  devices = gpu_compiler.devices(gpus.get(_TARGET.value), _DEVICES.value)
+  kind = gpus.get(_TARGET.value).device_kind
   m = config.model
-  print(f'{_DEVICES.value} × {devices[0].device_kind} (deviceless); d_model {m.d_model}, '
+  print(f'{_DEVICES.value} × {kind} (deviceless); d_model {m.d_model}, '
         f'{m.n_layers} layers, batch {config.batch_size} × {config.seq_len}, attention '
         f'{m.attention}, remat {m.remat_policy}, microbatches {config.microbatches}; MiB each '
         'device sends per step')
@@ -66,14 +67,14 @@ def main(argv):
         f'{"total":>9}{"ideal":>9}{"ratio":>7}')
   results = []
   for mesh in meshes:
-    r = measure(config, mesh, devices)
+    r = measure(config, mesh)
     results.append(r)
     mib = lambda op: r['collectives'].get(op, {}).get('bytes', 0) / 2**20
     other = r['sent_bytes'] / 2**20 - mib('all-gather') - mib('reduce-scatter') - mib('all-reduce')
     print(f'{sharding.describe(mesh):<52}{mib("all-gather"):>11.1f}{mib("reduce-scatter"):>11.1f}'
           f'{mib("all-reduce"):>11.1f}{other:>9.1f}{r["sent_bytes"] / 2**20:>9.1f}'
           f'{r["ideal_bytes"] / 2**20:>9.1f}{r["ratio"]:>7.2f}', flush=True)
-  report.emit({'benchmark': 'collectives', 'compiled_for': devices[0].device_kind,
+  report.emit({'benchmark': 'collectives', 'compiled_for': kind,
                'deviceless': True, 'n_devices': _DEVICES.value, 'jax': jax.__version__,
                'config': config_flags.get_config_filename(flags.FLAGS['config']),
                'model': m.to_dict(), 'batch_size': config.batch_size, 'seq_len': config.seq_len,

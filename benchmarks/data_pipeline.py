@@ -63,7 +63,7 @@ def measure(corpus, tokenizer, config, workers: int) -> dict:
 
 def main(argv):
   del argv
-  config = settings.resolve(_CONFIG.value)
+  config = settings.resolve(_CONFIG.value).config
   corpus = corpus_lib.load(config.data)
   spm_model, spm_train_s = _SPM.value, None
   if not spm_model:

@@ -24,7 +24,7 @@ class Prepared:
 
 
 def prepare(config, packed: bool = False) -> Prepared:
-  config = settings.resolve(config)
+  config = settings.resolve(config).config
   setup = build(config)
   t0 = time.perf_counter()
   state = setup.init_state()

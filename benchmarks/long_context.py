@@ -38,14 +38,14 @@ _DEVICES = flags.DEFINE_integer('devices', 8, 'How many GPUs each mesh spans.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
 
 
-def measure(config, length: int, mesh: dict, mode: str, devices) -> dict:
+def measure(config, length: int, mesh: dict, mode: str) -> dict:
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh)
   config.seq_len, config.batch_size = length, mesh['data'] * mesh['fsdp']
   config.model.context_parallel = mode
-  config = settings.resolve(config)
-  setup = build(config, devices)
-  plan = compile_and_plan(setup, config)[1]
+  config, target = settings.resolve(config)
+  setup = build(config, target.devices)
+  plan = compile_and_plan(setup, config, target)[1]
   ideal = communication.ideal_bytes(
       setup.model_cfg, mesh, config.batch_size, config.seq_len, config.microbatches,
       config.model.remat_policy, setup.model_cfg.reduce_dtype.itemsize)
@@ -63,10 +63,11 @@ def main(argv):
   gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.long_context', *sys.argv[1:]])
   config = _CONFIG.value.copy_and_resolve_references()
   config.plan.target, config.plan.devices = _TARGET.value, _DEVICES.value
+  config.dry_run = True  # plans: for GPUs that are not here
   config.model.attention = 'pallas'
-  devices = gpu_compiler.devices(gpus.get(_TARGET.value), _DEVICES.value)
+  kind = gpus.get(_TARGET.value).device_kind
   m = config.model
-  print(f'{_DEVICES.value} × {devices[0].device_kind} (deviceless); d_model {m.d_model}, '
+  print(f'{_DEVICES.value} × {kind} (deviceless); d_model {m.d_model}, '
         f'{m.n_layers} layers, pallas attention, remat {m.remat_policy}; one row per data×fsdp '
         'shard; GiB per device')
   print(f'{"length":>7}  {"mesh":<40}{"context":<11}{"memory":>8}{"fits":>6}{"sent":>8}'
@@ -75,7 +76,7 @@ def main(argv):
   for length in (int(x) for x in _LENGTHS.value.split(',')):
     for mesh in (report.parse_mesh(x) for x in _MESHES.value.split(';') if x.strip()):
       for mode in _MODES.value.split(','):
-        r = measure(config, length, mesh, mode, devices)
+        r = measure(config, length, mesh, mode)
         results.append(r)
         gib = lambda b: b / 2**30
         ring = f'{r["ring_ratio"]:.2f}' if r['ring_ratio'] is not None else '-'
@@ -84,7 +85,7 @@ def main(argv):
               f'{gib(r["ideal_bytes"]):>8.2f}{r["sent_bytes"] / r["ideal_bytes"]:>7.2f}'
               f'{ring:>11}{r["predicted"]["seconds"]:>8.2f}{r["predicted"]["mfu"]:>7.1%}',
               flush=True)
-  report.emit({'benchmark': 'long_context', 'compiled_for': devices[0].device_kind,
+  report.emit({'benchmark': 'long_context', 'compiled_for': kind,
                'deviceless': True, 'n_devices': _DEVICES.value, 'jax': jax.__version__,
                'config': config_flags.get_config_filename(flags.FLAGS['config']),
                'model': m.to_dict(), 'results': results, 'command': report.command()}, _OUT.value)

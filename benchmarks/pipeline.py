@@ -74,13 +74,13 @@ def bubble(gpu, stages: int, microbatches: int, virtual: int) -> dict:
           'analytic': pipeline.bubble_fraction(microbatches, stages, virtual)}
 
 
-def layout(config, mesh: dict, microbatches: int, virtual: int, devices, gpu) -> dict:
+def layout(config, mesh: dict, microbatches: int, virtual: int) -> dict:
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh)
   config.microbatches, config.model.virtual_stages = microbatches, virtual
-  config = settings.resolve(config)
-  setup = build(config, devices)
-  _, plan = compile_and_plan(setup, config)
+  config, target = settings.resolve(config)
+  setup = build(config, target.devices)
+  _, plan = compile_and_plan(setup, config, target)
   return {'mesh': mesh, 'microbatches': microbatches, 'virtual_stages': virtual,
           'memory_bytes': plan.total_bytes,
           'argument_bytes': plan.argument_bytes, 'temp_bytes': plan.temp_bytes,
@@ -110,7 +110,7 @@ def main(argv):
 
   config = _CONFIG.value.copy_and_resolve_references()
   config.plan.target, config.plan.devices = _TARGET.value, _DEVICES.value
-  devices = gpu_compiler.devices(gpu, _DEVICES.value)
+  config.dry_run = True  # plans: for GPUs that are not here
   nodes = _DEVICES.value // gpu.gpus_per_node
   m = config.model
   print(f'\n{_DEVICES.value} × {gpu.device_kind} (deviceless) as {nodes} nodes; d_model '
@@ -124,7 +124,7 @@ def main(argv):
     counts = [int(x) for x in _MICROBATCHES.value.split(',')] if staged else [config.microbatches]
     for virtual, microbatches in itertools.product(virtuals if staged else [1], counts):
       try:
-        r = layout(config, mesh, microbatches, virtual, devices, gpu)
+        r = layout(config, mesh, microbatches, virtual)
       except sharding.MeshMismatch as e:
         print(f'{sharding.describe(mesh):<52}{virtual:>3}{microbatches:>3}  does not divide: {e}')
         continue

@@ -87,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
   dist.initialization_timeout_s = 300  # how long processes wait for each other at the start
   dist.heartbeat_timeout_s = 100  # a process silent this long is dead: the others stop with an error
 
-  c.plan = ml_collections.ConfigDict()  # what the compiled step must fit (planning/plan.py)
+  c.plan = ml_collections.ConfigDict()  # what the step compiles for, fits in (planning/target.py)
   c.plan.target = ''  # A100 | H100 | H100-PCIe | H200 (planning/gpus.py): plan for it; '': the devices here
   c.plan.devices = 0  # how many of config.plan.target to plan for; 0: as many as there are devices here
   c.plan.memory_gb = 0.0  # per-device memory to fit; 0: the target's, or the backend's own

@@ -1,3 +1,4 @@
-"""Plans before a run: the compiled step's memory, FLOPs and collectives (plan), the mesh × remat ×
-microbatch search (layout), model FLOPs and MFU (flops), the GPUs meshlm knows (gpus) and
-compiling for them without one (gpu_compiler)."""
+"""Plans before a run: what it compiles for (target), the compiled step's memory, FLOPs and
+collectives (plan), its predicted time (timing), model FLOPs and MFU (flops), the ideal bytes of
+a step (communication), the GPUs meshlm knows (gpus) and compiling for them without one
+(gpu_compiler)."""

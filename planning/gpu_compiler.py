@@ -151,7 +151,7 @@ def plan_in_compiler_process(config, module: str) -> dict:
     last = error.strip().splitlines()[-1] if error.strip() else ''
     if last.startswith('ValueError: '):
       raise ValueError(last.removeprefix('ValueError: '))
-    raise RuntimeError(f'compiling for {config.plan.target} failed:\n{error[-3000:]}')
+    raise RuntimeError(f'the GPU compiler\'s process failed:\n{error[-3000:]}')
   sys.stderr.write(error)
   return json.loads(lines[-1])
 

@@ -13,23 +13,19 @@ the collectives one step runs, by kind, with the bytes each device sends (shardi
 a layer's run once per layer), and how many of those bytes cross between nodes (the target GPU's
 gpus_per_node to a node, filled in the mesh's device order, as a multi-process job orders them).
 
-`config.plan.target` names a GPU of planning/gpus.py to plan for. Unless this process has that
-GPU, the step is compiled by the GPU compiler for `config.plan.devices` (0: as many as this process
-has devices) compile-only GPUs (planning/gpu_compiler.py), so the figures are the GPU compiler's
-own. Without the GPU compiler installed, the step is compiled for this machine's devices instead,
-and the plan says it is a stand-in: arguments are exact, but temporaries follow the CPU compiler
-(which, for one, keeps collectives in fp32). A plan fits when its total is within what JAX's
-allocator takes of the target's memory (gpus.usable_memory_bytes), `config.plan.memory_gb`, or the
-`bytes_limit` the devices here report.
+What the step is compiled for is the run's planning.target.Target: the devices here, or
+compile-only GPUs of config.plan.target (the GPU compiler's own figures), or, without the GPU
+compiler, the devices here as a stand-in, which the plan says: arguments are exact, but
+temporaries follow the CPU compiler (which, for one, keeps collectives in fp32). A plan fits when
+its total is within the target's memory (planning/target.py says where that figure comes from).
 """
 
 import dataclasses
 import json
 
-import jax
-
 from planning import flops as flops_lib
 from planning import gpu_compiler, gpus, timing
+from planning.target import Target
 from reporting import metrics
 from sharding import collectives
 import sharding
@@ -79,76 +75,9 @@ class Plan:
     return {**dataclasses.asdict(self), 'fits': self.fits}
 
 
-def check_target(config, devices) -> None:
-  """A run that trains must train on the GPU its plan is for (a dry run may plan for any)."""
-  if config.plan.target and not config.dry_run:
-    gpu = gpus.get(config.plan.target)
-    kind = sharding.local_device(devices).device_kind
-    if kind != gpu.device_kind:
-      raise ValueError(
-          f'config.plan.target={config.plan.target!r} plans for {gpu.device_kind}, but this run '
-          f'would train on {kind}; add --config.dry_run=True to plan without training, or leave '
-          'config.plan.target empty to plan for the devices here')
-
-
-def target_devices(config, devices=None) -> list:
-  """The devices a plan compiles for: `devices` (default: all), unless config.plan.target names
-  a GPU they are not, or config.plan.devices another count; then compile-only GPUs of the target
-  (planning/gpu_compiler.py), or, without the GPU compiler, `devices` as a stand-in."""
-  here = jax.devices() if devices is None else list(devices)
-  n = config.plan.devices or len(here)
-  if not config.plan.target:
-    if n != len(here):
-      raise ValueError(f'config.plan.devices={n} plans for that many GPUs of config.plan.target; '
-                       f'name one of {sorted(gpus.GPUS)} (there are {len(here)} devices here)')
-    return here
-  gpu = gpus.get(config.plan.target)
-  if _are_the_target(here, gpu, n):
-    return here  # planning on the GPUs themselves
-  if gpu_compiler.in_this_process():
-    return gpu_compiler.devices(gpu, n)
-  if n != len(here):
-    raise ValueError(f'config.plan.devices={n} needs the GPU compiler (`{gpu_compiler.INSTALL}`);'
-                     f' without it the plan is compiled for the {len(here)} devices here')
-  return here
-
-
-def _are_the_target(devices, gpu: gpus.GPU, n: int) -> bool:
-  return sharding.local_device(devices).device_kind == gpu.device_kind and n == len(devices)
-
-
-def plan_in_compiler_process(config, devices, module: str) -> dict | None:
-  """A dry run for a GPU that neither this process has nor can compile for, but a child process
-  can (planning/gpu_compiler.py): its plan, made there by `python -m module config.json`. None
-  where the plan is made here."""
-  if not (config.dry_run and config.plan.target):
-    return None
-  n = config.plan.devices or len(devices)
-  if (_are_the_target(devices, gpus.get(config.plan.target), n)
-      or gpu_compiler.in_this_process() or not gpu_compiler.installed()):
-    return None
-  config = config.copy_and_resolve_references()
-  config.plan.devices = n
-  return gpu_compiler.plan_in_compiler_process(config, module)
-
-
-def memory_budget(config, devices) -> tuple[int | None, str]:
-  """(bytes, where from) a run must fit in, per device: config.plan.memory_gb, else what JAX's
-  allocator takes of the target GPU's memory, else the allocator's limit on the devices in use
-  (GPUs report it; the CPU does not)."""
-  if config.plan.memory_gb:
-    return int(config.plan.memory_gb * 1e9), 'config.plan.memory_gb'
-  if config.plan.target:
-    gpu = gpus.get(config.plan.target)
-    return gpus.usable_memory_bytes(gpu), (
-        f'{gpus.memory_fraction():.0%} of {gpu.name} {readable_bytes(gpu.memory_bytes)}, '
-        "JAX's allocator (XLA_PYTHON_CLIENT_MEM_FRACTION)")
-  stats = sharding.local_device(devices).memory_stats() or {}
-  return stats.get('bytes_limit'), "the allocator's bytes_limit"
-
-
-def make_plan(compiled, setup, config) -> Plan:
-  """The Plan of `compiled`, the train step of `setup` (training.state.Setup) for `config`."""
+def make_plan(compiled, setup, config, target: Target) -> Plan:
+  """The Plan of `compiled`, the train step of `setup` (training.state.Setup) for `config` and
+  its `target`."""
   devices = list(setup.mesh.devices.flat)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -156,20 +85,18 @@ def make_plan(compiled, setup, config) -> Plan:
   n = setup.mesh.size
   tokens = config.batch_size * config.seq_len
   kind = sharding.local_device(devices).device_kind
-  budget, source = memory_budget(config, devices)
   hlo = compiled.as_text()
-  gpu = gpus.find(config.plan.target or kind)
-  per_node = gpu.gpus_per_node if gpu else n  # devices in mesh order, nodes filled in turn
   flops = flops_lib.flops_per_token(setup.model_cfg, config.seq_len) * tokens / n
-  predicted = timing.predict(hlo, gpus.find(kind) or gpus.NOMINAL)
+  gpu = gpus.find(kind)  # the compiled program's, which the time model describes
+  predicted = timing.predict(hlo, gpu or gpus.NOMINAL)
   return Plan(
-      device=config.plan.target or kind, compiled_for=kind,
+      device=target.name, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
       mesh=dict(setup.mesh.shape), remat_policy=config.model.remat_policy,
       attention=setup.model_cfg.attention,
       attention_ranking=timing.rank_attention(
           setup.model_cfg.head_dim, setup.model_cfg.compute_dtype, config.seq_len,
-          length_split=setup.mesh.shape['sequence'] > 1) if gpus.find(kind) else [],
+          length_split=setup.mesh.shape['sequence'] > 1) if gpu else [],
       context_parallel=config.model.context_parallel,
       microbatches=config.microbatches, virtual_stages=config.model.virtual_stages,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
@@ -184,9 +111,10 @@ def make_plan(compiled, setup, config) -> Plan:
       matmul_flops=predicted.gemm_flops,
       compiled_flops=float(cost['flops']) if cost and 'flops' in cost else None,
       collectives=collectives.summary(hlo),
-      across_nodes_bytes=collectives.crossing_bytes(hlo, lambda device: device // per_node),
-      memory_bytes=budget, memory_source=source,
-      time=predicted_time(predicted, gpus.find(kind), tokens / n, flops))
+      across_nodes_bytes=collectives.crossing_bytes(
+          hlo, lambda device: device // target.gpus_per_node),
+      memory_bytes=target.memory_bytes, memory_source=target.memory_source,
+      time=predicted_time(predicted, gpu, tokens / n, flops))
 
 
 def predicted_time(predicted: timing.StepTime, gpu: gpus.GPU | None, tokens: float,

@@ -16,9 +16,8 @@ import pytest
 from configs import llama
 from kernels.flash_attention import default_blocks
 from planning import communication, gpu_compiler, gpus
-from planning import plan as plan_lib
 from sharding import collectives
-from training import loop
+from training import loop, settings
 from training.state import build
 from training.step import compile_and_plan
 
@@ -61,7 +60,19 @@ def preset(name: str, attention: str):
   config = llama.get_config(name)
   config.model.attention = attention
   config.plan.target, config.plan.devices = 'H100', llama.GPUS[name]
+  config.dry_run = True  # plans for H100s that are not here
   return config
+
+
+def compiled(config):
+  """(compiled train step, plan) of `config` for its config.plan.target."""
+  config, target = settings.resolve(config)
+  return compile_and_plan(build(config, target.devices), config, target)
+
+
+def built(config):
+  config, target = settings.resolve(config)
+  return build(config, target.devices)
 
 
 @pytest.mark.parametrize('name', sorted(llama.PRESETS))
@@ -69,8 +80,7 @@ def preset(name: str, attention: str):
 def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
   """With no attention flag (auto: cuDNN's, the time model's fastest here), and with ours."""
   config = preset(name, attention)
-  devices = plan_lib.target_devices(config)
-  compiled, plan = compile_and_plan(build(config, devices), config)
+  program, plan = compiled(config)
   assert plan.attention == {'auto': 'cudnn', 'pallas': 'pallas'}[attention]
   assert plan.attention_ranking[0][0] == 'cudnn' and plan.attention_ranking[1][1] > 1
   assert plan.deviceless and plan.compiled_for == H100.device_kind
@@ -80,7 +90,7 @@ def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
   # The time model's MFU stays below what GEMMs alone reach (planning/timing.py).
   assert 0.1 < plan.time['mfu'] < gpus.GEMM_EFFICIENCY, plan.time['mfu']
   assert plan.time['gpu'] == 'H100' and plan.time['source'] == 'model'
-  hlo = compiled.as_text()
+  hlo = program.as_text()
   if attention == 'pallas':  # our kernel, lowered by Triton, not interpreted
     assert 'xla.gpu.triton' in hlo and 'flash_attention_fwd' in hlo
   else:
@@ -96,13 +106,13 @@ def test_cudnn_attention_with_a_sequence_split_is_refused_before_compiling(h100)
   config.mesh.update(fsdp=4, sequence=2)
   config.plan.devices = 8
   with pytest.raises(ValueError, match="attention='cudnn' cannot run with config.mesh.sequence=2"):
-    build(config, plan_lib.target_devices(config))
+    built(config)
 
 
 def test_xla_attention_on_one_h100_does_not_fit_the_1b_step(h100):
   """The [L, S] scores of 8 × 4096 tokens: the plan says no, as a real H100 would."""
   config = preset('1b', 'xla')
-  plan = compile_and_plan(build(config, plan_lib.target_devices(config)), config)[1]
+  plan = compiled(config)[1]
   assert plan.fits is False and plan.total_bytes > 70 * 2**30
 
 
@@ -128,8 +138,10 @@ def test_without_the_gpu_compiler_the_plan_is_a_labelled_cpu_stand_in(monkeypatc
   monkeypatch.setattr(gpu_compiler, 'in_this_process', lambda: False)
   config = tiny_config(fsdp=8)
   config.dry_run, config.plan.target, config.workdir = True, 'H100', str(tmp_path)
+  config.model.compute_dtype = 'bfloat16'  # cuDNN's on an H100, but it cannot compile on CPUs
   figures = loop.run(config)[0]
   assert figures['compiled_for'] == 'cpu' and figures['deviceless'] is False
+  assert figures['attention'] == 'pallas'  # auto: the H100's next fastest, which compiles here
   assert 'a stand-in for H100' in capsys.readouterr().out
   config.plan.devices = 4  # another count than the devices here needs the GPU compiler
   with pytest.raises(ValueError, match='config.plan.devices=4 needs the GPU compiler'):
@@ -145,6 +157,10 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
     loop.run(config)
   config.plan.target, config.dry_run = 'H800', True
   with pytest.raises(ValueError, match=r"config.plan.target='H800' is not a GPU meshlm knows"):
+    loop.run(config)
+  config.plan.target, config.plan.devices, config.dry_run = '', 4, False
+  with pytest.raises(ValueError, match=r'config.plan.devices=4, but a run that trains runs on '
+                                       r'the 8 devices here'):
     loop.run(config)
 
 
@@ -164,10 +180,11 @@ def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel
   if context_parallel:
     config.model.attention, config.model.context_parallel = 'pallas', context_parallel
   config.model.tie_embeddings = tied  # tied: the table serves the lookup and the head
-  config.plan.target, config.plan.devices = 'H100', 8
-  setup = build(config, plan_lib.target_devices(config))
-  compiled, _ = compile_and_plan(setup, config)
-  return compiled.as_text(), setup, config
+  config.plan.target, config.plan.devices, config.dry_run = 'H100', 8, True
+  config, target = settings.resolve(config)
+  setup = build(config, target.devices)
+  program, _ = compile_and_plan(setup, config, target)
+  return program.as_text(), setup, config
 
 
 _TYPED = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ([a-z0-9]+)\[')
@@ -268,10 +285,9 @@ def test_fp8_projections_are_cublaslt_fp8_gemms_on_h100(h100):
   after a convert); only the head's three matmuls stay bf16."""
   config = preset('1b', 'cudnn')
   config.model.matmul_precision = 'fp8'
-  compiled, plan = compile_and_plan(build(config, plan_lib.target_devices(config)),
-                                             config)
+  program, plan = compiled(config)
   assert plan.fits
-  hlo = compiled.as_text()
+  hlo = program.as_text()
   fp8_gemms = [line for line in hlo.splitlines() if '"__cublas$lt$matmul$f8"' in line]
   # Forward 7, the backward's 14, and the forward again under full remat, less w_down's (its
   # output is not needed by the backward).
@@ -292,4 +308,4 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_compiling():
   config.plan.target = 'A100'
   with pytest.raises(ValueError, match=r"config.model.matmul_precision='fp8' needs fp8 tensor "
                                        r'cores .* which NVIDIA A100-SXM4-80GB lacks'):
-    build(config, plan_lib.target_devices(config))
+    built(config)

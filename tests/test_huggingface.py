@@ -45,7 +45,7 @@ def tensors(path) -> dict:
 
 @pytest.mark.parametrize('path', [UNTIED, TIED], ids=['untied-fp32', 'tied-bf16-llama3'])
 def test_an_imported_checkpoint_computes_what_transformers_computes(path):
-  config = settings.resolve(hf_config(path))
+  config = settings.resolve(hf_config(path)).config
   assert (config.model.d_model, config.model.n_layers, config.model.vocab_size) == (64, 2, 320)
   assert config.data.tokenizer_model == str(path / 'tokenizer.json')
   setup = build(config)
@@ -118,7 +118,7 @@ def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path
     assert lines[0].startswith(expected), (args, lines)
   assert sorted(p.name for p in tmp_path.iterdir()) == ['export', 'run']
   # Re-imported, the export is the run's checkpoint, bit for bit.
-  setup = build(settings.resolve(hf_config(output)))
+  setup = build(settings.resolve(hf_config(output)).config)
   again = huggingface.load_params(output, setup.abstract_state.params, setup.model_cfg)
   restored, _ = checkpoint_lib.restore_params(str(workdir), setup.abstract_state.params,
                                               config.model)
@@ -137,8 +137,8 @@ def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path
 
 
 def test_virtual_stages_take_the_layers_in_their_chunks():
-  flat = settings.resolve(hf_config(UNTIED))
-  chunked = settings.resolve(hf_config(UNTIED))
+  flat = settings.resolve(hf_config(UNTIED)).config
+  chunked = settings.resolve(hf_config(UNTIED)).config
   chunked.model.virtual_stages = 2
   by_layer = [huggingface.load_params(UNTIED, s.abstract_state.params, s.model_cfg)
               for s in (build(flat), build(chunked))]
@@ -172,17 +172,17 @@ def test_the_checkpoint_decides_the_model_and_says_what_it_cannot_import(tmp_pat
   shutil.copytree(UNTIED, broken)
   described = json.loads((broken / 'config.json').read_text())
   (broken / 'config.json').write_text(json.dumps({**described, 'num_hidden_layers': 3}))
-  setup = build(settings.resolve(hf_config(broken)))
+  setup = build(settings.resolve(hf_config(broken)).config)
   with pytest.raises(ValueError, match=r'lacks tensor model\.layers\.2\.'):
     huggingface.check(broken, setup.abstract_state.params, setup.model_cfg)
   (broken / 'config.json').write_text(json.dumps({**described, 'intermediate_size': 64}))
-  setup = build(settings.resolve(hf_config(broken)))
+  setup = build(settings.resolve(hf_config(broken)).config)
   with pytest.raises(ValueError, match=r'mlp.down_proj.weight is F32 \[64, 128\], not \[64, 64\]'):
     huggingface.check(broken, setup.abstract_state.params, setup.model_cfg)
 
 
 def test_a_failed_export_leaves_nothing_and_an_export_never_overwrites(tmp_path, monkeypatch):
-  config = settings.resolve(hf_config(TIED))
+  config = settings.resolve(hf_config(TIED)).config
   setup = build(config)
   params = huggingface.load_params(TIED, setup.abstract_state.params, setup.model_cfg)
   (tmp_path / 'taken').mkdir()

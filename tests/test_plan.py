@@ -10,7 +10,7 @@ import pytest
 
 from planning import gpus, plan
 from tests.conftest import tiny_config
-from training import loop
+from training import loop, settings
 from training.state import build
 from training.step import compile_and_plan
 
@@ -24,8 +24,8 @@ def planned(mesh=None, devices=None, **changes):
   for key, value in changes.items():
     target, name = (config.model, key[6:]) if key.startswith('model_') else (config, key)
     target[name] = value
-  setup = build(config, devices)
-  return compile_and_plan(setup, config)
+  config, target = settings.resolve(config, devices)
+  return compile_and_plan(build(config, target.devices), config, target)
 
 
 def test_temporaries_decrease_none_dots_full():
@@ -49,7 +49,8 @@ def test_dry_run_prints_the_compiled_figures_and_allocates_nothing(tmp_path, cap
   config.plan.target, config.plan.memory_gb = target, 0 if target else 1.0
   loop.run(config)
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  compiled, _ = compile_and_plan(build(config, plan.target_devices(config)), config)
+  config, resolved = settings.resolve(config)
+  compiled, _ = compile_and_plan(build(config, resolved.devices), config, resolved)
   memory = compiled.memory_analysis()
   assert figures['argument_bytes'] == memory.argument_size_in_bytes
   assert figures['temp_bytes'] == memory.temp_size_in_bytes
@@ -94,7 +95,7 @@ def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corp
     state = setup.init_state()
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim}
     assert kinds == ({'pinned_host'} if offload else {'device'})
-    compiled, _ = compile_and_plan(setup, config)
+    compiled, _ = compile_and_plan(setup, config, settings.resolve(config).target)
     batches = pipeline.train_batches(small_corpus, tokenizers.load(config.data), config,
                                      sharding.batch_sharding(setup.mesh))
     state, _ = compiled(state, next(batches))
@@ -116,15 +117,16 @@ def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_model(mon
   config = tiny_config()
   config.plan.memory_gb = 0.003  # some layouts fit as they are, some split, some not at all
   devices = jax.devices()[:2]
-  chosen, ranked = layout.choose(config, devices, log=lambda *_: None)
+  target = settings.resolve(config, devices).target
+  chosen, ranked = layout.choose(config, target, log=lambda *_: None)
   assert ranked and all(c.plan.fits for c in ranked)
   assert [c.step_s for c in ranked] == sorted(c.step_s for c in ranked)
   assert all(c.gpu is gpus.NOMINAL and c.plan.time is None for c in ranked)
   assert 'for ranking only' in capsys.readouterr().out
   split = next(c for c in ranked if c.microbatches > 1)  # this memory makes some layouts split
-  fewer = layout.with_layout(config, split.mesh, split.context_parallel, split.remat_policy,
-                             split.microbatches // 2)
-  assert not compile_and_plan(build(fewer, devices), fewer)[1].fits
+  fewer = layout.with_layout(config, target, split.mesh, split.context_parallel,
+                             split.remat_policy, split.microbatches // 2)
+  assert not compile_and_plan(build(fewer, devices), fewer, target)[1].fits
   best = ranked[0]
   assert dict(chosen.mesh) == {**best.mesh, 'auto': False}
   assert (chosen.model.remat_policy, chosen.microbatches) == (best.remat_policy, best.microbatches)
@@ -143,27 +145,26 @@ def test_layout_tries_both_context_choices_where_the_kernel_meets_a_sequence_spl
 
 
 def test_auto_attention_is_xla_on_cpus_and_the_time_models_fastest_that_runs_on_gpus():
-  from training import settings
   config = tiny_config()
   assert config.model.attention == 'auto'  # the default
-  assert settings.resolve(config).model.attention == 'xla'  # these CPU devices
+  assert settings.resolve(config).config.model.attention == 'xla'  # these CPU devices
   ring = config.copy_and_resolve_references()
   ring.model.context_parallel = 'ring'
-  assert settings.resolve(ring).model.attention == 'pallas'  # ours alone runs the ring
+  assert settings.resolve(ring).config.model.attention == 'pallas'  # ours alone runs the ring
   config.plan.target, config.dry_run = 'H100', True
   config.model.compute_dtype = 'bfloat16'  # tiny_config's float32 is ours alone
-  assert settings.resolve(config).model.attention == 'cudnn'
+  assert settings.resolve(config).config.model.attention == 'cudnn'
   assert settings.attention_choice(config, gpus.GPUS['H100'])[1][0] == 'pallas'
   for field, value in [('mesh.sequence', 2), ('model.context_parallel', 'ring'),
                        ('model.compute_dtype', 'float32'), ('model.head_dim', 256)]:
     changed = config.copy_and_resolve_references()
     section, name = field.split('.')
     changed[section][name] = value
-    assert settings.resolve(changed).model.attention == 'pallas', field  # cuDNN cannot
+    assert settings.resolve(changed).config.model.attention == 'pallas', field  # cuDNN cannot
   config.model.attention = 'xla'  # named: kept
-  assert settings.resolve(config).model.attention == 'xla'
-  config.model.attention, config.mesh.auto = 'auto', True  # chosen per candidate by build
-  assert settings.resolve(config).model.attention == 'auto'
+  assert settings.resolve(config).config.model.attention == 'xla'
+  config.model.attention, config.mesh.auto = 'auto', True  # chosen per candidate by the search
+  assert settings.resolve(config).config.model.attention == 'auto'
 
 
 @pytest.mark.parametrize('policy', ['none', 'full'])
@@ -174,8 +175,9 @@ def test_compiled_matmul_flops_are_the_formula_plus_what_remat_recomputes(policy
   from planning import flops
   config = tiny_config()
   config.model.remat_policy = policy
-  setup = build(config, jax.devices()[:1])
-  the_plan = compile_and_plan(setup, config)[1]
+  config, target = settings.resolve(config, jax.devices()[:1])
+  setup = build(config, target.devices)
+  the_plan = compile_and_plan(setup, config, target)[1]
   cfg, tokens = setup.model_cfg, config.batch_size * config.seq_len
   without_remat = flops.flops_per_token(cfg, config.seq_len, causal=False) * tokens
   forward_again = (2 * (flops.matmul_params_per_layer(cfg) - cfg.d_model * cfg.d_ff)

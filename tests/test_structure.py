@@ -50,6 +50,16 @@ def test_every_package_imports_only_the_floors_below_it():
   assert not upward, upward
 
 
+def test_the_gpu_target_is_resolved_in_one_place():
+  """config.plan is read where the run's Target is resolved (planning/target.py, checked by
+  training/settings.py); below the configs that set it, the rest reads the Target."""
+  readers = {name for name, path in modules().items() if not name.startswith('configs')
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+             and node.value.attr == 'plan' and node.attr in configs.base.get_config().plan}
+  assert readers == {'planning.target', 'training.settings'}, readers
+
+
 def test_no_module_imports_itself_back_through_others():
   known = modules()
   graph = {name: imports(path, known) - {name} for name, path in known.items()}

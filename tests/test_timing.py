@@ -5,7 +5,7 @@ are charged as the model's docstring says."""
 import pytest
 
 from planning import gpu_compiler, gpus, timing
-from planning import plan as plan_lib
+from training import settings
 from tests.conftest import tiny_config
 from training.state import build
 from training.step import compile_and_plan
@@ -188,10 +188,10 @@ def compiled_for_h100(**changes):
   config.model.update(d_model=1024, d_ff=4096, n_heads=8, n_kv_heads=8, head_dim=128,
                       compute_dtype='bfloat16', attention='cudnn')
   config.seq_len = 1024
-  config.plan.target, config.plan.devices = 'H100', 1
+  config.plan.target, config.plan.devices, config.dry_run = 'H100', 1, True
   config.model.update(changes)
-  setup = build(config, plan_lib.target_devices(config))
-  compiled, plan = compile_and_plan(setup, config)
+  config, target = settings.resolve(config)
+  compiled, plan = compile_and_plan(build(config, target.devices), config, target)
   return compiled.as_text(), plan
 
 

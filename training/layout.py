@@ -22,8 +22,10 @@ import math
 from model.config import CONTEXT_PARALLEL
 from planning import gpus, timing
 from planning import plan as plan_lib
+from planning.target import Target
 from sharding import AXES
 import sharding
+from training import settings
 from training.state import build
 from training.step import compile_and_plan
 
@@ -57,12 +59,15 @@ def meshes(n_devices: int):
       yield dict(zip(AXES, sizes))
 
 
-def with_layout(config, mesh: dict, context_parallel: str, policy: str, microbatches: int):
+def with_layout(config, target: Target, mesh: dict, context_parallel: str, policy: str,
+                microbatches: int):
+  """`config` laid out so (auto turned off), its attention 'auto' made concrete for `target`."""
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh)
+  config.mesh.auto = False
   config.model.context_parallel = context_parallel
   config.model.remat_policy, config.microbatches = policy, microbatches
-  return config
+  return settings.with_attention(config, target.kernels, cudnn=target.on_gpu)
 
 
 def context_choices(config, mesh: dict) -> tuple:
@@ -73,24 +78,24 @@ def context_choices(config, mesh: dict) -> tuple:
   return (config.model.context_parallel,)
 
 
-def search(config, devices, log=print) -> list[Candidate]:
-  """The candidates that fit, fastest predicted first."""
-  if plan_lib.memory_budget(config, devices)[0] is None:
+def search(config, target: Target, log=print) -> list[Candidate]:
+  """The candidates that fit on `target`'s devices, fastest predicted first."""
+  if target.memory_bytes is None:
     raise ValueError('config.mesh.auto=True needs the memory to fit: set config.plan.target '
                      f'(one of {sorted(gpus.GPUS)}) or config.plan.memory_gb')
   found = []
-  gpu = gpus.find(sharding.local_device(devices).device_kind) or gpus.NOMINAL
-  for mesh in meshes(len(devices)):
+  gpu = gpus.find(sharding.local_device(target.devices).device_kind) or gpus.NOMINAL
+  for mesh in meshes(len(target.devices)):
     state_fits = True
     for context, policy in itertools.product(context_choices(config, mesh), POLICIES):
       microbatches = mesh['stage']  # a pipeline needs a microbatch for every stage
       while state_fits:
-        candidate = with_layout(config, mesh, context, policy, microbatches)
+        candidate = with_layout(config, target, mesh, context, policy, microbatches)
         try:
-          setup = build(candidate, devices)
+          setup = build(candidate, target.devices)
         except sharding.MeshMismatch:  # the model or batch does not divide this way
           break
-        compiled, the_plan = compile_and_plan(setup, candidate)
+        compiled, the_plan = compile_and_plan(setup, candidate, target)
         if the_plan.fits:
           found.append(Candidate(mesh, context, policy, microbatches, the_plan,
                                  timing.predict(compiled.as_text(), gpu), gpu))
@@ -127,16 +132,15 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
     print(f'… and {len(ranked) - limit} more that fit')
 
 
-def choose(config, devices, log=print):
-  """`config` with the best layout's mesh, remat policy and microbatches (auto turned off)."""
-  ranked = search(config, devices, log)
+def choose(config, target: Target, log=print):
+  """`config` with the best layout's mesh, remat policy and microbatches for `target`
+  (planning.target.Target) (auto turned off)."""
+  ranked = search(config, target, log)
   if not ranked:
     raise ValueError('config.mesh.auto: no mesh shape × remat policy × microbatches fits; '
                      'use more devices, a smaller config.batch_size or config.seq_len, or '
                      'config.optimizer.offload_state=True')
   report(ranked)
   best = ranked[0]
-  chosen = with_layout(config, best.mesh, best.context_parallel, best.remat_policy,
-                       best.microbatches)
-  chosen.mesh.auto = False
-  return chosen, ranked
+  return with_layout(config, target, best.mesh, best.context_parallel, best.remat_policy,
+                     best.microbatches), ranked

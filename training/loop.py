@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 
 from data import corpus as corpus_lib
 from data import pipeline, tokenizers
+from planning import gpu_compiler
 from planning import plan as plan_lib
 from reporting import metrics as metrics_lib
 from reporting.profiling import StepTrace
@@ -97,19 +98,17 @@ def initial_state(setup, config, checkpointer, log):
 def run(config, devices=None) -> list[dict]:
   """Train per `config`; returns the logged records (also in workdir/metrics.jsonl)."""
   distributed.initialize(config.distributed)  # before anything touches a device
-  config = settings.resolve(config)  # every setting checked before anything is built
-  tokenizer = tokenizers.load(config.data)
   devices = jax.devices() if devices is None else list(devices)
-  plan_lib.check_target(config, devices)
-  if planned_elsewhere := plan_lib.plan_in_compiler_process(config, devices, CHILD):
-    return [planned_elsewhere]
+  config, target = settings.resolve(config, devices)  # every setting checked before anything
+  tokenizer = tokenizers.load(config.data)             # is built
+  if target.in_child:
+    return [gpu_compiler.plan_in_compiler_process(target.for_child(config), CHILD)]
   if config.dry_run or config.mesh.auto:  # compile for the GPUs planned for, if not these
-    planned = plan_lib.target_devices(config, devices)
     if config.mesh.auto:
-      config, _ = layout.choose(config, planned,
+      config, _ = layout.choose(config, target,
                                 log=print if jax.process_index() == 0 else lambda *a: None)
     if config.dry_run:
-      _, the_plan = compile_and_plan(build(config, planned), config)
+      _, the_plan = compile_and_plan(build(config, target.devices), config, target)
       plan_lib.report(the_plan)
       return [the_plan.as_dict()]
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
@@ -124,13 +123,13 @@ def run(config, devices=None) -> list[dict]:
     try:
       check_checkpoints(checkpointer, setup, config, tokenizer)
       with StopSignals() as stop, distributed.explain_failures(config.distributed):
-        return _train(config, setup, workdir, tokenizer, checkpointer, stop)
+        return _train(config, target, setup, workdir, tokenizer, checkpointer, stop)
     finally:
       if checkpointer:
         checkpointer.close()  # waits for the save in flight
 
 
-def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
+def _train(config, target, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   corpus = load_corpus(config.data)
   warn_about_data(config, corpus)
   is_main = jax.process_index() == 0
@@ -149,7 +148,7 @@ def _train(config, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
       f'model vocab {config.model.vocab_size}), {config.data.workers} worker(s)')
   t0 = time.perf_counter()
-  train_step, the_plan = compile_and_plan(setup, config)
+  train_step, the_plan = compile_and_plan(setup, config, target)
   plan_lib.check_fits(the_plan)  # before the state is allocated
   start_step, state, data_state = initial_state(setup, config, checkpointer, log)
   writer.drop_after(start_step)  # the steps after the checkpoint (or all, from 0) are logged again
@@ -205,7 +204,7 @@ def stop_message(stop, done: int, save, guard) -> str:
 
 
 def main(argv) -> None:
-  """A dry run's child process (planning.plan.plan_in_compiler_process): `run` of a JSON config."""
+  """A dry run's child process (gpu_compiler.plan_in_compiler_process): `run` of a JSON config."""
   run(ml_collections.ConfigDict(json.loads(pathlib.Path(argv[1]).read_text())))
 
 

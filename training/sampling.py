@@ -58,7 +58,7 @@ def load(path: str, step: int | None = None) -> Loaded:
   config = base.get_config()  # the settings a checkpoint from an older meshlm may lack
   config.update(_known(saved, config))  # and those it has that meshlm no longer has
   config.init_from = ''  # the run's model settings are saved: where it started is not needed
-  config = settings.resolve(config)
+  config = settings.resolve(config).config
   tokenizer = tokenizers.load(config.data)
   model_cfg = ModelConfig.from_config(config.model)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))

@@ -1,20 +1,23 @@
 """From a raw config to a resolved, checked one: the first thing every entry point does (train.py
 through `loop.run`, sample.py through `sampling.load`, the benchmarks, a notebook).
 
-  config = settings.resolve(config)
+  config, target = settings.resolve(config)
 
-Resolving fills in what the config leaves open: `config.init_from='hf:DIR'` gives config.model
-(and the tokenizer) from a Hugging Face checkpoint's config.json; `config.model.vocab_size=0`
-becomes the tokenizer's size, padded. Checking (`check`) judges every setting that can be judged
-without devices or files, each bad one a ValueError naming `config.<field>` and the fix. What
-depends on the devices (the mesh against their count and the model's dimensions, cuDNN on a
+Resolving fills in what the config leaves open: `config.init_from='hf:DIR'` gives config.model (and
+the tokenizer) from a Hugging Face checkpoint's config.json; `config.model.vocab_size=0` becomes the
+tokenizer's size, padded; `config.model.attention='auto'` a kernel. It also gives the run's Target
+(planning/target.py): the devices its programs are compiled for and what they are, which everything
+after reads rather than looking the GPU up again. Checking (`check`) judges every setting that can
+be judged without devices or files, each bad one a ValueError naming `config.<field>` and the fix.
+What depends on the devices (the mesh against their count and the model's dimensions, cuDNN on a
 GPU, pinned host memory) is `training.state.build`'s, which raises `sharding.MeshMismatch` for a
-mesh the model or batch cannot use; files (data, checkpoints, the workdir) are checked where
-they are opened, before anything is written.
+mesh the model or batch cannot use; files (data, checkpoints, the workdir) are checked where they
+are opened, before anything is written.
 """
 
 import difflib
 import math
+from typing import NamedTuple
 
 import jax
 import ml_collections
@@ -23,6 +26,8 @@ from configs import base
 from data import tokenizers
 from model import ModelConfig
 from planning import gpus, timing
+from planning import target as target_lib
+from planning.target import Target
 from runtime import distributed, huggingface
 import sharding
 
@@ -58,38 +63,38 @@ RANGES = {
 }
 
 
-def resolve(config, devices=None):
-  """A checked copy of `config` with what it leaves open filled in (module docstring), for the
-  run's `devices` (default: this process's; a plan for config.plan.target is for that GPU)."""
+class Resolved(NamedTuple):
+  config: ml_collections.ConfigDict  # checked, with what it left open filled in
+  target: Target  # what its programs are compiled for (planning/target.py)
+
+
+def resolve(config, devices=None) -> Resolved:
+  """`config` checked, with what it leaves open filled in (module docstring), and its Target, for
+  a run on `devices` (default: this process's).
+
+    config, target = settings.resolve(config)
+  """
   config = huggingface.with_model_settings(config, base.get_config().model)
   config = tokenizers.with_vocab_size(config, tokenizers.load(config.data))
-  config = with_attention(config, devices)
   check(config)
-  return config
+  target = target_lib.resolve(config.plan, config.dry_run,
+                              jax.devices() if devices is None else devices)
+  return Resolved(with_attention(config, target.kernels, cudnn=target.on_gpu), target)
 
 
-def target(config, devices=None) -> gpus.GPU | None:
-  """The GPU the run's programs are compiled for: config.plan.target's, else the devices' (a GPU
-  planning/gpus.py lacks is ranked as an H100), else None (a CPU)."""
-  if config.plan.target:
-    return gpus.get(config.plan.target)
-  device = (jax.devices() if devices is None else list(devices))[0]
-  if device.platform != 'gpu':
-    return None
-  return gpus.find(device.device_kind) or gpus.GPUS['H100']
-
-
-def with_attention(config, devices=None):
-  """`config.model.attention='auto'` made concrete: on a CPU `xla` (our kernel only interprets
-  there; it runs only the ring, context_parallel='ring'); on a GPU the fused kernel that runs
-  this model and mesh (kernels.fused_for) which the time model predicts fastest
-  (timing.rank_attention: cuDNN on an H100 at head dims 64 and 128, its backward reaching 2.6×
-  ours). A config that names one keeps it, and so does one whose mesh the layout search picks
-  (config.mesh.auto): state.build chooses for each candidate there."""
+def with_attention(config, gpu: gpus.GPU | None, cudnn: bool = True):
+  """`config.model.attention='auto'` made concrete for programs ranked for `gpu`'s kernels (None:
+  a CPU's), where cuDNN's compile (`cudnn`: not in a CPU stand-in for a GPU). On a CPU `xla`
+  (our kernel only interprets there; it runs only the ring, context_parallel='ring'); on a GPU
+  the fused kernel that runs this model and mesh (kernels.fused_for) which the time model
+  predicts fastest (timing.rank_attention: cuDNN on an H100 at head dims 64 and 128, its
+  backward reaching 2.6× ours). A config that names one keeps it, and so does one whose mesh the
+  layout search picks (config.mesh.auto): it chooses for each candidate (layout.with_layout)."""
   if config.model.attention != 'auto' or config.mesh.auto:
     return config
   config = config.copy_and_resolve_references()
-  config.model.attention = attention_choice(config, target(config, devices))[0][0]
+  config.model.attention = next(kernel for kernel, _ in attention_choice(config, gpu)
+                                if cudnn or kernel != 'cudnn')
   return config
 
 
@@ -117,7 +122,7 @@ def check(config) -> None:
   sharding.check_mesh_config(config.mesh)
   distributed.check(config.distributed)
   if config.plan.target:
-    gpus.get(config.plan.target)
+    gpus.get(config.plan.target)  # before anything slower, such as the GPU compiler's devices
 
 
 def numbers(config, prefix: str = ''):

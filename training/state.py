@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from model import ModelConfig, Transformer
 from planning import gpus
+from planning import target as target_lib
 import sharding
 from training import optimizer, settings
 
@@ -58,7 +59,8 @@ def build(config, devices=None) -> Setup:
   """Check `config` against `devices` (settings.check, then the mesh: MeshMismatch) and derive
   the mesh, model, optimizer and state shardings (all abstract)."""
   devices = jax.devices() if devices is None else list(devices)
-  config = settings.with_attention(config, devices)  # for a config settings.resolve left it to
+  # 'auto' for the kernels of these devices, in a config that did not come through settings.resolve
+  config = settings.with_attention(config, target_lib.compiled_for(devices))
   settings.check(config)  # again, for a config that did not come through settings.resolve
   model_cfg = ModelConfig.from_config(config.model)
   sizes = sharding.mesh_shape(config.mesh, len(devices))
