@@ -57,6 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.scan_layers = True  # False unrolls the layer scan (same parameters, longer compile)
   m.remat_policy = 'none'  # none | full | dots | save_qkv_proj | save_attention | offload_* (docs/memory.md)
   m.virtual_stages = 1  # pipeline chunks per stage, interleaved (docs/parallelism.md); shapes params
+  m.head_chunk = 4096  # tokens a device's head and loss take at once: logits never whole (docs/memory.md); 0: all
 
   c.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = 1  # pure data parallelism: parameters replicated

@@ -20,10 +20,11 @@ the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
   python train.py --config=configs/llama.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B
 Should reach: the loss falls as the default run's does (without init_from they train
 byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 tokenizer.json gives
-them their real vocabulary). Compiled for H100 (pallas or cudnn attention), a step needs
-30.8 GiB (125m), 47.9 GiB (1b) and 55.8 GiB a GPU (8b, FSDP over 8; 35.9 GiB for 8b-128k),
-within the 59.7 GiB JAX's allocator takes of each. The time model predicts (cudnn attention; the
-dry run prints it) 93.7 ms, 595 ms and 3.20 s a step: MFU 28%, 46% and 53% (docs/time-model.md).
+them their real vocabulary). Compiled for H100 (cudnn attention), a step needs 20.2 GiB (125m,
+remat none), 44.7 GiB (1b, dots) and 46.6 GiB a GPU (8b, dots over 4 microbatches, FSDP over 8;
+26.7 GiB for 8b-128k, full), within the 59.7 GiB JAX's allocator takes of each. The time model
+predicts (the dry run prints it) 93.9 ms, 559 ms and 3.01 s a step: MFU 28%, 49% and 57%
+(docs/memory.md, docs/time-model.md).
 On GPU, compare the benchmark's measured MFU with those and with the peers' 33–50% (MaxText,
 torchtitan).
 """
@@ -41,10 +42,11 @@ PRESETS = {
     '8b': dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
                vocab_size=128256, tie_embeddings=False, rope_theta=500_000.0),
 }
-RUNS = {  # name: global batch (sequences), seq_len, remat policy
-    '125m': (32, 1024, 'none'),
-    '1b': (8, 4096, 'full'),
-    '8b': (32, 8192, 'full'),
+RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches: the fastest the
+          # time model predicts of those that fit the preset's H100s (docs/memory.md)
+    '125m': (32, 1024, 'none', 1),
+    '1b': (8, 4096, 'dots', 1),
+    '8b': (32, 8192, 'dots', 4),
 }
 GPUS = {'125m': 1, '1b': 1, '8b': 8}  # H100s each run is meant for (tests compile it so)
 LONG_CONTEXT = {  # name: shapes preset, seq_len, mesh; our kernel's ring over `sequence`
@@ -58,6 +60,7 @@ def get_config(preset: str = '1b'):
     c = get_config(shapes)
     c.workdir = f'/tmp/meshlm-{preset}'
     c.batch_size, c.seq_len = mesh['data'] * mesh['fsdp'], seq_len  # one row per batch shard
+    c.model.remat_policy, c.microbatches = 'full', 1  # dots needs 63 GiB a GPU here
     c.model.context_parallel = 'ring'  # so attention='auto' takes our kernel
     c.mesh.update(mesh)
     return c
@@ -69,7 +72,7 @@ def get_config(preset: str = '1b'):
   c.train_steps = 10_000
   c.log_every = 10
   c.eval_every = 1000
-  c.batch_size, c.seq_len, c.model.remat_policy = RUNS[preset]
+  c.batch_size, c.seq_len, c.model.remat_policy, c.microbatches = RUNS[preset]
   c.model.update(PRESETS[preset])
   c.optimizer.learning_rate = 3e-4
   c.optimizer.warmup_steps = 500

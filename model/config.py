@@ -42,6 +42,7 @@ class ModelConfig:
   scan_layers: bool
   remat_policy: str
   virtual_stages: int
+  head_chunk: int  # tokens a device's head and loss take at once (model/head.py); 0: all
 
   def __post_init__(self):
     if self.vocab_size == 0:
@@ -72,6 +73,9 @@ class ModelConfig:
           f'{self.rope_original_length}')
     # 'auto' is made concrete for the devices before a model is built (training/settings.py)
     _check_choice('attention', self.attention, ('auto', *IMPLEMENTATIONS))
+    if self.head_chunk < 0:
+      raise ValueError(f'config.model.head_chunk={self.head_chunk} must be 0 (the whole batch\'s '
+                       'logits at once) or a number of tokens, such as 4096')
     for name in ('attention_block_q', 'attention_block_k'):
       block = getattr(self, name)
       if block < 0 or block & (block - 1):

@@ -51,8 +51,9 @@ def over_stages(forward, axis: str, staged_dim: int = 0):
   leaves of `staged` are split over `axis` along dimension `staged_dim`, everything else is whole
   on every stage, and so is the result. Nothing outside the pipeline is left for XLA to split
   over stages (it would move parameters between them to do so): each stage computes the rest
-  itself, and what no stage varies (the embedding, the head, their gradients) needs no collective
-  across stages."""
+  itself, and what no stage varies (the embedding and its gradient) needs no collective across
+  stages. The head and loss are split among the stages by microbatch (`shares`), so the head's
+  weight gradient is summed over them."""
   mesh = jax.sharding.get_abstract_mesh()
   staged = P(*(None,) * staged_dim, axis)
   return lambda staged_tree, shared, *args: jax.shard_map(
@@ -64,8 +65,8 @@ def schedule(run_layers, layers, x_MbLD, extras_Mb, axis: str, loops: int = 1):
   """run_layers(layers, x_bLD, extras_b) applied to every microbatch of x_MbLD through all the
   stages' layers, inside `over_stages`. `layers` is this stage's share: [n/P, …] for GPipe, or
   with `loops` = V > 1 virtual stages its chunks, [V, n/(V·P), …]; extras_Mb (a pytree of
-  per-microbatch arrays, such as positions) go with each microbatch. Returns y_MbLD, the same on
-  every stage.
+  per-microbatch arrays, such as positions) go with each microbatch. Returns y_MbLD on the last
+  stage and zeros on the others, for `to_every_stage` or `shares`.
 
   With V > 1, run_layers(layers, x_bLD, extras_b, chunk=v) must run row v of the chunks, taking
   each layer's weights with `pick` inside the layer's remat region: a chunk's weights are then
@@ -101,9 +102,49 @@ def schedule(run_layers, layers, x_MbLD, extras_Mb, axis: str, loops: int = 1):
 
   _, y_TbLD = jax.lax.scan(tick, (jnp.zeros_like(inputs_MbLD[0], dtype), inputs_MbLD),
                            jnp.arange(ticks(microbatches, stages, loops)))
-  # Only the last stage's last loop is the result; the sum over stages hands it to every stage.
-  y_MbLD = jnp.where(stage == stages - 1, y_TbLD[items - microbatches + stages - 1:], 0)
-  return jax.lax.psum(y_MbLD.astype(jnp.float32), axis).astype(dtype)
+  # Only the last stage's last loop is the result.
+  return jnp.where(stage == stages - 1, y_TbLD[items - microbatches + stages - 1:], 0)
+
+
+# The sums over stages below are taken in fp32, as the schedule's are.
+
+def to_every_stage(y_MbLD, axis: str):
+  """The schedule's result (the last stage's) on every stage: a sum over stages."""
+  return jax.lax.psum(y_MbLD.astype(jnp.float32), axis).astype(y_MbLD.dtype)
+
+
+def _per_stage(microbatches: int, axis: str) -> int:
+  return -(-microbatches // jax.lax.axis_size(axis))
+
+
+def _padded(x_M, rows: int):
+  return jnp.pad(x_M, [(0, rows - x_M.shape[0])] + [(0, 0)] * (x_M.ndim - 1))
+
+
+def shares(y_MbLD, axis: str):
+  """The schedule's result split among the stages for the work after it (the head and loss):
+  stage s takes microbatches s·m … s·m + m − 1, m = ⌈M / P⌉ (the last stages' padded with zero
+  rows). Handed to every stage by a sum, each keeps its share: XLA partitions a reduce-scatter
+  over stages by gathering the microbatches' rows over the other axes first."""
+  summed_MbLD = jax.lax.psum(y_MbLD.astype(jnp.float32), axis)
+  return own_share(summed_MbLD, axis).astype(y_MbLD.dtype)  # its backward sums in fp32 too
+
+
+def own_share(x_Mb, axis: str):
+  """This stage's share (as `shares` makes it) of x_Mb, which every stage holds whole."""
+  m = _per_stage(x_Mb.shape[0], axis)
+  x_Mb = _padded(x_Mb, m * jax.lax.axis_size(axis))
+  return jax.lax.dynamic_slice_in_dim(x_Mb, jax.lax.axis_index(axis) * m, m)
+
+
+def from_shares(x_mb, axis: str, microbatches: int):
+  """`shares`' inverse for results small enough to sum (per-token losses): every stage's share,
+  [M, …] on every stage."""
+  stages = jax.lax.axis_size(axis)
+  x_Pmb = jnp.zeros((stages * x_mb.shape[0], *x_mb.shape[1:]), jnp.float32)
+  x_Pmb = jax.lax.dynamic_update_slice_in_dim(x_Pmb, x_mb.astype(jnp.float32),
+                                              jax.lax.axis_index(axis) * x_mb.shape[0], 0)
+  return jax.lax.psum(x_Pmb, axis)[:microbatches].astype(x_mb.dtype)
 
 
 def pick(w, chunk, layer):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import sharding
-from model import pipeline
+from model import head, pipeline
 from model.config import REMAT_POLICIES, ModelConfig
 from model.layers import Block, RMSNorm, constrain, gathered, lookup, matmul, param, weight
 
@@ -65,16 +65,19 @@ class Transformer(nnx.Module):
       self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
                            cfg.weight_dtype, cfg.d_model ** -0.5)
 
-  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, microbatches: int = 1):
-    """Logits[B, L, V] in fp32. Positions default to 0..L-1; with segment ids (packed rows) a
-    token attends only within its own segment, so documents never see each other. Under ring
-    attention over a sequence split, rows come in the zigzag order (training.step.context_layout
-    lays a batch out so; positions then must be given). With the layers split into pipeline
-    stages, the batch flows through them as `microbatches` slices (model/pipeline.py)."""
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, microbatches: int = 1,
+               targets_BL=None):
+    """Logits[B, L, V] in fp32; or, given the targets, their losses instead: (−log p(target),
+    log Z), fp32 [B, L], from the head and loss as one operation that never holds the whole
+    logits (model/head.py). Positions default to 0..L-1; with segment ids (packed rows) a token
+    attends only within its own segment, so documents never see each other. Under ring attention
+    over a sequence split, rows come in the zigzag order (training.step.context_layout lays a
+    batch out so; positions then must be given). With the layers split into pipeline stages, the
+    batch flows through them as `microbatches` slices (model/pipeline.py)."""
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     if (stage_axis := sharding.mesh_axis('layers')) is None:
-      return self._forward(tokens_BL, positions_BL, segment_ids_BL)
+      return self._forward(tokens_BL, positions_BL, segment_ids_BL, targets_BL)
     # Pipeline stages: every stage runs the whole forward on its own share of the layers.
     graphdef, blocks, rest = nnx.split(self, nnx.PathContains('blocks'), ...)
 
@@ -82,10 +85,11 @@ class Transformer(nnx.Module):
       return nnx.merge(graphdef, blocks, rest)._forward(*batch, microbatches, stage_axis)
 
     staged_dim = int(self.cfg.virtual_stages > 1)  # the 'layers' dimension
-    return pipeline.over_stages(forward, stage_axis, staged_dim)(blocks, rest, tokens_BL,
-                                                                 positions_BL, segment_ids_BL)
+    return pipeline.over_stages(forward, stage_axis, staged_dim)(
+        blocks, rest, tokens_BL, positions_BL, segment_ids_BL, targets_BL)
 
-  def _forward(self, tokens_BL, positions_BL, segment_ids_BL, microbatches=1, stage_axis=None):
+  def _forward(self, tokens_BL, positions_BL, segment_ids_BL, targets_BL=None, microbatches=1,
+               stage_axis=None):
     cfg = self.cfg
     # The table is gathered (FSDP) once, in the compute dtype: for the lookup, and for a tied
     # head, which keeps it for its backward.
@@ -93,19 +97,64 @@ class Transformer(nnx.Module):
     table_c_VD = gathered(table_VD, ('vocab', 'embed'), cfg.dtype)
     x_BLD = lookup(table_VD, table_c_VD, tokens_BL)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
-    x_BLD = self._run_blocks(x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis)
-    return constrain(self._head(x_BLD, table_VD, table_c_VD), ('batch', 'length', 'vocab'))
+    if stage_axis is None:
+      x_BLD = self._run_blocks(x_BLD, positions_BL, segment_ids_BL)
+    else:
+      y_MbLD = self._run_stages(x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis)
+      if targets_BL is not None:
+        return self._staged_losses(y_MbLD, table_VD, table_c_VD, targets_BL, stage_axis)
+      x_BLD = pipeline.merge(pipeline.to_every_stage(y_MbLD, stage_axis))
+      x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
+    if targets_BL is None:
+      return constrain(self._head(x_BLD, table_VD, table_c_VD), ('batch', 'length', 'vocab'))
+    return tuple(constrain(a_BL, ('batch', 'length'))
+                 for a_BL in self._losses(x_BLD, table_VD, table_c_VD, targets_BL))
+
+  def _staged_losses(self, y_MbLD, table_VD, table_c_VD, targets_BL, stage_axis):
+    """The head and loss after pipeline stages, split among them: each stage takes its share of
+    the microbatches (pipeline.shares), so none runs the head on the whole batch; the head's
+    weight gradient is then summed over the stages, the one thing of a parameter's to cross
+    them."""
+    M = y_MbLD.shape[0]
+    names = (None, 'batch', 'length')
+    x_mbLD = constrain(pipeline.shares(y_MbLD, stage_axis), names + ('embed',))
+    targets_mbL = pipeline.own_share(pipeline.split(targets_BL, M), stage_axis)
+    m = x_mbLD.shape[0]
+    losses = self._losses(pipeline.merge(x_mbLD), table_VD, table_c_VD,
+                          pipeline.merge(targets_mbL), stage_axis)
+    return tuple(
+        constrain(pipeline.merge(pipeline.from_shares(
+            constrain(pipeline.split(a_bL, m), names), stage_axis, M)), ('batch', 'length'))
+        for a_bL in losses)
+
+  def _head_weight(self, table_VD, table_c_VD, stage_axis=None):
+    """The output projection as (parameter, gathered in the compute dtype): the tied table, or
+    the head's own W[embed, vocab]. With `stage_axis`, each stage's own copy, for a head that
+    the stages run on different tokens: its gradient is summed over them, in the parameter's
+    dtype (XLA's CPU compiler fails on bf16 sums there)."""
+    cfg = self.cfg
+    if cfg.tie_embeddings and stage_axis is None:
+      return table_VD, table_c_VD  # the lookup's own
+    p, names = ((self.embed, ('vocab', 'embed')) if cfg.tie_embeddings else
+                (self.unembed, ('embed', 'vocab')))
+    value = p[...]
+    if stage_axis is not None:
+      value = jax.lax.pcast(value, stage_axis, to='varying')
+    w = value.astype(cfg.reduce_dtype)
+    return w, gathered(w, names, cfg.dtype)
+
+  def _losses(self, x_BLD, table_VD, table_c_VD, targets_BL, stage_axis=None):
+    """Final norm, then the head and loss as one operation (model/head.py)."""
+    return head.token_losses(self.final_norm(x_BLD),
+                             *self._head_weight(table_VD, table_c_VD, stage_axis), targets_BL,
+                             tied=self.cfg.tie_embeddings, chunk=self.cfg.head_chunk)
 
   def _head(self, x_BLD, table_VD, table_c_VD):
     """Final norm and output projection: logits in fp32. The projection is gathered once, kept
     from the forward to the backward (they follow each other)."""
-    cfg = self.cfg
-    x_BLD = self.final_norm(x_BLD)
-    if cfg.tie_embeddings:
-      return matmul('bld,vd->blv', x_BLD, table_VD, jnp.float32, table_c_VD)
-    w_DV = weight(self.unembed, cfg)
-    w_c_DV = gathered(w_DV, ('embed', 'vocab'), cfg.dtype)
-    return matmul('bld,dv->blv', x_BLD, w_DV, jnp.float32, w_c_DV)
+    w, w_c = self._head_weight(table_VD, table_c_VD)
+    spec = 'bld,vd->blv' if self.cfg.tie_embeddings else 'bld,dv->blv'
+    return matmul(spec, self.final_norm(x_BLD), w, jnp.float32, w_c)
 
   def init_cache(self, batch: int, slots: int) -> dict:
     """An empty KV cache: k and v [layers, B, S, K, H] in the compute dtype."""
@@ -133,37 +182,39 @@ class Transformer(nnx.Module):
     x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (layers, cache['k'], cache['v']))
     return self._head(x_BTD, table_VD, table_c_VD), {'k': k, 'v': v}
 
-  def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis):
-    """One `lax.scan` over the stacked layers, so compile time does not grow with depth;
-    `scan_layers=False` unrolls the same scan (same parameters, so checkpoints are shared). Split
-    into pipeline stages over `stage_axis`, each stage scans its own layers, microbatch by
-    microbatch (model/pipeline.py)."""
-    graphdef, layers = nnx.split(self.blocks)
+  def _run_layers(self, layers, x_BLD, extras, chunk=None):
+    """The stacked layers in turn, one `lax.scan`, so compile time does not grow with depth
+    (`scan_layers=False` unrolls the same scan: same parameters, so checkpoints are shared); with
+    `chunk`, row `chunk` of [V, n/(V·P), ...] (a pipeline stage's, model/pipeline.py), each layer
+    picked inside its remat region."""
+    graphdef = nnx.graphdef(self.blocks)
 
-    def run_layers(layers, x_BLD, extras, chunk=None):
-      """The stacked layers in turn; with `chunk`, row `chunk` of [V, n/(V·P), ...] (a pipeline
-      stage's, model/pipeline.py), each layer picked inside its remat region."""
-      def body(x_BLD, layer):
-        if chunk is not None:  # `layer` is its index
-          layer = jax.tree.map(lambda w: pipeline.pick(w, chunk, layer), layers)
-        return nnx.merge(graphdef, layer)(x_BLD, *extras), None
+    def body(x_BLD, layer):
+      if chunk is not None:  # `layer` is its index
+        layer = jax.tree.map(lambda w: pipeline.pick(w, chunk, layer), layers)
+      return nnx.merge(graphdef, layer)(x_BLD, *extras), None
 
-      policy = REMAT[self.cfg.remat_policy]
-      if policy is None and chunk is not None:
-        policy = pipeline.recompute_picks
-      if policy is not None:
-        body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
-      xs = layers if chunk is None else jnp.arange(jax.tree.leaves(layers)[0].shape[1])
-      return jax.lax.scan(body, x_BLD, xs, unroll=1 if self.cfg.scan_layers else True)[0]
+    policy = REMAT[self.cfg.remat_policy]
+    if policy is None and chunk is not None:
+      policy = pipeline.recompute_picks
+    if policy is not None:
+      body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
+    xs = layers if chunk is None else jnp.arange(jax.tree.leaves(layers)[0].shape[1])
+    return jax.lax.scan(body, x_BLD, xs, unroll=1 if self.cfg.scan_layers else True)[0]
 
-    extras = (positions_BL, segment_ids_BL)
-    if stage_axis is None:
-      return run_layers(self._in_order(layers), x_BLD, extras)
+  def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL):
+    layers = self._in_order(nnx.state(self.blocks))
+    return self._run_layers(layers, x_BLD, (positions_BL, segment_ids_BL))
+
+  def _run_stages(self, x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis):
+    """The layers split into pipeline stages over `stage_axis`: each stage scans its own,
+    microbatch by microbatch (model/pipeline.py). Returns the last stage's y_MbLD (zeros on the
+    others)."""
     x_MbLD = constrain(pipeline.split(x_BLD, microbatches), (None, 'batch', 'length', 'embed'))
-    extras_Mb = jax.tree.map(lambda e: pipeline.split(e, microbatches), extras)
-    y_MbLD = pipeline.schedule(run_layers, layers, x_MbLD, extras_Mb, stage_axis,
-                               self.cfg.virtual_stages)
-    return constrain(pipeline.merge(y_MbLD), ('batch', 'length', 'embed'))
+    extras_Mb = jax.tree.map(lambda e: pipeline.split(e, microbatches),
+                             (positions_BL, segment_ids_BL))
+    return pipeline.schedule(self._run_layers, nnx.state(self.blocks), x_MbLD, extras_Mb,
+                             stage_axis, self.cfg.virtual_stages)
 
   def _in_order(self, layers):
     """Stacked layers as [n, ...] in execution order, from [V, n/V, ...] (neither dimension split:

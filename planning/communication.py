@@ -36,7 +36,10 @@ tied), P_N the norm scales (replicated). Per step:
             under `full`), their gradients once, in r: M·n_layers·b·L·(K/t)·H·((4|6)·c + 2r)·ρ(s)
   stage     a microbatch's activations passed on every tick, forward and (their gradient)
             backward, by collective-permute: 2·T·b·(L/s)·D·c; the last stage's outputs summed
-            to every stage, and the input's gradient back, in fp32: 2·2·M·b·(L/s)·D·4·ρ(P)
+            to every stage, and the input's gradient back, in fp32: 2·2·M·b·(L/s)·D·4·ρ(P);
+            the head and loss, which each stage runs on its share of the microbatches
+            (model/transformer.py), the head weight's gradient summed over stages in fp32:
+            2·4·V·D/(t·g)·ρ(P), and their per-token losses: 2·4·⌈M/P⌉·P·b·(L/s)·ρ(P)
 """
 
 import math
@@ -73,7 +76,9 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
                 * rho(t),
       'sequence': (M * cfg.n_layers * b * seq_len * cfg.n_kv_heads / t * cfg.head_dim * rho(s)
                    * ((6 if full else 4) * c + (2 * r if cfg.context_parallel == 'ring' else 0))),
-      'stage': (2 * T + 4 * M * rho(P) * 4 / c) * activation if P > 1 else 0.0,
+      'stage': ((2 * T + 4 * M * rho(P) * 4 / c) * activation
+                + 2 * 4 * (table / (t * g) + -(-M // P) * P * b * seq_len / s) * rho(P)
+                if P > 1 else 0.0),
   }
 
 

@@ -6,33 +6,66 @@ import flax.core.spmd
 import flax.linen as nn
 import jax
 
+from sharding.rules import PARAM_RULES
+
 
 def mesh_axis(name: str) -> str | None:
   """The mesh axis that the logical axis `name` is split over under the active rules and mesh,
   for a kernel's own collectives along it (a ring over 'length'); None when it is not split."""
+  axes = mesh_axes(name)
+  if len(axes) > 1:
+    raise ValueError(f'logical axis {name!r} is split over mesh axes {list(axes)}; a kernel '
+                     'collective along it needs one (sharding/rules.py)')
+  return axes[0] if axes else None
+
+
+def mesh_axes(name: str, params: bool = False) -> tuple[str, ...]:
+  """The mesh axes of more than one device that the logical axis `name` is split over, in order:
+  under the active rules (how the computation is split) or, with `params`, where parameters live
+  (PARAM_RULES). () off a mesh or without rules."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not flax.core.spmd.get_logical_axis_rules():
-    return None
-  axes = nn.logical_to_mesh_axes((name,))[0]
-  axes = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape[a] > 1]
-  if len(axes) > 1:
-    raise ValueError(f'logical axis {name!r} is split over mesh axes {axes}; a kernel collective '
-                     'along it needs one (sharding/rules.py)')
-  return axes[0] if axes else None
+    return ()
+  axes = nn.logical_to_mesh_axes((name,), PARAM_RULES if params else None)[0]
+  return tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape[a] > 1)
+
+
+class Params(tuple):
+  """Logical names of an output of `per_shard` laid out where parameters live (PARAM_RULES), such
+  as a gradient the function reduce-scatters itself."""
+
+
+def _spec(names):
+  return nn.logical_to_mesh_axes(names, PARAM_RULES if isinstance(names, Params) else None)
 
 
 def per_shard(fn, in_names: tuple, out_names: tuple):
   """`fn` run by every device on its own shard of the arguments (jax.shard_map), the shards being
-  where the logical axes `in_names` (one tuple per argument) and `out_names` put them under the
-  active rules and mesh. Outside a mesh, or without rules, `fn` itself."""
+  where the logical axes `in_names` (one tuple per argument) and `out_names` (one tuple, or for
+  several outputs a list of them) put them under the active rules and mesh. Outside a mesh, or
+  without rules, `fn` itself."""
   def run(*args):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not flax.core.spmd.get_logical_axis_rules():
       return fn(*args)
+    out_specs = (tuple(map(_spec, out_names)) if isinstance(out_names, list)
+                 else _spec(out_names))
     return jax.shard_map(fn, mesh=mesh, check_vma=False,
-                         in_specs=tuple(nn.logical_to_mesh_axes(n) for n in in_names),
-                         out_specs=nn.logical_to_mesh_axes(out_names))(*args)
+                         in_specs=tuple(map(_spec, in_names)), out_specs=out_specs)(*args)
   return run
+
+
+def _varying(x) -> frozenset:
+  """The manual axes (a pipeline stage's) over which x's value varies."""
+  aval = jax.typeof(x)
+  return frozenset(aval.vma if hasattr(aval, 'vma') else aval.manual_axis_type.varying)
+
+
+def varying_like(y, x):
+  """y typed as varying over the manual axes x varies over (its value unchanged): for a gradient
+  computed per shard, whose type must match its primal's in a custom VJP."""
+  axes = tuple(sorted(_varying(x) - _varying(y)))
+  return jax.lax.pcast(y, axes, to='varying') if axes else y
 
 
 def partitioned(fn, in_names: tuple, out_names: tuple):

@@ -5,6 +5,7 @@ persistent compilation cache: each compiles the same tiny steps again (a killed 
 restart, two processes of one job). This process compiles its own."""
 
 import os
+import re
 import shutil
 import socket
 import sys
@@ -58,8 +59,14 @@ def tiny_config(**mesh):
   c.mesh.update(dict(data=1, stage=1, fsdp=1, tensor=1, sequence=1))
   c.mesh.update(mesh)
   c.model.vocab_size = 384  # the byte tokenizer's, padded
+  c.model.head_chunk = 24  # several chunks a device, the last padded (model/head.py)
   c.data.paths, c.data.validation_fraction = SMALL_CORPUS, 0.1
   return c
+
+
+def f32_shapes(hlo: str) -> list[tuple[int, ...]]:
+  """The shape of every fp32 array a compiled program's text names."""
+  return [tuple(map(int, dims.split(','))) for dims in re.findall(r'f32\[([\d,]+)\]', hlo)]
 
 
 def free_port() -> int:
@@ -90,6 +97,8 @@ FAST = (
     'test_kernels.py::test_matches_reference_values_and_gradients[True-1-False]',
     'test_kernels.py::test_matches_reference_values_and_gradients[True-4-True]',
     'test_kernels.py::test_sharded_over_batch_and_heads_equals_unsharded',
+    'test_head.py::test_losses_and_gradients_equal_the_plain_paths',
+    'test_head.py::test_sharded_over_tokens_and_vocabulary_equals_one_device',
     'test_fp8.py::test_forward_and_gradients_match_numpy',
     'test_fp8.py::test_overflow_cannot_reach_the_weights',
     'test_context_parallel.py::test_equals_unsharded_attention_values_and_gradients'

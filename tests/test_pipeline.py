@@ -3,6 +3,7 @@ does, only activations cross stages, the compiled schedule has its ticks, and ch
 between stage counts."""
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -111,8 +112,10 @@ def test_a_non_finite_step_is_skipped_by_every_stage():
 def test_only_activations_cross_stages_in_the_compiled_step(remat, virtual, mesh):
   """Along `stage` the program moves a microbatch's activations by collective-permute, once a
   tick each way, plus the sums that hand the last stage's outputs (and the input's gradient) to
-  every stage; no parameter or gradient of one crosses. The schedule runs V·M + P − 1 ticks; with
-  V chunks the last stage passes back to the first (a ring), without them it does not."""
+  every stage and gather the per-token losses of the head, which each stage runs on its share of
+  the microbatches; no parameter crosses, and of the gradients only the head's (its weight's and
+  the final norm's), summed over the stages. The schedule runs V·M + P − 1 ticks; with V chunks the last stage passes
+  back to the first (a ring), without them it does not."""
   setup, config, step = compiled(remat, M, 'float32', virtual, **mesh)
   stages = mesh['stage']
   b = config.batch_size // M // mesh['fsdp']  # rows of a microbatch per device
@@ -127,9 +130,14 @@ def test_only_activations_cross_stages_in_the_compiled_step(remat, virtual, mesh
   for c in permutes:
     assert c.arrays == (('f32', activation),)
     assert c.executions == pipeline.ticks(M, stages, virtual) == virtual * M + stages - 1
+  D, V, t = config.model.d_model, config.model.vocab_size, mesh.get('tensor', 1)
+  losses = {(M, b, config.seq_len), (M // stages, b, config.seq_len)}  # all, and a stage's share
+  head = {(D // mesh['fsdp'], V // t), (V // t, D // mesh['fsdp'])}  # the head weight's gradient
   for c in crossing:
     assert c.op in ('collective-permute', 'all-reduce'), c
-    assert {shape for _, shape in c.arrays} <= {activation, (M, *activation), ()}, c
+    for _, shape in c.arrays:
+      assert (shape in {activation, (M, *activation), (), *losses, *head}
+              or math.prod(shape) == D), c  # the last, the final norm's gradient
 
 
 @pytest.mark.parametrize('virtual', [1, 2])

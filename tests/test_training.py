@@ -14,7 +14,8 @@ import pytest
 from tests.conftest import tiny_config
 from training import loop, optimizer
 from training.state import build
-from training.step import cross_entropy
+from kernels.cross_entropy import plain_token_losses
+from training.step import weighted_losses
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ def test_cross_entropy_is_the_weighted_mean_nll_and_z_loss_penalises_log_z():
   logits = jax.random.normal(jax.random.key(0), (2, 3, 5))
   targets = jnp.array([[0, 1, 2], [3, 4, 0]])
   weights = jnp.array([[1, 1, 0], [1, 0, 1]], jnp.float32)
-  ce, zl = cross_entropy(logits, targets, weights, z_loss=0.1)
+  ce, zl = weighted_losses(*plain_token_losses(logits, targets), weights, z_loss=0.1)
   logp = jax.nn.log_softmax(logits)
   nll = -np.take_along_axis(np.asarray(logp), np.asarray(targets)[..., None], -1)[..., 0]
   np.testing.assert_allclose(ce, (nll * weights).sum() / 4, rtol=1e-6)

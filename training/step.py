@@ -18,18 +18,11 @@ BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
 UNPACKED_KEYS = {k: v for k, v in BATCH_KEYS.items() if k != 'segment_ids'}  # one document a row
 
 
-def token_nll(logits_BLV, targets_BL):
-  """Per-token negative log-likelihood of the targets, and log Z."""
-  logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-  target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
-  return logz_BL - target_logit_BL, logz_BL
-
-
-def cross_entropy(logits_BLV, targets_BL, weights_BL, z_loss: float, total=None):
-  """Mean next-token cross-entropy over weighted tokens, and the z-loss z_loss·mean(log Z)².
-  `total` is the weight the means divide by (default: this batch's); a microbatch passes its
-  whole batch's, so that the microbatches' terms add up to the batch's."""
-  nll_BL, logz_BL = token_nll(logits_BLV, targets_BL)
+def weighted_losses(nll_BL, logz_BL, weights_BL, z_loss: float, total=None):
+  """Mean next-token cross-entropy over weighted tokens, and the z-loss z_loss·mean(log Z)², in
+  fp32, from the model's per-token losses. `total` is the weight the means divide by (default:
+  this batch's); a microbatch passes its whole batch's, so that the microbatches' terms add up to
+  the batch's."""
   if total is None:
     total = jnp.maximum(weights_BL.sum(), 1.0)
   ce = (nll_BL * weights_BL).sum() / total
@@ -48,17 +41,19 @@ def context_layout(setup: Setup, batch: dict) -> dict:
     return {k: constrain(x_BL[:, order], ('batch', 'length')) for k, x_BL in batch.items()}
 
 
-def _logits(graphdef, params, batch, microbatches=1):
+def _token_losses(graphdef, params, batch, microbatches=1):
+  """(−log p(target), log Z) [B, L] of the batch, from the model's head and loss together."""
   # Activations are pinned through ACTIVATION_RULES while the model is traced.
   with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
     model = nnx.merge(graphdef, params)
     # A batch without segment ids holds one document a row (no packing mask to apply).
-    return model(batch['inputs'], batch['positions'], batch.get('segment_ids'), microbatches)
+    return model(batch['inputs'], batch['positions'], batch.get('segment_ids'), microbatches,
+                 targets_BL=batch['targets'])
 
 
 def _loss(graphdef, params, batch, z_loss, total=None, microbatches=1):
-  ce, zl = cross_entropy(_logits(graphdef, params, batch, microbatches), batch['targets'],
-                         batch['weights'], z_loss, total)
+  ce, zl = weighted_losses(*_token_losses(graphdef, params, batch, microbatches),
+                           batch['weights'], z_loss, total)
   return ce + zl, (ce, zl)
 
 
@@ -131,7 +126,7 @@ def make_eval_step(setup: Setup, token_bytes_V, microbatches: int = 1):
 
   def eval_step(params, batch):
     batch = context_layout(setup, batch)
-    nll_BL, _ = token_nll(_logits(setup.graphdef, params, batch, microbatches), batch['targets'])
+    nll_BL, _ = _token_losses(setup.graphdef, params, batch, microbatches)
     weights_BL = batch['weights']
     return {'nats': (nll_BL * weights_BL).sum(), 'tokens': weights_BL.sum(),
             'bytes': (token_bytes_V[batch['targets']] * weights_BL).sum()}

@@ -1,0 +1,122 @@
+"""The output head and its cross-entropy as one operation that never holds more than a chunk of
+logits.
+
+On each device's own tokens (the caller runs these per shard, model/head.py), `chunk` tokens at a
+time: the chunk's logits x·W in the compute dtype with fp32 accumulation, their log-sum-exp over
+the vocabulary (its shards along `vocab_axis` combined by a max and a sum across devices), and
+the target's logit (from the shard that holds it). Out come per-token log Z and −log p(target) in
+fp32, [T] each; weights and the z-loss are the caller's, in fp32. A [chunk, V/shards] fp32 block
+is the largest thing made: the 8b preset's 32,768 tokens × 128,256 vocabulary a device (15.7 GiB
+of fp32 logits, and as much again for their gradient) become 4,096 × 128,256 (2 GiB) at the
+default chunk.
+
+The backward recomputes each chunk's logits from x and W (one head matmul more than a backward
+that kept them) and forms dlogits = (g_nll + g_logz)·softmax − g_nll·onehot(target) in fp32, cast
+to the compute dtype for dx = dlogits·Wᵀ (summed over the vocabulary's shards) and dW += xᵀ·dlogits
+(fp32 across chunks). dW then leaves summed over the token axes and split as the weight is
+(`scatter_axes`: a reduce-scatter into its FSDP shards, `sum_axes`: the rest), in the weight's
+dtype: the one its partial sums cross devices in, as kernels/matmul.py's do.
+
+W is [D, V] (spec 'cd,dv->cv', an untied head) or [V, D] ('cd,vd->cv', the tied table).
+"""
+
+import jax
+import jax.numpy as jnp
+
+SPECS = ('cd,dv->cv', 'cd,vd->cv')
+
+
+def _dims(spec: str) -> tuple[int, int]:
+  """(the vocabulary's, the model dimension's) dimension of W."""
+  return (1, 0) if spec == 'cd,dv->cv' else (0, 1)
+
+
+def _in_chunks(chunk: int, *arrays_T):
+  """Each [T, ...] array as [n, chunk, ...], zero-padded to n·chunk rows."""
+  T = arrays_T[0].shape[0]
+  n = -(-T // chunk)
+  return [jnp.pad(a, [(0, n * chunk - T)] + [(0, 0)] * (a.ndim - 1))
+          .reshape(n, chunk, *a.shape[1:]) for a in arrays_T]
+
+
+def _local_targets(targets_C, w, spec, vocab_axis):
+  """The targets as indices into this device's vocabulary shard, and whether they fall in it."""
+  vocab = w.shape[_dims(spec)[0]]
+  offset = jax.lax.axis_index(vocab_axis) * vocab if vocab_axis else 0
+  local_C = targets_C - offset
+  return local_C, (local_C >= 0) & (local_C < vocab)
+
+
+def _over_vocab(reduce, x, vocab_axis):
+  return reduce(x, vocab_axis) if vocab_axis else x
+
+
+def token_losses(x_TD, w_c, targets_T, *, spec: str, chunk: int, vocab_axis: str | None = None):
+  """(−log p(target), log Z), fp32 [T] each, of tokens x_TD under the head w_c (the compute dtype;
+  this device's vocabulary shard along `vocab_axis`, if split), `chunk` tokens at a time."""
+  def one_chunk(_, xs):
+    x_CD, targets_C = xs
+    logits_CV = jnp.einsum(spec, x_CD, w_c, preferred_element_type=jnp.float32)
+    max_C = _over_vocab(jax.lax.pmax, logits_CV.max(axis=-1), vocab_axis)
+    sum_C = _over_vocab(jax.lax.psum, jnp.exp(logits_CV - max_C[:, None]).sum(axis=-1),
+                        vocab_axis)
+    logz_C = max_C + jnp.log(sum_C)
+    local_C, here_C = _local_targets(targets_C, w_c, spec, vocab_axis)
+    index_C1 = jnp.clip(local_C, 0, logits_CV.shape[1] - 1)[:, None]
+    picked_C = jnp.take_along_axis(logits_CV, index_C1, axis=-1)[:, 0]
+    target_logit_C = _over_vocab(jax.lax.psum, jnp.where(here_C, picked_C, 0.0), vocab_axis)
+    return None, (logz_C - target_logit_C, logz_C)
+
+  T = x_TD.shape[0]
+  _, (nll_nC, logz_nC) = jax.lax.scan(one_chunk, None, _in_chunks(chunk, x_TD, targets_T))
+  return nll_nC.reshape(-1)[:T], logz_nC.reshape(-1)[:T]
+
+
+def token_losses_grads(x_TD, w_c, targets_T, logz_T, g_nll_T, g_logz_T, *, spec: str, chunk: int,
+                       w_dtype, vocab_axis: str | None = None, scatter_axes: tuple = (),
+                       sum_axes: tuple = ()):
+  """(dx_TD, dW) of token_losses for the cotangents g_nll_T, g_logz_T: dx in x's dtype, dW in
+  `w_dtype`, summed over `sum_axes` and reduce-scattered over `scatter_axes` along W's model
+  dimension (module docstring)."""
+  model_dim = _dims(spec)[1]
+  w_spec = spec.split('->')[0].split(',')[1]
+  dx_spec, dw_spec = f'cv,{w_spec}->cd', f'cd,cv->{w_spec}'
+
+  def one_chunk(xs):
+    """(this chunk's share of dW in fp32, its dx)."""
+    x_CD, targets_C, logz_C, g_nll_C, g_logz_C = xs
+    logits_CV = jnp.einsum(spec, x_CD, w_c, preferred_element_type=jnp.float32)
+    probs_CV = jnp.exp(logits_CV - logz_C[:, None])
+    local_C, here_C = _local_targets(targets_C, w_c, spec, vocab_axis)
+    onehot_CV = (jnp.arange(logits_CV.shape[1]) == local_C[:, None]) & here_C[:, None]
+    d_logits_CV = ((g_nll_C + g_logz_C)[:, None] * probs_CV
+                   - jnp.where(onehot_CV, g_nll_C[:, None], 0.0)).astype(x_CD.dtype)
+    dx_CD = jnp.einsum(dx_spec, d_logits_CV, w_c, preferred_element_type=x_CD.dtype)
+    return (jnp.einsum(dw_spec, x_CD, d_logits_CV, preferred_element_type=jnp.float32),
+            _over_vocab(jax.lax.psum, dx_CD, vocab_axis))
+
+  def accumulate(dw_f32, xs):
+    dw_chunk, dx_CD = one_chunk(xs)
+    return dw_f32 + dw_chunk, dx_CD
+
+  T = x_TD.shape[0]
+  chunks = _in_chunks(chunk, x_TD, targets_T, logz_T, g_nll_T, g_logz_T)
+  # The first chunk starts the sum: a zero start would not vary over a manual region's axes (a
+  # pipeline stage's) as the chunks' terms do.
+  dw_f32, dx_CD = one_chunk([a[0] for a in chunks])
+  dw_f32, dx_nCD = jax.lax.scan(accumulate, dw_f32, [a[1:] for a in chunks])
+  dx_nCD = jnp.concatenate([dx_CD[None], dx_nCD])
+  dw = dw_f32.astype(w_dtype)
+  if scatter_axes:
+    dw = jax.lax.psum_scatter(dw, scatter_axes, scatter_dimension=model_dim, tiled=True)
+  if sum_axes:
+    dw = jax.lax.psum(dw, sum_axes)
+  return dx_nCD.reshape(-1, x_TD.shape[1])[:T], dw
+
+
+def plain_token_losses(logits_TV, targets_T):
+  """token_losses from logits already whole (the plain path, config.model.head_chunk=0)."""
+  logz_T = jax.nn.logsumexp(logits_TV, axis=-1)
+  target_logit_T = jnp.take_along_axis(logits_TV, targets_T[..., None], axis=-1)[..., 0]
+  return logz_T - target_logit_T, logz_T
+
