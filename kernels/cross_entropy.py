@@ -82,8 +82,7 @@ def token_losses_grads(x_TD, w_c, targets_T, logz_T, g_nll_T, g_logz_T, *, spec:
   w_spec = spec.split('->')[0].split(',')[1]
   dx_spec, dw_spec = f'cv,{w_spec}->cd', f'cd,cv->{w_spec}'
 
-  def one_chunk(xs):
-    """(this chunk's share of dW in fp32, its dx)."""
+  def one_chunk(dw_f32, xs):
     x_CD, targets_C, logz_C, g_nll_C, g_logz_C = xs
     logits_CV = jnp.einsum(spec, x_CD, w_c, preferred_element_type=jnp.float32)
     probs_CV = jnp.exp(logits_CV - logz_C[:, None])
@@ -92,20 +91,14 @@ def token_losses_grads(x_TD, w_c, targets_T, logz_T, g_nll_T, g_logz_T, *, spec:
     d_logits_CV = ((g_nll_C + g_logz_C)[:, None] * probs_CV
                    - jnp.where(onehot_CV, g_nll_C[:, None], 0.0)).astype(x_CD.dtype)
     dx_CD = jnp.einsum(dx_spec, d_logits_CV, w_c, preferred_element_type=x_CD.dtype)
-    return (jnp.einsum(dw_spec, x_CD, d_logits_CV, preferred_element_type=jnp.float32),
-            _over_vocab(jax.lax.psum, dx_CD, vocab_axis))
-
-  def accumulate(dw_f32, xs):
-    dw_chunk, dx_CD = one_chunk(xs)
-    return dw_f32 + dw_chunk, dx_CD
+    dw_f32 = dw_f32 + jnp.einsum(dw_spec, x_CD, d_logits_CV, preferred_element_type=jnp.float32)
+    return dw_f32, _over_vocab(jax.lax.psum, dx_CD, vocab_axis)
 
   T = x_TD.shape[0]
-  chunks = _in_chunks(chunk, x_TD, targets_T, logz_T, g_nll_T, g_logz_T)
-  # The first chunk starts the sum: a zero start would not vary over a manual region's axes (a
-  # pipeline stage's) as the chunks' terms do.
-  dw_f32, dx_CD = one_chunk([a[0] for a in chunks])
-  dw_f32, dx_nCD = jax.lax.scan(accumulate, dw_f32, [a[1:] for a in chunks])
-  dx_nCD = jnp.concatenate([dx_CD[None], dx_nCD])
+  # Zeros like W vary over a manual region's axes (a pipeline stage's) as W does, and so as the
+  # chunks' terms do (the stages pass W in as their own, model/transformer.py).
+  dw_f32, dx_nCD = jax.lax.scan(one_chunk, jnp.zeros_like(w_c, jnp.float32),
+                                _in_chunks(chunk, x_TD, targets_T, logz_T, g_nll_T, g_logz_T))
   dw = dw_f32.astype(w_dtype)
   if scatter_axes:
     dw = jax.lax.psum_scatter(dw, scatter_axes, scatter_dimension=model_dim, tiled=True)
