@@ -38,34 +38,6 @@ def param(rngs: nnx.Rngs, shape: tuple, names: tuple, dtype, stddev: float | Non
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
-@jax.custom_vjp
-def lookup(table_VD, table_c_VD, tokens_BL):
-  """The tokens' rows of table_c (the table in the compute dtype, gathered). Its backward adds each
-  device's token gradients in fp32 (a frequent token has thousands) and returns them as the
-  gradient of `table_VD`, in its dtype: the one their partial sums are reduced across devices in
-  (as matmul's)."""
-  del table_VD
-  return jnp.take(table_c_VD, tokens_BL, axis=0)
-
-
-def _lookup_fwd(table_VD, table_c_VD, tokens_BL):
-  return lookup(table_VD, table_c_VD, tokens_BL), (table_VD, tokens_BL)
-
-
-def _lookup_bwd(residuals, g_BLD):
-  table_VD, tokens_BL = residuals
-  # Built in the parameter's layout: XLA then mostly reduces the lookup's share of a tied table's
-  # gradient together with the head's (docs/precision.md).
-  names = sharding.scatter_names(('vocab', 'embed'))
-  d_VD = constrain(jnp.zeros(table_VD.shape, jnp.float32), names, rules=sharding.PARAM_RULES)
-  d_VD = d_VD.at[tokens_BL].add(g_BLD.astype(jnp.float32))
-  d_VD = constrain(d_VD, ('vocab', 'embed'), rules=sharding.PARAM_RULES)
-  return d_VD.astype(table_VD.dtype), None, None
-
-
-lookup.defvjp(_lookup_fwd, _lookup_bwd)
-
-
 def gathered(w, names: tuple, dtype):
   """w cast to `dtype` where it lies (its parameter sharding), then laid out as compute names it:
   an FSDP gather moves the compute dtype, never the fp32 master copy."""
@@ -202,9 +174,13 @@ class Attention(nnx.Module):
     q_BLNH = constrain(q_BLNH, ('batch', 'length', 'heads', 'head_dim'))
     # Under a length split, XLA's attention all-gathers keys and values (logical 'kv_length');
     # our kernel takes each device's share and moves them itself (context parallelism).
-    kv_length = 'length' if self.cfg.attention == 'pallas' else 'kv_length'
-    k_BLKH = constrain(k_BLKH, ('batch', kv_length, 'kv_heads', 'head_dim'))
-    v_BLKH = constrain(v_BLKH, ('batch', kv_length, 'kv_heads', 'head_dim'))
+    # Pinned to the device's own rows first, so that the gather moves them in the compute dtype,
+    # after the rotation (XLA would otherwise gather its fp32 input, or x for Wv).
+    kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
+    k_BLKH, v_BLKH = constrain(k_BLKH, kv_names), constrain(v_BLKH, kv_names)
+    if self.cfg.attention != 'pallas':
+      kv_names = ('batch', 'kv_length', 'kv_heads', 'head_dim')
+      k_BLKH, v_BLKH = constrain(k_BLKH, kv_names), constrain(v_BLKH, kv_names)
     out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
     out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
                                'attention_out')

@@ -7,7 +7,8 @@ from flax import nnx
 import sharding
 from model import head, pipeline
 from model.config import REMAT_POLICIES, ModelConfig
-from model.layers import Block, RMSNorm, constrain, gathered, lookup, matmul, param, weight
+from model.embedding import lookup
+from model.layers import Block, RMSNorm, constrain, gathered, matmul, param, weight
 
 _policies = jax.checkpoint_policies
 _QKV = ('query_proj', 'key_proj', 'value_proj')  # checkpoint_name tags in model/layers.py

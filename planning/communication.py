@@ -19,9 +19,11 @@ tied), P_N the norm scales (replicated). Per step:
             microbatch; a stage does so for a chunk every tick:  T·(2c + r)·P_L/(V·P·t)·ρ(g)
   embedding the table gathered once per microbatch (once a step with stages, which run the
             embedding and head on the whole batch) in the compute dtype (the lookup and a tied
-            head share it), its gradient reduce-scattered once:  M'·(c + r)·P_E/t·ρ(g);
-            an untied head likewise (its forward gather kept for the backward):
-            M'·(c + r)·P_U/t·ρ(g)
+            head share it), an untied head's too (kept for the backward), and the head weight's
+            gradient reduce-scattered once; the lookup's gradient exchanged for the device's
+            slice of D or reduce-scattered, whichever is less (model/embedding.py), for
+            T_E = b·L/s tokens a device (b·M·L/s with stages):
+            M'·((P_E + P_U)·c/t + V·D·r/t + min(T_E·(D·c + 4), P_E·r/t))·ρ(g)
             (M' = M, or 1 with stages)
   data      the gradient shards all-reduced over data once a step:
             2·r·(P_L/P + P_E + P_U)/(t·g)·ρ(d)
@@ -67,9 +69,12 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
   head = 0 if cfg.tie_embeddings else table
   norms = (2 * cfg.n_layers + 1) * cfg.d_model
   activation = b * seq_len / s * cfg.d_model * c  # a microbatch's, per device
+  lookups = 1 if P > 1 else M
+  lookup_tokens = b * seq_len / s * M / lookups
+  lookup_grad = min(lookup_tokens * (cfg.d_model * c + 4), table * r / t)
   return {
       'layers': T * (2 * c + r) * layers / (V * P * t) * rho(g),
-      'embedding': (1 if P > 1 else M) * (c + r) * (table + head) / t * rho(g),
+      'embedding': lookups * ((table + head) * c / t + table * r / t + lookup_grad) * rho(g),
       'data': 2 * r * (layers / P + table + head) / (t * g) * rho(d),
       'norms': 2 * 4 * norms * rho(d * f * s * t),
       'tensor': (T * (6 if full else 4) * cfg.n_layers / (V * P) + 2 * M) * 2 * activation

@@ -78,9 +78,3 @@ def partitioned(fn, in_names: tuple, out_names: tuple):
     return fn(*args)
   return run
 
-
-def scatter_names(names: tuple) -> tuple:
-  """The logical names to build a scatter's operand in: `names`, but inside a manual region (a
-  pipeline stage's) with its first, scattered-into axis whole. XLA's partitioner fails there (a
-  CHECK in spmd_partitioner_util) on a scatter into an operand split along that axis."""
-  return (None, *names[1:]) if jax.sharding.get_abstract_mesh().manual_axes else names

@@ -242,8 +242,6 @@ def test_layer_gradients_are_reduced_in_grad_reduce_dtype(h100, grad_reduce_dtyp
 @pytest.mark.parametrize('tied,context_parallel,mesh', [
     (True, None, dict(fsdp=8)), (True, None, dict(fsdp=4, tensor=2)),
     (True, None, dict(fsdp=4, sequence=2)),
-    # Tied, this mesh reduces the table's gradient over `data` twice (docs/precision.md); untied,
-    # it is at the ideal.
     (False, None, dict(data=2, fsdp=2, tensor=2)),
     (True, 'ring', dict(fsdp=2, sequence=4)), (True, 'all_gather', dict(fsdp=2, sequence=4)),
     (True, None, dict(microbatches=2, stage=2, fsdp=4)),
