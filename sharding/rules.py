@@ -130,6 +130,12 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
     raise MeshMismatch(f"config.seq_len={seq_len} is not divisible by 2×config.mesh.sequence="
                        f"{2 * mesh_sizes['sequence']}: context_parallel='ring' splits each row "
                        'into two chunks per device (zigzag, for equal causal work)')
+  if model_cfg.attention == 'pallas' and mesh_sizes['sequence'] > 1 and stages > 1:
+    raise MeshMismatch(f"config.model.attention='pallas' cannot yet run with both "
+                       f"config.mesh.stage={stages} and config.mesh.sequence="
+                       f"{mesh_sizes['sequence']}: inside a pipeline stage our kernel's "
+                       "gradients lose the stage's type; use config.mesh.stage=1 or "
+                       "config.mesh.sequence=1, or --config.model.attention=xla")
   if model_cfg.attention == 'cudnn' and mesh_sizes['sequence'] > 1:
     raise MeshMismatch(f"config.model.attention='cudnn' cannot run with config.mesh.sequence="
                        f"{mesh_sizes['sequence']}: cuDNN's partitioner needs queries, keys and "

@@ -182,3 +182,13 @@ def test_pipeline_settings_that_cannot_work_are_named(change, message):
   with pytest.raises(ValueError, match=message):
     build(config)
 
+
+
+def test_our_kernel_under_stages_and_a_split_sequence_is_refused_naming_both():
+  """Inside a stage's manual region our kernel's gradients lose the stage's type (JAX refuses
+  the custom VJP); `xla` attention runs there."""
+  config = pipeline_config(stage=2, sequence=4)
+  config.model.attention = 'pallas'
+  with pytest.raises(ValueError, match=r"attention='pallas' cannot yet run with both "
+                                       r'config.mesh.stage=2 and config.mesh.sequence=4'):
+    build(config)
