@@ -103,6 +103,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.data_dir = ''  # TFDS data dir; '' is TFDS's default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
   d.tokenizer = 'byte'  # byte | sentencepiece | hf (a Hugging Face tokenizer.json)
   d.tokenizer_model = ''  # sentencepiece: a .model (data.train_tokenizer); hf: a tokenizer.json
+  d.tokenize = 'auto'  # once: token ids stored at preparation | on_the_fly | auto: once, but byte
   d.workers = 0  # grain worker processes (0: in the training process); batches are the same
   d.prefetch = 2  # batches each worker prepares ahead
   return c

@@ -212,8 +212,8 @@ class QuietSource:
     try:
       return self.source[index]
     except Exception as e:  # array_record's own errors: a truncated or corrupted file
-      raise faults.Fault(f'{self.damaged} (record {index}: {str(e).splitlines()[0][:160]})'
-                         ) from None
+      reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
+      raise faults.Fault(f'{self.damaged} (record {index}: {reason})') from None
 
   def __reduce__(self):
     return _unpickle_quietly, (pickle.dumps(self.source), self.damaged)
@@ -232,6 +232,9 @@ class Corpus:
   text_key: str
   description: str
   max_document_bytes: int | None  # known for `paths` corpora
+  name: str = ''  # the TFDS dataset's
+  prepared_in: str = ''  # its directory of prepared files
+  splits: tuple[str, str] = ('train', 'validation')  # the names of `train` and `validation`
 
 
 def check(data_config) -> None:
@@ -291,4 +294,5 @@ def load(data_config) -> Corpus:
   return Corpus(train=train, validation=validation, text_key=text_key,
                 description=f'{builder.info.full_name} ({len(train):,} train / '
                             f'{len(validation):,} validation documents)',
-                max_document_bytes=max_bytes)
+                max_document_bytes=max_bytes, name=builder.name,
+                prepared_in=str(builder.data_dir), splits=tuple(splits))

@@ -1,9 +1,9 @@
-"""The grain pipeline: random-access source → seeded global shuffle → tokenize → pack → batch →
-one global jax.Array per key, of which this process builds only its own rows.
+"""The grain pipeline: documents (data/tokens.py) in a seeded global shuffle → pack → batch → one
+global jax.Array per key, of which this process builds only its own rows.
 
-  docs = grain.MapDataset.source(split).shuffle(seed).map(tokenize)   # index g ≥ len: next epoch
-  PackedRows(docs, lanes=this process's rows)                          # data/packing.py
-    [.mp_prefetch(workers) .batch(workers, concatenate)]               # workers split the lanes
+  docs = documents(source, seed)        # g → source[shuffle(seed + epoch)[g]]: g ≥ len, next epoch
+  PackedRows(docs, lanes=this process's rows)      # data/packing.py; a lane asks for its next
+    [.mp_prefetch(workers) .batch(workers, concatenate)]    # LOOKAHEAD documents at once
   → Batches: numpy rows → jax.make_array_from_callback(batch sharding)
 
 grain's ShuffleMapDataset reshuffles every epoch (seed + epoch) when indexed past its length, so
@@ -14,7 +14,6 @@ of processes nor of workers changes what a global row holds.
 
 import dataclasses
 import signal
-import functools
 
 from absl import flags
 import grain
@@ -24,30 +23,37 @@ import numpy as np
 
 from data.packing import ROW_KEYS, Lane, LaneState
 
-
-def _tokenize(example, *, text_key, tokenizer):
-  ids = tokenizer.encode(example[text_key])
-  tokens = np.empty(len(ids) + 2, np.int32)
-  tokens[0], tokens[1:-1], tokens[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
-  return tokens
+LOOKAHEAD = 16  # documents a lane reads (or tokenizes, on the fly) at once
 
 
-def documents(source, text_key: str, tokenizer, seed: int | None) -> grain.MapDataset:
-  """Tokenized documents `BOS … EOS`; shuffled per epoch when `seed` is given (training), in
-  stored order otherwise (evaluation)."""
-  ds = grain.MapDataset.source(source)
-  if seed is not None:
-    ds = ds.shuffle(seed=seed)
-  return ds.map(functools.partial(_tokenize, text_key=text_key, tokenizer=tokenizer))
+class DocumentSequence:
+  """The g-th document packing reads: source document order[g] (`get(gs)` → token arrays), where
+  order shuffles the source's indices per epoch with `seed` (training), or keeps them in stored
+  order without one (evaluation)."""
+
+  def __init__(self, source, seed: int | None):
+    self.source = source
+    order = grain.MapDataset.range(len(source))
+    self.order = order.shuffle(seed=seed) if seed is not None else order
+
+  def __len__(self):
+    return len(self.source)
+
+  def get(self, gs) -> list[np.ndarray]:
+    return self.source.get([self.order[g] for g in gs])
+
+
+def documents(source, seed: int | None) -> DocumentSequence:
+  return DocumentSequence(source, seed)
 
 
 class PackedRows(grain.IterDataset):
   """One element per step: this process's rows (or a worker's block of them) as [rows, L] arrays,
   plus each lane's state after the row, so the consumer can checkpoint exactly what it used."""
 
-  def __init__(self, docs: grain.MapDataset, *, lanes, batch_size: int, seq_len: int,
+  def __init__(self, docs: DocumentSequence, *, lanes, batch_size: int, seq_len: int,
                pad_id: int, epochs: int | None, states=None):
-    super().__init__(docs)
+    super().__init__([])
     self.docs, self.lanes, self.batch_size = docs, list(lanes), batch_size
     self.seq_len, self.pad_id, self.epochs = seq_len, pad_id, epochs
     self.states = list(states) if states is not None else [LaneState() for _ in self.lanes]
@@ -69,13 +75,24 @@ class _PackedRowsIterator(grain.DatasetIterator):
 
   def __init__(self, ds: PackedRows):
     super().__init__()
-    n_docs = len(ds.docs)
-    limit = None if ds.epochs is None else ds.epochs * n_docs
+    limit = None if ds.epochs is None else ds.epochs * len(ds.docs)
+    stride = ds.batch_size
 
-    def document(g):
-      return None if limit is not None and g >= limit else ds.docs[g]
+    def reader():
+      """A lane's documents, LOOKAHEAD of its next ones read at a time."""
+      ahead = {}
 
-    self._lanes = [Lane(document, lane, ds.batch_size, ds.seq_len, ds.pad_id, state)
+      def document(g):
+        if limit is not None and g >= limit:
+          return None
+        if g not in ahead:
+          gs = [h for h in range(g, g + LOOKAHEAD * stride, stride) if limit is None or h < limit]
+          ahead.clear()
+          ahead.update(zip(gs, ds.docs.get(gs)))
+        return ahead[g]
+      return document
+
+    self._lanes = [Lane(reader(), lane, stride, ds.seq_len, ds.pad_id, state)
                    for lane, state in zip(ds.lanes, ds.states)]
 
   def __next__(self):
@@ -120,7 +137,7 @@ class Batches:
   last batch handed out before it was taken, whatever was prefetched.
   """
 
-  def __init__(self, docs: grain.MapDataset, *, batch_sharding, batch_size: int, seq_len: int,
+  def __init__(self, docs: DocumentSequence, *, batch_sharding, batch_size: int, seq_len: int,
                pad_id: int, workers: int = 0, prefetch: int = 2, epochs: int | None = None,
                state: dict | None = None, rows=None):
     self.sharding, self.shape = batch_sharding, (batch_size, seq_len)
@@ -193,17 +210,20 @@ def _ignore_interrupts(worker_index: int, worker_count: int) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def pass_length(docs: grain.MapDataset, batch_size: int, seq_len: int) -> int:
+def pass_length(docs: DocumentSequence, batch_size: int, seq_len: int) -> int:
   """Batches that one pass over `docs` (unshuffled, as evaluation reads them) takes."""
   pairs = np.zeros(batch_size, np.int64)
-  for g in range(len(docs)):
-    pairs[g % batch_size] += len(docs[g]) - 1
+  for start in range(0, len(docs), batch_size * LOOKAHEAD):
+    gs = range(start, min(start + batch_size * LOOKAHEAD, len(docs)))
+    for g, tokens in zip(gs, docs.get(gs)):
+      pairs[g % batch_size] += len(tokens) - 1
   return int(-(-pairs.max() // seq_len))
 
 
-def train_batches(corpus, tokenizer, config, batch_sharding, state=None) -> Batches:
-  """The endless, per-epoch reshuffled training batches config.data describes."""
-  docs = documents(corpus.train, corpus.text_key, tokenizer, seed=config.seed)
+def train_batches(train_documents, tokenizer, config, batch_sharding, state=None) -> Batches:
+  """The endless, per-epoch reshuffled training batches config.data describes, of the training
+  split's documents (data/tokens.py)."""
+  docs = documents(train_documents, seed=config.seed)
   return Batches(docs, batch_sharding=batch_sharding, batch_size=config.batch_size,
                  seq_len=config.seq_len, pad_id=tokenizer.pad_id, workers=config.data.workers,
                  prefetch=config.data.prefetch, state=state)

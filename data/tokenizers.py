@@ -7,7 +7,9 @@ imported here (sentencepiece or tokenizers when used), so model-side code can re
 cheaply.
 """
 
+import hashlib
 import json
+import os
 import pathlib
 import shutil
 
@@ -21,8 +23,13 @@ class ByteTokenizer:
   vocab_size = 259
   bos_id, eos_id, pad_id = 256, 257, 258
 
+  fingerprint = 'byte-1'
+
   def encode(self, text: bytes) -> np.ndarray:
     return np.frombuffer(text, np.uint8).astype(np.int32)
+
+  def encode_batch(self, texts: list[bytes]) -> list[np.ndarray]:
+    return [self.encode(t) for t in texts]
 
   def decode(self, ids) -> str:
     return bytes(int(i) for i in ids if 0 <= i < 256).decode('utf-8', errors='replace')
@@ -49,12 +56,24 @@ class _FromFile:
   """A tokenizer loaded from a file. It pickles by path, so grain's worker processes load their
   own copy."""
 
+  files = ()  # beside `path`, read with it: they change what the tokenizer does
+
   def __init__(self, path: str):
     self.path = str(path)
     self._load()
 
   def _load(self):
     raise NotImplementedError
+
+  @property
+  def fingerprint(self) -> str:
+    """A hash of the model file and the files beside it that it reads: prepared token ids
+    (data/tokens.py) are kept under it, so another tokenizer never reads them."""
+    h = hashlib.sha256(self.name.encode())
+    for path in (pathlib.Path(self.path), *(pathlib.Path(self.path).with_name(f)
+                                            for f in self.files)):
+      h.update(path.name.encode() + b'\0' + (path.read_bytes() if path.is_file() else b'-'))
+    return f'{self.name}-{h.hexdigest()[:12]}'
 
   def __getstate__(self):
     return {'path': self.path}
@@ -85,6 +104,11 @@ class SentencePieceTokenizer(_FromFile):
   def encode(self, text: bytes) -> np.ndarray:
     return np.asarray(self._sp.encode(text.decode('utf-8')), np.int32)
 
+  def encode_batch(self, texts: list[bytes]) -> list[np.ndarray]:
+    """On SentencePiece's threads, one per CPU."""
+    ids = self._sp.encode([t.decode('utf-8') for t in texts], num_threads=os.cpu_count() or 1)
+    return [np.asarray(i, np.int32) for i in ids]
+
   def decode(self, ids) -> str:
     return self._sp.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
 
@@ -102,6 +126,7 @@ class HFTokenizer(_FromFile):
   """A Hugging Face `tokenizer.json`, with BOS and EOS (and PAD, else EOS) named by the
   `tokenizer_config.json` beside it, as transformers reads them."""
   name = 'hf'
+  files = ('tokenizer_config.json',)
 
   def _load(self):
     import tokenizers  # only needed when this tokenizer is configured
@@ -130,6 +155,12 @@ class HFTokenizer(_FromFile):
   def encode(self, text: bytes) -> np.ndarray:
     return np.asarray(self._tok.encode(text.decode('utf-8'), add_special_tokens=False).ids,
                       np.int32)
+
+  def encode_batch(self, texts: list[bytes]) -> list[np.ndarray]:
+    """On the library's own threads (RAYON_NUM_THREADS, else one per CPU)."""
+    encodings = self._tok.encode_batch_fast([t.decode('utf-8') for t in texts],
+                                            add_special_tokens=False)
+    return [np.asarray(e.ids, np.int32) for e in encodings]
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids if 0 <= i < self.vocab_size],

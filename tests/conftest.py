@@ -99,6 +99,7 @@ FAST = (
     'test_kernels.py::test_sharded_over_batch_and_heads_equals_unsharded',
     'test_head.py::test_losses_and_gradients_equal_the_plain_paths',
     'test_head.py::test_sharded_over_tokens_and_vocabulary_equals_one_device',
+    'test_embedding.py::test_sharded_table_gradient_equals_one_devices',
     'test_fp8.py::test_forward_and_gradients_match_numpy',
     'test_fp8.py::test_overflow_cannot_reach_the_weights',
     'test_context_parallel.py::test_equals_unsharded_attention_values_and_gradients'
@@ -130,6 +131,8 @@ FAST = (
     'test_data.py::test_sentencepiece_trains_on_the_corpus_and_round_trips_exactly',
     'test_data.py::test_a_hugging_face_tokenizer_round_trips_and_counts_its_bytes',
     'test_data.py::test_bad_data_settings_fail_before_training_naming_the_setting',
+    'test_tokens.py::test_prepared_batches_equal_tokenizing_on_the_fly',
+    'test_tokens.py::test_an_interrupted_preparation_leaves_nothing_and_a_damaged_one_is_named',
     'test_data.py::test_a_truncated_prepared_split_is_one_line_naming_it_and_how_to_prepare_it_'
     'again',
     'test_generate.py::test_bad_generation_arguments_are_named',

@@ -6,14 +6,13 @@ import math
 import pathlib
 import pickle
 
-import grain
 import jax
 import numpy as np
 import pytest
 
 import sharding
 from data import corpus as corpus_lib
-from data import pipeline, tokenizers, train_tokenizer
+from data import pipeline, tokenizers, tokens, train_tokenizer
 from data.packing import ROW_KEYS
 from runtime import faults
 from training import loop
@@ -27,12 +26,19 @@ def one_device_sharding():
   return sharding.batch_sharding(sharding.make_mesh(tiny_config().mesh, jax.devices()[:1]))
 
 
+class Arrays(list):
+  """Token arrays held in memory, as a source of documents (data/tokens.py)."""
+
+  def get(self, indices):
+    return [self[i] for i in indices]
+
+
 def synthetic_docs(n=23, seed=0):
   """Documents of very different lengths (1 to 150 pairs), each token tagged with its document:
   token = 1000·doc + index, so any misplaced token is visible."""
   rng = np.random.default_rng(seed)
   lengths = rng.choice([2, 3, 17, 40, 64, 65, 151], size=n)
-  return [(1000 * d + np.arange(n_tok)).astype(np.int32) for d, n_tok in enumerate(lengths)]
+  return Arrays((1000 * d + np.arange(n_tok)).astype(np.int32) for d, n_tok in enumerate(lengths))
 
 
 def pieces(rows_by_step):
@@ -53,8 +59,9 @@ def pieces(rows_by_step):
 def test_packing_keeps_every_pair_once_with_right_segments_and_positions():
   docs = synthetic_docs()
   B, L = 4, 32
-  batches = pipeline.Batches(grain.MapDataset.source(docs), batch_sharding=one_device_sharding(),
-                             batch_size=B, seq_len=L, pad_id=-1, epochs=1)
+  batches = pipeline.Batches(pipeline.documents(docs, seed=None),
+                             batch_sharding=one_device_sharding(), batch_size=B, seq_len=L,
+                             pad_id=-1, epochs=1)
   steps = [batches.next_local() for _ in range(60)]
   assert steps[-1]['weights'].sum() == 0  # the pass is over well before 60 steps
   seen = {}
@@ -79,17 +86,19 @@ def test_packing_keeps_every_pair_once_with_right_segments_and_positions():
 
 def test_training_rows_are_fully_packed_and_the_next_epoch_reshuffles():
   docs = synthetic_docs(n=8)
-  source = grain.MapDataset.source(docs).shuffle(seed=3)
-  assert sorted(int(source[i][0]) for i in range(8)) == sorted(int(d[0]) for d in docs)
-  assert [int(source[i][0]) for i in range(8)] != [int(source[i][0]) for i in range(8, 16)]
-  assert sorted(int(source[i][0]) for i in range(8, 16)) == sorted(int(d[0]) for d in docs)
+  source = pipeline.documents(docs, seed=3)
+  first = lambda tokens: [int(t[0]) for t in tokens]
+  assert sorted(first(source.get(range(8)))) == sorted(first(docs))
+  assert first(source.get(range(8))) != first(source.get(range(8, 16)))
+  assert sorted(first(source.get(range(8, 16)))) == sorted(first(docs))
   batches = pipeline.Batches(source, batch_sharding=one_device_sharding(), batch_size=2,
                              seq_len=16, pad_id=-1)
   assert all(batches.next_local()['weights'].all() for _ in range(50))  # no padding, endless
 
 
 def train_batches(config, corpus, n, workers=0, state=None, rows=None, sharding_=None):
-  docs = pipeline.documents(corpus.train, corpus.text_key, BYTES, seed=config.seed)
+  docs = pipeline.documents(tokens.OnTheFly(corpus.train, corpus.text_key, BYTES),
+                            seed=config.seed)
   batches = pipeline.Batches(docs, batch_sharding=sharding_ or one_device_sharding(),
                              batch_size=config.batch_size, seq_len=config.seq_len,
                              pad_id=BYTES.pad_id, workers=workers, state=state, rows=rows)
@@ -151,7 +160,7 @@ def test_process_shares_are_disjoint_and_rebuild_the_global_batch(small_corpus, 
 def test_global_array_shards_hold_the_rows_the_pipeline_built(small_corpus):
   config = tiny_config(data=2, fsdp=2, sequence=2)
   batch_sharding = sharding.batch_sharding(build(config).mesh)
-  docs = pipeline.documents(small_corpus.train, 'text', BYTES, seed=0)
+  docs = pipeline.documents(tokens.OnTheFly(small_corpus.train, 'text', BYTES), seed=0)
   batches = pipeline.Batches(docs, batch_sharding=batch_sharding, batch_size=8, seq_len=32,
                              pad_id=BYTES.pad_id)
   local = batches.next_local()
@@ -209,7 +218,7 @@ def test_sentencepiece_trains_on_the_corpus_and_round_trips_exactly(tmp_path):
 def assert_rows_decode_to_the_documents(config, tokenizer):
   """Through the pipeline: the packed rows' targets decode back to the training documents."""
   corpus = corpus_lib.load(config.data)
-  docs = pipeline.documents(corpus.train, 'text', tokenizer, seed=None)
+  docs = pipeline.documents(tokens.OnTheFly(corpus.train, 'text', tokenizer), seed=None)
   batches = pipeline.Batches(docs, batch_sharding=one_device_sharding(), batch_size=1,
                              seq_len=64, pad_id=tokenizer.pad_id, epochs=1)
   targets = np.concatenate([b['targets'][b['weights'] > 0] for b in
@@ -219,23 +228,9 @@ def assert_rows_decode_to_the_documents(config, tokenizer):
 
 
 def hf_byte_level_bpe(directory: pathlib.Path, texts, vocab_size=600, config=True) -> str:
-  """A Hugging Face tokenizer.json made by the `tokenizers` library as GPT-2's and Llama 3's are
-  (byte-level BPE), trained on `texts`, with Llama 3's special tokens named in its
-  tokenizer_config.json as transformers saves them."""
-  import tokenizers as hf
-  special = ['<|begin_of_text|>', '<|end_of_text|>']
-  tok = hf.Tokenizer(hf.models.BPE())
-  tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = hf.decoders.ByteLevel()
-  tok.train_from_iterator(texts, hf.trainers.BpeTrainer(
-      vocab_size=vocab_size, special_tokens=special,
-      initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet()))
-  directory.mkdir(parents=True, exist_ok=True)
-  tok.save(str(directory / 'tokenizer.json'))
-  if config:
-    (directory / 'tokenizer_config.json').write_text(json.dumps(
-        {'bos_token': special[0], 'eos_token': {'content': special[1], 'special': True}}))
-  return str(directory / 'tokenizer.json')
+  """A byte-level BPE trained on `texts` by the `tokenizers` library, with Llama 3's special
+  tokens named in its tokenizer_config.json as transformers saves them (data/train_tokenizer.py)."""
+  return train_tokenizer.train_hf(texts, vocab_size, directory, config)
 
 
 def test_a_hugging_face_tokenizer_round_trips_and_counts_its_bytes(tmp_path):
@@ -322,11 +317,12 @@ def bad(tmp_path):
        'config.data.tokenizer_model'),
       (dict(tokenizer='bpe'), 'config.data.tokenizer'),
       (dict(workers=3), 'config.data.workers'),
+      (dict(tokenize='twice'), 'config.data.tokenize'),
       (dict(validation_fraction=1.5), 'config.data.validation_fraction'),
   ]
 
 
-@pytest.mark.parametrize('index', range(12))
+@pytest.mark.parametrize('index', range(13))
 def test_bad_data_settings_fail_before_training_naming_the_setting(tmp_path, index):
   change, message = bad(tmp_path)[index]
   config = tiny_config(fsdp=8)

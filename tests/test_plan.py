@@ -84,7 +84,7 @@ def test_offload_remat_policies_compile_and_move_activations_to_host():
 
 
 def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corpus):
-  from data import pipeline, tokenizers
+  from data import pipeline, tokenizers, tokens
   import numpy as np
   import sharding
   results = []
@@ -96,7 +96,9 @@ def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corp
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim}
     assert kinds == ({'pinned_host'} if offload else {'device'})
     compiled, _ = compile_and_plan(setup, config, settings.resolve(config).target)
-    batches = pipeline.train_batches(small_corpus, tokenizers.load(config.data), config,
+    tokenizer = tokenizers.load(config.data)
+    batches = pipeline.train_batches(tokens.OnTheFly(small_corpus.train, 'text', tokenizer),
+                                     tokenizer, config,
                                      sharding.batch_sharding(setup.mesh))
     state, _ = compiled(state, next(batches))
     batches.close()

@@ -17,8 +17,9 @@ class Evaluator:
   """`evaluator(params)` → {'eval_loss', 'eval_bits_per_byte', 'eval_tokens'}; every call reads
   the same batches: the first config.eval_batches of the split, or all of it when that is 0."""
 
-  def __init__(self, setup, config, corpus, tokenizer, batch_sharding):
-    self.docs = pipeline.documents(corpus.validation, corpus.text_key, tokenizer, seed=None)
+  def __init__(self, setup, config, validation, tokenizer, batch_sharding):
+    """`validation`: the split's documents as token ids (data/tokens.py)."""
+    self.docs = pipeline.documents(validation, seed=None)
     self.shape = (config.batch_size, config.seq_len)
     self.n_batches = config.eval_batches or pipeline.pass_length(self.docs, *self.shape)
     self.sharding, self.pad_id = batch_sharding, tokenizer.pad_id

@@ -13,6 +13,7 @@ import ml_collections
 from jax.experimental import multihost_utils
 
 from data import corpus as corpus_lib
+from data import tokens
 from data import pipeline, tokenizers
 from planning import gpu_compiler
 from planning import plan as plan_lib
@@ -32,14 +33,19 @@ from training.step import compile_and_plan
 CHILD = 'training.loop'  # a dry run in a process that compiles for GPUs runs this module: main()
 
 
-def load_corpus(data_config) -> corpus_lib.Corpus:
-  """Process 0 prepares the corpus (first use only) while the others wait, so processes sharing
-  a data dir never write it twice; then every process opens it."""
+def load_data(data_config, tokenizer) -> tuple[corpus_lib.Corpus, tokens.Documents]:
+  """The corpus, and its documents as token ids (data/tokens.py). Process 0 prepares both (first
+  use only) while the others wait, so processes sharing a data dir never write it twice; then
+  every process opens them."""
+  def load():
+    corpus = corpus_lib.load(data_config)
+    return corpus, tokens.load(corpus, tokenizer, data_config, corpus_lib.data_dir(data_config))
+
   if jax.process_count() > 1:
     if jax.process_index() == 0:
-      corpus_lib.load(data_config)
+      load()
     multihost_utils.sync_global_devices('meshlm: corpus prepared')
-  return corpus_lib.load(data_config)
+  return load()
 
 
 def warn_about_data(config, corpus: corpus_lib.Corpus) -> None:
@@ -130,7 +136,7 @@ def run(config, devices=None) -> list[dict]:
 
 
 def _train(config, target, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
-  corpus = load_corpus(config.data)
+  corpus, documents = load_data(config.data, tokenizer)
   warn_about_data(config, corpus)
   is_main = jax.process_index() == 0
   if is_main:
@@ -146,14 +152,16 @@ def _train(config, target, setup, workdir, tokenizer, checkpointer, stop) -> lis
       f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh '
       f'{sharding.describe(setup.mesh.shape)}; workdir {workdir}')
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
-      f'model vocab {config.model.vocab_size}), {config.data.workers} worker(s)')
+      f'model vocab {config.model.vocab_size}), {documents.description}, '
+      f'{config.data.workers} worker(s)')
   t0 = time.perf_counter()
   train_step, the_plan = compile_and_plan(setup, config, target)
   plan_lib.check_fits(the_plan)  # before the state is allocated
   start_step, state, data_state = initial_state(setup, config, checkpointer, log)
   writer.drop_after(start_step)  # the steps after the checkpoint (or all, from 0) are logged again
-  batches = pipeline.train_batches(corpus, tokenizer, config, batch_sharding, state=data_state)
-  evaluate = (Evaluator(setup, config, corpus, tokenizer, batch_sharding)
+  batches = pipeline.train_batches(documents.train, tokenizer, config, batch_sharding,
+                                   state=data_state)
+  evaluate = (Evaluator(setup, config, documents.validation, tokenizer, batch_sharding)
               if config.eval_every else None)
   log(f'initialised and compiled in {time.perf_counter() - t0:.1f}s')
 

@@ -23,7 +23,7 @@ import jax
 import ml_collections
 
 from configs import base
-from data import tokenizers
+from data import tokenizers, tokens
 from model import ModelConfig
 from planning import gpus, timing
 from planning import target as target_lib
@@ -121,6 +121,7 @@ def check(config) -> None:
   ModelConfig.from_config(config.model)
   sharding.check_mesh_config(config.mesh)
   distributed.check(config.distributed)
+  tokens.check(config.data)
   if config.plan.target:
     gpus.get(config.plan.target)  # before anything slower, such as the GPU compiler's devices
 

@@ -1,0 +1,170 @@
+"""Documents as token ids, `BOS ids… EOS` in int32, by index: tokenized once and stored, or
+tokenized as packing asks for them. Both give the same arrays, so the batches are the same.
+
+- **Once** (`config.data.tokenize='once'`): preparation encodes every document of both splits, a
+  batch at a time on the tokenizer's own threads (`encode_batch`), and writes its ids to an
+  array_record file per split (uint16 where the vocabulary fits, int32 otherwise) in
+  `{data_dir}/meshlm_tokens/{dataset}-{tokenizer fingerprint}-{key}/`. The fingerprint hashes the
+  tokenizer's files and the key the prepared corpus's (names, sizes, modification times), so
+  another tokenizer or an edited corpus is prepared afresh, never confused with these. It is
+  written into an `incomplete-*` directory and renamed when whole; a failure removes it, and a
+  killed preparation leaves only that directory, which no run reads. Training then reads integers.
+- **On the fly** (`'on_the_fly'`): the text is read and encoded when packing asks, a batch of a
+  lane's next documents at a time (data/pipeline.py).
+- `'auto'` (the default): once, but for the byte tokenizer, whose ids are the text's own bytes.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import uuid
+
+import numpy as np
+
+from runtime import faults
+from runtime.workdir import writable_dir
+
+MODES = ('auto', 'once', 'on_the_fly')
+BATCH = 256  # documents encoded at once while preparing
+
+
+def check(data_config) -> None:
+  if data_config.tokenize not in MODES:
+    raise ValueError(f'config.data.tokenize={data_config.tokenize!r} is not one of {MODES}')
+
+
+@dataclasses.dataclass
+class Documents:
+  """The splits as sources of token arrays (`len`, and `get(indices)` → a list of arrays)."""
+  train: object
+  validation: object
+  description: str  # how they are read
+
+
+def _with_ends(ids: np.ndarray, tokenizer) -> np.ndarray:
+  tokens = np.empty(len(ids) + 2, np.int32)
+  tokens[0], tokens[1:-1], tokens[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
+  return tokens
+
+
+class OnTheFly:
+  """A text source's documents, encoded when asked for."""
+
+  def __init__(self, source, text_key: str, tokenizer):
+    self.source, self.text_key, self.tokenizer = source, text_key, tokenizer
+
+  def __len__(self):
+    return len(self.source)
+
+  def get(self, indices) -> list[np.ndarray]:
+    texts = [self.source[int(i)][self.text_key] for i in indices]
+    return [_with_ends(ids, self.tokenizer) for ids in self.tokenizer.encode_batch(texts)]
+
+
+class Prepared:
+  """A split's stored token ids. It pickles by path: grain's worker processes open their own."""
+
+  def __init__(self, path: str, dtype: str, damaged: str):
+    self.path, self.dtype, self.damaged = path, dtype, damaged
+    self._reader = None
+
+  def _read(self, read):
+    try:
+      if self._reader is None:
+        import grain
+        self._reader = grain.sources.ArrayRecordDataSource(self.path)
+      return read(self._reader)
+    except Exception as e:  # array_record's own errors: a truncated or corrupted file
+      reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
+      raise faults.Fault(f'{self.damaged} ({reason})') from None
+
+  def __len__(self):
+    return self._read(len)
+
+  def get(self, indices) -> list[np.ndarray]:
+    records = self._read(lambda reader: reader.__getitems__([int(i) for i in indices]))
+    return [np.frombuffer(r, self.dtype).astype(np.int32) for r in records]
+
+  def __getstate__(self):
+    return {**self.__dict__, '_reader': None}
+
+
+def _corpus_key(corpus) -> str:
+  """A hash of the prepared corpus's files and what is read of them."""
+  h = hashlib.sha256(f'{corpus.text_key}\0{corpus.splits}\0{corpus.prepared_in}\n'.encode())
+  for f in sorted(pathlib.Path(corpus.prepared_in).iterdir()):
+    if f.is_file():
+      st = f.stat()
+      h.update(f'{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n'.encode())
+  return h.hexdigest()[:12]
+
+
+def _write(source, text_key: str, tokenizer, path: pathlib.Path, dtype) -> int:
+  from array_record.python.array_record_module import ArrayRecordWriter
+  writer, tokens = ArrayRecordWriter(str(path), 'group_size:1'), 0
+  try:
+    for start in range(0, len(source), BATCH):
+      texts = [source[i][text_key] for i in range(start, min(start + BATCH, len(source)))]
+      for ids in tokenizer.encode_batch(texts):
+        writer.write(_with_ends(ids, tokenizer).astype(dtype).tobytes())
+        tokens += len(ids) + 2
+  finally:
+    writer.close()
+  return tokens
+
+
+def prepared_dir(corpus, tokenizer, data_dir: str) -> pathlib.Path:
+  return (pathlib.Path(data_dir) / 'meshlm_tokens' /
+          f'{corpus.name}-{tokenizer.fingerprint}-{_corpus_key(corpus)}')
+
+
+def prepare(corpus, tokenizer, data_dir: str) -> pathlib.Path:
+  """The directory of the corpus's token ids for `tokenizer`, written first if it is not there."""
+  final = prepared_dir(corpus, tokenizer, data_dir)
+  if (final / 'info.json').is_file():
+    return final
+  dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
+  writable_dir(data_dir, 'config.data.data_dir')  # or config.data.tokenize='on_the_fly'
+  partial = final.with_name(f'incomplete-{final.name}-{uuid.uuid4().hex[:8]}')
+  partial.mkdir(parents=True)
+  try:
+    info = {'tokenizer': tokenizer.fingerprint, 'corpus': corpus.description,
+            'dtype': np.dtype(dtype).name, 'documents': {}, 'tokens': {}}
+    for split, source in zip(corpus.splits, (corpus.train, corpus.validation)):
+      info['tokens'][split] = _write(source, corpus.text_key, tokenizer,
+                                     partial / f'{split}.array_record', dtype)
+      info['documents'][split] = len(source)
+    (partial / 'info.json').write_text(json.dumps(info, indent=2) + '\n')
+    os.rename(partial, final)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    if (final / 'info.json').is_file():  # another process prepared them meanwhile
+      return final
+    raise
+  return final
+
+
+def load(corpus, tokenizer, data_config, data_dir: str) -> Documents:
+  """The corpus's documents as config.data.tokenize says, preparing their ids if needed."""
+  check(data_config)
+  if data_config.tokenize == 'on_the_fly' or (data_config.tokenize == 'auto'
+                                              and tokenizer.name == 'byte'):
+    return Documents(OnTheFly(corpus.train, corpus.text_key, tokenizer),
+                     OnTheFly(corpus.validation, corpus.text_key, tokenizer),
+                     'tokenized on the fly')
+  directory = prepare(corpus, tokenizer, data_dir)
+  info = json.loads((directory / 'info.json').read_text())
+  sources = [Prepared(str(directory / f'{split}.array_record'), info['dtype'],
+                      f'config.data: the prepared token ids in {directory} are damaged; delete '
+                      'that directory and the next run prepares them again')
+             for split in corpus.splits]
+  for source, split in zip(sources, corpus.splits):
+    if len(source) != info['documents'][split]:
+      raise faults.Fault(f'{source.damaged} ({split}: {len(source)} documents of '
+                         f'{info["documents"][split]})')
+    source.get([len(source) - 1])  # a truncated file fails at its end: before any compile
+  return Documents(*sources, f'token ids prepared in {directory} '
+                   f'({sum(info["tokens"].values()):,} tokens)')
