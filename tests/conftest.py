@@ -133,6 +133,7 @@ FAST = (
     'test_data.py::test_bad_data_settings_fail_before_training_naming_the_setting',
     'test_tokens.py::test_prepared_batches_equal_tokenizing_on_the_fly',
     'test_tokens.py::test_an_interrupted_preparation_leaves_nothing_and_a_damaged_one_is_named',
+    'test_tokens.py::test_a_killed_preparation_is_never_read_and_the_next_prepares_afresh',
     'test_data.py::test_a_truncated_prepared_split_is_one_line_naming_it_and_how_to_prepare_it_'
     'again',
     'test_generate.py::test_bad_generation_arguments_are_named',

@@ -1,10 +1,14 @@
 """Token ids prepared once (data/tokens.py): the batches are exactly those of tokenizing on the
-fly, for any number of processes and workers and across epochs; what a prepared set depends on
-prepares a new one; a failed preparation leaves nothing; a run's losses are unchanged."""
+fly, for any number of processes and workers, across epochs and a resume; what a prepared set
+depends on prepares a new one; an interrupted preparation leaves nothing, a killed one nothing a
+run reads; a run's losses are unchanged."""
 
-import json
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -32,10 +36,10 @@ def prepared(corpus, tokenizer, data_dir) -> tokens.Documents:
   return tokens.load(corpus, tokenizer, config.data, str(data_dir))
 
 
-def batches(source, n, rows=None, workers=0, batch_size=8, seq_len=4096):
+def batches(source, n, rows=None, workers=0, state=None, batch_size=8, seq_len=4096):
   b = pipeline.Batches(pipeline.documents(source, seed=0), batch_sharding=one_device_sharding(),
                        batch_size=batch_size, seq_len=seq_len, pad_id=0, workers=workers,
-                       rows=rows)
+                       rows=rows, state=state)
   out = [b.next_local() for _ in range(n)]
   state = b.state()
   b.close()
@@ -61,9 +65,12 @@ def test_prepared_batches_equal_tokenizing_on_the_fly(small_corpus, bpe, tmp_pat
         whole = np.concatenate([part[step][k] for part in parts])
         np.testing.assert_array_equal(whole, reference[step][k])
   with_workers, _ = batches(docs.train, 12, workers=2)
-  for got, want in zip(with_workers, reference):
-    for k in ROW_KEYS:
-      np.testing.assert_array_equal(got[k], want[k])
+  first, saved = batches(docs.train, 7)
+  rest, _ = batches(docs.train, 5, state=saved)  # a resumed run goes on exactly
+  for got in (with_workers, first + rest):
+    for step, want in zip(got, reference):
+      for k in ROW_KEYS:
+        np.testing.assert_array_equal(step[k], want[k])
 
 
 def test_another_tokenizer_or_an_edited_corpus_is_prepared_afresh(tmp_path):
@@ -115,6 +122,45 @@ def test_an_interrupted_preparation_leaves_nothing_and_a_damaged_one_is_named(
   with pytest.raises(faults.Fault, match=rf'config.data: the prepared token ids in '
                                           rf'{path.parent} are damaged; delete that directory'):
     prepared(small_corpus, bpe, tmp_path)
+
+
+KILLED = """
+import sys, time
+from configs import base
+from data import corpus as corpus_lib, tokenizers, tokens
+
+class Slow(tokenizers.ByteTokenizer):
+  def encode_batch(self, texts):
+    time.sleep(0.1)
+    return super().encode_batch(texts)
+
+config = base.get_config().data
+config.paths, config.validation_fraction = sys.argv[1], float(sys.argv[3])
+tokens.BATCH = 1
+tokens.prepare(corpus_lib.load(config), Slow(), sys.argv[2])
+"""
+
+
+def test_a_killed_preparation_is_never_read_and_the_next_prepares_afresh(tmp_path):
+  """SIGKILL midway, so nothing could clean up: what it wrote stays in its incomplete folder."""
+  config = tiny_config()
+  process = subprocess.Popen([sys.executable, '-c', KILLED, config.data.paths, str(tmp_path),
+                              str(config.data.validation_fraction)],
+                             cwd=pathlib.Path(__file__).parent.parent)
+  deadline = time.monotonic() + 60
+  while not list(tmp_path.glob('meshlm_tokens/incomplete-*/train.array_record')):
+    assert process.poll() is None and time.monotonic() < deadline, 'it never started writing'
+    time.sleep(0.05)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  left, = (tmp_path / 'meshlm_tokens').iterdir()
+  corpus = corpus_lib.load(config.data)
+  docs = prepared(corpus, tokenizers.ByteTokenizer(), tmp_path)  # same fingerprint: afresh
+  assert left.name.startswith(f'incomplete-{pathlib.Path(docs.train.path).parent.name}-')
+  expected = tokens.OnTheFly(corpus.train, 'text', tokenizers.ByteTokenizer())
+  n = len(expected)
+  assert all(np.array_equal(a, b) for a, b in zip(docs.train.get(range(n)),
+                                                  expected.get(range(n))))
 
 
 def test_a_run_on_prepared_ids_has_the_losses_of_one_tokenizing_on_the_fly(bpe, tmp_path):
