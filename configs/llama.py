@@ -20,10 +20,10 @@ the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
   python train.py --config=configs/llama.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B
 Should reach: the loss falls as the default run's does (without init_from they train
 byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 tokenizer.json gives
-them their real vocabulary). Compiled for H100 (cudnn attention), a step needs 19.9 GiB (125m,
-remat none), 44.4 GiB (1b, dots) and 45.4 GiB a GPU (8b, dots over 4 microbatches, FSDP over 8;
+them their real vocabulary). Compiled for H100 (cudnn attention), a step needs 8.7 GiB (125m,
+dots), 44.4 GiB (1b, dots) and 45.4 GiB a GPU (8b, dots over 4 microbatches, FSDP over 8;
 25.4 GiB for 8b-128k, full), within the 59.7 GiB JAX's allocator takes of each. The time model
-predicts (the dry run prints it) 93.9 ms, 559 ms and 3.00 s a step: MFU 28%, 49% and 57%
+predicts (the dry run prints it) 79.5 ms, 559 ms and 3.00 s a step: MFU 33%, 49% and 57%
 (docs/memory.md, docs/time-model.md).
 On GPU, compare the benchmark's measured MFU with those and with the peers' 33–50% (MaxText,
 torchtitan).
@@ -44,7 +44,7 @@ PRESETS = {
 }
 RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches: the fastest the
           # time model predicts of those that fit the preset's H100s (docs/memory.md)
-    '125m': (32, 1024, 'none', 1),
+    '125m': (32, 1024, 'dots', 1),
     '1b': (8, 4096, 'dots', 1),
     '8b': (32, 8192, 'dots', 4),
 }
