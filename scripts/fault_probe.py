@@ -170,6 +170,7 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'seq_len 0': (['--config.seq_len=0'], 'config.seq_len=0'),
     'batch not divisible': (['--config.batch_size=6'], 'config.batch_size=6'),
     'bad data paths': (['--config.data.paths=/nonexistent/*.txt'], 'config.data.paths'),
+    'tokenize typo': (['--config.data.tokenize=twice'], 'config.data.tokenize'),
     'init_from nothing': (['--config.init_from=/nonexistent'], 'config.init_from'),
     'hf: without config.json': (['--config.init_from=hf:/nonexistent'], 'holds no config.json'),
     'extra argument': (['oops'], 'unexpected arguments'),
@@ -501,6 +502,38 @@ def _(p):
     return refused(p.run(*p.train(p.path('x'))), 'is damaged; prepare it again')
   finally:
     p.env['TFDS_DATA_DIR'] = str(p.root / 'tfds')
+
+
+def tokens_dir_copy(p) -> pathlib.Path:
+  """A copy of the prepared corpora, in which the cases below prepare token ids."""
+  p.template  # noqa: B018  (trained once, which prepares the corpus)
+  data = p.path('tfds')
+  shutil.copytree(p.root / 'tfds', data, ignore=shutil.ignore_patterns('meshlm_tokens'))
+  return data
+
+
+@case('data: damaged prepared token ids')
+def _(p):
+  data = tokens_dir_copy(p)
+  once = ('--config.data.tokenize=once', f'--config.data.data_dir={data}')
+  first = p.run(*p.train(p.path('x'), 1, *once))
+  if first.returncode:
+    return 'BAD', f'preparing them failed: {lines(first.stderr)[-1:]}'
+  for f in data.glob('meshlm_tokens/*/train.array_record'):
+    with open(f, 'r+b') as file:
+      file.truncate(f.stat().st_size // 2)
+  return refused(p.run(*p.train(p.path('y'), 1, *once)),
+                 'are damaged; delete that directory and the next run prepares them again')
+
+
+@case('disk: full while preparing token ids')
+def _(p):
+  data = tokens_dir_copy(p)
+  result = p.run(*p.train(p.path('x'), 1, '--config.data.tokenize=once',
+                          f'--config.data.data_dir={data}'), file_size_limit=100_000)
+  verdict = refused(result, 'File too large')
+  leftovers = [f for f in data.glob('meshlm_tokens/**/*') if f.is_file()]
+  return verdict if not leftovers else ('BAD', f'left {leftovers}')
 
 
 SAMPLING = {

@@ -11,7 +11,7 @@ from sharding import collectives
 from training import step as step_lib
 from training.state import build
 from tests.conftest import tiny_config
-from data import pipeline, tokenizers
+from data import pipeline, tokenizers, tokens
 
 MESHES = {
     'data=8': dict(data=8),
@@ -27,7 +27,8 @@ def train_losses(config, devices, corpus):
   setup = build(config, devices)
   state = setup.init_state()
   step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
-  batches = pipeline.train_batches(corpus, tokenizers.ByteTokenizer(), config,
+  byte = tokenizers.ByteTokenizer()
+  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), byte, config,
                                    sharding.batch_sharding(setup.mesh))
   losses = []
   for _ in range(STEPS):
@@ -120,9 +121,9 @@ def test_fsdp_hlo_gathers_each_layers_weights_inside_the_scan():
 
 
 def test_batch_is_split_over_data_and_fsdp_and_length_over_sequence():
-  import grain
+  from tests.test_data import Arrays
   setup = build(tiny_config(data=2, fsdp=2, sequence=2))
-  docs = grain.MapDataset.source([np.arange(1000, dtype=np.int32)])
+  docs = pipeline.documents(Arrays([np.arange(1000, dtype=np.int32)]), seed=None)
   batches = pipeline.Batches(docs, batch_sharding=sharding.batch_sharding(setup.mesh),
                              batch_size=8, seq_len=32, pad_id=-1)
   local = batches.next_local()

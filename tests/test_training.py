@@ -166,7 +166,7 @@ def test_unpacked_batches_train_like_packed_rows_of_one_document():
 
 
 def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpus):
-  from data import pipeline, tokenizers
+  from data import pipeline, tokenizers, tokens
   from training import step as step_lib
   import sharding
   results = []
@@ -174,8 +174,9 @@ def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpu
     config = tiny_config(fsdp=2, tensor=2, data=2)
     config.microbatches, config.batch_size = microbatches, 16
     setup = build(config)
-    batches = pipeline.train_batches(small_corpus, tokenizers.load(config.data), config,
-                                     sharding.batch_sharding(setup.mesh))
+    tokenizer = tokenizers.load(config.data)
+    batches = pipeline.train_batches(tokens.OnTheFly(small_corpus.train, 'text', tokenizer),
+                                     tokenizer, config, sharding.batch_sharding(setup.mesh))
     step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
                                        config.loss.z_loss, microbatches=microbatches)
     local = batches.next_local()
