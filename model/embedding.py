@@ -62,12 +62,7 @@ def table_grad(table_VD, tokens_BL, g_BLD):
   """The gradient of the table for the tokens' gradients g_BLD, as the module docstring says."""
   mesh = jax.sharding.get_abstract_mesh()
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  token_axes = [a for name in TOKENS for a in sharding.mesh_axes(name)]
-  scatter = sharding.mesh_axes('embed', params=True)
-  if set(scatter) - set(token_axes):
-    raise ValueError(f'the embedding is split over {scatter} along its model dimension, but the '
-                     f'tokens only over {token_axes} (sharding/rules.py)')
-  summed = tuple(a for a in token_axes if a not in scatter)
+  token_axes, scatter, summed = sharding.token_gradient_axes('the embedding')
   vocab_axis = sharding.mesh_axis('vocab')
   V, D = table_VD.shape
   rows = V // size([vocab_axis] if vocab_axis else [])

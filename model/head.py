@@ -66,12 +66,7 @@ def _chunked_grads(spec, chunk, residuals, cotangents):
   g_nll_BL, g_logz_BL = cotangents
   # W's gradient leaves summed over every axis the tokens are split over: reduce-scattered over
   # those that also split its model dimension (FSDP's), summed over the rest.
-  tokens = [a for name in TOKENS for a in sharding.mesh_axes(name)]
-  scatter = sharding.mesh_axes('embed', params=True)
-  if set(scatter) - set(tokens):
-    raise ValueError(f'the head weight is split over {scatter} along its model dimension, but '
-                     f'the tokens only over {tokens} (sharding/rules.py)')
-  summed = tuple(a for a in tokens if a not in scatter)
+  _, scatter, summed = sharding.token_gradient_axes('the head weight')
 
   def local(x_BLD, w_c, targets_BL, logz_BL, g_nll_BL, g_logz_BL):
     B, L, D = x_BLD.shape

@@ -30,6 +30,19 @@ def mesh_axes(name: str, params: bool = False) -> tuple[str, ...]:
   return tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape[a] > 1)
 
 
+def token_gradient_axes(what: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+  """(token axes, scatter, summed) for a parameter's gradient summed over every device's
+  tokens: the mesh axes the tokens ('batch', 'length') are split over, those of them that also
+  split its model dimension ('embed' where parameters live: reduce-scattered there), and the rest
+  (summed). `what` names the parameter in the error when the tokens do not cover that split."""
+  tokens = tuple(a for name in ('batch', 'length') for a in mesh_axes(name))
+  scatter = mesh_axes('embed', params=True)
+  if set(scatter) - set(tokens):
+    raise ValueError(f'{what} is split over {scatter} along its model dimension, but the tokens '
+                     f'only over {tokens} (sharding/rules.py)')
+  return tokens, scatter, tuple(a for a in tokens if a not in scatter)
+
+
 class Params(tuple):
   """Logical names of an output of `per_shard` laid out where parameters live (PARAM_RULES), such
   as a gradient the function reduce-scatters itself."""
