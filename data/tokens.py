@@ -111,8 +111,11 @@ def _write(source, text_key: str, tokenizer, path: pathlib.Path, dtype) -> int:
       for ids in tokenizer.encode_batch(texts):
         writer.write(_with_ends(ids, tokenizer).astype(dtype).tobytes())
         tokens += len(ids) + 2
-  finally:
     writer.close()
+  except RuntimeError as e:  # array_record's own way of saying a write failed (a full disk)
+    raise faults.Fault(f'config.data.data_dir: writing token ids to {path.parent} failed '
+                       f'({str(e).splitlines()[0][:160]}); free space there, or set '
+                       "config.data.tokenize='on_the_fly'") from None
   return tokens
 
 
