@@ -5,10 +5,11 @@ included, and a collective holds its thread until every device has arrived. The 
 max(cores, devices) threads. With 8 simulated devices on a 2-core machine, devices that run ahead
 can fill every thread with collectives that wait for a device whose next operation is queued
 behind them; XLA then aborts the process after 40 s ("Termination timeout … Exiting to ensure a
-consistent program state"). Machines with many cores never see it, which is why it looks like a
-flaky CI failure. Sixteen threads a device leave room for every device's concurrently issued
-collectives (tests/test_cli.py's stress program deadlocks with 12 and passes with 16 a device);
-idle threads cost nothing.
+consistent program state"). Machines with many cores rarely see it, which is why it looks like
+a flaky CI failure. Sixteen threads a device leave room for the collectives the devices issue at
+once (tests/test_cli.py's stress program deadlocks with 12 a device and passes with 16); idle
+threads cost nothing. XLA's other deadlock between simulated devices, collectives taken in
+different orders, no thread count prevents (docs/testing.md).
 
 This must run before jax starts its CPU client (the first jax.devices() or array), so it reads
 only the environment and imports no jax.
