@@ -50,7 +50,7 @@ def default_blocks(head_dim: int) -> tuple[int, int, int, int]:
   return 128, 32, 8, 2
 
 
-def _pallas(kernel, args, *, interpret, num_warps, num_stages, **call):
+def pallas_for_platform(kernel, args, *, interpret, num_warps, num_stages, **call):
   """pl.pallas_call(kernel, **call)(*args), lowered with Triton when compiled for CUDA and in
   interpret mode for any other platform (or everywhere when `interpret` is True)."""
   def lowered_for(gpu: bool):
@@ -269,7 +269,7 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
     in_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
     args.append(q_pos)
   with st.scope():
-    o, lse = _pallas(
+    o, lse = pallas_for_platform(
         kernel, args, grid=(B, N, Lp // bq), in_specs=in_specs,
         out_specs=[pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
                    pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i))],
@@ -306,7 +306,7 @@ def _backward(st: _Static, residuals, do, delta=None):
   if positions:
     dq_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
   with st.scope():
-    dq = _pallas(
+    dq = pallas_for_platform(
         functools.partial(_dq_kernel, n_kv=Sp // bk, **common), [q, k, v, do, lse, delta, *extra],
         grid=(B, N, Lp // bq), in_specs=dq_specs,
         out_specs=pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
@@ -325,7 +325,7 @@ def _backward(st: _Static, residuals, do, delta=None):
   if positions:
     dkv_specs.append(whole)
   with st.scope():
-    dk, dv = _pallas(
+    dk, dv = pallas_for_platform(
         functools.partial(_dkv_kernel, n_q=Lp // bq, group=G, **common),
         [q, k, v, do, lse, delta, *extra], grid=(B, K, Sp // bk), in_specs=dkv_specs,
         out_specs=[pl.BlockSpec((sq, bk, sq, H), lambda b, h, j: (b, j, h, 0))] * 2,

@@ -104,7 +104,8 @@ def _gmm_kernel(tile_ref, group_ref, lo_ref, hi_ref, x_ref, w_ref, y_ref, *, bm,
     w = w_ref[w_g, pl.ds(k * bk, bk), cols]
     return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-  steps = jnp.where(weighted & (hi > lo), n_k, 0)
+  # A product, not jnp.where: Triton's lowering gives a scalar select the condition's type (i1).
+  steps = n_k * (weighted & (hi > lo)).astype(jnp.int32)
   acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
   row = tile * bm + jnp.arange(bm)
   mine = jnp.broadcast_to(((row >= lo) & (row < hi))[:, None], (bm, bn))
@@ -129,7 +130,8 @@ def _tgmm_kernel(starts_ref, ends_ref, x_ref, dy_ref, dw_ref, *, bm, bk, bn):
   g, a, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   lo, hi = starts_ref[g], ends_ref[g]
   first = jax.lax.div(lo, bm)  # lax's truncating div: Triton fails on jnp's flooring one
-  tiles = jnp.where(hi > lo, jax.lax.div(hi + bm - 1, bm) - first, 0)
+  tiles = (jax.lax.div(hi + bm - 1, bm) - first) * (hi > lo).astype(jnp.int32)  # not jnp.where:
+  # Triton's lowering gives a scalar select the condition's type (i1)
 
   def body(t, acc):
     start = (first + t) * bm
