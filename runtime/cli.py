@@ -21,12 +21,9 @@ import warnings
 from absl import app, flags
 from absl import logging as absl_logging
 
-from runtime import cpu_threads, faults
+from runtime import faults
 
 EXIT_BAD_SETTINGS = 2
-
-# Entry points import this module before anything starts jax's CPU client.
-cpu_threads.enough_for_collectives()
 
 
 def run(main, log_level: int = absl_logging.WARNING) -> None:

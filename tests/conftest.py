@@ -25,9 +25,6 @@ STDLIB = sysconfig.get_paths()['stdlib']
 SMALL_CORPUS = f'{STDLIB}/json/*.py,{STDLIB}/email/*.py'  # 25 real files, ~330 kB
 
 from planning import gpu_compiler  # noqa: E402  (imports no jax)
-from runtime import cpu_threads  # noqa: E402  (imports no jax)
-
-cpu_threads.enough_for_collectives()  # this process and the ones tests start
 
 # This process compiles for GPUs too (tests/test_gpu_compile.py): the GPU compiler must be on the
 # path before jax is imported; the processes tests start do not get it.
