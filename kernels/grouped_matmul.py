@@ -91,6 +91,12 @@ def _work_items(group_sizes, rows: int, bm: int):
   return jnp.where(used, tile, 0), group, lo, hi
 
 
+def _count_if(cond, n):
+  """n where cond, else 0, as an int32 loop bound. A product, not jnp.where: Triton's lowering
+  gives a scalar select the condition's type (i1), which a loop cannot take as a bound."""
+  return n * cond.astype(jnp.int32)
+
+
 def _gmm_kernel(tile_ref, group_ref, lo_ref, hi_ref, x_ref, w_ref, y_ref, *, bm, bk, bn,
                 n_groups, n_k):
   i, j = pl.program_id(0), pl.program_id(1)
@@ -104,9 +110,7 @@ def _gmm_kernel(tile_ref, group_ref, lo_ref, hi_ref, x_ref, w_ref, y_ref, *, bm,
     w = w_ref[w_g, pl.ds(k * bk, bk), cols]
     return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-  # A product, not jnp.where: Triton's lowering gives a scalar select the condition's type (i1).
-  steps = n_k * (weighted & (hi > lo)).astype(jnp.int32)
-  acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+  acc = jax.lax.fori_loop(0, _count_if(weighted & (hi > lo), n_k), body, jnp.zeros((bm, bn), jnp.float32))
   row = tile * bm + jnp.arange(bm)
   mine = jnp.broadcast_to(((row >= lo) & (row < hi))[:, None], (bm, bn))
   pltriton.store(y_ref.at[rows, cols], acc.astype(y_ref.dtype), mask=mine)
@@ -130,8 +134,7 @@ def _tgmm_kernel(starts_ref, ends_ref, x_ref, dy_ref, dw_ref, *, bm, bk, bn):
   g, a, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   lo, hi = starts_ref[g], ends_ref[g]
   first = jax.lax.div(lo, bm)  # lax's truncating div: Triton fails on jnp's flooring one
-  tiles = (jax.lax.div(hi + bm - 1, bm) - first) * (hi > lo).astype(jnp.int32)  # not jnp.where:
-  # Triton's lowering gives a scalar select the condition's type (i1)
+  tiles = _count_if(hi > lo, jax.lax.div(hi + bm - 1, bm) - first)
 
   def body(t, acc):
     start = (first + t) * bm
@@ -171,8 +174,9 @@ def _grouped_fwd(x, w, group_sizes, st):
 
 def _grouped_bwd(st, residuals, dy):
   x, w, group_sizes = residuals
-  dx = _gmm(dy.astype(x.dtype), jnp.swapaxes(w, 1, 2), group_sizes, st)
-  dw = _tgmm(x, dy.astype(x.dtype), group_sizes, w.dtype, st)
+  dy = dy.astype(x.dtype)
+  dx = _gmm(dy, jnp.swapaxes(w, 1, 2), group_sizes, st)
+  dw = _tgmm(x, dy, group_sizes, w.dtype, st)
   return dx, dw, None
 
 
