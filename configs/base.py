@@ -58,6 +58,19 @@ def get_config() -> ml_collections.ConfigDict:
   m.remat_policy = 'none'  # none | full | dots | save_qkv_proj | save_attention | offload_* (docs/memory.md)
   m.virtual_stages = 1  # pipeline chunks per stage, interleaved (docs/parallelism.md); shapes params
   m.head_chunk = 4096  # tokens a device's head and loss take at once: logits never whole (docs/memory.md); 0: all
+  # Mixture of experts (docs/moe.md): experts > 0 gives the layers routed SwiGLU experts.
+  m.experts = 0  # routed experts per MoE layer; 0: a dense model
+  m.experts_per_token = 2  # top-k
+  m.shared_experts = 0  # experts every token also goes through (DeepSeek's)
+  m.expert_d_ff = 0  # each expert's width; 0: d_ff
+  m.dense_layers = 0  # the first this many layers keep a dense MLP (DeepSeek's first k)
+  m.router = 'softmax'  # softmax: top-k of the softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
+  m.router_renormalize = True  # the chosen experts' weights rescaled to sum to 1
+  m.router_bias_rate = 0.0  # sigmoid: aux-loss-free balancing bias step (DeepSeek-V3: 0.001)
+  m.capacity_factor = 0.0  # 0: dropless; else an expert takes at most this × its fair share
+  m.load_balance_loss = 0.01  # weight of the load-balancing loss (1.0 when balanced)
+  m.router_z_loss = 0.001  # weight of the router's mean log(Z)^2
+  m.expert_matmul = 'pallas'  # pallas (ours; interpret mode off GPU) | ragged_dot | dense
 
   c.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = 1  # pure data parallelism: parameters replicated

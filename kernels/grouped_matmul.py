@@ -205,6 +205,24 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, implementation: str = 'pallas'
   return y[:M] if padded != M else y
 
 
+def grouped_matmul_dw(x_MK, dy_MN, group_sizes_G, out_dtype, *, implementation: str = 'pallas',
+                      blocks: Blocks = Blocks(), interpret: bool | None = None):
+  """dw[G, K, N] in `out_dtype`: dw[g] = x_gᵀ·dy_g over each group's rows (rows past Σ
+  group_sizes take no part), accumulated in fp32. grouped_matmul's weight gradient, for a caller
+  whose backward is its own (model/moe.py keeps fp32 partial sums to reduce across devices);
+  the references take it from autodiff of their forward."""
+  if implementation != 'pallas':
+    zeros_GKN = jnp.zeros((group_sizes_G.shape[0], x_MK.shape[1], dy_MN.shape[1]), jnp.float32)
+    forward = lambda w: grouped_matmul(x_MK.astype(jnp.float32), w, group_sizes_G,
+                                       implementation=implementation)
+    return jax.vjp(forward, zeros_GKN)[1](dy_MN.astype(jnp.float32))[0].astype(out_dtype)
+  M = x_MK.shape[0]
+  padded = -(-M // blocks.bm) * blocks.bm
+  pad = lambda a: jnp.pad(a, ((0, padded - M), (0, 0))) if padded != M else a
+  return _tgmm(pad(x_MK), pad(dy_MN.astype(x_MK.dtype)), group_sizes_G.astype(jnp.int32),
+               out_dtype, _Static(blocks, interpret))
+
+
 def dense_reference(x_MK, w_GKN, group_sizes_G):
   """Every row times every group's weight, then each row's own group's product kept."""
   starts, ends = _bounds(group_sizes_G)

@@ -5,6 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from kernels.attention import IMPLEMENTATIONS
+from kernels.grouped_matmul import IMPLEMENTATIONS as EXPERT_MATMULS
 
 REMAT_POLICIES = ('none', 'full', 'dots', 'save_qkv_proj', 'save_attention', 'offload_dots',
                   'offload_qkv_proj', 'offload_attention')
@@ -12,6 +13,7 @@ DTYPES = ('float32', 'bfloat16', 'float16')
 CONTEXT_PARALLEL = ('all_gather', 'ring')  # kernels/context_parallel.py
 ROPE_TYPES = ('default', 'llama3')  # transformers' names: plain RoPE, Llama 3.1's rescaling
 MATMUL_PRECISIONS = ('default', 'fp8')  # projections on compute-dtype or scaled fp8 operands
+ROUTERS = ('softmax', 'sigmoid')  # model/moe.py: Mixtral's and Qwen's; DeepSeek-V3's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,19 @@ class ModelConfig:
   remat_policy: str
   virtual_stages: int
   head_chunk: int  # tokens a device's head and loss take at once (model/head.py); 0: all
+  # Mixture of experts (model/moe.py); experts = 0: every layer's MLP is dense.
+  experts: int
+  experts_per_token: int
+  shared_experts: int  # always-on experts, one SwiGLU of shared_experts × expert_d_ff
+  expert_d_ff: int  # 0: d_ff
+  dense_layers: int  # the first this many layers keep a dense MLP of width d_ff
+  router: str
+  router_renormalize: bool  # the chosen experts' weights rescaled to sum to 1
+  router_bias_rate: float  # sigmoid router: the aux-loss-free balancing bias's step per step
+  capacity_factor: float  # 0: dropless; else each expert takes at most this × its fair share
+  load_balance_loss: float  # weight of the load-balancing loss (1 when perfectly balanced)
+  router_z_loss: float  # weight of the router's mean log(Z)²
+  expert_matmul: str  # kernels/grouped_matmul.py: pallas (ours) | ragged_dot | dense
 
   def __post_init__(self):
     if self.vocab_size == 0:
@@ -91,6 +106,44 @@ class ModelConfig:
     _check_choice('compute_dtype', self.compute_dtype, DTYPES)
     _check_choice('grad_reduce_dtype', self.grad_reduce_dtype, DTYPES)
     _check_choice('matmul_precision', self.matmul_precision, MATMUL_PRECISIONS)
+    if self.experts:
+      self._check_experts()
+
+  def _check_experts(self):
+    if self.experts < 2:
+      raise ValueError(f'config.model.experts={self.experts} must be 0 (dense) or at least 2')
+    if not 1 <= self.experts_per_token <= self.experts:
+      raise ValueError(f'config.model.experts_per_token={self.experts_per_token} must be between '
+                       f'1 and config.model.experts={self.experts}')
+    for name in ('shared_experts', 'expert_d_ff', 'dense_layers'):
+      if getattr(self, name) < 0:
+        raise ValueError(f'config.model.{name}={getattr(self, name)} must be 0 or more')
+    if self.dense_layers >= self.n_layers:
+      raise ValueError(f'config.model.dense_layers={self.dense_layers} leaves no MoE layer of '
+                       f'config.model.n_layers={self.n_layers}; set experts=0 for a dense model')
+    if self.dense_layers and self.virtual_stages > 1:
+      raise ValueError('config.model.dense_layers > 0 cannot be split into pipeline chunks '
+                       '(config.model.virtual_stages > 1) yet: set one of them to its default')
+    if (self.n_layers - self.dense_layers) % self.virtual_stages:
+      raise ValueError(f'config.model.n_layers - dense_layers = '
+                       f'{self.n_layers - self.dense_layers} is not divisible by '
+                       f'config.model.virtual_stages={self.virtual_stages}')
+    _check_choice('router', self.router, ROUTERS)
+    _check_choice('expert_matmul', self.expert_matmul, EXPERT_MATMULS)
+    if self.router_bias_rate < 0 or (self.router_bias_rate and self.router != 'sigmoid'):
+      raise ValueError(f'config.model.router_bias_rate={self.router_bias_rate} must be 0, or '
+                       "positive with config.model.router='sigmoid' (DeepSeek-V3's "
+                       'aux-loss-free balancing, e.g. 0.001)')
+    for name in ('capacity_factor', 'load_balance_loss', 'router_z_loss'):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f'config.model.{name}={getattr(self, name)} must be 0 or more')
+    if (self.d_model % 16 or self.expert_width % 16) and self.expert_matmul == 'pallas':
+      raise ValueError(f'config.model.d_model={self.d_model} and the expert width '
+                       f'{self.expert_width} must be multiples of 16 for the grouped-matmul '
+                       "kernel; change them, or set config.model.expert_matmul='ragged_dot'")
+    if self.matmul_precision == 'fp8':
+      raise ValueError("config.model.matmul_precision='fp8' has no form for the experts' grouped "
+                       'GEMMs yet; use --config.model.matmul_precision=default with experts > 0')
 
   @classmethod
   def from_config(cls, model_config) -> 'ModelConfig':
@@ -102,6 +155,15 @@ class ModelConfig:
     if missing := known - set(fields):
       raise ValueError(f'config.model lacks fields {sorted(missing)}; add them to configs/base.py')
     return cls(**fields)
+
+  @property
+  def expert_width(self) -> int:
+    return self.expert_d_ff or self.d_ff
+
+  @property
+  def moe_layers(self) -> int:
+    """How many layers have experts (the last n_layers - dense_layers), 0 for a dense model."""
+    return self.n_layers - self.dense_layers if self.experts else 0
 
   @property
   def dtype(self):

@@ -190,9 +190,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU: (silu(x Wg) * x Wu) Wd with Wg, Wu[embed, mlp] and Wd[mlp, embed]."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
     self.cfg = cfg
-    D, F, dt = cfg.d_model, cfg.d_ff, cfg.weight_dtype
+    D, F, dt = cfg.d_model, d_ff or cfg.d_ff, cfg.weight_dtype
     self.w_gate = param(rngs, (D, F), ('embed', 'mlp'), dt, D ** -0.5)
     self.w_up = param(rngs, (D, F), ('embed', 'mlp'), dt, D ** -0.5)
     self.w_down = param(rngs, (F, D), ('mlp', 'embed'), dt, F ** -0.5)
@@ -204,25 +204,3 @@ class MLP(nnx.Module):
     h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
     h_BLF = checkpoint_name(h_BLF, 'mlp_hidden')
     return project('blf,fd->bld', h_BLF, self.w_down, cfg)
-
-
-class Block(nnx.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
-
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg, rngs)
-    self.attn = Attention(cfg, rngs)
-    self.mlp_norm = RMSNorm(cfg, rngs)
-    self.mlp = MLP(cfg, rngs)
-
-  def decode(self, x_BTD, positions_BT, k_BSKH, v_BSKH):
-    """The block on T new tokens against its KV cache (Attention.decode)."""
-    out_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), positions_BT, k_BSKH, v_BSKH)
-    x_BTD = x_BTD + out_BTD
-    return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BSKH, v_BSKH
-
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-    x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
-    x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
-    x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-    return constrain(x_BLD, ('batch', 'length', 'embed'))

@@ -62,11 +62,13 @@ def over_stages(forward, axis: str, staged_dim: int = 0):
 
 
 def schedule(run_layers, layers, x_MbLD, extras_Mb, axis: str, loops: int = 1):
-  """run_layers(layers, x_bLD, extras_b) applied to every microbatch of x_MbLD through all the
-  stages' layers, inside `over_stages`. `layers` is this stage's share: [n/P, …] for GPipe, or
+  """run_layers(layers, x_bLD, extras_b) → (y_bLD, stats) applied to every microbatch of x_MbLD
+  through all the stages' layers, inside `over_stages`; `stats` holds an array per layer of the
+  chunk run (the MoE router's, model/moe.py; or nothing). `layers` is this stage's share: [n/P, …] for GPipe, or
   with `loops` = V > 1 virtual stages its chunks, [V, n/(V·P), …]; extras_Mb (a pytree of
   per-microbatch arrays, such as positions) go with each microbatch. Returns y_MbLD on the last
-  stage and zeros on the others, for `to_every_stage` or `shares`.
+  stage and zeros on the others, for `to_every_stage` or `shares`; and the stats of every layer
+  [n, …] in execution order, each the mean over microbatches, the same on every stage.
 
   With V > 1, run_layers(layers, x_bLD, extras_b, chunk=v) must run row v of the chunks, taking
   each layer's weights with `pick` inside the layer's remat region: a chunk's weights are then
@@ -85,7 +87,7 @@ def schedule(run_layers, layers, x_MbLD, extras_Mb, axis: str, loops: int = 1):
   inputs_MbLD = jax.lax.pcast(x_MbLD.astype(jnp.float32), axis, to='varying')
 
   def tick(carry, t):
-    received_bLD, inputs_MbLD = carry
+    received_bLD, inputs_MbLD, stats_V = carry
     if loops > 1:  # what the last stage finished a tick ago (item t − P) is a next loop's input
       back = t - stages
       slot = jnp.mod(back, microbatches)
@@ -96,14 +98,36 @@ def schedule(run_layers, layers, x_MbLD, extras_Mb, axis: str, loops: int = 1):
     m, v = item % microbatches, item // microbatches
     x_bLD = jnp.where(stage == 0, inputs_MbLD[m].astype(dtype), received_bLD)
     extras_b = jax.tree.map(lambda e: e[m], extras_Mb)
-    y_bLD = (run_layers(layers, x_bLD, extras_b) if loops == 1 else
-             run_layers(layers, x_bLD, extras_b, chunk=v))
-    return (jax.lax.ppermute(y_bLD, axis, pairs), inputs_MbLD), y_bLD
+    y_bLD, stats = (run_layers(layers, x_bLD, extras_b) if loops == 1 else
+                    run_layers(layers, x_bLD, extras_b, chunk=v))
+    # A tick in the bubble computed nothing: its stats are not counted.
+    busy = (t - stage >= 0) & (t - stage < items)
+    stats_V = jax.tree.map(
+        lambda acc, a: acc.at[v].add(jnp.where(busy, a.astype(jnp.float32), 0) / microbatches),
+        stats_V, stats)
+    return (jax.lax.ppermute(y_bLD, axis, pairs), inputs_MbLD, stats_V), y_bLD
 
-  _, y_TbLD = jax.lax.scan(tick, (jnp.zeros_like(inputs_MbLD[0], dtype), inputs_MbLD),
-                           jnp.arange(ticks(microbatches, stages, loops)))
+  shapes = jax.eval_shape(lambda x, e: (run_layers(layers, x, e) if loops == 1 else
+                                        run_layers(layers, x, e, chunk=0))[1],
+                          inputs_MbLD[0].astype(dtype), jax.tree.map(lambda e: e[0], extras_Mb))
+  stats_V = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros((loops, *a.shape), jnp.float32),
+                                                 axis, to='varying'), shapes)
+  (_, _, stats_V), y_TbLD = jax.lax.scan(
+      tick, (jnp.zeros_like(inputs_MbLD[0], dtype), inputs_MbLD, stats_V),
+      jnp.arange(ticks(microbatches, stages, loops)))
   # Only the last stage's last loop is the result.
-  return jnp.where(stage == stages - 1, y_TbLD[items - microbatches + stages - 1:], 0)
+  y_MbLD = jnp.where(stage == stages - 1, y_TbLD[items - microbatches + stages - 1:], 0)
+  return y_MbLD, jax.tree.map(lambda a: _every_layer(a, axis), stats_V)
+
+
+def _every_layer(stats_Vc, axis: str):
+  """A stage's per-chunk stats [V, n/(V·P), …] → every layer's [n, …] in execution order on every
+  stage: chunk v·P + s is stage s's row v."""
+  stages, stage = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+  V, c = stats_Vc.shape[:2]
+  all_VPc = jnp.zeros((V, stages, c, *stats_Vc.shape[2:]), jnp.float32)
+  all_VPc = jax.lax.dynamic_update_index_in_dim(all_VPc, stats_Vc[:, None], stage, axis=1)
+  return jax.lax.psum(all_VPc, axis).reshape(V * stages * c, *stats_Vc.shape[2:])
 
 
 # The sums over stages below are taken in fp32, as the schedule's are.

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 import sharding
-from model import head, pipeline
+from model import head, moe, pipeline
 from model.config import REMAT_POLICIES, ModelConfig
 from model.embedding import lookup
-from model.layers import Block, RMSNorm, constrain, gathered, matmul, param, weight
+from model.layers import MLP, Attention, RMSNorm, constrain, gathered, matmul, param, weight
 
 _policies = jax.checkpoint_policies
 _QKV = ('query_proj', 'key_proj', 'value_proj')  # checkpoint_name tags in model/layers.py
@@ -35,6 +35,43 @@ REMAT = {
 assert tuple(REMAT) == REMAT_POLICIES
 
 
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)), the MLP dense or routed
+  experts (model/moe.py). Returns (x, the experts' balance_stats; {} for a dense block)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, experts: bool = False):
+    self.attn_norm = RMSNorm(cfg, rngs)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg, rngs)
+    self.mlp = moe.MoE(cfg, rngs) if experts else MLP(cfg, rngs)
+
+  def _mlp(self, x_BLD):
+    out = self.mlp(self.mlp_norm(x_BLD))
+    return out if isinstance(out, tuple) else (out, {})
+
+  def decode(self, x_BTD, positions_BT, k_BSKH, v_BSKH):
+    """The block on T new tokens against its KV cache (Attention.decode)."""
+    out_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), positions_BT, k_BSKH, v_BSKH)
+    x_BTD = x_BTD + out_BTD
+    return x_BTD + self._mlp(x_BTD)[0], k_BSKH, v_BSKH
+
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+    x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
+    x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
+    out_BLD, stats = self._mlp(x_BLD)
+    return constrain(x_BLD + out_BLD, ('batch', 'length', 'embed')), stats
+
+
+def _stack(make, n: int, loops: int, rngs: nnx.Rngs):
+  """n layers made by `make(rngs)`, parameters stacked [n, ...] (logical 'layers'), or
+  [V, n/V, ...] with V = loops > 1 pipeline chunks ('virtual')."""
+  make = nnx.vmap(make, in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  if loops > 1:  # the same layers (same keys, in order) stacked [V, n/V, ...]
+    make = nnx.vmap(make, in_axes=0, out_axes=0,
+                    transform_metadata={nnx.PARTITION_NAME: 'virtual'})
+  return make(rngs.split(n if loops == 1 else (loops, n // loops)))
+
+
 class Transformer(nnx.Module):
   """Llama-style decoder. Parameters (logical axes → mesh via sharding/rules.py):
 
@@ -51,16 +88,11 @@ class Transformer(nnx.Module):
     self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.weight_dtype,
                        cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0)
 
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    def make_blocks(rngs):
-      return Block(cfg, rngs)
-
-    loops = cfg.virtual_stages
-    if loops > 1:  # the same layers (same keys, in order) stacked [V, n/V, ...]
-      make_blocks = nnx.vmap(make_blocks, in_axes=0, out_axes=0,
-                             transform_metadata={nnx.PARTITION_NAME: 'virtual'})
-    self.blocks = make_blocks(rngs.split(cfg.n_layers if loops == 1 else
-                                         (loops, cfg.n_layers // loops)))
+    if cfg.experts and cfg.dense_layers:  # the first layers keep a dense MLP: a stack of their own
+      self.dense_blocks = _stack(lambda r: Block(cfg, r), cfg.dense_layers, 1, rngs)
+    self.blocks = _stack(lambda r: Block(cfg, r, experts=cfg.experts > 0),
+                         cfg.n_layers - (cfg.dense_layers if cfg.experts else 0),
+                         cfg.virtual_stages, rngs)
     self.final_norm = RMSNorm(cfg, rngs)
     if not cfg.tie_embeddings:
       self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
@@ -70,7 +102,8 @@ class Transformer(nnx.Module):
                targets_BL=None):
     """Logits[B, L, V] in fp32; or, given the targets, their losses instead: (−log p(target),
     log Z), fp32 [B, L], from the head and loss as one operation that never holds the whole
-    logits (model/head.py). Positions default to 0..L-1; with segment ids (packed rows) a token
+    logits (model/head.py), and the MoE layers' router statistics (model/moe.py:
+    balance_stats, each [moe_layers, ...] in execution order; {} for a dense model). Positions default to 0..L-1; with segment ids (packed rows) a token
     attends only within its own segment, so documents never see each other. Under ring attention
     over a sequence split, rows come in the zigzag order (training.step.context_layout lays a
     batch out so; positions then must be given). With the layers split into pipeline stages, the
@@ -99,17 +132,19 @@ class Transformer(nnx.Module):
     x_BLD = lookup(table_VD, table_c_VD, tokens_BL)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
     if stage_axis is None:
-      x_BLD = self._run_blocks(x_BLD, positions_BL, segment_ids_BL)
+      x_BLD, stats = self._run_blocks(x_BLD, positions_BL, segment_ids_BL)
     else:
-      y_MbLD = self._run_stages(x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis)
+      y_MbLD, stats = self._run_stages(x_BLD, positions_BL, segment_ids_BL, microbatches,
+                                       stage_axis)
       if targets_BL is not None:
-        return self._staged_losses(y_MbLD, table_VD, table_c_VD, targets_BL, stage_axis)
+        return (*self._staged_losses(y_MbLD, table_VD, table_c_VD, targets_BL, stage_axis),
+                stats)
       x_BLD = pipeline.merge(pipeline.to_every_stage(y_MbLD, stage_axis))
       x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
     if targets_BL is None:
       return constrain(self._head(x_BLD, table_VD, table_c_VD), ('batch', 'length', 'vocab'))
-    return tuple(constrain(a_BL, ('batch', 'length'))
-                 for a_BL in self._losses(x_BLD, table_VD, table_c_VD, targets_BL))
+    return (*(constrain(a_BL, ('batch', 'length'))
+              for a_BL in self._losses(x_BLD, table_VD, table_c_VD, targets_BL)), stats)
 
   def _staged_losses(self, y_MbLD, table_VD, table_c_VD, targets_BL, stage_axis):
     """The head and loss after pipeline stages, split among them: each stage takes its share of
@@ -157,6 +192,13 @@ class Transformer(nnx.Module):
     spec = 'bld,vd->blv' if self.cfg.tie_embeddings else 'bld,dv->blv'
     return matmul(spec, self.final_norm(x_BLD), w, jnp.float32, w_c)
 
+  def balanced(self, tokens_per_expert_nE, rate: float) -> None:
+    """The sigmoid router's biases after one aux-loss-free balancing step (moe.balance_step),
+    from the MoE layers' shares of assignments [moe_layers, E] (execution order)."""
+    bias = self.blocks.mlp.router_bias
+    bias_nE = self._in_order(bias[...])
+    bias[...] = moe.balance_step(bias_nE, tokens_per_expert_nE, rate).reshape(bias.shape)
+
   def init_cache(self, batch: int, slots: int) -> dict:
     """An empty KV cache: k and v [layers, B, S, K, H] in the compute dtype."""
     cfg = self.cfg
@@ -171,29 +213,44 @@ class Transformer(nnx.Module):
     table_VD = weight(self.embed, cfg)
     table_c_VD = table_VD.astype(cfg.dtype)
     x_BTD = lookup(table_VD, table_c_VD, tokens_BT)
-    graphdef, layers = nnx.split(self.blocks)
-    layers = self._in_order(layers)
+    ks, vs = [], []
+    for stack, first in self._stacks():
+      graphdef, layers = nnx.split(stack)
+      layers = self._in_order(layers)
+      n = jax.tree.leaves(layers)[0].shape[0]
 
-    def body(x_BTD, layer_and_cache):
-      layer, k_BSKH, v_BSKH = layer_and_cache
-      x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, layer).decode(x_BTD, positions_BT, k_BSKH,
-                                                                v_BSKH)
-      return x_BTD, (k_BSKH, v_BSKH)
+      def body(x_BTD, layer_and_cache, graphdef=graphdef):
+        layer, k_BSKH, v_BSKH = layer_and_cache
+        x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, layer).decode(x_BTD, positions_BT, k_BSKH,
+                                                                  v_BSKH)
+        return x_BTD, (k_BSKH, v_BSKH)
 
-    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (layers, cache['k'], cache['v']))
-    return self._head(x_BTD, table_VD, table_c_VD), {'k': k, 'v': v}
+      x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (layers, cache['k'][first:first + n],
+                                                 cache['v'][first:first + n]))
+      ks.append(k)
+      vs.append(v)
+    cache = {'k': jnp.concatenate(ks) if len(ks) > 1 else ks[0],
+             'v': jnp.concatenate(vs) if len(vs) > 1 else vs[0]}
+    return self._head(x_BTD, table_VD, table_c_VD), cache
 
-  def _run_layers(self, layers, x_BLD, extras, chunk=None):
+  def _stacks(self):
+    """(stack, index of its first layer) in execution order: the dense first layers, if a
+    stack of their own, then `blocks`."""
+    if hasattr(self, 'dense_blocks'):
+      return [(self.dense_blocks, 0), (self.blocks, self.cfg.dense_layers)]
+    return [(self.blocks, 0)]
+
+  def _run_layers(self, layers, x_BLD, extras, chunk=None, stack=None):
     """The stacked layers in turn, one `lax.scan`, so compile time does not grow with depth
     (`scan_layers=False` unrolls the same scan: same parameters, so checkpoints are shared); with
     `chunk`, row `chunk` of [V, n/(V·P), ...] (a pipeline stage's, model/pipeline.py), each layer
-    picked inside its remat region."""
-    graphdef = nnx.graphdef(self.blocks)
+    picked inside its remat region. Returns (x, each layer's router stats, stacked)."""
+    graphdef = nnx.graphdef(self.blocks if stack is None else stack)
 
     def body(x_BLD, layer):
       if chunk is not None:  # `layer` is its index
         layer = jax.tree.map(lambda w: pipeline.pick(w, chunk, layer), layers)
-      return nnx.merge(graphdef, layer)(x_BLD, *extras), None
+      return nnx.merge(graphdef, layer)(x_BLD, *extras)
 
     policy = REMAT[self.cfg.remat_policy]
     if policy is None and chunk is not None:
@@ -201,16 +258,18 @@ class Transformer(nnx.Module):
     if policy is not None:
       body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
     xs = layers if chunk is None else jnp.arange(jax.tree.leaves(layers)[0].shape[1])
-    return jax.lax.scan(body, x_BLD, xs, unroll=1 if self.cfg.scan_layers else True)[0]
+    return jax.lax.scan(body, x_BLD, xs, unroll=1 if self.cfg.scan_layers else True)
 
   def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL):
-    layers = self._in_order(nnx.state(self.blocks))
-    return self._run_layers(layers, x_BLD, (positions_BL, segment_ids_BL))
+    for stack, _ in self._stacks():
+      x_BLD, stats = self._run_layers(self._in_order(nnx.state(stack)), x_BLD,
+                                      (positions_BL, segment_ids_BL), stack=stack)
+    return x_BLD, stats  # the last stack's: the MoE layers'
 
   def _run_stages(self, x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis):
     """The layers split into pipeline stages over `stage_axis`: each stage scans its own,
     microbatch by microbatch (model/pipeline.py). Returns the last stage's y_MbLD (zeros on the
-    others)."""
+    others) and the layers' router stats, every stage's."""
     x_MbLD = constrain(pipeline.split(x_BLD, microbatches), (None, 'batch', 'length', 'embed'))
     extras_Mb = jax.tree.map(lambda e: pipeline.split(e, microbatches),
                              (positions_BL, segment_ids_BL))

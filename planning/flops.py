@@ -2,7 +2,8 @@
 convention:
 
   dense     = 6 · (n_layers · matmul params per layer + d_model · vocab)  per token
-              (the embedding lookup is not a matmul; the output head is, tied or not)
+              (the embedding lookup is not a matmul; the output head is, tied or not; an MoE
+              layer counts its active parameters: router, k routed and the shared experts)
   attention = 12 · n_layers · n_heads · head_dim · seq_len               per token,
               halved when causal (only the lower triangle of QKᵀ and PV is useful work)
 Rematerialised recomputation is not credited: MFU counts the model's work, not the program's.
@@ -19,9 +20,15 @@ def peak_tflops(device_kind: str) -> float | None:
   return gpu.peak_bf16_flops / 1e12 if gpu else None
 
 
-def matmul_params_per_layer(cfg: ModelConfig) -> int:
+def matmul_params_per_layer(cfg: ModelConfig, experts: bool = False) -> int:
+  """The weights a token is multiplied by in one layer: attention and the MLP (gate, up, down),
+  or in an MoE layer (`experts`) the router and the k experts and shared experts it takes, its
+  active parameters."""
   attention = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # q, o, k, v
-  return attention + 3 * cfg.d_model * cfg.d_ff  # gate, up, down
+  if not experts:
+    return attention + 3 * cfg.d_model * cfg.d_ff
+  taken = cfg.experts_per_token + cfg.shared_experts
+  return attention + cfg.d_model * cfg.experts + 3 * cfg.d_model * cfg.expert_width * taken
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
@@ -30,7 +37,9 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = Tru
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-  dense = 6 * (cfg.n_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size)
+  layers = ((cfg.n_layers - cfg.moe_layers) * matmul_params_per_layer(cfg)
+            + cfg.moe_layers * matmul_params_per_layer(cfg, experts=True))
+  dense = 6 * (layers + cfg.d_model * cfg.vocab_size)
   return dense + attention_flops_per_token(cfg, seq_len, causal)
 
 

@@ -321,6 +321,10 @@ def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype:
   safetensors in HF's names and layout, in `dtype` (sharded with an index above max_shard_bytes),
   and the tokenizer's files where it has a HF form. Built in a directory beside `output` and
   renamed to it at the end, so a failed export leaves no half checkpoint."""
+  if cfg.experts:
+    raise ValueError(f'this run has experts (config.model.experts={cfg.experts}), which a '
+                     'Llama checkpoint cannot hold; exporting MoE models (Mixtral) is not built '
+                     'yet (docs/moe.md)')
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
   tensors = []  # (position, HF name, bytes, read): embed_tokens, each layer's, norm and head
   for _, leaf, layout, lead in _parameters(params, cfg.virtual_stages):

@@ -17,7 +17,8 @@ ACTIVATION_RULES say how the computation is split. Keeping them apart makes each
     the V rows, its consecutive share, so its chunks are s, s+P, … of the execution order.
 Sharded shapes, in scaling-book notation: Wq[layers_stage, D_(fsdp,sequence), N_tensor, H] (or
 Wq[virtual, layers_stage, …]),
-Wgate[D_(fsdp,sequence), F_tensor], x[B_(data,fsdp), L_sequence, D].
+Wgate[D_(fsdp,sequence), F_tensor], x[B_(data,fsdp), L_sequence, D]; an MoE layer's experts
+W_gate[E, D_(fsdp,sequence), F_tensor] (model/moe.py).
 """
 
 import math
@@ -37,6 +38,7 @@ PARAM_RULES = (
     ('kv_heads', 'tensor'),
     ('head_dim', None),
     ('mlp', 'tensor'),
+    ('experts', None),  # every device holds every expert's share (`expert` axis: to come)
     ('norm', None),
 )
 
@@ -51,6 +53,7 @@ ACTIVATION_RULES = (
     ('kv_heads', 'tensor'),
     ('head_dim', None),
     ('mlp', 'tensor'),
+    ('experts', None),
     ('vocab', 'tensor'),
 )
 
@@ -103,6 +106,12 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
     if getattr(model_cfg, field) % t:
       raise MeshMismatch(f'config.model.{field}={getattr(model_cfg, field)} is not divisible '
                          f'by config.mesh.tensor={t}; tensor parallelism splits it {t} ways')
+  if model_cfg.experts and (model_cfg.expert_width % t or
+                            (model_cfg.expert_matmul == 'pallas' and
+                             (model_cfg.expert_width // t) % 16)):
+    raise MeshMismatch(f'the expert width {model_cfg.expert_width} (config.model.expert_d_ff, or '
+                       f'd_ff) must split into config.mesh.tensor={t} shares, each a multiple '
+                       'of 16 for the grouped-matmul kernel')
   shard = mesh_sizes['fsdp'] * mesh_sizes['sequence']
   if model_cfg.d_model % shard:
     raise MeshMismatch(f'config.model.d_model={model_cfg.d_model} is not divisible by '
@@ -119,6 +128,10 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
     raise MeshMismatch(f'config.model.n_layers={model_cfg.n_layers} is not divisible by '
                        f'config.mesh.stage={stages} × config.model.virtual_stages={loops}; each '
                        'pipeline stage holds an equal share of every chunk of layers')
+  if model_cfg.experts and stages > 1:
+    raise MeshMismatch(f'config.model.experts={model_cfg.experts} cannot yet run with '
+                       f'config.mesh.stage={stages}: MoE gradients inside pipeline stages do not '
+                       'yet equal one device\'s (docs/moe.md); use config.mesh.stage=1')
   if microbatches < stages:
     raise MeshMismatch(f'config.microbatches={microbatches} is fewer than config.mesh.stage='
                        f'{stages}: the pipeline needs a microbatch for every stage to be busy; '

@@ -139,6 +139,19 @@ class Report:
     self.records.append(record)
 
 
+def scalars(values: dict) -> dict:
+  """A step's metrics as named numbers: a vector v becomes name/0, name/1, … (an expert each)."""
+  out = {}
+  for key, value in values.items():
+    if key == 'skipped':
+      continue
+    if getattr(value, 'ndim', 0):
+      out.update({f'{key}/{i}': float(x) for i, x in enumerate(value)})
+    else:
+      out[key] = float(value)
+  return out
+
+
 class LogMetrics(Hook):
   """Every log_every steps: the step's metrics, with tokens/s, step time and TFLOP/s (MFU on
   known GPUs) over the steps since the last log, and peak memory where reported."""
@@ -155,7 +168,7 @@ class LogMetrics(Hook):
       return
     values = jax.device_get(step.metrics)  # waits for the step
     step_time = (time.perf_counter() - self.since) / (step.done - self.since_step)
-    record = {'step': step.done, **{k: float(v) for k, v in values.items() if k != 'skipped'},
+    record = {'step': step.done, **scalars(values),
               'tokens_per_sec': self.tokens_per_step / step_time, 'step_time_s': step_time,
               **self.speed(self.tokens_per_step / step_time)}
     if (peak := metrics_lib.peak_memory_bytes(self.setup.mesh.devices.flat)) is not None:

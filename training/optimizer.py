@@ -4,6 +4,8 @@ import jax
 import optax
 from flax import nnx
 
+from model.moe import RouterBias
+
 
 def make_schedule(opt_config, train_steps: int) -> optax.Schedule:
   warmup = min(opt_config.warmup_steps, train_steps)
@@ -14,11 +16,12 @@ def make_schedule(opt_config, train_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params):
-  """True for parameters that take weight decay: all but norm scales (the model has no biases).
-  Model parameters are told apart by their logical axes; bare arrays decay if they are matrices."""
+  """True for parameters that take weight decay: all but norm scales and the MoE router's
+  balancing bias (the model has no other biases). Model parameters are told apart by their
+  logical axes and type; bare arrays decay if they are matrices."""
   def decays(x):
     if isinstance(x, nnx.Variable):
-      return x.replace('norm' not in (x.out_sharding or ()))
+      return x.replace('norm' not in (x.out_sharding or ()) and not isinstance(x, RouterBias))
     return x.ndim >= 2
   return jax.tree.map(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -8,7 +8,7 @@ from flax import nnx
 
 import kernels
 import sharding
-from model import pipeline
+from model import moe, pipeline
 from model.layers import constrain
 from planning import plan as plan_lib
 from training.state import Setup, TrainState
@@ -42,19 +42,23 @@ def context_layout(setup: Setup, batch: dict) -> dict:
 
 
 def _token_losses(graphdef, params, batch, microbatches=1):
-  """(−log p(target), log Z) [B, L] of the batch, from the model's head and loss together."""
+  """(−log p(target), log Z) [B, L] of the batch, from the model's head and loss together; the
+  MoE layers' router stats ({} for a dense model) and their weighted losses (model/moe.py)."""
   # Activations are pinned through ACTIVATION_RULES while the model is traced.
   with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
     model = nnx.merge(graphdef, params)
     # A batch without segment ids holds one document a row (no packing mask to apply).
-    return model(batch['inputs'], batch['positions'], batch.get('segment_ids'), microbatches,
-                 targets_BL=batch['targets'])
+    nll_BL, logz_BL, stats = model(batch['inputs'], batch['positions'], batch.get('segment_ids'),
+                                   microbatches, targets_BL=batch['targets'])
+    return nll_BL, logz_BL, stats, moe.aux_loss(stats, model.cfg)
 
 
-def _loss(graphdef, params, batch, z_loss, total=None, microbatches=1):
-  ce, zl = weighted_losses(*_token_losses(graphdef, params, batch, microbatches),
-                           batch['weights'], z_loss, total)
-  return ce + zl, (ce, zl)
+def _loss(graphdef, params, batch, z_loss, total=None, microbatches=1, share=1.0):
+  """(loss, (ce, z-loss, router stats)); the router's losses and stats count `share` of
+  theirs: a microbatch's part of the batch."""
+  nll_BL, logz_BL, stats, aux = _token_losses(graphdef, params, batch, microbatches)
+  ce, zl = weighted_losses(nll_BL, logz_BL, batch['weights'], z_loss, total)
+  return ce + zl + share * aux, (ce, zl, jax.tree.map(lambda a: a * share, stats))
 
 
 def split_microbatches(batch, microbatches: int):
@@ -68,7 +72,7 @@ def split_microbatches(batch, microbatches: int):
 
 def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1,
                    pipelined: bool = False):
-  """((loss, (ce, z_loss)), grads) of the batch; with microbatches > 1, accumulated over a
+  """((loss, (ce, z_loss, router stats)), grads) of the batch; with microbatches > 1, accumulated over a
   `lax.scan` of microbatches (only one microbatch's activations live at a time), giving the
   same result as one pass over the whole batch. `pipelined`: the model's pipeline stages take
   the microbatches instead (model/pipeline.py), in one pass."""
@@ -76,14 +80,16 @@ def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1
     return jax.value_and_grad(lambda p: _loss(graphdef, p, batch, z_loss,
                                               microbatches=microbatches), has_aux=True)(params)
   total = jnp.maximum(batch['weights'].sum(), 1.0)
-  grad_fn = jax.value_and_grad(lambda p, mb: _loss(graphdef, p, mb, z_loss, total), has_aux=True)
+  grad_fn = jax.value_and_grad(
+      lambda p, mb: _loss(graphdef, p, mb, z_loss, total, share=1 / microbatches), has_aux=True)
+  batches = split_microbatches(batch, microbatches)
 
   def accumulate(carry, microbatch):
-    (loss, (ce, zl)), grads = grad_fn(params, microbatch)
-    return jax.tree.map(jnp.add, carry, ((loss, (ce, zl)), grads)), None
+    return jax.tree.map(jnp.add, carry, grad_fn(params, microbatch)), None
 
-  zeros = ((0.0, (0.0, 0.0)), jax.tree.map(jnp.zeros_like, params))
-  return jax.lax.scan(accumulate, zeros, split_microbatches(batch, microbatches))[0]
+  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batches))
+  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+  return jax.lax.scan(accumulate, zeros, batches)[0]
 
 
 def pipeline_stages(setup: Setup) -> int:
@@ -94,14 +100,18 @@ def pipeline_stages(setup: Setup) -> int:
 def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   def train_step(state: TrainState, batch):
     batch = context_layout(setup, batch)
-    (loss, (ce, zl)), grads = loss_and_grads(setup.graphdef, state.params, batch, z_loss,
-                                             microbatches, pipeline_stages(setup) > 1)
+    (loss, (ce, zl, router)), grads = loss_and_grads(setup.graphdef, state.params, batch, z_loss,
+                                                     microbatches, pipeline_stages(setup) > 1)
     grad_norm = optax.tree.norm(grads)
     old_opt_state = state.opt_state
     if setup.opt_compute_shardings is not None:  # kept in host memory: bring it in for the update
       old_opt_state = jax.device_put(old_opt_state, setup.opt_compute_shardings)
     updates, opt_state = setup.tx.update(grads, old_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if setup.model_cfg.router_bias_rate:  # not a gradient's: the router's balancing bias
+      model = nnx.merge(setup.graphdef, params)
+      model.balanced(router['tokens_per_expert'], setup.model_cfg.router_bias_rate)
+      params = nnx.state(model)
     # A step whose loss or gradient is not finite is not applied: parameters and optimizer state
     # (its step count too, so the schedule waits) stay as they were. The selects fuse into the
     # update's elementwise loops, so they cost no extra memory.
@@ -110,7 +120,7 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
     bad_steps = state.bad_steps + jnp.where(finite, 0, 1).astype(jnp.int32)
     metrics = {'loss': ce, 'z_loss': zl, 'grad_norm': grad_norm,
                'learning_rate': setup.schedule(state.step - state.bad_steps),
-               'skipped': ~finite, 'bad_steps': bad_steps}
+               'skipped': ~finite, 'bad_steps': bad_steps, **moe.metrics(router)}
     return TrainState(step=state.step + 1, params=keep_if_bad(params, state.params),
                       opt_state=keep_if_bad(opt_state, old_opt_state),
                       bad_steps=bad_steps), metrics
@@ -126,7 +136,7 @@ def make_eval_step(setup: Setup, token_bytes_V, microbatches: int = 1):
 
   def eval_step(params, batch):
     batch = context_layout(setup, batch)
-    nll_BL, _ = _token_losses(setup.graphdef, params, batch, microbatches)
+    nll_BL = _token_losses(setup.graphdef, params, batch, microbatches)[0]
     weights_BL = batch['weights']
     return {'nats': (nll_BL * weights_BL).sum(), 'tokens': weights_BL.sum(),
             'bytes': (token_bytes_V[batch['targets']] * weights_BL).sum()}

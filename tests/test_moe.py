@@ -1,0 +1,243 @@
+"""Mixture-of-experts layers (model/moe.py): a layer equals a loop over its experts, values and
+gradients; dropless routing keeps every assignment and a capacity drops the ones a NumPy rule
+says; the router's losses are their formulas; the balancing bias moves as DeepSeek-V3's rule
+says; and a tiny MoE trains on meshes of data, fsdp and tensor as on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sharding
+from data import pipeline, tokenizers, tokens
+from model import ModelConfig, moe
+from model.layers import MLP
+from model.transformer import Transformer
+from tests.conftest import tiny_config
+from training import step as step_lib
+from training.hooks import scalars
+from training.state import build
+
+E, K = 4, 2
+
+
+def moe_config(**mesh):
+  config = tiny_config(**mesh)
+  config.model.update(experts=E, experts_per_token=K, expert_d_ff=32)
+  return config
+
+
+def layer(**fields):
+  model = moe_config().model
+  model.update(fields)
+  return moe.MoE(ModelConfig.from_config(model), nnx.Rngs(0))
+
+
+def loop_reference(layer, x_BLD, dropped_Tk=None):
+  """Σ over experts e of (the weight the router gave e) · SwiGLU_e(x), every token through every
+  expert, in plain jnp: no sorting, no kernel."""
+  cfg = layer.cfg
+  x_TD = x_BLD.reshape(-1, cfg.d_model)
+  logits_TE = x_TD @ layer.router[...]
+  bias = layer.router_bias[...] if cfg.router == 'sigmoid' else None
+  weights_Tk, experts_Tk, _ = moe.route(logits_TE, bias, cfg.experts_per_token, cfg.router,
+                                        cfg.router_renormalize)
+  if dropped_Tk is not None:
+    weights_Tk = jnp.where(dropped_Tk, 0.0, weights_Tk)
+  y_TD = jnp.zeros_like(x_TD)
+  for e in range(cfg.experts):
+    h_TF = jax.nn.silu(x_TD @ layer.w_gate[e]) * (x_TD @ layer.w_up[e])
+    share_T = jnp.where(experts_Tk == e, weights_Tk, 0.0).sum(axis=1)
+    y_TD = y_TD + share_T[:, None] * (h_TF @ layer.w_down[e])
+  if cfg.shared_experts:
+    y_TD = y_TD + layer.shared(x_TD[None])[0]
+  return y_TD.reshape(x_BLD.shape)
+
+
+def value_and_grads(fn, module, x_BLD):
+  graphdef, params = nnx.split(module)
+  def loss(params, x_BLD):
+    y_BLD = fn(nnx.merge(graphdef, params), x_BLD)
+    return jnp.sum(y_BLD * jnp.cos(jnp.arange(y_BLD.size).reshape(y_BLD.shape))), y_BLD
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x_BLD)
+
+
+@pytest.mark.parametrize('fields', [
+    dict(router='softmax', shared_experts=1),
+    # One expert's bias far below the others': its group is empty.
+    dict(router='sigmoid', router_renormalize=False, router_bias_rate=1e-3),
+], ids=['softmax+shared', 'sigmoid+empty expert'])
+def test_an_moe_layer_equals_a_loop_over_its_experts(fields):
+  module = layer(**fields)
+  if fields['router'] == 'sigmoid':
+    module.router_bias[...] = jnp.array([0.0, 0.0, 0.0, -10.0])
+  x_BLD = jax.random.normal(jax.random.key(1), (2, 24, 64))
+  (_, y), grads = value_and_grads(lambda m, x: m(x)[0], module, x_BLD)
+  (_, y_ref), grads_ref = value_and_grads(loop_reference, module, x_BLD)
+  logits_TE = x_BLD.reshape(-1, 64) @ module.router[...]
+  bias = module.router_bias[...] if fields['router'] == 'sigmoid' else None
+  chosen = moe.route(logits_TE, bias, K, module.cfg.router, module.cfg.router_renormalize)[1]
+  sizes = np.bincount(np.asarray(chosen).ravel(), minlength=E)
+  assert len(set(sizes)) > 1  # ragged
+  assert (sizes[3] == 0) == (fields['router'] == 'sigmoid')
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def numpy_kept(experts_Tk, n_experts, cap):
+  """The first `cap` assignments of each expert in token order are kept."""
+  seen, kept = np.zeros(n_experts, int), np.zeros(experts_Tk.shape, bool)
+  for t, j in np.ndindex(*experts_Tk.shape):
+    e = experts_Tk[t, j]
+    kept[t, j] = seen[e] < cap
+    seen[e] += 1
+  return kept
+
+
+def test_dropless_keeps_every_assignment_and_a_capacity_drops_what_numpy_says():
+  experts_Tk = np.array(jax.random.randint(jax.random.key(2), (48, K), 0, E))
+  experts_Tk[:, 1] = (experts_Tk[:, 0] + 1) % E  # two different experts a token
+  order, inverse, sizes = moe.dispatch(jnp.asarray(experts_Tk), E, None)
+  assert sizes.sum() == experts_Tk.size and np.asarray(moe.kept(experts_Tk, E, None)).all()
+  np.testing.assert_array_equal(np.sort(order), np.arange(experts_Tk.size))
+  np.testing.assert_array_equal(np.asarray(order)[np.asarray(inverse)], np.arange(96))
+  assert (np.diff(experts_Tk.ravel()[np.asarray(order)]) >= 0).all()  # sorted by expert
+
+  cap = moe.capacity(48, K, E, 0.75)
+  assert cap == 18
+  expected = numpy_kept(experts_Tk, E, cap)
+  assert 0 < (~expected).sum()
+  np.testing.assert_array_equal(moe.kept(jnp.asarray(experts_Tk), E, cap), expected)
+
+  module = layer(capacity_factor=0.75)
+  x_BLD = jax.random.normal(jax.random.key(3), (2, 24, 64))
+  y_BLD, stats = module(x_BLD)
+  logits_TE = x_BLD.reshape(-1, 64) @ module.router[...]
+  chosen = np.asarray(moe.route(logits_TE, None, K, 'softmax', True)[1])
+  dropped = ~numpy_kept(chosen, E, moe.capacity(48, K, E, 0.75))
+  assert dropped.any()
+  assert float(stats['dropped']) == pytest.approx(dropped.mean())
+  np.testing.assert_allclose(y_BLD, loop_reference(module, x_BLD, dropped), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_the_router_losses_are_their_formulas():
+  module = layer()
+  x_BLD = jax.random.normal(jax.random.key(4), (2, 24, 64))
+  stats = module(x_BLD)[1]
+  logits = np.asarray(x_BLD.reshape(-1, 64) @ module.router[...], np.float64)
+  probs = np.exp(logits - logits.max(1, keepdims=True))
+  probs /= probs.sum(1, keepdims=True)
+  top = np.argsort(-probs, axis=1)[:, :K]
+  f = np.bincount(top.ravel(), minlength=E) / top.size
+  np.testing.assert_allclose(stats['tokens_per_expert'], f, rtol=1e-6)
+  np.testing.assert_allclose(stats['load_balance'], E * np.sum(f * probs.mean(0)), rtol=1e-5)
+  logz = np.log(np.exp(logits).sum(1))
+  np.testing.assert_allclose(stats['router_z'], np.mean(logz ** 2), rtol=1e-5)
+  config = moe_config().model
+  cfg = ModelConfig.from_config(config)
+  stacked = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), stats)
+  np.testing.assert_allclose(
+      moe.aux_loss(stacked, cfg), 1.5 * (cfg.load_balance_loss * stats['load_balance']
+                                         + cfg.router_z_loss * stats['router_z']), rtol=1e-6)
+
+
+def test_a_sigmoid_routers_bias_moves_toward_balance_and_not_by_its_gradient():
+  config = moe_config()
+  config.model.update(router='sigmoid', router_bias_rate=0.01)
+  setup = build(config, jax.devices()[:1])
+  state = setup.init_state()
+  batch = {k: np.zeros((8, 32), v) for k, v in step_lib.BATCH_KEYS.items()}
+  batch['inputs'] = batch['targets'] = np.arange(256).reshape(8, 32) % 97
+  batch['weights'][:] = 1
+  step = step_lib.compile_train_step(setup, 8, 32, 0.0)
+  new, metrics = step(state, batch)
+  f = np.asarray(metrics['moe_tokens_per_expert'])
+  assert f.sum() == pytest.approx(1.0) and len(set(np.round(f, 6))) > 1
+  bias = np.asarray(new.params['blocks']['mlp']['router_bias'][...])
+  assert bias.shape == (2, E)
+  # Each layer's own loads: its row moves by ±rate only, by the sign of (1/E − its share).
+  np.testing.assert_allclose(np.abs(bias), 0.01)
+  assert (bias > 0).any(axis=1).all() and (bias < 0).any(axis=1).all()  # busy down, idle up
+  # Experts busier than their share on average moved down in at least one layer.
+  assert (bias[:, f > 1 / E] < 0).any(axis=0).all()
+  assert {'moe_tokens_per_expert/0', 'moe_load_balance', 'moe_max_load'} <= set(
+      scalars(jax.device_get(metrics)))
+
+
+MESHES = {'fsdp=4×tensor=2': dict(fsdp=4, tensor=2),
+          'data=2×fsdp=2×tensor=2': dict(data=2, fsdp=2, tensor=2)}
+STEPS = 4
+
+
+def train(config, devices, corpus):
+  setup = build(config, devices)
+  state = setup.init_state()
+  step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
+                                     microbatches=config.microbatches)
+  byte = tokenizers.ByteTokenizer()
+  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), byte, config,
+                                   sharding.batch_sharding(setup.mesh))
+  curve = []
+  for _ in range(STEPS):
+    state, metrics = step(state, next(batches))
+    curve.append([float(metrics[k]) for k in ('loss', 'grad_norm', 'moe_load_balance',
+                                              'moe_router_z') if k in metrics])
+  return np.array(curve), state
+
+
+@pytest.fixture(scope='module')
+def one_device(small_corpus):
+  config = moe_config()
+  config.microbatches = 2
+  return train(config, jax.devices()[:1], small_corpus)
+
+
+@pytest.mark.parametrize('name', list(MESHES))
+def test_a_tiny_moe_trains_on_a_mesh_as_on_one_device(name, one_device, small_corpus):
+  """Losses, gradient norms, router losses and parameters; two microbatches, each with its own
+  router losses, averaged."""
+  ref_curve, ref_state = one_device
+  config = moe_config(**MESHES[name])
+  config.microbatches = 2
+  curve, state = train(config, jax.devices(), small_corpus)
+  assert ref_curve[-1, 0] < ref_curve[0, 0]
+  np.testing.assert_allclose(curve, ref_curve, rtol=2e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_moe_in_pipeline_stages_is_refused_naming_the_setting():
+  with pytest.raises(sharding.MeshMismatch, match='config.mesh.stage=2: MoE gradients'):
+    build(moe_config(stage=2, fsdp=4))
+
+
+@pytest.mark.parametrize('fields, message', [
+    (dict(matmul_precision='fp8'), "matmul_precision='fp8' has no form for the experts"),
+    (dict(router_bias_rate=0.001), "router_bias_rate=0.001 must be 0, or positive with"),
+    (dict(expert_d_ff=40), 'must be multiples of 16 for the grouped-matmul kernel'),
+    (dict(experts_per_token=5), 'experts_per_token=5 must be between 1 and'),
+    (dict(dense_layers=2), 'dense_layers=2 leaves no MoE layer'),
+])
+def test_moe_settings_that_cannot_work_are_refused_naming_the_setting(fields, message):
+  config = moe_config().model
+  config.update(fields)
+  with pytest.raises(ValueError, match=message):
+    ModelConfig.from_config(config)
+
+
+def test_first_dense_layers_are_a_stack_of_their_own_and_decode_as_the_forward():
+  config = moe_config().model
+  config.update(n_layers=3, dense_layers=1)
+  cfg = ModelConfig.from_config(config)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  assert isinstance(model.dense_blocks.mlp, MLP)
+  assert isinstance(model.blocks.mlp, moe.MoE)
+  assert model.dense_blocks.mlp.w_gate.shape == (1, 64, 128)
+  tokens_BL = jax.random.randint(jax.random.key(5), (2, 12), 0, 384)
+  logits = model(tokens_BL)
+  cache = model.init_cache(2, 12)
+  step_logits, _ = model.decode(tokens_BL, jnp.broadcast_to(jnp.arange(12), (2, 12)), cache)
+  np.testing.assert_allclose(step_logits, logits, rtol=1e-4, atol=1e-4)
