@@ -56,16 +56,28 @@ def per_shard(fn, in_names: tuple, out_names: tuple):
   """`fn` run by every device on its own shard of the arguments (jax.shard_map), the shards being
   where the logical axes `in_names` (one tuple per argument) and `out_names` (one tuple, or for
   several outputs a list of them) put them under the active rules and mesh. Outside a mesh, or
-  without rules, `fn` itself."""
+  without rules, `fn` itself.
+
+  In a manual region (a pipeline stage's) the results are typed as varying over every manual
+  axis an argument varies over. shard_map without type checks would type them invariant, and
+  the backward would then make their cotangents, which differ from stage to stage, invariant
+  by summing them over the stages."""
   def run(*args):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not flax.core.spmd.get_logical_axis_rules():
       return fn(*args)
     out_specs = (tuple(map(_spec, out_names)) if isinstance(out_names, list)
                  else _spec(out_names))
-    return jax.shard_map(fn, mesh=mesh, check_vma=False,
-                         in_specs=tuple(map(_spec, in_names)), out_specs=out_specs)(*args)
+    out = jax.shard_map(fn, mesh=mesh, check_vma=False,
+                        in_specs=tuple(map(_spec, in_names)), out_specs=out_specs)(*args)
+    axes = frozenset().union(*map(_varying, jax.tree.leaves(args)))
+    return jax.tree.map(lambda y: _vary(y, axes), out) if axes else out
   return run
+
+
+def _vary(y, axes: frozenset):
+  missing = tuple(sorted(axes - _varying(y)))
+  return jax.lax.pcast(y, missing, to='varying') if missing else y
 
 
 def _varying(x) -> frozenset:
@@ -77,8 +89,7 @@ def _varying(x) -> frozenset:
 def varying_like(y, x):
   """y typed as varying over the manual axes x varies over (its value unchanged): for a gradient
   computed per shard, whose type must match its primal's in a custom VJP."""
-  axes = tuple(sorted(_varying(x) - _varying(y)))
-  return jax.lax.pcast(y, axes, to='varying') if axes else y
+  return _vary(y, _varying(x))
 
 
 def partitioned(fn, in_names: tuple, out_names: tuple):

@@ -66,6 +66,12 @@ def build(config, devices=None) -> Setup:
   sizes = sharding.mesh_shape(config.mesh, len(devices))
   sharding.check_fits_mesh(model_cfg, config.batch_size, config.seq_len, sizes,
                            config.microbatches)
+  if (model_cfg.experts and model_cfg.expert_matmul == 'pallas' and sizes['stage'] > 1
+      and target_lib.compiled_for(devices) is None):
+    raise ValueError("config.model.expert_matmul='pallas' runs in interpret mode off GPUs, which "
+                     "JAX's Pallas interpreter cannot run inside pipeline stages "
+                     f"(config.mesh.stage={sizes['stage']}); use "
+                     "--config.model.expert_matmul=ragged_dot here (GPUs compile ours)")
   if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':
     raise ValueError(f"config.model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
                      f"{devices[0].platform}; use --config.model.attention=xla")
