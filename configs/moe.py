@@ -1,29 +1,48 @@
-"""Mixture-of-experts presets (docs/moe.md). tiny: the default run's model with each MLP made 8
-SwiGLU experts of half its width, 2 a token, so it has the dense model's active parameters and
-3.5× its MLP parameters. On a CPU its experts multiply through XLA's ragged_dot: our kernel's
-interpret mode, which the tests run, is too slow for a run; on GPUs set expert_matmul=pallas.
+"""Mixture-of-experts presets (docs/moe.md).
+
+tiny: the default run's model with each MLP made 8 SwiGLU experts of half its width, 2 a token,
+so it has the dense model's active parameters and 3.5× its MLP parameters. On a CPU its experts
+multiply through XLA's ragged_dot: our kernel's interpret mode, which the tests run, is too slow
+for a run; on GPUs set expert_matmul=pallas.
+mixtral-8x7b: Mixtral-8x7B's shapes (46.7B parameters, 12.9B active), planned for two nodes of
+H100s (16).
 
 Run:
   python train.py --config=configs/moe.py:tiny --config.workdir=/tmp/meshlm-moe-tiny
-Should reach: a loss falling as the default run's does (configs/default.py), with the
+  python train.py --config=configs/moe.py:mixtral-8x7b --config.dry_run=True \
+      --config.plan.target=H100 --config.plan.devices=16
+Should reach: tiny, a loss falling as the default run's does (configs/default.py), with the
 load-balancing loss (moe_load_balance in metrics.jsonl) near 1 and each expert's share
-(moe_tokens_per_expert/*) near 1/8. Measured on a 2-core CPU: 2.8 s a step (about 9 minutes for
-the 200), loss 2.57 at step 20.
+(moe_tokens_per_expert/*) near 1/8; measured on a 2-core CPU at 2.8 s a step (about 9 minutes
+for the 200), with the curve beside the dense model's in docs/moe.md. mixtral-8x7b: the plan
+docs/moe.md gives.
 """
 
-from configs import default
+from configs import base, default
 
 PRESETS = {
-    # name: config.model's MoE fields on top of the default run's
+    # name: config.model's fields
     'tiny': dict(experts=8, experts_per_token=2, expert_d_ff=384, expert_matmul='ragged_dot'),
+    # transformers' MixtralConfig for Mixtral-8x7B; its router_aux_loss_coef 0.02 weighs a loss k
+    # times meshlm's (model/moe.py), so 0.04 here
+    'mixtral-8x7b': dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         head_dim=128, d_ff=14336, rope_theta=1e6, tie_embeddings=False,
+                         experts=8, experts_per_token=2, expert_d_ff=14336,
+                         load_balance_loss=0.04, router_z_loss=0.0),
 }
+RUNS = {'mixtral-8x7b': (16, 4096, 'full', 1)}  # global batch, seq_len, remat, microbatches
+GPUS = {'mixtral-8x7b': 16}  # H100s a preset is planned for
 
 
 def get_config(preset: str = 'tiny'):
   if preset not in PRESETS:
     raise ValueError(f'configs/moe.py: unknown preset {preset!r}; use one of {sorted(PRESETS)}, '
                      'e.g. --config=configs/moe.py:tiny')
-  c = default.get_config()
+  c = default.get_config() if preset == 'tiny' else base.get_config()
   c.workdir = f'/tmp/meshlm-moe-{preset}'
+  if preset in RUNS:
+    c.train_steps, c.eval_every = 10_000, 1000
+    c.batch_size, c.seq_len, c.model.remat_policy, c.microbatches = RUNS[preset]
+    c.optimizer.learning_rate, c.optimizer.warmup_steps = 3e-4, 500
   c.model.update(PRESETS[preset])
   return c

@@ -45,6 +45,13 @@ class Layout:
   name: str
   transposed: bool = False
   joined: tuple = ()
+  experts: bool = False  # one tensor per expert: `name` has {} for its index
+
+  def hf_name(self, index: int, n_experts: int) -> str:
+    """The HF name of the flat `index`-th (layer, expert) tensor of a stacked parameter."""
+    if not self.experts:
+      return LAYER.format(index) + self.name
+    return LAYER.format(index // n_experts) + self.name.format(index % n_experts)
 
   def groups(self, ndim) -> list[tuple]:
     """meshlm's dimensions (per layer) as HF's, in meshlm's order."""
@@ -75,6 +82,13 @@ TENSORS = {
     ('final_norm', 'scale'): Layout('model.norm.weight'),
     ('unembed',): Layout('lm_head.weight', True),
 }
+# An MoE model's (Mixtral's) in place of the MLP's; its experts' weights [E, ...] are E tensors.
+MOE_TENSORS = {
+    ('blocks', 'mlp', 'router'): Layout('block_sparse_moe.gate.weight', True),
+    ('blocks', 'mlp', 'w_gate'): Layout('block_sparse_moe.experts.{}.w1.weight', True, (), True),
+    ('blocks', 'mlp', 'w_up'): Layout('block_sparse_moe.experts.{}.w3.weight', True, (), True),
+    ('blocks', 'mlp', 'w_down'): Layout('block_sparse_moe.experts.{}.w2.weight', True, (), True),
+}
 IGNORED = ('rotary_emb.inv_freq',)  # buffers older transformers saved; recomputed from the config
 DTYPES = {'F32': np.float32, 'BF16': ml_dtypes.bfloat16, 'F16': np.float16}
 
@@ -88,6 +102,12 @@ FIELDS = {'vocab_size': 'vocab_size', 'd_model': 'hidden_size', 'n_layers': 'num
           'rope_original_length': 'original_max_position_embeddings'}
 LLAMA3_FIELDS = ('rope_factor', 'rope_low_freq_factor', 'rope_high_freq_factor',
                  'rope_original_length')
+# A Mixtral's experts (transformers' MixtralConfig); its router is a renormalised softmax top-k,
+# and its load-balancing loss k times meshlm's (model/moe.py).
+MOE_FIELDS = {'experts': 'num_local_experts', 'experts_per_token': 'num_experts_per_tok',
+              'expert_d_ff': 'intermediate_size', 'load_balance_loss': 'router_aux_loss_coef',
+              'router': 'model_type', 'router_renormalize': 'model_type',
+              'shared_experts': 'model_type', 'dense_layers': 'model_type'}
 
 
 def directory(init_from: str) -> pathlib.Path | None:
@@ -111,18 +131,21 @@ def model_settings(path: pathlib.Path) -> dict:
     raise ValueError(f'{where} is not JSON ({e}); copy the checkpoint again') from None
   rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
+  mixtral = hf.get('model_type') == 'mixtral'
   unsupported = {
-      'model_type': hf.get('model_type') != 'llama',
+      'model_type': hf.get('model_type') not in ('llama', 'mixtral'),
       'hidden_act': hf.get('hidden_act', 'silu') != 'silu',
       'attention_bias': hf.get('attention_bias', False),
       'mlp_bias': hf.get('mlp_bias', False),
-      'num_local_experts': 'num_local_experts' in hf,
+      'num_local_experts': 'num_local_experts' in hf and not mixtral,
       'rope_type': rope_type not in ('default', 'llama3'),
+      'sliding_window': hf.get('sliding_window') is not None,
+      'router_jitter_noise': bool(hf.get('router_jitter_noise')),
   }
   if bad := [key for key, is_bad in unsupported.items() if is_bad]:
     raise ValueError(f'{where} has {", ".join(f"{k}={hf.get(k, rope_type)!r}" for k in bad)}; '
-                     "meshlm imports Llama (model_type 'llama': SwiGLU, no biases, no experts, "
-                     "rope_type 'default' or 'llama3')")
+                     "meshlm imports Llama and Mixtral (model_type 'llama' or 'mixtral': SwiGLU, "
+                     "no biases, full causal attention, rope_type 'default' or 'llama3')")
   required = ['vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads',
               'intermediate_size'] + [key for f, key in FIELDS.items()
                                       if f in LLAMA3_FIELDS and rope_type == 'llama3']
@@ -140,6 +163,13 @@ def model_settings(path: pathlib.Path) -> dict:
   for field in LLAMA3_FIELDS[:3]:
     if field in fields:
       fields[field] = float(fields[field])
+  fields['experts'] = 0
+  if mixtral:
+    k = hf.get('num_experts_per_tok', 2)
+    fields.update(experts=hf.get('num_local_experts', 8), experts_per_token=k,
+                  expert_d_ff=hf['intermediate_size'], router='softmax', router_renormalize=True,
+                  shared_experts=0, dense_layers=0,
+                  load_balance_loss=float(hf.get('router_aux_loss_coef', 0.001)) * k)
   return fields
 
 
@@ -155,28 +185,35 @@ def with_model_settings(config, defaults):
   for field, value in model_settings(path).items():
     given = config.model[field]
     if given != value and given != defaults[field]:
+      source = (f'{FIELDS[field]}={value!r}' if field in FIELDS else
+                f'{MOE_FIELDS[field]} giving {value!r}')
       raise ValueError(
-          f'config.model.{field}={given!r}, but {SETTING}={config.init_from} has '
-          f'{FIELDS[field]}={value!r} in its config.json; drop the setting (the checkpoint '
-          'decides it) or start from another checkpoint')
+          f'config.model.{field}={given!r}, but {SETTING}={config.init_from} has {source} in '
+          'its config.json; drop the setting (the checkpoint decides it) or start from another '
+          'checkpoint')
     config.model[field] = value
   if config.data.tokenizer == 'byte' and (path / 'tokenizer.json').is_file():
     config.data.tokenizer, config.data.tokenizer_model = 'hf', str(path / 'tokenizer.json')
   return config
 
 
-def _parameters(abstract_params, virtual_stages):
+def _parameters(abstract_params, cfg):
   """(leaf path, leaf, Layout, lead) of each meshlm parameter; the stacked ones have `lead`
-  leading layer dimensions: [n], or [V, n/V] (layer v·n/V + j at [v, j]) with virtual stages."""
+  leading dimensions, each index one HF tensor: the layers [n], or [V, n/V] (layer v·n/V + j at
+  [v, j]) with virtual stages, then an MoE layer's experts [E]."""
+  tensors = {**TENSORS, **MOE_TENSORS} if cfg.experts else TENSORS
   for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
     names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-    yield path, leaf, TENSORS[names], (1 + (virtual_stages > 1)) * (names[0] == 'blocks')
+    layout = tensors[names]
+    lead = (1 + (cfg.virtual_stages > 1)) * (names[0] == 'blocks') + layout.experts
+    yield path, leaf, layout, lead
 
 
 def _hf_names(layout: Layout, leaf, lead: int) -> list[str]:
   if not lead:
     return [layout.name]
-  return [LAYER.format(i) + layout.name for i in range(math.prod(leaf.shape[:lead]))]
+  experts = leaf.shape[lead - 1] if layout.experts else 1
+  return [layout.hf_name(i, experts) for i in range(math.prod(leaf.shape[:lead]))]
 
 
 class Checkpoint(contextlib.ExitStack):
@@ -212,11 +249,11 @@ class Checkpoint(contextlib.ExitStack):
     self.where = where
     self.tensors = {name: files[file].get_slice(name) for name, file in weight_map.items()}
 
-  def check(self, abstract_params, virtual_stages: int) -> None:
+  def check(self, abstract_params, cfg) -> None:
     """ValueError unless every parameter's tensors are here with the shapes the model's settings
     give them, in a float dtype, and nothing else is (biases, experts: not this model)."""
     wanted = set()
-    for _, leaf, layout, lead in _parameters(abstract_params, virtual_stages):
+    for _, leaf, layout, lead in _parameters(abstract_params, cfg):
       shape = layout.hf_shape(leaf.shape[lead:])
       for name in _hf_names(layout, leaf, lead):
         wanted.add(name)
@@ -254,7 +291,7 @@ class Checkpoint(contextlib.ExitStack):
 def check(path: pathlib.Path, abstract_params, model_cfg) -> None:
   """Before data or memory are touched: `path` holds every tensor of this model (Checkpoint)."""
   with Checkpoint(path) as checkpoint:
-    checkpoint.check(abstract_params, model_cfg.virtual_stages)
+    checkpoint.check(abstract_params, model_cfg)
 
 
 def load_params(path: pathlib.Path, abstract_params, model_cfg):
@@ -263,15 +300,16 @@ def load_params(path: pathlib.Path, abstract_params, model_cfg):
   to the parameter's dtype, and placed, one tensor at a time, so no process ever holds the
   whole model."""
   with Checkpoint(path) as checkpoint:
-    checkpoint.check(abstract_params, model_cfg.virtual_stages)
+    checkpoint.check(abstract_params, model_cfg)
     arrays = {}
-    for key, leaf, layout, lead in _parameters(abstract_params, model_cfg.virtual_stages):
+    for key, leaf, layout, lead in _parameters(abstract_params, model_cfg):
       layers = np.arange(math.prod(leaf.shape[:lead])).reshape(leaf.shape[:lead])
 
       def part(index, leaf=leaf, layout=layout, lead=lead, layers=layers):
         index = [s.indices(n)[:2] for s, n in zip(index, leaf.shape)]
         rows = layers[tuple(slice(*i) for i in index[:lead])]
-        names = [LAYER.format(i) + layout.name for i in rows.flat] if lead else [layout.name]
+        experts = leaf.shape[lead - 1] if layout.experts else 1
+        names = [layout.hf_name(i, experts) for i in rows.flat] if lead else [layout.name]
         parts = [checkpoint.read(name, layout, leaf.shape[lead:], index[lead:])
                  for name in names]
         return np.stack(parts).reshape(rows.shape + parts[0].shape).astype(leaf.dtype)
@@ -280,8 +318,23 @@ def load_params(path: pathlib.Path, abstract_params, model_cfg):
     return jax.tree_util.tree_map_with_path(lambda key, _: arrays[key], abstract_params)
 
 
+def check_exportable(cfg) -> None:
+  """ValueError naming the setting, for a model no Llama or Mixtral checkpoint can hold."""
+  if not cfg.experts:
+    return
+  unlike_mixtral = {'router': cfg.router != 'softmax',
+                    'router_renormalize': not cfg.router_renormalize,
+                    'shared_experts': cfg.shared_experts, 'dense_layers': cfg.dense_layers,
+                    'rope_type': cfg.rope_type != 'default'}
+  if bad := [field for field, is_bad in unlike_mixtral.items() if is_bad]:
+    raise ValueError(f'config.model.{bad[0]}={getattr(cfg, bad[0])!r}: a Mixtral checkpoint, the '
+                     'MoE form meshlm exports, has a renormalised softmax router, no shared '
+                     'experts, no dense layers and plain RoPE')
+
+
 def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
-  """config.json for transformers' LlamaConfig (the form transformers 4 writes, which 5 reads)."""
+  """config.json for transformers' LlamaConfig, or MixtralConfig for a model with experts (the
+  form transformers 4 writes, which 5 reads)."""
   rope_scaling = None
   if cfg.rope_type == 'llama3':
     rope_scaling = {'rope_type': 'llama3', 'factor': cfg.rope_factor,
@@ -299,7 +352,16 @@ def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
                                      if rope_scaling else seq_len),
       'tie_word_embeddings': cfg.tie_embeddings, 'attention_bias': False, 'mlp_bias': False,
       'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id,
-      'pad_token_id': tokenizer.pad_id, 'torch_dtype': dtype, 'dtype': dtype}
+      'pad_token_id': tokenizer.pad_id, 'torch_dtype': dtype, 'dtype': dtype,
+      **(_mixtral_config(cfg) if cfg.experts else {})}
+
+
+def _mixtral_config(cfg) -> dict:
+  return {'architectures': ['MixtralForCausalLM'], 'model_type': 'mixtral',
+          'intermediate_size': cfg.expert_width, 'num_local_experts': cfg.experts,
+          'num_experts_per_tok': cfg.experts_per_token, 'sliding_window': None,
+          'router_aux_loss_coef': cfg.load_balance_loss / cfg.experts_per_token,
+          'router_jitter_noise': 0.0, 'output_router_logits': False}
 
 
 def _shards(tensors: list, max_bytes: int) -> list[list]:
@@ -321,13 +383,10 @@ def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype:
   safetensors in HF's names and layout, in `dtype` (sharded with an index above max_shard_bytes),
   and the tokenizer's files where it has a HF form. Built in a directory beside `output` and
   renamed to it at the end, so a failed export leaves no half checkpoint."""
-  if cfg.experts:
-    raise ValueError(f'this run has experts (config.model.experts={cfg.experts}), which a '
-                     'Llama checkpoint cannot hold; exporting MoE models (Mixtral) is not built '
-                     'yet (docs/moe.md)')
+  check_exportable(cfg)
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
   tensors = []  # (position, HF name, bytes, read): embed_tokens, each layer's, norm and head
-  for _, leaf, layout, lead in _parameters(params, cfg.virtual_stages):
+  for _, leaf, layout, lead in _parameters(params, cfg):
     def read(leaf=leaf, layout=layout, at=()):  # one layer (at) at a time: host memory
       return np.ascontiguousarray(layout.to_hf(np.asarray(leaf[at])).astype(np_dtype))
 

@@ -10,6 +10,7 @@ import jax
 import pytest
 
 import configs
+from planning import flops
 from training import loop
 from training.state import build, param_count
 
@@ -38,6 +39,16 @@ def test_llama_presets_have_their_real_sizes_and_shard_over_8_devices(preset):
   setup = build(config)  # abstract only: nothing of this size is allocated
   low, high = PRESETS[preset]
   assert low <= param_count(setup.abstract_state.params) <= high
+
+
+def test_mixtral_has_its_real_size_and_active_parameters():
+  config = load('moe.py', 'mixtral-8x7b')
+  config.mesh.fsdp = -1
+  setup = build(config)  # abstract only
+  assert 46.6e9 <= param_count(setup.abstract_state.params) <= 46.8e9
+  cfg = setup.model_cfg  # 12.9B active: the head, attention, router and 2 of 8 experts a layer
+  active = cfg.n_layers * flops.matmul_params_per_layer(cfg, experts=True) + cfg.d_model * 32000
+  assert 12.8e9 <= active + cfg.d_model * 32000 <= 13.0e9  # and the embedding
 
 
 def test_the_long_context_preset_splits_its_row_over_8_devices_with_the_ring():

@@ -15,6 +15,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from configs import base
+from data import tokenizers
 from model.generate import generate
 from runtime import checkpoint as checkpoint_lib
 from runtime import faults, huggingface
@@ -26,6 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 DATA = REPO / 'tests' / 'data'
 UNTIED = DATA / 'hf-llama-untied'  # float32, one file, plain RoPE, eps 1e-6
 TIED = DATA / 'hf-llama-tied-llama3'  # bfloat16, four files and an index, llama3 RoPE
+MIXTRAL = DATA / 'hf-mixtral'  # float32, 4 experts of width 32, 2 a token
 
 
 def hf_config(path, **changes):
@@ -134,6 +136,53 @@ def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path
   with torch.no_grad():
     logits = model(torch.from_numpy(golden['tokens']).long()).logits.numpy()
   np.testing.assert_allclose(logits, golden['logits'], atol=1e-5, rtol=0)
+
+
+def test_a_mixtral_computes_what_transformers_computes_and_exports_back_bit_exact(tmp_path):
+  """Its experts split over `tensor`; the export holds every tensor transformers saved, bit for
+  bit, and a config.json MixtralConfig reads as the original."""
+  config = settings.resolve(hf_config(MIXTRAL)).config
+  m = config.model
+  assert (m.experts, m.experts_per_token, m.expert_d_ff, m.router, m.router_renormalize) == (
+      4, 2, 32, 'softmax', True)
+  assert m.load_balance_loss == pytest.approx(0.04)  # transformers' 0.02 weighs k × ours
+  config.mesh.update(data=1, fsdp=4, tensor=2)
+  setup = build(config)
+  params = huggingface.load_params(MIXTRAL, setup.abstract_state.params, setup.model_cfg)
+  hf = tensors(MIXTRAL)
+  w_up = np.asarray(params['blocks']['mlp']['w_up'][...])  # [layers, E, D, F]
+  np.testing.assert_array_equal(
+      w_up[1, 3], hf['model.layers.1.block_sparse_moe.experts.3.w3.weight'].T)
+  golden = np.load(MIXTRAL / 'goldens.npz')
+  model = nnx.merge(setup.graphdef, params)
+  with jax.set_mesh(setup.mesh):
+    logits = jax.jit(lambda model, tokens: model(tokens))(model, golden['tokens'])
+  np.testing.assert_allclose(logits, golden['logits'], atol=1e-4, rtol=0)
+  greedy = generate(model, golden['tokens'][:, :8].tolist(), 12)
+  np.testing.assert_array_equal(greedy, golden['greedy'])
+
+  output = tmp_path / 'export'
+  huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
+                     tokenizers.load(config.data), config.seq_len, output, dtype='float32',
+                     max_shard_bytes=10**9, log=lambda *_: None)
+  exported = tensors(output)
+  assert sorted(exported) == sorted(hf)
+  for name in hf:
+    np.testing.assert_array_equal(exported[name], hf[name], err_msg=name)
+  written = json.loads((output / 'config.json').read_text())
+  original = json.loads((MIXTRAL / 'config.json').read_text())
+  for key in ('model_type', 'architectures', 'num_local_experts', 'num_experts_per_tok',
+              'intermediate_size', 'router_aux_loss_coef', 'sliding_window'):
+    assert written[key] == original[key], key
+  assert huggingface.model_settings(output) == huggingface.model_settings(MIXTRAL)
+
+
+def test_an_moe_that_mixtral_cannot_hold_is_refused_naming_the_setting():
+  config = base.get_config().model
+  config.update(vocab_size=384, experts=4, router='sigmoid')
+  from model import ModelConfig
+  with pytest.raises(ValueError, match=r"config.model.router='sigmoid': a Mixtral checkpoint"):
+    huggingface.check_exportable(ModelConfig.from_config(config))
 
 
 def test_virtual_stages_take_the_layers_in_their_chunks():

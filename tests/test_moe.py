@@ -1,7 +1,7 @@
 """Mixture-of-experts layers (model/moe.py): a layer equals a loop over its experts, values and
 gradients; dropless routing keeps every assignment and a capacity drops the ones a NumPy rule
 says; the router's losses are their formulas; the balancing bias moves as DeepSeek-V3's rule
-says; and a tiny MoE trains on meshes of data, fsdp, tensor and stage as on one device."""
+says; and a tiny MoE trains on meshes of fsdp, tensor and stage as on one device."""
 
 import jax
 import jax.numpy as jnp
@@ -168,7 +168,6 @@ def test_a_sigmoid_routers_bias_moves_toward_balance_and_not_by_its_gradient():
 
 
 MESHES = {'fsdp=4×tensor=2': dict(fsdp=4, tensor=2),
-          'data=2×fsdp=2×tensor=2': dict(data=2, fsdp=2, tensor=2),
           'stage=2×fsdp=2×tensor=2': dict(stage=2, fsdp=2, tensor=2)}
 STEPS = 4
 
@@ -235,7 +234,7 @@ def test_moe_settings_that_cannot_work_are_refused_naming_the_setting(fields, me
 
 def test_first_dense_layers_are_a_stack_of_their_own_and_decode_as_the_forward():
   config = moe_config().model
-  config.update(n_layers=3, dense_layers=1)
+  config.update(n_layers=3, dense_layers=1, expert_matmul='ragged_dot')  # the kernel: above
   cfg = ModelConfig.from_config(config)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   assert isinstance(model.dense_blocks.mlp, MLP)

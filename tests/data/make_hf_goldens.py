@@ -1,9 +1,10 @@
-"""Makes the Hugging Face test data: tiny random Llama models saved by transformers, with their
-logits on fixed tokens and greedy continuations, and a byte-level BPE tokenizer trained on the
-standard library. tests/test_huggingface.py checks meshlm against these without torch.
+"""Makes the Hugging Face test data: tiny random Llama and Mixtral models saved by transformers,
+with their logits on fixed tokens and greedy continuations, and a byte-level BPE tokenizer
+trained on the standard library. tests/test_huggingface.py checks meshlm against these without
+torch.
 
   python -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers safetensors tokenizers
-  /tmp/hf/bin/python tests/data/make_hf_goldens.py
+  /tmp/hf/bin/python tests/data/make_hf_goldens.py [NAME ...]   # all of MODELS by default
 
 Each model directory holds what from_pretrained wrote (config.json, safetensors) and
 goldens.npz: `tokens` [2, 24], their float32 `logits` [2, 24, vocab], and `greedy`, 12 tokens
@@ -11,6 +12,7 @@ generate() appends greedily to tokens[:, :8].
 """
 
 import pathlib
+import sys
 import sysconfig
 
 import numpy as np
@@ -34,7 +36,14 @@ MODELS = {
                              low_freq_factor=1.0, high_freq_factor=4.0,
                              original_max_position_embeddings=64),
         shard='60KB'),
+    # Mixtral: 4 experts of width 32, 2 a token, softmax router renormalised; float32, one file.
+    'hf-mixtral': dict(architecture='mixtral', num_local_experts=4, num_experts_per_tok=2,
+                       intermediate_size=32, router_aux_loss_coef=0.02, tie_word_embeddings=False,
+                       rms_norm_eps=1e-5, num_key_value_heads=2, dtype=torch.float32,
+                       shard='1GB'),
 }
+CLASSES = {'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           'mixtral': (transformers.MixtralConfig, transformers.MixtralForCausalLM)}
 
 
 def tokenizer():
@@ -50,17 +59,17 @@ def tokenizer():
   return tok
 
 
-def main():
+def main(names):
   tok = tokenizer()
-  for name, settings in MODELS.items():
-    settings = dict(settings)
+  for name in names or MODELS:
+    settings = {'intermediate_size': 128, **MODELS[name]}
     dtype, shard = settings.pop('dtype'), settings.pop('shard')
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, head_dim=16, max_position_embeddings=128, bos_token_id=0,
-        eos_token_id=1, **settings)
+    config_class, model_class = CLASSES[settings.pop('architecture', 'llama')]
+    config = config_class(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        head_dim=16, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, **settings)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model = model_class(config).to(dtype).eval()
     directory = HERE / name
     model.save_pretrained(directory, max_shard_size=shard)
     tok.save(str(directory / 'tokenizer.json'))
@@ -80,4 +89,4 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  main(sys.argv[1:])
