@@ -44,6 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.rope_high_freq_factor = 4.0  # below original_length / this, high: kept; between, blended
   m.rope_original_length = 8192  # the context the frequencies were trained for
   m.norm_eps = 1e-5
+  m.qk_norm = False  # queries and keys RMS-normalised per head before RoPE (Qwen3's, OLMoE's)
   m.tie_embeddings = False
   m.param_dtype = 'float32'
   m.compute_dtype = 'bfloat16'

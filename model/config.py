@@ -32,6 +32,7 @@ class ModelConfig:
   rope_high_freq_factor: float
   rope_original_length: int
   norm_eps: float
+  qk_norm: bool  # queries and keys RMS-normalised per head before RoPE (Qwen3, OLMoE)
   tie_embeddings: bool
   param_dtype: str
   compute_dtype: str

@@ -63,11 +63,12 @@ def project(spec: str, x, p: nnx.Param, cfg: ModelConfig):
 
 
 class RMSNorm(nnx.Module):
-  """x / rms(x) * scale, computed in fp32. scale[D] is logical 'norm' (replicated, no decay)."""
+  """x / rms(x) * scale over the last dimension, computed in fp32. scale[D] (or [size]) is
+  logical 'norm' (replicated, no decay)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, size: int | None = None):
     self.eps = cfg.norm_eps
-    self.scale = param(rngs, (cfg.d_model,), ('norm',), cfg.weight_dtype)
+    self.scale = param(rngs, (size or cfg.d_model,), ('norm',), cfg.weight_dtype)
 
   def __call__(self, x_BLD):
     x = x_BLD.astype(jnp.float32)
@@ -117,13 +118,17 @@ class Attention(nnx.Module):
     self.wk = param(rngs, (D, K, H), ('embed', 'kv_heads', 'head_dim'), dt, D ** -0.5)
     self.wv = param(rngs, (D, K, H), ('embed', 'kv_heads', 'head_dim'), dt, D ** -0.5)
     self.wo = param(rngs, (N, H, D), ('heads', 'head_dim', 'embed'), dt, (N * H) ** -0.5)
+    if cfg.qk_norm:  # one scale[H] each, shared by the heads
+      self.q_norm, self.k_norm = RMSNorm(cfg, rngs, H), RMSNorm(cfg, rngs, H)
 
   def _project(self, x_BLD, positions_BL):
-    """q, k, v with rotary embeddings applied to q and k."""
+    """q, k, v with rotary embeddings applied to q and k (after their norms, with qk_norm)."""
     cfg = self.cfg
     q_BLNH = project('bld,dnh->blnh', x_BLD, self.wq, cfg)
     k_BLKH = project('bld,dkh->blkh', x_BLD, self.wk, cfg)
     v_BLKH = project('bld,dkh->blkh', x_BLD, self.wv, cfg)
+    if cfg.qk_norm:
+      q_BLNH, k_BLKH = self.q_norm(q_BLNH), self.k_norm(k_BLKH)
     inv_freq_h = rope_frequencies(cfg)
     return (rotary(q_BLNH, positions_BL, inv_freq_h),
             rotary(k_BLKH, positions_BL, inv_freq_h), v_BLKH)

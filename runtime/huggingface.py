@@ -82,12 +82,25 @@ TENSORS = {
     ('final_norm', 'scale'): Layout('model.norm.weight'),
     ('unembed',): Layout('lm_head.weight', True),
 }
-# An MoE model's (Mixtral's) in place of the MLP's; its experts' weights [E, ...] are E tensors.
+# An MoE model's in place of the MLP's, by family (model_type); its experts' weights [E, ...] are
+# E tensors. Mixtral's, and Qwen3-MoE's, which also has per-head q/k norms.
 MOE_TENSORS = {
-    ('blocks', 'mlp', 'router'): Layout('block_sparse_moe.gate.weight', True),
-    ('blocks', 'mlp', 'w_gate'): Layout('block_sparse_moe.experts.{}.w1.weight', True, (), True),
-    ('blocks', 'mlp', 'w_up'): Layout('block_sparse_moe.experts.{}.w3.weight', True, (), True),
-    ('blocks', 'mlp', 'w_down'): Layout('block_sparse_moe.experts.{}.w2.weight', True, (), True),
+    'mixtral': {
+        ('blocks', 'mlp', 'router'): Layout('block_sparse_moe.gate.weight', True),
+        ('blocks', 'mlp', 'w_gate'): Layout('block_sparse_moe.experts.{}.w1.weight', True, (),
+                                            True),
+        ('blocks', 'mlp', 'w_up'): Layout('block_sparse_moe.experts.{}.w3.weight', True, (), True),
+        ('blocks', 'mlp', 'w_down'): Layout('block_sparse_moe.experts.{}.w2.weight', True, (),
+                                            True),
+    },
+    'qwen3_moe': {
+        ('blocks', 'mlp', 'router'): Layout('mlp.gate.weight', True),
+        ('blocks', 'mlp', 'w_gate'): Layout('mlp.experts.{}.gate_proj.weight', True, (), True),
+        ('blocks', 'mlp', 'w_up'): Layout('mlp.experts.{}.up_proj.weight', True, (), True),
+        ('blocks', 'mlp', 'w_down'): Layout('mlp.experts.{}.down_proj.weight', True, (), True),
+        ('blocks', 'attn', 'q_norm', 'scale'): Layout('self_attn.q_norm.weight'),
+        ('blocks', 'attn', 'k_norm', 'scale'): Layout('self_attn.k_norm.weight'),
+    },
 }
 IGNORED = ('rotary_emb.inv_freq',)  # buffers older transformers saved; recomputed from the config
 DTYPES = {'F32': np.float32, 'BF16': ml_dtypes.bfloat16, 'F16': np.float16}
@@ -102,12 +115,22 @@ FIELDS = {'vocab_size': 'vocab_size', 'd_model': 'hidden_size', 'n_layers': 'num
           'rope_original_length': 'original_max_position_embeddings'}
 LLAMA3_FIELDS = ('rope_factor', 'rope_low_freq_factor', 'rope_high_freq_factor',
                  'rope_original_length')
-# A Mixtral's experts (transformers' MixtralConfig); its router is a renormalised softmax top-k,
-# and its load-balancing loss k times meshlm's (model/moe.py).
-MOE_FIELDS = {'experts': 'num_local_experts', 'experts_per_token': 'num_experts_per_tok',
-              'expert_d_ff': 'intermediate_size', 'load_balance_loss': 'router_aux_loss_coef',
-              'router': 'model_type', 'router_renormalize': 'model_type',
-              'shared_experts': 'model_type', 'dense_layers': 'model_type'}
+# An MoE's experts: transformers' MixtralConfig's names (Qwen3MoeConfig's after the slash). Both
+# route by a softmax top-k (Mixtral's renormalised), and weigh a load-balancing loss k times
+# meshlm's (model/moe.py).
+MOE_FIELDS = {'experts': 'num_local_experts/num_experts',
+              'experts_per_token': 'num_experts_per_tok',
+              'expert_d_ff': 'intermediate_size/moe_intermediate_size',
+              'load_balance_loss': 'router_aux_loss_coef', 'router': 'model_type',
+              'router_renormalize': 'model_type/norm_topk_prob', 'shared_experts': 'model_type',
+              'dense_layers': 'model_type', 'qk_norm': 'model_type'}
+
+
+def family(cfg) -> str:
+  """The HF model_type whose checkpoints hold this model."""
+  if not cfg.experts:
+    return 'llama'
+  return 'qwen3_moe' if cfg.qk_norm else 'mixtral'
 
 
 def directory(init_from: str) -> pathlib.Path | None:
@@ -131,21 +154,25 @@ def model_settings(path: pathlib.Path) -> dict:
     raise ValueError(f'{where} is not JSON ({e}); copy the checkpoint again') from None
   rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
-  mixtral = hf.get('model_type') == 'mixtral'
+  model_type = hf.get('model_type')
   unsupported = {
-      'model_type': hf.get('model_type') not in ('llama', 'mixtral'),
+      'model_type': model_type not in ('llama', 'mixtral', 'qwen3_moe'),
       'hidden_act': hf.get('hidden_act', 'silu') != 'silu',
       'attention_bias': hf.get('attention_bias', False),
       'mlp_bias': hf.get('mlp_bias', False),
-      'num_local_experts': 'num_local_experts' in hf and not mixtral,
+      'num_local_experts': 'num_local_experts' in hf and model_type == 'llama',
+      'mlp_only_layers': bool(hf.get('mlp_only_layers')),
+      'decoder_sparse_step': hf.get('decoder_sparse_step', 1) != 1,
+      'use_sliding_window': hf.get('use_sliding_window', False),
       'rope_type': rope_type not in ('default', 'llama3'),
       'sliding_window': hf.get('sliding_window') is not None,
       'router_jitter_noise': bool(hf.get('router_jitter_noise')),
   }
   if bad := [key for key, is_bad in unsupported.items() if is_bad]:
     raise ValueError(f'{where} has {", ".join(f"{k}={hf.get(k, rope_type)!r}" for k in bad)}; '
-                     "meshlm imports Llama and Mixtral (model_type 'llama' or 'mixtral': SwiGLU, "
-                     "no biases, full causal attention, rope_type 'default' or 'llama3')")
+                     "meshlm imports Llama, Mixtral and Qwen3-MoE (model_type 'llama', 'mixtral' "
+                     "or 'qwen3_moe': SwiGLU, no biases, full causal attention, every layer's "
+                     "experts alike, rope_type 'default' or 'llama3')")
   required = ['vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads',
               'intermediate_size'] + [key for f, key in FIELDS.items()
                                       if f in LLAMA3_FIELDS and rope_type == 'llama3']
@@ -163,13 +190,18 @@ def model_settings(path: pathlib.Path) -> dict:
   for field in LLAMA3_FIELDS[:3]:
     if field in fields:
       fields[field] = float(fields[field])
-  fields['experts'] = 0
-  if mixtral:
+  fields.update(experts=0, qk_norm=False)
+  if model_type in MOE_TENSORS:
     k = hf.get('num_experts_per_tok', 2)
-    fields.update(experts=hf.get('num_local_experts', 8), experts_per_token=k,
-                  expert_d_ff=hf['intermediate_size'], router='softmax', router_renormalize=True,
-                  shared_experts=0, dense_layers=0,
-                  load_balance_loss=float(hf.get('router_aux_loss_coef', 0.001)) * k)
+    mixtral = model_type == 'mixtral'
+    fields.update(
+        # transformers 5 names Qwen3-MoE's experts as Mixtral's; 4 (the Hub's configs) did not
+        experts=hf.get('num_local_experts') or hf.get('num_experts', 8),
+        experts_per_token=k,
+        expert_d_ff=hf['intermediate_size'] if mixtral else hf.get('moe_intermediate_size', 768),
+        router='softmax', router_renormalize=mixtral or hf.get('norm_topk_prob', False),
+        shared_experts=0, dense_layers=0, qk_norm=not mixtral,
+        load_balance_loss=float(hf.get('router_aux_loss_coef', 0.001)) * k)
   return fields
 
 
@@ -201,7 +233,7 @@ def _parameters(abstract_params, cfg):
   """(leaf path, leaf, Layout, lead) of each meshlm parameter; the stacked ones have `lead`
   leading dimensions, each index one HF tensor: the layers [n], or [V, n/V] (layer v·n/V + j at
   [v, j]) with virtual stages, then an MoE layer's experts [E]."""
-  tensors = {**TENSORS, **MOE_TENSORS} if cfg.experts else TENSORS
+  tensors = {**TENSORS, **MOE_TENSORS.get(family(cfg), {})}
   for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
     names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
     layout = tensors[names]
@@ -319,17 +351,22 @@ def load_params(path: pathlib.Path, abstract_params, model_cfg):
 
 
 def check_exportable(cfg) -> None:
-  """ValueError naming the setting, for a model no Llama or Mixtral checkpoint can hold."""
+  """ValueError naming the setting, for a model no Llama, Mixtral or Qwen3-MoE checkpoint can
+  hold."""
   if not cfg.experts:
+    if cfg.qk_norm:
+      raise ValueError('config.model.qk_norm=True without experts: a Llama checkpoint has no '
+                       'q/k norms, and meshlm exports q/k norms only as Qwen3-MoE')
     return
-  unlike_mixtral = {'router': cfg.router != 'softmax',
-                    'router_renormalize': not cfg.router_renormalize,
-                    'shared_experts': cfg.shared_experts, 'dense_layers': cfg.dense_layers,
-                    'rope_type': cfg.rope_type != 'default'}
-  if bad := [field for field, is_bad in unlike_mixtral.items() if is_bad]:
-    raise ValueError(f'config.model.{bad[0]}={getattr(cfg, bad[0])!r}: a Mixtral checkpoint, the '
-                     'MoE form meshlm exports, has a renormalised softmax router, no shared '
-                     'experts, no dense layers and plain RoPE')
+  unlike = {'router': cfg.router != 'softmax',
+            'router_renormalize': not cfg.router_renormalize and family(cfg) == 'mixtral',
+            'shared_experts': cfg.shared_experts, 'dense_layers': cfg.dense_layers,
+            'rope_type': cfg.rope_type != 'default'}
+  if bad := [field for field, is_bad in unlike.items() if is_bad]:
+    raise ValueError(f'config.model.{bad[0]}={getattr(cfg, bad[0])!r}: the MoE checkpoints '
+                     'meshlm exports (Mixtral, or Qwen3-MoE with qk_norm) have a softmax router '
+                     "(Mixtral's renormalised), no shared experts, no dense layers and plain "
+                     'RoPE')
 
 
 def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
@@ -353,7 +390,8 @@ def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
       'tie_word_embeddings': cfg.tie_embeddings, 'attention_bias': False, 'mlp_bias': False,
       'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id,
       'pad_token_id': tokenizer.pad_id, 'torch_dtype': dtype, 'dtype': dtype,
-      **(_mixtral_config(cfg) if cfg.experts else {})}
+      **{'mixtral': _mixtral_config, 'qwen3_moe': _qwen3_moe_config}.get(
+          family(cfg), lambda _: {})(cfg)}
 
 
 def _mixtral_config(cfg) -> dict:
@@ -362,6 +400,17 @@ def _mixtral_config(cfg) -> dict:
           'num_experts_per_tok': cfg.experts_per_token, 'sliding_window': None,
           'router_aux_loss_coef': cfg.load_balance_loss / cfg.experts_per_token,
           'router_jitter_noise': 0.0, 'output_router_logits': False}
+
+
+def _qwen3_moe_config(cfg) -> dict:
+  return {'architectures': ['Qwen3MoeForCausalLM'], 'model_type': 'qwen3_moe',
+          'moe_intermediate_size': cfg.expert_width, 'num_experts': cfg.experts,
+          'num_local_experts': cfg.experts,  # transformers 5's name for it
+          'num_experts_per_tok': cfg.experts_per_token, 'norm_topk_prob': cfg.router_renormalize,
+          'decoder_sparse_step': 1, 'mlp_only_layers': [], 'use_sliding_window': False,
+          'sliding_window': None,
+          'router_aux_loss_coef': cfg.load_balance_loss / cfg.experts_per_token,
+          'output_router_logits': False}
 
 
 def _shards(tensors: list, max_bytes: int) -> list[list]:

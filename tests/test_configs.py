@@ -41,14 +41,16 @@ def test_llama_presets_have_their_real_sizes_and_shard_over_8_devices(preset):
   assert low <= param_count(setup.abstract_state.params) <= high
 
 
-def test_mixtral_has_its_real_size_and_active_parameters():
-  config = load('moe.py', 'mixtral-8x7b')
+@pytest.mark.parametrize('preset, total, active', [('mixtral-8x7b', 46.7e9, 12.9e9),
+                                                   ('qwen3-30b-a3b', 30.5e9, 3.3e9)])
+def test_moe_presets_have_their_real_sizes_and_active_parameters(preset, total, active):
+  config = load('moe.py', preset)
   config.mesh.fsdp = -1
   setup = build(config)  # abstract only
-  assert 46.6e9 <= param_count(setup.abstract_state.params) <= 46.8e9
-  cfg = setup.model_cfg  # 12.9B active: the head, attention, router and 2 of 8 experts a layer
-  active = cfg.n_layers * flops.matmul_params_per_layer(cfg, experts=True) + cfg.d_model * 32000
-  assert 12.8e9 <= active + cfg.d_model * 32000 <= 13.0e9  # and the embedding
+  assert abs(param_count(setup.abstract_state.params) - total) < 0.01 * total
+  cfg = setup.model_cfg  # the embedding, attention, router, k experts a layer and the head
+  taken = cfg.n_layers * flops.matmul_params_per_layer(cfg, experts=True)
+  assert abs(taken + 2 * cfg.d_model * cfg.vocab_size - active) < 0.02 * active
 
 
 def test_the_long_context_preset_splits_its_row_over_8_devices_with_the_ring():

@@ -28,6 +28,11 @@ DATA = REPO / 'tests' / 'data'
 UNTIED = DATA / 'hf-llama-untied'  # float32, one file, plain RoPE, eps 1e-6
 TIED = DATA / 'hf-llama-tied-llama3'  # bfloat16, four files and an index, llama3 RoPE
 MIXTRAL = DATA / 'hf-mixtral'  # float32, 4 experts of width 32, 2 a token
+QWEN3_MOE = DATA / 'hf-qwen3-moe'  # float32, q/k norms, 8 experts of width 16, 2 a token
+MOES = {  # path: (experts, width, renormalised, load-balancing weight, an expert's up projection)
+    MIXTRAL: (4, 32, True, 0.04, 'block_sparse_moe.experts.3.w3.weight'),
+    QWEN3_MOE: (8, 16, False, 0.002, 'mlp.experts.3.up_proj.weight'),
+}
 
 
 def hf_config(path, **changes):
@@ -138,22 +143,25 @@ def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path
   np.testing.assert_allclose(logits, golden['logits'], atol=1e-5, rtol=0)
 
 
-def test_a_mixtral_computes_what_transformers_computes_and_exports_back_bit_exact(tmp_path):
-  """Its experts split over `tensor`; the export holds every tensor transformers saved, bit for
-  bit, and a config.json MixtralConfig reads as the original."""
-  config = settings.resolve(hf_config(MIXTRAL)).config
+@pytest.mark.parametrize('path', list(MOES), ids=['mixtral', 'qwen3-moe'])
+def test_an_moe_computes_what_transformers_computes_and_exports_back_bit_exact(path, tmp_path):
+  """Its experts split over `fsdp` and `tensor`; the export holds every tensor transformers saved,
+  bit for bit, and a config.json that reads as the original's settings."""
+  experts, width, renormalised, balance, up_proj = MOES[path]
+  config = settings.resolve(hf_config(path)).config
   m = config.model
-  assert (m.experts, m.experts_per_token, m.expert_d_ff, m.router, m.router_renormalize) == (
-      4, 2, 32, 'softmax', True)
-  assert m.load_balance_loss == pytest.approx(0.04)  # transformers' 0.02 weighs k × ours
-  config.mesh.update(data=1, fsdp=4, tensor=2)
+  assert (m.experts, m.experts_per_token, m.expert_d_ff, m.router, m.router_renormalize,
+          m.qk_norm) == (experts, 2, width, 'softmax', renormalised, path == QWEN3_MOE)
+  assert m.load_balance_loss == pytest.approx(balance)  # transformers' weighs k × ours
+  config.mesh.update(data=1, fsdp=4, tensor=2 if width // 2 % 16 == 0 else 1)
+  if config.mesh.tensor == 1:
+    config.mesh.update(data=2)
   setup = build(config)
-  params = huggingface.load_params(MIXTRAL, setup.abstract_state.params, setup.model_cfg)
-  hf = tensors(MIXTRAL)
+  params = huggingface.load_params(path, setup.abstract_state.params, setup.model_cfg)
+  hf = tensors(path)
   w_up = np.asarray(params['blocks']['mlp']['w_up'][...])  # [layers, E, D, F]
-  np.testing.assert_array_equal(
-      w_up[1, 3], hf['model.layers.1.block_sparse_moe.experts.3.w3.weight'].T)
-  golden = np.load(MIXTRAL / 'goldens.npz')
+  np.testing.assert_array_equal(w_up[1, 3], hf[f'model.layers.1.{up_proj}'].T)
+  golden = np.load(path / 'goldens.npz')
   model = nnx.merge(setup.graphdef, params)
   with jax.set_mesh(setup.mesh):
     logits = jax.jit(lambda model, tokens: model(tokens))(model, golden['tokens'])
@@ -170,18 +178,21 @@ def test_a_mixtral_computes_what_transformers_computes_and_exports_back_bit_exac
   for name in hf:
     np.testing.assert_array_equal(exported[name], hf[name], err_msg=name)
   written = json.loads((output / 'config.json').read_text())
-  original = json.loads((MIXTRAL / 'config.json').read_text())
-  for key in ('model_type', 'architectures', 'num_local_experts', 'num_experts_per_tok',
-              'intermediate_size', 'router_aux_loss_coef', 'sliding_window'):
-    assert written[key] == original[key], key
-  assert huggingface.model_settings(output) == huggingface.model_settings(MIXTRAL)
+  original = json.loads((path / 'config.json').read_text())
+  for key in ('model_type', 'architectures', 'num_local_experts', 'num_experts',
+              'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob',
+              'router_aux_loss_coef', 'sliding_window'):
+    assert key not in original or written[key] == original[key], key
+  if path == MIXTRAL:
+    assert written['intermediate_size'] == original['intermediate_size']
+  assert huggingface.model_settings(output) == huggingface.model_settings(path)
 
 
 def test_an_moe_that_mixtral_cannot_hold_is_refused_naming_the_setting():
   config = base.get_config().model
   config.update(vocab_size=384, experts=4, router='sigmoid')
   from model import ModelConfig
-  with pytest.raises(ValueError, match=r"config.model.router='sigmoid': a Mixtral checkpoint"):
+  with pytest.raises(ValueError, match=r"config.model.router='sigmoid': the MoE checkpoints"):
     huggingface.check_exportable(ModelConfig.from_config(config))
 
 

@@ -1,4 +1,5 @@
-"""Makes the Hugging Face test data: tiny random Llama and Mixtral models saved by transformers,
+"""Makes the Hugging Face test data: tiny random Llama, Mixtral and Qwen3-MoE models saved by
+transformers,
 with their logits on fixed tokens and greedy continuations, and a byte-level BPE tokenizer
 trained on the standard library. tests/test_huggingface.py checks meshlm against these without
 torch.
@@ -41,9 +42,15 @@ MODELS = {
                        intermediate_size=32, router_aux_loss_coef=0.02, tie_word_embeddings=False,
                        rms_norm_eps=1e-5, num_key_value_heads=2, dtype=torch.float32,
                        shard='1GB'),
+    # Qwen3-MoE: per-head q/k norms, 8 experts of width 16, 2 a token, its top-k not renormalised.
+    'hf-qwen3-moe': dict(architecture='qwen3_moe', num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=16, norm_topk_prob=False,
+                         router_aux_loss_coef=0.001, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                         num_key_value_heads=2, dtype=torch.float32, shard='1GB'),
 }
 CLASSES = {'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           'mixtral': (transformers.MixtralConfig, transformers.MixtralForCausalLM)}
+           'mixtral': (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+           'qwen3_moe': (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
 
 
 def tokenizer():
