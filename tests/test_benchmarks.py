@@ -1,4 +1,4 @@
-"""The step, precision, checkpoint and calibrate benchmarks, and the fault probe, run end to end (on
+"""The step, precision, checkpoint, MoE and calibrate benchmarks, and the fault probe, run end to end (on
 the tiny base config, or tiny shapes) and end with one JSON line of figures that add up."""
 
 import json
@@ -39,6 +39,17 @@ def test_checkpoint_benchmark():
   assert 0 < f['blocked_s'] < f['save_s'] and 0 < f['restore_s']
   assert f['blocked_fraction_of_step'] == f['blocked_s'] / f['step_time_s']
   assert f['checkpoint_bytes'] > 3 * 4 * f['params']  # parameters and two Adam moments in fp32
+
+
+def test_moe_benchmark_compiles_each_implementation_for_h100():
+  """Deviceless at tiny shapes: ours as its two Triton kernels without spills, and every
+  implementation's temporaries; ragged_dot's, dense on GPUs, larger than ours."""
+  f = figures('moe', '--shape=512,64,64,4', config=())
+  assert f['deviceless'] and f['compiled_for'] == 'NVIDIA H100 80GB HBM3'
+  ours = f['results']['pallas']
+  assert set(ours['kernels']) == {'grouped_matmul', 'grouped_matmul_dw'}
+  assert not any(k['spill_stores'] or k['spill_loads'] for k in ours['kernels'].values())
+  assert f['results']['ragged_dot']['temp_bytes'] > ours['temp_bytes']
 
 
 def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):
