@@ -144,11 +144,6 @@ def _flat(x_BLD):
   return x_BLD.reshape(-1, x_BLD.shape[-1])
 
 
-def _tensor_parts() -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  return math.prod(mesh.shape[a] for a in sharding.mesh_axes('mlp'))
-
-
 def _gathered_weights(ws, dtype):
   return tuple(gathered(w, names, dtype) for w, names in zip(ws, (GATE_UP, GATE_UP, DOWN)))
 
@@ -161,8 +156,6 @@ def experts_ffn(settings, rules, x_BLD, experts_BLk, weights_BLk, wg, wu, wd):
 
 
 def _run_forward(settings, x_BLD, experts_BLk, weights_BLk, ws_c):
-  B, L, _ = x_BLD.shape
-
   def local(x_BLD, experts_BLk, weights_BLk, wg, wu, wd):
     b, l, D = x_BLD.shape
     y_tD, gate_AF, up_AF = _local_forward(settings, _flat(x_BLD), experts_BLk.reshape(b * l, -1),
@@ -282,7 +275,7 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BLD):
     cfg = self.cfg
-    B, L, D = x_BLD.shape
+    B, L, _ = x_BLD.shape
     logits_TE = jnp.einsum('td,de->te', _flat(x_BLD).astype(jnp.float32),
                            self.router[...].astype(jnp.float32))
     bias_E = self.router_bias[...] if cfg.router == 'sigmoid' else None
