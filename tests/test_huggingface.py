@@ -50,6 +50,18 @@ def tensors(path) -> dict:
   return {k: v for f in sorted(path.glob('*.safetensors')) for k, v in load_file(f).items()}
 
 
+def assert_computes_goldens(setup, params, path):
+  """The model of `params` gives transformers' logits on the goldens' tokens (within 1e-4) and
+  continues their prompts greedily with the same tokens."""
+  golden = np.load(path / 'goldens.npz')
+  model = nnx.merge(setup.graphdef, params)
+  with jax.set_mesh(setup.mesh):
+    logits = jax.jit(lambda model, tokens: model(tokens))(model, golden['tokens'])
+  np.testing.assert_allclose(logits, golden['logits'], atol=1e-4, rtol=0)
+  greedy = generate(model, golden['tokens'][:, :8].tolist(), 12)
+  np.testing.assert_array_equal(greedy, golden['greedy'])
+
+
 @pytest.mark.parametrize('path', [UNTIED, TIED], ids=['untied-fp32', 'tied-bf16-llama3'])
 def test_an_imported_checkpoint_computes_what_transformers_computes(path):
   config = settings.resolve(hf_config(path)).config
@@ -66,13 +78,7 @@ def test_an_imported_checkpoint_computes_what_transformers_computes(path):
                          for i in range(2)])[layer].astype(np.float32)
     np.testing.assert_array_equal(shard.data, expected.transpose(0, 2, 1)[:, rows]
                                   .reshape(shard.data.shape))
-  golden = np.load(path / 'goldens.npz')
-  model = nnx.merge(setup.graphdef, params)
-  with jax.set_mesh(setup.mesh):
-    logits = jax.jit(lambda model, tokens: model(tokens))(model, golden['tokens'])
-  np.testing.assert_allclose(logits, golden['logits'], atol=1e-4, rtol=0)
-  greedy = generate(model, golden['tokens'][:, :8].tolist(), 12)
-  np.testing.assert_array_equal(greedy, golden['greedy'])
+  assert_computes_goldens(setup, params, path)
 
 
 def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path):
@@ -153,21 +159,15 @@ def test_an_moe_computes_what_transformers_computes_and_exports_back_bit_exact(p
   assert (m.experts, m.experts_per_token, m.expert_d_ff, m.router, m.router_renormalize,
           m.qk_norm) == (experts, 2, width, 'softmax', renormalised, path == QWEN3_MOE)
   assert m.load_balance_loss == pytest.approx(balance)  # transformers' weighs k × ours
-  config.mesh.update(data=1, fsdp=4, tensor=2 if width // 2 % 16 == 0 else 1)
-  if config.mesh.tensor == 1:
-    config.mesh.update(data=2)
+  # the kernel takes a tensor share of the width only in multiples of 16
+  config.mesh.update(dict(data=1, fsdp=4, tensor=2) if width // 2 % 16 == 0 else
+                     dict(data=2, fsdp=4, tensor=1))
   setup = build(config)
   params = huggingface.load_params(path, setup.abstract_state.params, setup.model_cfg)
   hf = tensors(path)
   w_up = np.asarray(params['blocks']['mlp']['w_up'][...])  # [layers, E, D, F]
   np.testing.assert_array_equal(w_up[1, 3], hf[f'model.layers.1.{up_proj}'].T)
-  golden = np.load(path / 'goldens.npz')
-  model = nnx.merge(setup.graphdef, params)
-  with jax.set_mesh(setup.mesh):
-    logits = jax.jit(lambda model, tokens: model(tokens))(model, golden['tokens'])
-  np.testing.assert_allclose(logits, golden['logits'], atol=1e-4, rtol=0)
-  greedy = generate(model, golden['tokens'][:, :8].tolist(), 12)
-  np.testing.assert_array_equal(greedy, golden['greedy'])
+  assert_computes_goldens(setup, params, path)
 
   output = tmp_path / 'export'
   huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
