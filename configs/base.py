@@ -69,6 +69,10 @@ def get_config() -> ml_collections.ConfigDict:
   m.router_renormalize = True  # the chosen experts' weights rescaled to sum to 1
   m.router_bias_rate = 0.0  # sigmoid: aux-loss-free balancing bias step (DeepSeek-V3: 0.001)
   m.capacity_factor = 0.0  # 0: dropless; else an expert takes at most this × its fair share
+  # With config.mesh.expert > 1, the rows a device's experts can take in: 0, the worst case
+  # (nothing dropped); f, f × what it takes when balanced (less memory and work; the excess is
+  # dropped and counted in moe_dropped). docs/moe.md
+  m.expert_buffer = 0.0
   m.load_balance_loss = 0.01  # weight of the load-balancing loss (1.0 when balanced)
   m.router_z_loss = 0.001  # weight of the router's mean log(Z)^2
   m.expert_matmul = 'pallas'  # pallas (ours; interpret mode off GPU) | ragged_dot | dense
@@ -77,6 +81,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.data = 1  # pure data parallelism: parameters replicated
   mesh.stage = 1  # pipeline stages: each holds n_layers/stage consecutive layers (docs/parallelism.md)
   mesh.fsdp = -1  # ZeRO-3: parameters, gradients, optimizer state sharded; -1 takes the rest
+  mesh.expert = 1  # an MoE's experts split E/expert a device, tokens sent by all-to-all; FSDP elsewhere
   mesh.tensor = 1  # Megatron column/row-parallel attention heads and MLP
   mesh.sequence = 1  # activations split along the length
   mesh.auto = False  # pick mesh, remat policy and microbatches that fit, fastest first (docs/memory.md)

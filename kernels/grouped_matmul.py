@@ -60,6 +60,12 @@ def _fit(size: int, requested: int) -> int:
 class _Static(NamedTuple):
   blocks: Blocks
   interpret: bool | None
+  filled: float = 1.0
+
+  def name(self, kernel: str) -> str:
+    """The kernel's name, with the share of its rows expected filled where not all: the time
+    model (planning/timing.py) reads it there, as the group sizes are known only at run time."""
+    return kernel if self.filled >= 1 else f'{kernel}_filled{round(self.filled * 1e4)}'
 
   def launch(self):
     return dict(interpret=self.interpret, num_warps=self.blocks.num_warps,
@@ -127,7 +133,7 @@ def _gmm(x, w, group_sizes, st: _Static):
   return pallas_for_platform(
       kernel, [*items, x, w], grid=(items[0].shape[0], N // bn), in_specs=[whole] * 6,
       out_specs=whole, out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
-      name='grouped_matmul', **st.launch())
+      name=st.name('grouped_matmul'), **st.launch())
 
 
 def _tgmm_kernel(starts_ref, ends_ref, x_ref, dy_ref, dw_ref, *, bm, bk, bn):
@@ -159,7 +165,7 @@ def _tgmm(x, dy, group_sizes, w_dtype, st: _Static):
       functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn), [*_bounds(group_sizes), x, dy],
       grid=(G, K // bk, N // bn), in_specs=[whole] * 4,
       out_specs=pl.BlockSpec((pl.squeezed, bk, bn), lambda g, a, b: (g, a, b)),
-      out_shape=jax.ShapeDtypeStruct((G, K, N), w_dtype), name='grouped_matmul_dw',
+      out_shape=jax.ShapeDtypeStruct((G, K, N), w_dtype), name=st.name('grouped_matmul_dw'),
       **st.launch())
 
 
@@ -184,11 +190,12 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, implementation: str = 'pallas',
-                   blocks: Blocks = Blocks(), interpret: bool | None = None):
+                   blocks: Blocks = Blocks(), interpret: bool | None = None, filled: float = 1.0):
   """y[M, N]: rows of x sorted by group times their group's weight (module docstring); rows past
   Σ group_sizes give zeros. `implementation`: 'pallas' (ours), 'ragged_dot' (XLA's
   jax.lax.ragged_dot), 'dense' (every row times every weight, then its own picked: a reference
-  that holds [M, G, N])."""
+  that holds [M, G, N]). `filled`: the share of the M rows the caller expects the groups to
+  fill (a buffer sized for the worst case), for the time model only."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'grouped_matmul: implementation={implementation!r} is not one of '
                      f'{IMPLEMENTATIONS}')
@@ -201,12 +208,13 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, implementation: str = 'pallas'
   padded = -(-M // blocks.bm) * blocks.bm
   x = jnp.pad(x_MK, ((0, padded - M), (0, 0))) if padded != M else x_MK
   y = _grouped(x, w_GKN.astype(x.dtype), group_sizes_G.astype(jnp.int32),
-               _Static(blocks, interpret))
+               _Static(blocks, interpret, filled))
   return y[:M] if padded != M else y
 
 
 def grouped_matmul_dw(x_MK, dy_MN, group_sizes_G, out_dtype, *, implementation: str = 'pallas',
-                      blocks: Blocks = Blocks(), interpret: bool | None = None):
+                      blocks: Blocks = Blocks(), interpret: bool | None = None,
+                      filled: float = 1.0):
   """dw[G, K, N] in `out_dtype`: dw[g] = x_gᵀ·dy_g over each group's rows (rows past Σ
   group_sizes take no part), accumulated in fp32. grouped_matmul's weight gradient, for a caller
   whose backward is its own (model/moe.py keeps fp32 partial sums to reduce across devices);
@@ -220,7 +228,7 @@ def grouped_matmul_dw(x_MK, dy_MN, group_sizes_G, out_dtype, *, implementation: 
   padded = -(-M // blocks.bm) * blocks.bm
   pad = lambda a: jnp.pad(a, ((0, padded - M), (0, 0))) if padded != M else a
   return _tgmm(pad(x_MK), pad(dy_MN.astype(x_MK.dtype)), group_sizes_G.astype(jnp.int32),
-               out_dtype, _Static(blocks, interpret))
+               out_dtype, _Static(blocks, interpret, filled))
 
 
 def dense_reference(x_MK, w_GKN, group_sizes_G):

@@ -56,6 +56,7 @@ class ModelConfig:
   router_renormalize: bool  # the chosen experts' weights rescaled to sum to 1
   router_bias_rate: float  # sigmoid router: the aux-loss-free balancing bias's step per step
   capacity_factor: float  # 0: dropless; else each expert takes at most this × its fair share
+  expert_buffer: float  # with an expert axis, 0: room for the worst case; else this × the average
   load_balance_loss: float  # weight of the load-balancing loss (1 when perfectly balanced)
   router_z_loss: float  # weight of the router's mean log(Z)²
   expert_matmul: str  # kernels/grouped_matmul.py: pallas (ours) | ragged_dot | dense
@@ -135,7 +136,7 @@ class ModelConfig:
       raise ValueError(f'config.model.router_bias_rate={self.router_bias_rate} must be 0, or '
                        "positive with config.model.router='sigmoid' (DeepSeek-V3's "
                        'aux-loss-free balancing, e.g. 0.001)')
-    for name in ('capacity_factor', 'load_balance_loss', 'router_z_loss'):
+    for name in ('capacity_factor', 'expert_buffer', 'load_balance_loss', 'router_z_loss'):
       if not getattr(self, name) >= 0:
         raise ValueError(f'config.model.{name}={getattr(self, name)} must be 0 or more')
     if (self.d_model % 16 or self.expert_width % 16) and self.expert_matmul == 'pallas':

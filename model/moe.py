@@ -2,8 +2,8 @@
 GEMMs run grouped (kernels/grouped_matmul.py), plus optional shared experts every token takes.
 
 Parameters (logical axes; sharding/rules.py):
-  router[embed, experts]                 logits in fp32
-  router_bias[experts]                   sigmoid router only: moves the choice, not the weights
+  router[embed, expert_scores]           logits in fp32 (every token's device needs all E)
+  router_bias[expert_scores]             sigmoid router only: moves the choice, not the weights
   w_gate, w_up[experts, embed, mlp], w_down[experts, mlp, embed]
   shared.*                               an MLP of width shared_experts × expert width
 
@@ -23,6 +23,7 @@ counted.
 
 import functools
 import math
+from typing import NamedTuple
 
 import flax.core.spmd
 import jax
@@ -31,13 +32,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import sharding
+from kernels.all_to_all import exchange, exclusive_cumsum
 from kernels.grouped_matmul import grouped_matmul, grouped_matmul_dw
 from model.config import ModelConfig
 from model.layers import MLP, constrain, gathered, param, weight
 
 TOKENS = ('batch', 'length')
-GATE_UP = ('experts', 'embed', 'mlp')
-DOWN = ('experts', 'mlp', 'embed')
+GATE_UP = ('experts', 'expert_embed', 'mlp')
+DOWN = ('experts', 'mlp', 'expert_embed')
 
 
 class RouterBias(nnx.Param):
@@ -104,35 +106,94 @@ def dispatch(experts_Tk, n_experts: int, cap: int | None):
   return order_A, inverse_A, group_sizes_E
 
 
-def kept(experts_Tk, n_experts: int, cap: int | None):
-  """bool[t, k]: which assignments `dispatch` computes (all, when dropless)."""
-  if cap is None:
-    return jnp.ones(experts_Tk.shape, bool)
-  _, inverse_A, group_sizes_E = dispatch(experts_Tk, n_experts, cap)
-  return (inverse_A < group_sizes_E.sum()).reshape(experts_Tk.shape)
-
-
 def _settings(cfg: ModelConfig):
   """What the experts' custom VJP needs of the config (hashable, a nondiff argument)."""
   return (cfg.experts, cfg.capacity_factor, cfg.expert_matmul, cfg.remat_policy != 'none',
-          jnp.dtype(cfg.compute_dtype).name)
+          jnp.dtype(cfg.compute_dtype).name, cfg.expert_buffer)
 
 
-def _local_forward(settings, x_tD, experts_tk, weights_tk, wg, wu, wd):
-  """One device's experts: (y_tD, partial over `tensor`; and gate, up [A, F] for the backward)."""
-  n_experts, factor, impl, _, _ = settings
+class Routes(NamedTuple):
+  """How one device's assignments, sorted by expert, reach their experts' devices along the
+  `expert` mesh axis and come back (kernels/all_to_all.py), and how the rows received are
+  ordered for the local experts' grouped matmuls. Without an expert axis every expert is local
+  and the rows stay where they are."""
+  axis: str | None
+  kept_A: jax.Array  # which sorted assignments are computed: within capacity, and taken
+  send_P: jax.Array | None  # rows to each device of the axis
+  offsets_P: jax.Array | None  # where each device's rows start among the sorted
+  recv_P: jax.Array | None  # rows from each
+  order_R: jax.Array | None  # received rows (by source, then expert) sorted by local expert
+  inverse_R: jax.Array | None
+  sizes_e: jax.Array  # the local experts' group sizes
+  rows: int  # R, the expert side's buffer
+  chunk: int  # the most rows one device sends another
+
+  @property
+  def filled(self) -> float:
+    """The share of the buffer balanced experts fill: each device takes in as many rows as it
+    sends, all its assignments (the time model's expectation of the grouped matmuls' work)."""
+    return min(1.0, self.kept_A.shape[0] / self.rows)
+
+
+def routes(sorted_A, sizes_E, axis: str | None, cap: int | None, buffer: float,
+           rows_multiple: int):
+  """Routes for a device whose assignments, in dispatch's order, chose experts `sorted_A`,
+  `sizes_E` of them kept for each expert. The expert side's buffer holds R rows, rounded up to a multiple of
+  `rows_multiple`: the worst case when `buffer` is 0, so none is lost (P·A when dropless,
+  P·E_l·cap with a capacity); else `buffer` × A, A being what each device receives on average
+  when the experts are balanced, and the rows past it, the last of each source's in expert order,
+  are dropped."""
+  A = sorted_A.shape[0]
+  rank_A = jnp.arange(A) - exclusive_cumsum(sizes_E)[sorted_A]
+  if axis is None:
+    kept_A = jnp.arange(A) < sizes_E.sum()
+    return Routes(None, kept_A, None, None, None, None, None, sizes_E, A, A)
+  P = jax.lax.axis_size(axis)
+  E_l = sizes_E.shape[0] // P
+  chunk = A if cap is None else min(A, E_l * cap)
+  R = P * chunk if not buffer else min(P * chunk, math.ceil(buffer * A))
+  R = -(-R // rows_multiple) * rows_multiple
+  sent_PE = sizes_E.reshape(P, E_l)
+  got_PE = jax.lax.all_to_all(sent_PE, axis, 0, 0, tiled=True)  # [source, local expert]
+  if R < P * chunk:  # what fits of each source's rows, a prefix in expert order; told back
+    room_P = jnp.clip(R - exclusive_cumsum(got_PE.sum(1)), 0, None)
+    got_PE = jnp.clip(room_P[:, None] - exclusive_cumsum(got_PE, axis=1), 0, got_PE)
+    taken_E = jax.lax.all_to_all(got_PE, axis, 0, 0, tiled=True).reshape(-1)
+  else:
+    taken_E = sizes_E
+  kept_A = (jnp.arange(A) < sizes_E.sum()) & (rank_A < taken_E[sorted_A])
+  segment_R = jnp.searchsorted(jnp.cumsum(got_PE.reshape(-1)), jnp.arange(R), side='right')
+  expert_R = jnp.where(segment_R < P * E_l, segment_R % E_l, E_l)
+  order_R = jnp.argsort(expert_R, stable=True)
+  inverse_R = jnp.zeros((R,), jnp.int32).at[order_R].set(jnp.arange(R, dtype=jnp.int32))
+  return Routes(axis, kept_A, taken_E.reshape(P, E_l).sum(1), exclusive_cumsum(sent_PE.sum(1)),
+                got_PE.sum(1), order_R, inverse_R, got_PE.sum(0), R, chunk)
+
+
+def to_experts(rows_AD, r: Routes):
+  """A device's sorted assignment rows → the rows its local experts take, sorted by expert."""
+  if r.axis is None:
+    return rows_AD
+  return exchange(rows_AD, r.send_P, r.recv_P, r.rows, r.axis, r.chunk,
+                  in_offsets_P=r.offsets_P)[r.order_R]
+
+
+def from_experts(rows_RD, r: Routes, assignments: int):
+  """The inverse of to_experts: each row back to the device and sorted place it came from (the
+  rows not taken, zeros)."""
+  if r.axis is None:
+    return rows_RD
+  return exchange(rows_RD[r.inverse_R], r.recv_P, r.send_P, assignments, r.axis, r.chunk,
+                  out_offsets_P=r.offsets_P)
+
+
+def _local_routes(settings, axis, experts_tk, b: int):
+  """(order[A], inverse[A], Routes) for one device's tokens."""
+  n_experts, factor, buffer = settings[0], settings[1], settings[5]
   t, k = experts_tk.shape
-  order_A, inverse_A, sizes_E = dispatch(experts_tk, n_experts,
-                                         capacity(t, k, n_experts, factor))
-  xs_AD = x_tD[order_A // k]
-  gate_AF = grouped_matmul(xs_AD, wg, sizes_E, implementation=impl)
-  up_AF = grouped_matmul(xs_AD, wu, sizes_E, implementation=impl)
-  ys_AD = grouped_matmul(_hidden(gate_AF, up_AF), wd, sizes_E, implementation=impl)
-  kept_tk = (inverse_A < sizes_E.sum()).reshape(t, k)
-  y_tkD = ys_AD[inverse_A].reshape(t, k, -1)
-  y_tD = jnp.einsum('tkd,tk->td', y_tkD, jnp.where(kept_tk, weights_tk, 0.0),
-                    preferred_element_type=jnp.float32)
-  return y_tD.astype(x_tD.dtype), gate_AF, up_AF
+  cap = capacity(t, k, n_experts, factor)
+  order_A, inverse_A, sizes_E = dispatch(experts_tk, n_experts, cap)
+  return order_A, inverse_A, routes(experts_tk.reshape(-1)[order_A], sizes_E, axis, cap, buffer, b)
 
 
 def _hidden(gate_AF, up_AF):
@@ -150,94 +211,117 @@ def _gathered_weights(ws, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def experts_ffn(settings, rules, x_BLD, experts_BLk, weights_BLk, wg, wu, wd):
-  """Σ_j weights[.., j] · expert_{experts[.., j]}(x) [B, L, D] in x's dtype (module docstring);
-  wg, wu, wd are the parameters (config.model.grad_reduce_dtype, where they live)."""
+  """(Σ_j weights[.., j] · expert_{experts[.., j]}(x) [B, L, D] in x's dtype, and which
+  assignments were dropped bool[B, L, k]) (module docstring); wg, wu, wd are the parameters
+  (config.model.grad_reduce_dtype, where they live)."""
   return _experts_fwd(settings, rules, x_BLD, experts_BLk, weights_BLk, wg, wu, wd)[0]
 
 
+# Per-device buffers travel out of shard_map as [b, rows/b, ·], so their global shapes shard as
+# the tokens do: the sorted assignments (A = b·l·k rows) and the expert side's (R rows).
+SORTED = TOKENS + ('embed',)
+EXPERT_SIDE = TOKENS + ('mlp',)
+
+
 def _run_forward(settings, x_BLD, experts_BLk, weights_BLk, ws_c):
+  impl, axis = settings[2], sharding.mesh_axis('experts')
+
   def local(x_BLD, experts_BLk, weights_BLk, wg, wu, wd):
     b, l, D = x_BLD.shape
-    y_tD, gate_AF, up_AF = _local_forward(settings, _flat(x_BLD), experts_BLk.reshape(b * l, -1),
-                                          weights_BLk.reshape(b * l, -1), wg, wu, wd)
-    # Per-device buffers travel as [b, l·k, F], so their global shape shards as the tokens do.
-    as_tokens = lambda a_AF: a_AF.reshape(b, -1, a_AF.shape[-1])
-    return y_tD.reshape(1, b, l, D), as_tokens(gate_AF), as_tokens(up_AF)
+    x_tD, experts_tk = _flat(x_BLD), experts_BLk.reshape(b * l, -1)
+    t, k = experts_tk.shape
+    order_A, inverse_A, r = _local_routes(settings, axis, experts_tk, b)
+    xe_RD = to_experts(x_tD[order_A // k], r)
+    mm = functools.partial(grouped_matmul, group_sizes_G=r.sizes_e, implementation=impl,
+                           filled=r.filled)
+    gate_RF, up_RF = mm(xe_RD, wg), mm(xe_RD, wu)
+    ye_RD = mm(_hidden(gate_RF, up_RF), wd)
+    ys_AD = from_experts(ye_RD, r, t * k)  # partial over `tensor`, as a row-parallel product
+    kept_tk = r.kept_A[inverse_A].reshape(t, k)
+    y_tD = jnp.einsum('tkd,tk->td', ys_AD[inverse_A].reshape(t, k, D),
+                      jnp.where(kept_tk, weights_BLk.reshape(t, k), 0.0),
+                      preferred_element_type=jnp.float32)
+    rows = lambda a: a.reshape(b, -1, a.shape[-1])
+    # The received rows are kept only where they crossed devices: without an expert axis the
+    # backward gathers them from x again.
+    xe = rows(xe_RD) if axis else jnp.zeros((b, 0, D), x_tD.dtype)
+    return (y_tD.astype(x_tD.dtype).reshape(1, b, l, D), ~kept_tk.reshape(b, l, k),
+            rows(ys_AD)[None], xe, rows(gate_RF), rows(up_RF))
 
-  sorted_names = TOKENS + ('mlp',)
-  y_PBLD, gate, up = sharding.per_shard(
+  y_PBLD, dropped_BLk, *saved = sharding.per_shard(
       local, (TOKENS + ('embed',), TOKENS + (None,), TOKENS + (None,), GATE_UP, GATE_UP, DOWN),
-      [('mlp',) + TOKENS + ('embed',), sorted_names, sorted_names])(
-          x_BLD, experts_BLk, weights_BLk, *ws_c)
-  # The `tensor` shares' partial sums (a row-parallel product's), summed by XLA.
-  return y_PBLD.sum(axis=0), gate, up
+      [('mlp',) + TOKENS + ('embed',), TOKENS + (None,), ('mlp',) + SORTED, SORTED, EXPERT_SIDE,
+       EXPERT_SIDE])(x_BLD, experts_BLk, weights_BLk, *ws_c)
+  # The `tensor` shares' partial sums, summed by XLA; the saved outputs stay partial.
+  return (y_PBLD.sum(axis=0), dropped_BLk), saved
 
 
 def _experts_fwd(settings, rules, x_BLD, experts_BLk, weights_BLk, wg, wu, wd):
   keep_weights, dtype = settings[3], settings[4]
   ws_c = _gathered_weights((wg, wu, wd), dtype)
-  y_BLD, gate, up = _run_forward(settings, x_BLD, experts_BLk, weights_BLk, ws_c)
+  out, saved = _run_forward(settings, x_BLD, experts_BLk, weights_BLk, ws_c)
   # With a remat policy the layer's forward runs again before its backward, gathering the
   # weights then: keep that gather. Without, gather again rather than hold every layer's.
   kept_ws = ws_c if keep_weights else None
-  return y_BLD, (x_BLD, experts_BLk, weights_BLk, (wg, wu, wd), kept_ws, gate, up)
+  return out, (x_BLD, experts_BLk, weights_BLk, (wg, wu, wd), kept_ws, *saved)
 
 
-def _experts_bwd(settings, rules, residuals, g_BLD):
+def _experts_bwd(settings, rules, residuals, cotangents):
   with nnx.logical_axis_rules(rules):
-    return _experts_grads(settings, residuals, g_BLD)
+    return _experts_grads(settings, residuals, cotangents[0])
 
 
 def _experts_grads(settings, residuals, g_BLD):
-  x_BLD, experts_BLk, weights_BLk, ws, ws_c, gate, up = residuals
-  n_experts, factor, impl, _, dtype = settings
+  x_BLD, experts_BLk, weights_BLk, ws, ws_c, ys, xe, gate, up = residuals
+  impl, dtype, axis = settings[2], settings[4], sharding.mesh_axis('experts')
   if ws_c is None:
     ws_c = _gathered_weights(ws, dtype)
-  _, scatter, summed = sharding.token_gradient_axes('an expert weight')
+  _, scatter, summed = sharding.token_gradient_axes('an expert weight', 'expert_embed', 'experts')
   reduce_dtype = ws[0].dtype
 
-  def local(x_BLD, experts_BLk, weights_BLk, wg, wu, wd, gate, up, g_BLD):
+  def local(x_BLD, experts_BLk, weights_BLk, wg, wu, wd, ys, xe, gate, up, g_BLD):
     b, l, D = x_BLD.shape
     x_tD, g_tD = _flat(x_BLD), _flat(g_BLD).astype(x_BLD.dtype)
-    t = x_tD.shape[0]
-    experts_tk, weights_tk = experts_BLk.reshape(t, -1), weights_BLk.reshape(t, -1)
-    k = experts_tk.shape[1]
-    order_A, inverse_A, sizes_E = dispatch(experts_tk, n_experts,
-                                           capacity(t, k, n_experts, factor))
-    gate_AF, up_AF = gate.reshape(t * k, -1), up.reshape(t * k, -1)
-    kept_A = inverse_A < sizes_E.sum()
-    weight_A = jnp.where(kept_A, weights_tk.reshape(-1), 0.0)[order_A]
+    experts_tk = experts_BLk.reshape(b * l, -1)
+    t, k = experts_tk.shape
+    order_A, inverse_A, r = _local_routes(settings, axis, experts_tk, b)
+    kept_A = r.kept_A
     token_A = order_A // k
-    mm = functools.partial(grouped_matmul, group_sizes_G=sizes_E, implementation=impl)
-    dw = functools.partial(grouped_matmul_dw, group_sizes_G=sizes_E, out_dtype=jnp.float32,
-                           implementation=impl)
-    # y_a = w_a · h_a Wd: the router weight's gradient is h_a · (g_t Wdᵀ), and h's is w_a times it.
-    gu_AF = mm(g_tD[token_A], jnp.swapaxes(wd, 1, 2))
-    sig_AF = jax.nn.sigmoid(gate_AF.astype(jnp.float32))
-    silu_AF = jax.nn.silu(gate_AF.astype(jnp.float32))
-    h_AF = _hidden(gate_AF, up_AF)
-    d_weight_A = jnp.einsum('af,af->a', h_AF, gu_AF, preferred_element_type=jnp.float32)
-    dh_AF = gu_AF.astype(jnp.float32) * weight_A[:, None]
-    d_gate_AF = (dh_AF * up_AF * sig_AF * (1 + gate_AF * (1 - sig_AF))).astype(x_tD.dtype)
-    d_up_AF = (dh_AF * silu_AF).astype(x_tD.dtype)
-    g_sorted_AD = (g_tD[token_A] * weight_A[:, None]).astype(x_tD.dtype)
-    xs_AD = x_tD[token_A]
-    dxs_AD = (mm(d_gate_AF, jnp.swapaxes(wg, 1, 2)).astype(jnp.float32)
-              + mm(d_up_AF, jnp.swapaxes(wu, 1, 2)))
-    dx_tD = dxs_AD[inverse_A].reshape(t, k, D).sum(axis=1)
-    d_weights_tk = jnp.where(kept_A, d_weight_A[inverse_A], 0.0).reshape(t, k)
-    grads = [dw(xs_AD, d_gate_AF), dw(xs_AD, d_up_AF), dw(h_AF, g_sorted_AD)]
+    weight_A = jnp.where(kept_A, weights_BLk.reshape(-1)[order_A], 0.0)
+    # y_t = Σ_a w_a · ys_a: the router weight's gradient is ys_a · g_t; the expert's output's
+    # is w_a · g_t, which goes to the expert.
+    g_AD = g_tD[token_A]
+    d_weight_A = jnp.einsum('ad,ad->a', ys.reshape(t * k, D), g_AD,
+                            preferred_element_type=jnp.float32)
+    ge_RD = to_experts((g_AD * weight_A[:, None]).astype(x_tD.dtype), r)
+    xe_RD = xe.reshape(r.rows, D) if axis else x_tD[token_A]
+    gate_RF, up_RF = gate.reshape(r.rows, -1), up.reshape(r.rows, -1)
+    mm = functools.partial(grouped_matmul, group_sizes_G=r.sizes_e, implementation=impl,
+                           filled=r.filled)
+    dw = functools.partial(grouped_matmul_dw, group_sizes_G=r.sizes_e, out_dtype=jnp.float32,
+                           implementation=impl, filled=r.filled)
+    dh_RF = mm(ge_RD, jnp.swapaxes(wd, 1, 2)).astype(jnp.float32)
+    sig_RF = jax.nn.sigmoid(gate_RF.astype(jnp.float32))
+    silu_RF = jax.nn.silu(gate_RF.astype(jnp.float32))
+    d_gate_RF = (dh_RF * up_RF * sig_RF * (1 + gate_RF * (1 - sig_RF))).astype(x_tD.dtype)
+    d_up_RF = (dh_RF * silu_RF).astype(x_tD.dtype)
+    dxe_RD = (mm(d_gate_RF, jnp.swapaxes(wg, 1, 2)).astype(jnp.float32)
+              + mm(d_up_RF, jnp.swapaxes(wu, 1, 2))).astype(x_tD.dtype)
+    grads = [dw(xe_RD, d_gate_RF), dw(xe_RD, d_up_RF), dw(_hidden(gate_RF, up_RF), ge_RD)]
     grads = [_reduce(g.astype(reduce_dtype), dim, scatter, summed)
              for g, dim in zip(grads, (1, 1, 2))]
+    dxs_AD = from_experts(dxe_RD, r, t * k).astype(jnp.float32)
+    dx_tD = dxs_AD[inverse_A].reshape(t, k, D).sum(axis=1)
+    d_weights_tk = jnp.where(kept_A, d_weight_A, 0.0)[inverse_A].reshape(t, k)
     return (dx_tD.astype(x_tD.dtype).reshape(1, b, l, D),
             d_weights_tk.reshape(1, b, l, k), *grads)
 
   names_in = (TOKENS + ('embed',), TOKENS + (None,), TOKENS + (None,), GATE_UP, GATE_UP, DOWN,
-              TOKENS + ('mlp',), TOKENS + ('mlp',), TOKENS + ('embed',))
+              ('mlp',) + SORTED, SORTED, EXPERT_SIDE, EXPERT_SIDE, TOKENS + ('embed',))
   names_out = [('mlp',) + TOKENS + ('embed',), ('mlp',) + TOKENS + (None,),
                sharding.Params(GATE_UP), sharding.Params(GATE_UP), sharding.Params(DOWN)]
   dx_PBLD, d_weights_PBLk, dwg, dwu, dwd = sharding.per_shard(local, names_in, names_out)(
-      x_BLD, experts_BLk, weights_BLk, *ws_c, gate, up, g_BLD)
+      x_BLD, experts_BLk, weights_BLk, *ws_c, ys, xe, gate, up, g_BLD)
   # Partial over the `tensor` shares of the expert width, as the forward's output is.
   dx_BLD = dx_PBLD.astype(jnp.float32).sum(axis=0).astype(x_BLD.dtype)
   d_weights_BLk = d_weights_PBLk.sum(axis=0)
@@ -263,9 +347,9 @@ class MoE(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     E, D, F, dt = cfg.experts, cfg.d_model, cfg.expert_width, cfg.weight_dtype
-    self.router = param(rngs, (D, E), ('embed', 'experts'), dt, D ** -0.5)
+    self.router = param(rngs, (D, E), ('embed', 'expert_scores'), dt, D ** -0.5)
     if cfg.router == 'sigmoid':
-      self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=('experts',),
+      self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=('expert_scores',),
                                     eager_sharding=False)
     self.w_gate = param(rngs, (E, D, F), GATE_UP, dt, D ** -0.5)
     self.w_up = param(rngs, (E, D, F), GATE_UP, dt, D ** -0.5)
@@ -285,26 +369,13 @@ class MoE(nnx.Module):
     experts_BLk = constrain(experts_Tk.reshape(B, L, -1), TOKENS + (None,))
     weights_BLk = constrain(weights_Tk.reshape(B, L, -1), TOKENS + (None,))
     rules = tuple(flax.core.spmd.get_logical_axis_rules())
-    y_BLD = experts_ffn(_settings(cfg), rules, x_BLD, experts_BLk, weights_BLk,
-                        *(weight(w, cfg) for w in (self.w_gate, self.w_up, self.w_down)))
-    stats['dropped'] = self._dropped(experts_BLk)
+    y_BLD, dropped_BLk = experts_ffn(
+        _settings(cfg), rules, x_BLD, experts_BLk, weights_BLk,
+        *(weight(w, cfg) for w in (self.w_gate, self.w_up, self.w_down)))
+    stats['dropped'] = jnp.mean(dropped_BLk.astype(jnp.float32))  # over capacity or buffer
     if cfg.shared_experts:
       y_BLD = y_BLD + self.shared(x_BLD)
     return checkpoint_name(y_BLD, 'projection'), stats
-
-  def _dropped(self, experts_BLk):
-    """The share of assignments over capacity (0 when dropless), each device's own count."""
-    cfg = self.cfg
-    if not cfg.capacity_factor:
-      return jnp.zeros((), jnp.float32)
-
-    def local(experts_BLk):
-      b, l, k = experts_BLk.shape
-      cap = capacity(b * l, k, cfg.experts, cfg.capacity_factor)
-      return ~kept(experts_BLk.reshape(b * l, k), cfg.experts, cap).reshape(b, l, k)
-
-    dropped_BLk = sharding.per_shard(local, (TOKENS + (None,),), TOKENS + (None,))(experts_BLk)
-    return jnp.mean(dropped_BLk.astype(jnp.float32))
 
 
 def balance_step(bias_nE, tokens_per_expert_nE, rate: float):

@@ -5,18 +5,27 @@ yardstick it is held to (benchmarks/collectives.py prints both). Ring algorithms
 ρ(n) = (n−1)/n, an all-gather of X bytes sends X·ρ(n) per device, a reduce-scatter of X bytes
 (before the scatter) X·ρ(n), an all-reduce 2·X·ρ(n).
 
-Symbols: mesh data d, stage P, fsdp f, tensor t, sequence s; g = f·s (parameters are split along
-'embed' over both); M microbatches, b = B/(d·f·M) rows per device and microbatch, L the sequence
+Symbols: mesh data d, stage P, fsdp f, expert e, tensor t, sequence s; g = f·s·e (parameters
+outside the experts are split along 'embed' over all three), g_X = f·s (an expert's are split
+over e by expert); M microbatches, b = B/(d·f·e·M) rows per device and microbatch, L the sequence
 length; T = V·M + P − 1 ticks of the pipeline schedule with V virtual stages (T = M without
 stages: each tick a stage runs one chunk, n_layers/(V·P) layers, on one microbatch, bubble ticks
 included, model/pipeline.py);
 c bytes of the compute dtype, r of the gradient reduction (config.optimizer.grad_reduce_dtype);
-P_L the layers' matmul parameters, P_E the embedding table V·D, P_U the untied head D·V (0 when
-tied), P_N the norm scales (replicated). Per step:
+P_L the layers' matmul parameters outside the experts (routers and shared experts included),
+P_X the routed experts' (E·3·D·F_X in each of the n_X MoE layers), k experts a token, P_E the
+embedding table V·D, P_U the untied head D·V (0 when tied), P_N the norm scales (replicated).
+Per step:
 
   layers    (ZeRO-3) each layer's weights gathered once forward and once backward per microbatch
             (recomputation reuses the backward's gather), gradients reduce-scattered once per
             microbatch; a stage does so for a chunk every tick:  T·(2c + r)·P_L/(V·P·t)·ρ(g)
+  experts   the same for the routed experts, gathered only over g_X:
+            T·(2c + r)·P_X/(V·P·t·e)·ρ(g_X)
+  all_to_all each MoE layer's assignments (b·(L/s)·k rows of D) sent to their experts' devices
+            and back forward, and their gradients backward (forward again under remat `full`),
+            a share (e−1)/e of them leaving the device when the experts are balanced:
+            T·(4|6)·n_X/(V·P)·b·(L/s)·k·D·c·ρ(e)
   embedding the table gathered once per microbatch (once a step with stages, which run the
             embedding and head on the whole batch) in the compute dtype (the lookup and a tied
             head share it), an untied head's too (kept for the backward), and the head weight's
@@ -26,8 +35,8 @@ tied), P_N the norm scales (replicated). Per step:
             M'·((P_E + P_U)·c/t + V·D·r/t + min(T_E·(D·c + 4), P_E·r/t))·ρ(g)
             (M' = M, or 1 with stages)
   data      the gradient shards all-reduced over data once a step:
-            2·r·(P_L/P + P_E + P_U)/(t·g)·ρ(d)
-  norms     their gradients all-reduced over every device that holds a copy: 2·4·P_N·ρ(d·f·s·t)
+            2·r·((P_L/P + P_E + P_U)/g + P_X/(P·g_X·e))/t·ρ(d)
+  norms     their gradients all-reduced over every device that holds a copy: 2·4·P_N·ρ(d·g·t)
   tensor    Megatron's activation all-reduces, 2 forward and 2 backward a layer (2 more under
             remat `full`, which runs the forward again), one after the vocabulary-split lookup
             and one for the head's input gradient:
@@ -57,14 +66,18 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
                 microbatches: int = 1, remat_policy: str = 'none',
                 grad_reduce_bytes: int = 4) -> dict[str, float]:
   """{component: bytes each device sends per step} per the module docstring."""
-  d, P, f, t, s = (mesh.get(axis, 1) for axis in ('data', 'stage', 'fsdp', 'tensor', 'sequence'))
-  g, M, c, r = f * s, microbatches, cfg.dtype.itemsize, grad_reduce_bytes
-  b = batch_size / (d * f * M)
+  d, P, f, e, t, s = (mesh.get(axis, 1)
+                      for axis in ('data', 'stage', 'fsdp', 'expert', 'tensor', 'sequence'))
+  g, g_x, M, c, r = f * s * e, f * s, microbatches, cfg.dtype.itemsize, grad_reduce_bytes
+  b = batch_size / (d * f * e * M)
   V = cfg.virtual_stages if P > 1 else 1
   T = V * M + P - 1
   full = remat_policy == 'full'
-  layers = cfg.n_layers * (cfg.d_model * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads)
-                           + 3 * cfg.d_model * cfg.d_ff)
+  n_x, D, F_x = cfg.moe_layers, cfg.d_model, cfg.expert_width
+  layers = (cfg.n_layers * D * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads)
+            + (cfg.n_layers - n_x) * 3 * D * cfg.d_ff
+            + n_x * (D * cfg.experts + cfg.shared_experts * 3 * D * F_x))
+  experts = n_x * cfg.experts * 3 * D * F_x
   table = cfg.vocab_size * cfg.d_model
   head = 0 if cfg.tie_embeddings else table
   norms = (2 * cfg.n_layers + 1) * cfg.d_model
@@ -74,9 +87,12 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
   lookup_grad = min(lookup_tokens * (cfg.d_model * c + 4), table * r / t)
   return {
       'layers': T * (2 * c + r) * layers / (V * P * t) * rho(g),
+      'experts': T * (2 * c + r) * experts / (V * P * t * e) * rho(g_x),
+      'all_to_all': (T * (6 if full else 4) * n_x / (V * P) * b * seq_len / s
+                     * cfg.experts_per_token * D * c * rho(e)),
       'embedding': lookups * ((table + head) * c / t + table * r / t + lookup_grad) * rho(g),
-      'data': 2 * r * (layers / P + table + head) / (t * g) * rho(d),
-      'norms': 2 * 4 * norms * rho(d * f * s * t),
+      'data': 2 * r * ((layers / P + table + head) / g + experts / (P * g_x * e)) / t * rho(d),
+      'norms': 2 * 4 * norms * rho(d * g * t),
       'tensor': (T * (6 if full else 4) * cfg.n_layers / (V * P) + 2 * M) * 2 * activation
                 * rho(t),
       'sequence': (M * cfg.n_layers * b * seq_len * cfg.n_kv_heads / t * cfg.head_dim * rho(s)

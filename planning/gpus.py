@@ -110,6 +110,11 @@ GEMM_EFFICIENCY = 798 / 989 / tile_waves(8192, 8192, 1, 132)
 # fp8 GEMMs (cuBLASLt): no fp8 measurement yet; until calibrate's fp8 GEMM gives one, the same
 # share of the fp8 peak as bf16 reaches of its own.
 FP8_GEMM_EFFICIENCY = GEMM_EFFICIENCY
+# Our grouped matmul (kernels/grouped_matmul.py), a Triton kernel not yet measured: until
+# `benchmarks/moe.py --measure` gives its TFLOP/s on a GPU, the share of the bf16 peak the other
+# Pallas Triton kernel with published H100 figures reaches, JAX's bundled attention forward
+# (≈360 of 989 TFLOP/s, as ATTENTION_TFLOPS['pallas'] below).
+GROUPED_GEMM_EFFICIENCY = 360 / 989
 # HBM: a device-to-device copy moved 3.0 of the H100's 3.35 TB/s (bytes read and written) and
 # 4.3 of the H200's 4.8 TB/s: 0.90 on both.
 HBM_EFFICIENCY = 3.0 / 3.35

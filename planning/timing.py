@@ -9,6 +9,10 @@ a conditional), each counted once per run of its loop, is one of:
              half of bf16's) × GEMM_EFFICIENCY (FP8_GEMM_EFFICIENCY) × the share of the SMs its
              output tiles keep busy (gpus.tile_waves). Tiles the deviceless compile chose are
              ignored: on the GPU, XLA autotunes them.
+  grouped    our grouped matmul's kernels (kernels/grouped_matmul.py, an MoE layer's experts):
+             2·M·K·N FLOPs, M the rows its name says the groups fill (a buffer sized for the
+             worst case is mostly padding), at gpus.GROUPED_GEMM_EFFICIENCY of the bf16 peak;
+             counted with the GEMMs
   attention  cuDNN's fused attention and our Pallas kernels (flash_attention_fwd, _dq, _dkv):
              FlashAttention's FLOPs (forward 4·B·N·L·S·H, causal the share 1 − L/2S of the keys a
              query sees: half when L = S, the last device's share with keys all-gathered over a
@@ -58,6 +62,7 @@ _ARITHMETIC = {'add', 'subtract', 'multiply', 'divide', 'exponential', 'log', 't
 _DIMS = re.compile(r'\b(lhs|rhs)_(batch|contracting)_dims=\{([0-9,]*)\}')
 _GEMM_DIMS = re.compile(r'"(lhs|rhs)_(batch|contracting)_dimensions":\[([^\]]*)\]')
 _FLASH = re.compile(r'flash_attention_(fwd|dq|dkv)')
+_GROUPED = re.compile(r'grouped_matmul(?:_dw)?(?:_filled(\d+))?/pallas_call')
 _SCORES = re.compile(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":\[([^\]]*)\]')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 BACKWARD_SHARE = {'dq': 3 / 7, 'dkv': 4 / 7}  # of the backward's matmuls: 3 in dq, 4 in dkv
@@ -240,6 +245,8 @@ class _Model:
         and len(operand_arrays[0][0][1]) == 4):
       return self.attention(inst, 'pallas', operand_arrays, what, flash.group(1))
     moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays)
+    if op == 'custom-call' and (grouped := _GROUPED.search(inst.op_name)):
+      return self.grouped(inst, operand_arrays, what, grouped, moved)
     if op == 'custom-call' and target.startswith('__cublas'):
       dims = {(side, kind): _ints(value) for side, kind, value in _GEMM_DIMS.findall(inst.line)}
       dot = _dot(operand_arrays[0][0], operand_arrays[1][0], inst.arrays[0], dims)
@@ -277,6 +284,16 @@ class _Model:
     kernel = Kernel(name, what, 'gemm', flops, moved, 0.0)
     kernel.seconds = max(compute, moved / (self.gpu.memory_bandwidth * gpus.HBM_EFFICIENCY))
     return kernel
+
+  def grouped(self, inst, operand_arrays, what: str, match, moved: float) -> Kernel:
+    """Our grouped matmul, forward (x[M, K] · w[G, K, N]) or weight gradient (x[M, K]ᵀ ·
+    dy[M, N] → dw[G, K, N]): x is its first floating-point operand, N its output's last dim."""
+    (_, (M, K)), = [a for arrays in operand_arrays for a in arrays if not a[0].startswith(
+        ('s', 'u'))][:1]
+    filled = int(match.group(1)) / 1e4 if match.group(1) else 1.0
+    flops = 2 * M * filled * K * inst.arrays[0][1][-1]
+    return self.timed(Kernel(inst.name, what, 'gemm', flops, moved + hlo.nbytes(inst.arrays), 0.0),
+                      self.gpu.peak_bf16_flops * gpus.GROUPED_GEMM_EFFICIENCY)
 
   def attention(self, inst, kernel: str, operand_arrays, what: str, part: str = '') -> Kernel:
     (_, q), (_, k) = operand_arrays[0][0], operand_arrays[1][0]

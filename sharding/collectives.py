@@ -11,7 +11,10 @@ In a GPU program this is the latency-hiding scheduler's decision, read from the 
 Bytes are what each device sends per execution under the ring algorithms NCCL uses, for a group
 of n devices: all-gather R·(n−1)/n of its result R; reduce-scatter r·(n−1) of its result r (its
 operand is n·r); all-reduce 2·S·(n−1)/n; all-to-all S·(n−1)/n; collective-permute S. A group of
-one moves nothing.
+one moves nothing. A ragged all-to-all sends only the rows its sizes say, known at run time; its
+operand and result are buffers for the most it can send and receive. It is counted as sending
+the smaller of the two, its input rows (n−1)/n, what it sends when its rows spread evenly over the
+group (an MoE layer's tokens over balanced experts, model/moe.py).
 """
 
 import dataclasses
@@ -22,7 +25,8 @@ import numpy as np
 
 from sharding import hlo
 
-OPS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
+OPS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'ragged-all-to-all',
+       'collective-permute')
 _GROUPS_IOTA = re.compile(r'replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?')
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
                           r"(?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}")
@@ -40,6 +44,7 @@ class Collective:
   overlapped: bool = False  # async, with compute scheduled between its start and done
   devices: tuple[tuple[int, ...], ...] = ()  # its groups of device ids; (source, target) pairs
                                              # for a collective-permute
+  operand: tuple[tuple[str, tuple[int, ...]], ...] = ()  # a ragged all-to-all's input, if known
 
   def crosses(self, part_of) -> bool:
     """Whether it moves data between devices that `part_of(device)` tells apart (a node, a
@@ -56,9 +61,11 @@ class Collective:
     n, size = self.group, self.result_bytes
     if n <= 1:
       return 0.0
+    if self.op == 'ragged-all-to-all' and self.operand:
+      size = min(size, hlo.nbytes(self.operand))
     return {'all-gather': size * (n - 1) / n, 'reduce-scatter': size * (n - 1),
             'all-reduce': 2 * size * (n - 1) / n, 'all-to-all': size * (n - 1) / n,
-            'collective-permute': size}[self.op]
+            'ragged-all-to-all': size * (n - 1) / n, 'collective-permute': size}[self.op]
 
 
 def _op_of(name: str) -> str | None:
@@ -114,7 +121,10 @@ def in_computation(lines: list[str], devices: int, executions: int = 1):
                          for between in instructions[begin + 1:i])
       groups = _device_groups(lines[begin], devices)
       size = devices if op == 'collective-permute' else len(groups[0])
-      found.append((begin, i, Collective(op, inst.arrays, size, executions, overlapped, groups)))
+      # An async start's type lists its operands, the input first, then its result.
+      operand = instructions[begin].arrays[:1] if begin != i else ()
+      found.append((begin, i, Collective(op, inst.arrays, size, executions, overlapped, groups,
+                                         operand)))
   return found
 
 

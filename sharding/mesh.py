@@ -1,4 +1,4 @@
-"""The device mesh from `config.mesh`: axes data, stage, fsdp, tensor, sequence. The first axes
+"""The device mesh from `config.mesh`: axes data, stage, fsdp, expert, tensor, sequence. The first axes
 vary slowest over the devices, so data and stage are the ones that span nodes."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ('data', 'stage', 'fsdp', 'tensor', 'sequence')
+AXES = ('data', 'stage', 'fsdp', 'expert', 'tensor', 'sequence')
 
 
 class MeshMismatch(ValueError):

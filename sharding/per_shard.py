@@ -30,17 +30,21 @@ def mesh_axes(name: str, params: bool = False) -> tuple[str, ...]:
   return tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape[a] > 1)
 
 
-def token_gradient_axes(what: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+def token_gradient_axes(what: str, model_axis: str = 'embed', split: str | None = None
+                        ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
   """(token axes, scatter, summed) for a parameter's gradient summed over every device's
   tokens: the mesh axes the tokens ('batch', 'length') are split over, those of them that also
-  split its model dimension ('embed' where parameters live: reduce-scattered there), and the rest
-  (summed). `what` names the parameter in the error when the tokens do not cover that split."""
+  split its model dimension (`model_axis` where parameters live: reduce-scattered there), and the
+  rest (summed), less those splitting its logical axis `split` ('experts': the tokens came to
+  their experts' devices, so their sum is already whole). `what` names the parameter in the
+  error when the tokens do not cover that split."""
   tokens = tuple(a for name in ('batch', 'length') for a in mesh_axes(name))
-  scatter = mesh_axes('embed', params=True)
+  scatter = mesh_axes(model_axis, params=True)
   if set(scatter) - set(tokens):
     raise ValueError(f'{what} is split over {scatter} along its model dimension, but the tokens '
                      f'only over {tokens} (sharding/rules.py)')
-  return tokens, scatter, tuple(a for a in tokens if a not in scatter)
+  whole = scatter + (mesh_axes(split, params=True) if split else ())
+  return tokens, scatter, tuple(a for a in tokens if a not in whole)
 
 
 class Params(tuple):

@@ -10,15 +10,19 @@ ACTIVATION_RULES say how the computation is split. Keeping them apart makes each
     ('kv_length'); our kernel moves them itself (all-gather or ring, kernels/context_parallel.py).
     Parameters are also split over sequence along 'embed' so that axis holds no replicas.
   - Data: 'batch' → data; parameters are replicated over it.
+  - Expert: 'experts' → expert in both tables: each device holds E/expert of an MoE layer's
+    experts, and the tokens travel to them by all-to-all (model/moe.py). Everywhere else the
+    axis is one more FSDP axis: 'batch' and the dense weights' 'embed' are split over it too, so
+    an expert's own model dimension has a name of its own, 'expert_embed'.
   - Pipeline: 'layers' → stage in both tables. Each stage holds its consecutive layers of every
     stacked parameter; the model finds the axis (sharding.mesh_axis('layers')) and runs its
     schedule over it (model/pipeline.py). Embedding and head are replicated over stages. With
     virtual stages the stacked parameters are [virtual, layers, ...]: stage s holds, in each of
     the V rows, its consecutive share, so its chunks are s, s+P, … of the execution order.
-Sharded shapes, in scaling-book notation: Wq[layers_stage, D_(fsdp,sequence), N_tensor, H] (or
-Wq[virtual, layers_stage, …]),
-Wgate[D_(fsdp,sequence), F_tensor], x[B_(data,fsdp), L_sequence, D]; an MoE layer's experts
-W_gate[E, D_(fsdp,sequence), F_tensor] (model/moe.py).
+Sharded shapes, in scaling-book notation: Wq[layers_stage, D_(fsdp,sequence,expert), N_tensor, H]
+(or Wq[virtual, layers_stage, …]), Wgate[D_(fsdp,sequence,expert), F_tensor],
+x[B_(data,fsdp,expert), L_sequence, D]; an MoE layer's experts
+W_gate[E_expert, D_(fsdp,sequence), F_tensor] (model/moe.py).
 """
 
 import math
@@ -33,31 +37,35 @@ PARAM_RULES = (
     ('virtual', None),  # a stage's chunks, with model.virtual_stages > 1
     ('layers', 'stage'),
     ('vocab', 'tensor'),
-    ('embed', ('fsdp', 'sequence')),
+    ('embed', ('fsdp', 'sequence', 'expert')),  # outside the experts, `expert` is one more FSDP axis
+    ('expert_embed', ('fsdp', 'sequence')),  # an expert's model dimension: `expert` splits E
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),
     ('head_dim', None),
     ('mlp', 'tensor'),
-    ('experts', None),  # every device holds every expert's share (`expert` axis: to come)
+    ('experts', 'expert'),
+    ('expert_scores', None),  # the router's: every token's device scores every expert
     ('norm', None),
 )
 
 ACTIVATION_RULES = (
     ('virtual', None),
     ('layers', 'stage'),  # the pipeline's axis (model/pipeline.py), found by sharding.mesh_axis
-    ('batch', ('data', 'fsdp')),
+    ('batch', ('data', 'fsdp', 'expert')),
     ('length', 'sequence'),
     ('kv_length', None),
     ('embed', None),
+    ('expert_embed', None),
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),
     ('head_dim', None),
     ('mlp', 'tensor'),
-    ('experts', None),
+    ('experts', 'expert'),  # an expert's weights stay on its devices; the tokens travel
+    ('expert_scores', None),
     ('vocab', 'tensor'),
 )
 
-BATCH_SPEC = P(('data', 'fsdp'), 'sequence')  # every [B, L] array of the batch
+BATCH_SPEC = P(('data', 'fsdp', 'expert'), 'sequence')  # every [B, L] array of the batch
 
 
 def replicated(mesh) -> NamedSharding:
@@ -101,7 +109,8 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
                     microbatches: int = 1) -> None:
   """The model and batch against the mesh's axis sizes, before anything is built: MeshMismatch
   naming the fields to change."""
-  t, dp = mesh_sizes['tensor'], mesh_sizes['data'] * mesh_sizes['fsdp']
+  t, e = mesh_sizes['tensor'], mesh_sizes['expert']
+  dp = mesh_sizes['data'] * mesh_sizes['fsdp'] * e
   for field in ('n_heads', 'n_kv_heads', 'd_ff', 'vocab_size'):
     if getattr(model_cfg, field) % t:
       raise MeshMismatch(f'config.model.{field}={getattr(model_cfg, field)} is not divisible '
@@ -112,16 +121,22 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
     raise MeshMismatch(f'the expert width {model_cfg.expert_width} (config.model.expert_d_ff, or '
                        f'd_ff) must split into config.mesh.tensor={t} shares, each a multiple '
                        'of 16 for the grouped-matmul kernel')
-  shard = mesh_sizes['fsdp'] * mesh_sizes['sequence']
+  if e > 1 and not model_cfg.experts:
+    raise MeshMismatch(f'config.mesh.expert={e} splits the experts of an MoE model, and '
+                       'config.model.experts=0; use config.mesh.fsdp for a dense model')
+  if e > 1 and model_cfg.experts % e:
+    raise MeshMismatch(f'config.model.experts={model_cfg.experts} is not divisible by '
+                       f'config.mesh.expert={e}; each device of that axis holds an equal share')
+  shard = mesh_sizes['fsdp'] * mesh_sizes['sequence'] * e
   if model_cfg.d_model % shard:
     raise MeshMismatch(f'config.model.d_model={model_cfg.d_model} is not divisible by '
-                       f'config.mesh.fsdp×config.mesh.sequence={shard}, which shard parameters')
+                       f'config.mesh.fsdp×sequence×expert={shard}, which shard parameters')
   if batch_size % dp:
     raise MeshMismatch(f'config.batch_size={batch_size} is not divisible by config.mesh.data×'
-                       f'config.mesh.fsdp={dp}; each of those shards takes an equal slice')
+                       f'fsdp×expert={dp}; each of those shards takes an equal slice')
   if batch_size % (dp * microbatches):
     raise MeshMismatch(f'config.batch_size={batch_size} is not divisible by '
-                       f'config.microbatches={microbatches} × config.mesh.data×config.mesh.fsdp='
+                       f'config.microbatches={microbatches} × config.mesh.data×fsdp×expert='
                        f'{dp}; every device takes an equal share of each microbatch')
   stages, loops = mesh_sizes['stage'], model_cfg.virtual_stages
   if model_cfg.n_layers % (stages * loops):

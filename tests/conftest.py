@@ -56,7 +56,7 @@ def tiny_config(**mesh):
   c.model.compute_dtype = 'float32'
   c.optimizer.warmup_steps = 2
   c.train_steps = 10
-  c.mesh.update(dict(data=1, stage=1, fsdp=1, tensor=1, sequence=1))
+  c.mesh.update(dict(data=1, stage=1, fsdp=1, expert=1, tensor=1, sequence=1))
   c.mesh.update(mesh)
   c.model.vocab_size = 384  # the byte tokenizer's, padded
   c.model.head_chunk = 24  # several chunks a device, the last padded (model/head.py)

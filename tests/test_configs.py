@@ -56,7 +56,7 @@ def test_moe_presets_have_their_real_sizes_and_active_parameters(preset, total, 
 def test_the_long_context_preset_splits_its_row_over_8_devices_with_the_ring():
   config = load('llama.py', '8b-128k')
   setup = build(config)  # abstract only
-  assert dict(setup.mesh.shape) == {'data': 1, 'stage': 1, 'fsdp': 1, 'tensor': 1, 'sequence': 8}
+  assert dict(setup.mesh.shape) == {'data': 1, 'stage': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1, 'sequence': 8}
   assert (config.seq_len, config.batch_size) == (131072, 1)
   assert (setup.model_cfg.attention, setup.model_cfg.context_parallel) == ('pallas', 'ring')
 

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import sharding
+from sharding import collectives
 from data import pipeline, tokenizers, tokens
 from model import ModelConfig, moe
 from model.layers import MLP
@@ -100,7 +101,7 @@ def test_dropless_keeps_every_assignment_and_a_capacity_drops_what_numpy_says():
   experts_Tk = np.array(jax.random.randint(jax.random.key(2), (48, K), 0, E))
   experts_Tk[:, 1] = (experts_Tk[:, 0] + 1) % E  # two different experts a token
   order, inverse, sizes = moe.dispatch(jnp.asarray(experts_Tk), E, None)
-  assert sizes.sum() == experts_Tk.size and np.asarray(moe.kept(experts_Tk, E, None)).all()
+  assert sizes.sum() == experts_Tk.size and (np.asarray(inverse) < int(sizes.sum())).all()
   np.testing.assert_array_equal(np.sort(order), np.arange(experts_Tk.size))
   np.testing.assert_array_equal(np.asarray(order)[np.asarray(inverse)], np.arange(96))
   assert (np.diff(experts_Tk.ravel()[np.asarray(order)]) >= 0).all()  # sorted by expert
@@ -109,7 +110,8 @@ def test_dropless_keeps_every_assignment_and_a_capacity_drops_what_numpy_says():
   assert cap == 18
   expected = numpy_kept(experts_Tk, E, cap)
   assert 0 < (~expected).sum()
-  np.testing.assert_array_equal(moe.kept(jnp.asarray(experts_Tk), E, cap), expected)
+  _, inverse, sizes = moe.dispatch(jnp.asarray(experts_Tk), E, cap)
+  np.testing.assert_array_equal((np.asarray(inverse) < int(sizes.sum())).reshape(48, K), expected)
 
   module = layer(capacity_factor=0.75)
   x_BLD = jax.random.normal(jax.random.key(3), (2, 24, 64))
@@ -121,6 +123,60 @@ def test_dropless_keeps_every_assignment_and_a_capacity_drops_what_numpy_says():
   assert float(stats['dropped']) == pytest.approx(dropped.mean())
   np.testing.assert_allclose(y_BLD, loop_reference(module, x_BLD, dropped), rtol=1e-5,
                              atol=1e-5)
+
+
+def numpy_taken(experts_Tk, devices: int, rows: int):
+  """Which assignments `devices` expert devices in a row take into buffers of `rows` rows, their
+  tokens split into equal consecutive slices: each takes its sources' rows in source order,
+  each source's in expert then token order, and drops those past `rows`."""
+  T = experts_Tk.shape[0]
+  t, E_l = T // devices, E // devices
+  taken = np.ones(experts_Tk.shape, bool)
+  for j in range(devices):
+    used = 0
+    for s in range(devices):
+      for e in range(j * E_l, (j + 1) * E_l):
+        for token, slot in zip(*np.nonzero(experts_Tk[s * t:(s + 1) * t] == e)):
+          taken[s * t + token, slot] = used < rows
+          used += 1
+  return taken
+
+
+@pytest.mark.parametrize('field', ['capacity_factor', 'expert_buffer'])
+def test_experts_over_an_expert_axis_drop_only_what_a_capacity_or_buffer_says(field):
+  """Over data=2 × expert=4: the output and every gradient equal the loop over experts with
+  exactly the assignments dropped that per-device capacity, or the experts' devices' buffers
+  (A rows each, as many as a balanced load sends), leave out; the tokens move by all-to-all
+  within each data group of 4."""
+  module = layer(expert_matmul='ragged_dot', **{field: 1.0})
+  x_BLD = jax.random.normal(jax.random.key(4), (8, 6, 64))
+  logits_TE = x_BLD.reshape(-1, 64) @ module.router[...]
+  chosen = np.asarray(moe.route(logits_TE, None, K, 'softmax', True)[1])
+  t = 6  # tokens a device
+  if field == 'capacity_factor':
+    cap = moe.capacity(t, K, E, 1.0)
+    taken = np.concatenate([numpy_kept(chosen[i:i + t], E, cap) for i in range(0, 48, t)])
+  else:
+    taken = np.concatenate([numpy_taken(chosen[g:g + 4 * t], 4, t * K) for g in (0, 24)])
+  assert 0 < (~taken).sum()
+  mesh = sharding.make_mesh(tiny_config(data=2, expert=4).mesh)
+
+  def on_mesh(m, x_BLD):
+    with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
+      return m(x_BLD)
+
+  with jax.set_mesh(mesh):
+    (_, y), grads = value_and_grads(lambda m, x: on_mesh(m, x)[0], module, x_BLD)
+    forward = jax.jit(lambda x: on_mesh(module, x))
+    dropped, hlo = forward(x_BLD)[1]['dropped'], forward.lower(x_BLD).compile().as_text()
+  (_, y_ref), grads_ref = value_and_grads(lambda m, x: loop_reference(m, x, ~taken), module, x_BLD)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  exchanges = [c for c in collectives.executed(hlo) if c.op == 'all-to-all'
+               and c.arrays[0][1][-1] == 64]
+  assert len(exchanges) == 2 and all(c.devices == ((0, 1, 2, 3), (4, 5, 6, 7)) for c in exchanges)
+  assert float(dropped) == pytest.approx((~taken).mean())
 
 
 def test_the_router_losses_are_their_formulas():
@@ -167,8 +223,9 @@ def test_a_sigmoid_routers_bias_moves_toward_balance_and_not_by_its_gradient():
       scalars(jax.device_get(metrics)))
 
 
-MESHES = {'fsdp=4×tensor=2': dict(fsdp=4, tensor=2),
-          'stage=2×fsdp=2×tensor=2': dict(stage=2, fsdp=2, tensor=2)}
+MESHES = {'expert=4×fsdp=2': dict(expert=4, fsdp=2),
+          'data=2×expert=2×tensor=2': dict(data=2, expert=2, tensor=2),
+          'stage=2×expert=2×fsdp=2': dict(stage=2, expert=2, fsdp=2)}
 STEPS = 4
 
 
@@ -191,7 +248,7 @@ def train(config, devices, corpus):
 @pytest.fixture(scope='module')
 def one_device(small_corpus):
   config = moe_config()
-  config.microbatches = 2
+  config.microbatches, config.batch_size = 2, 16
   return train(config, jax.devices()[:1], small_corpus)
 
 
@@ -201,7 +258,7 @@ def test_a_tiny_moe_trains_on_a_mesh_as_on_one_device(name, one_device, small_co
   router losses, averaged."""
   ref_curve, ref_state = one_device
   config = moe_config(**MESHES[name])
-  config.microbatches = 2
+  config.microbatches, config.batch_size = 2, 16
   if config.mesh.stage > 1:  # interpret mode cannot run in a stage; GPUs compile ours there
     config.model.expert_matmul = 'ragged_dot'
   curve, state = train(config, jax.devices(), small_corpus)

@@ -17,7 +17,7 @@ def test_quickstart_notebook_runs():
   outputs = [o for cell in notebook.cells if cell.cell_type == 'code' for o in cell.outputs]
   text = ''.join(o.get('text', '') for o in outputs)
   assert '8 cpu devices' in text
-  assert "mesh: {'data': 1, 'stage': 1, 'fsdp': 8, 'tensor': 1, 'sequence': 1}" in text
+  assert "mesh: {'data': 1, 'stage': 1, 'fsdp': 8, 'expert': 1, 'tensor': 1, 'sequence': 1}" in text
   assert 'step 100/100' in text
   first, last = map(float, text.split('loss ')[-1].split()[0:3:2])  # "loss A → B"
   assert last < first

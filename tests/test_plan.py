@@ -114,7 +114,7 @@ def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_model(mon
   from training import layout
   # Two meshes and two policies show it, in fewer compiles.
   monkeypatch.setattr(layout, 'POLICIES', ('none', 'full'))
-  one = dict(data=1, stage=1, fsdp=1, tensor=1, sequence=1)
+  one = dict(data=1, stage=1, fsdp=1, expert=1, tensor=1, sequence=1)
   monkeypatch.setattr(layout, 'meshes', lambda n: iter([{**one, 'data': n}, {**one, 'fsdp': n}]))
   config = tiny_config()
   config.plan.memory_gb = 0.003  # some layouts fit as they are, some split, some not at all

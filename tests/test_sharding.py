@@ -136,12 +136,12 @@ def test_batch_is_split_over_data_and_fsdp_and_length_over_sequence():
 
 
 @pytest.mark.parametrize('mesh,n,expected', [
-    (dict(data=1, stage=1, fsdp=-1, tensor=2, sequence=1), 8,
-     dict(data=1, stage=1, fsdp=4, tensor=2, sequence=1)),
-    (dict(data=2, stage=1, fsdp=1, tensor=1, sequence=-1), 8,
-     dict(data=2, stage=1, fsdp=1, tensor=1, sequence=4)),
-    (dict(data=1, stage=2, fsdp=-1, tensor=1, sequence=1), 2,
-     dict(data=1, stage=2, fsdp=1, tensor=1, sequence=1)),
+    (dict(data=1, stage=1, fsdp=-1, expert=1, tensor=2, sequence=1), 8,
+     dict(data=1, stage=1, fsdp=4, expert=1, tensor=2, sequence=1)),
+    (dict(data=2, stage=1, fsdp=1, expert=1, tensor=1, sequence=-1), 8,
+     dict(data=2, stage=1, fsdp=1, expert=1, tensor=1, sequence=4)),
+    (dict(data=1, stage=2, fsdp=-1, expert=1, tensor=1, sequence=1), 2,
+     dict(data=1, stage=2, fsdp=1, expert=1, tensor=1, sequence=1)),
 ])
 def test_mesh_shape_resolves_minus_one(mesh, n, expected):
   assert sharding.mesh_shape(mesh, n) == expected
