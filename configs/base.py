@@ -81,7 +81,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.data = 1  # pure data parallelism: parameters replicated
   mesh.stage = 1  # pipeline stages: each holds n_layers/stage consecutive layers (docs/parallelism.md)
   mesh.fsdp = -1  # ZeRO-3: parameters, gradients, optimizer state sharded; -1 takes the rest
-  mesh.expert = 1  # an MoE's experts split E/expert a device, tokens sent by all-to-all; FSDP elsewhere
+  mesh.expert = 1  # E/expert of an MoE's experts a device, tokens sent to them; FSDP elsewhere
   mesh.tensor = 1  # Megatron column/row-parallel attention heads and MLP
   mesh.sequence = 1  # activations split along the length
   mesh.auto = False  # pick mesh, remat policy and microbatches that fit, fastest first (docs/memory.md)

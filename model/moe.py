@@ -4,21 +4,27 @@ GEMMs run grouped (kernels/grouped_matmul.py), plus optional shared experts ever
 Parameters (logical axes; sharding/rules.py):
   router[embed, expert_scores]           logits in fp32 (every token's device needs all E)
   router_bias[expert_scores]             sigmoid router only: moves the choice, not the weights
-  w_gate, w_up[experts, embed, mlp], w_down[experts, mlp, embed]
+  w_gate, w_up[experts, expert_embed, mlp], w_down[experts, mlp, expert_embed]
   shared.*                               an MLP of width shared_experts × expert width
 
 Routing is computed on the whole batch as XLA lays it out. The experts run per device
-(sharding.per_shard): each device sorts its own tokens' assignments by expert, multiplies them by
-its `tensor` share of every expert's weights, and puts them back in token order. The forward and
-backward are one custom VJP, so the weights' gradients leave as the dense layers' do: partial
-sums in fp32 (config.model.grad_reduce_dtype), reduce-scattered over the FSDP axes.
+(sharding.per_shard): each device sorts its own tokens' A = t·k assignments by expert, multiplies
+them by its `tensor` share of its experts' weights, and puts them back in token order. With an
+`expert` mesh axis of P devices each holds E/P experts: the sorted rows go to their experts'
+devices by all-to-all and come back the same way (kernels/all_to_all.py), forward and backward.
+The forward and backward are one custom VJP, so the weights' gradients leave as the dense
+layers' do: partial sums in fp32 (config.model.grad_reduce_dtype), reduce-scattered over the
+FSDP axes; over `expert` each gradient is already whole, as its tokens came to it.
 
-  x[B_(data,fsdp), L_sequence, D] · W_gate[E, D_(fsdp,sequence), F_tensor] → h[A_sorted, F_tensor]
+  x[B_(data,fsdp,expert), L_sequence, D] → rows[A, D] → (all-to-all over expert) → [R, D]
+      · W_gate[E_expert, D_(fsdp,sequence), F_tensor] → h[R, F_tensor]
 
 Dropless by default: every assignment is computed, however uneven the experts' loads. With a
 capacity factor c, an expert takes at most ⌈c · t·k / E⌉ of a device's t tokens (GShard's
 per-group capacity: the first in token order are kept); the rest are dropped (weight 0) and
-counted.
+counted. The experts' side of an all-to-all holds R rows: the worst case (P·A when dropless) by
+default, so nothing is lost, or config.model.expert_buffer × A, where the rows past it are
+dropped and counted too.
 """
 
 import functools
@@ -138,13 +144,13 @@ class Routes(NamedTuple):
 def routes(sorted_A, sizes_E, axis: str | None, cap: int | None, buffer: float,
            rows_multiple: int):
   """Routes for a device whose assignments, in dispatch's order, chose experts `sorted_A`,
-  `sizes_E` of them kept for each expert. The expert side's buffer holds R rows, rounded up to a multiple of
-  `rows_multiple`: the worst case when `buffer` is 0, so none is lost (P·A when dropless,
-  P·E_l·cap with a capacity); else `buffer` × A, A being what each device receives on average
-  when the experts are balanced, and the rows past it, the last of each source's in expert order,
-  are dropped."""
+  `sizes_E` of them kept for each expert. The expert side's buffer holds R rows, rounded up to a
+  multiple of `rows_multiple`: the worst case when `buffer` is 0, so none is lost (P·A when
+  dropless, P·E_l·cap with a capacity); else `buffer` × A, A being what each device receives on
+  average when the experts are balanced. A device fills its buffer with its sources' rows in
+  source order, each source's in expert order, and drops those past R: the later sources' and,
+  of a source's, the later experts'."""
   A = sorted_A.shape[0]
-  rank_A = jnp.arange(A) - exclusive_cumsum(sizes_E)[sorted_A]
   if axis is None:
     kept_A = jnp.arange(A) < sizes_E.sum()
     return Routes(None, kept_A, None, None, None, None, None, sizes_E, A, A)
@@ -161,6 +167,7 @@ def routes(sorted_A, sizes_E, axis: str | None, cap: int | None, buffer: float,
     taken_E = jax.lax.all_to_all(got_PE, axis, 0, 0, tiled=True).reshape(-1)
   else:
     taken_E = sizes_E
+  rank_A = jnp.arange(A) - exclusive_cumsum(sizes_E)[sorted_A]  # within its expert's rows
   kept_A = (jnp.arange(A) < sizes_E.sum()) & (rank_A < taken_E[sorted_A])
   segment_R = jnp.searchsorted(jnp.cumsum(got_PE.reshape(-1)), jnp.arange(R), side='right')
   expert_R = jnp.where(segment_R < P * E_l, segment_R % E_l, E_l)
@@ -193,7 +200,8 @@ def _local_routes(settings, axis, experts_tk, b: int):
   t, k = experts_tk.shape
   cap = capacity(t, k, n_experts, factor)
   order_A, inverse_A, sizes_E = dispatch(experts_tk, n_experts, cap)
-  return order_A, inverse_A, routes(experts_tk.reshape(-1)[order_A], sizes_E, axis, cap, buffer, b)
+  return order_A, inverse_A, routes(experts_tk.reshape(-1)[order_A], sizes_E, axis, cap, buffer,
+                                    b)
 
 
 def _hidden(gate_AF, up_AF):

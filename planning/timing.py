@@ -11,7 +11,8 @@ a conditional), each counted once per run of its loop, is one of:
              ignored: on the GPU, XLA autotunes them.
   grouped    our grouped matmul's kernels (kernels/grouped_matmul.py, an MoE layer's experts):
              2·M·K·N FLOPs, M the rows its name says the groups fill (a buffer sized for the
-             worst case is mostly padding), at gpus.GROUPED_GEMM_EFFICIENCY of the bf16 peak;
+             worst case is mostly padding, which it skips), at gpus.GROUPED_GEMM_EFFICIENCY of
+             the bf16 peak; the bytes of those rows, its other operands and its whole output;
              counted with the GEMMs
   attention  cuDNN's fused attention and our Pallas kernels (flash_attention_fwd, _dq, _dkv):
              FlashAttention's FLOPs (forward 4·B·N·L·S·H, causal the share 1 − L/2S of the keys a
@@ -246,7 +247,7 @@ class _Model:
       return self.attention(inst, 'pallas', operand_arrays, what, flash.group(1))
     moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays)
     if op == 'custom-call' and (grouped := _GROUPED.search(inst.op_name)):
-      return self.grouped(inst, operand_arrays, what, grouped, moved)
+      return self.grouped(inst, operand_arrays, what, grouped)
     if op == 'custom-call' and target.startswith('__cublas'):
       dims = {(side, kind): _ints(value) for side, kind, value in _GEMM_DIMS.findall(inst.line)}
       dot = _dot(operand_arrays[0][0], operand_arrays[1][0], inst.arrays[0], dims)
@@ -285,14 +286,19 @@ class _Model:
     kernel.seconds = max(compute, moved / (self.gpu.memory_bandwidth * gpus.HBM_EFFICIENCY))
     return kernel
 
-  def grouped(self, inst, operand_arrays, what: str, match, moved: float) -> Kernel:
+  def grouped(self, inst, operand_arrays, what: str, match) -> Kernel:
     """Our grouped matmul, forward (x[M, K] · w[G, K, N]) or weight gradient (x[M, K]ᵀ ·
-    dy[M, N] → dw[G, K, N]): x is its first floating-point operand, N its output's last dim."""
-    (_, (M, K)), = [a for arrays in operand_arrays for a in arrays if not a[0].startswith(
-        ('s', 'u'))][:1]
+    dy[M, N] → dw[G, K, N]): x is its first floating-point operand, N its output's last dim. Of
+    the M-row operands it reads the filled rows only; it writes its whole output (the forward
+    stores zeros in the padding)."""
+    operands = [a for arrays in operand_arrays for a in arrays]
+    (_, (M, K)) = next(a for a in operands if not a[0].startswith(('s', 'u')))
     filled = int(match.group(1)) / 1e4 if match.group(1) else 1.0
+    rows = [a for a in operands if len(a[1]) == 2 and a[1][0] == M]
+    moved = (filled * hlo.nbytes(rows) + hlo.nbytes(a for a in operands if a not in rows)
+             + hlo.nbytes(inst.arrays))
     flops = 2 * M * filled * K * inst.arrays[0][1][-1]
-    return self.timed(Kernel(inst.name, what, 'gemm', flops, moved + hlo.nbytes(inst.arrays), 0.0),
+    return self.timed(Kernel(inst.name, what, 'gemm', flops, moved, 0.0),
                       self.gpu.peak_bf16_flops * gpus.GROUPED_GEMM_EFFICIENCY)
 
   def attention(self, inst, kernel: str, operand_arrays, what: str, part: str = '') -> Kernel:

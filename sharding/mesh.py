@@ -1,5 +1,5 @@
-"""The device mesh from `config.mesh`: axes data, stage, fsdp, expert, tensor, sequence. The first axes
-vary slowest over the devices, so data and stage are the ones that span nodes."""
+"""The device mesh from `config.mesh`: axes data, stage, fsdp, expert, tensor, sequence. The
+first axes vary slowest over the devices, so data and stage are the ones that span nodes."""
 
 import math
 

@@ -37,7 +37,7 @@ PARAM_RULES = (
     ('virtual', None),  # a stage's chunks, with model.virtual_stages > 1
     ('layers', 'stage'),
     ('vocab', 'tensor'),
-    ('embed', ('fsdp', 'sequence', 'expert')),  # outside the experts, `expert` is one more FSDP axis
+    ('embed', ('fsdp', 'sequence', 'expert')),  # outside the experts `expert` is FSDP's too
     ('expert_embed', ('fsdp', 'sequence')),  # an expert's model dimension: `expert` splits E
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),

@@ -1,7 +1,8 @@
 """Mixture-of-experts layers (model/moe.py): a layer equals a loop over its experts, values and
 gradients; dropless routing keeps every assignment and a capacity drops the ones a NumPy rule
 says; the router's losses are their formulas; the balancing bias moves as DeepSeek-V3's rule
-says; and a tiny MoE trains on meshes of fsdp, tensor and stage as on one device."""
+says; over an expert axis the experts drop only what a capacity or their buffer says; and a tiny
+MoE trains on meshes of expert with data, fsdp, tensor and stage as on one device."""
 
 import jax
 import jax.numpy as jnp

@@ -108,12 +108,35 @@ def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corp
     np.testing.assert_array_equal(a, b)
 
 
+def test_auto_layout_drops_a_mesh_whose_state_cannot_fit_before_compiling_it(monkeypatch):
+  """Replicas over `data` hold the whole state; FSDP about half of it each: with memory for
+  three quarters of the state, only the FSDP mesh is compiled."""
+  from types import SimpleNamespace
+  from training import layout
+  one = dict(data=1, stage=1, fsdp=1, expert=1, tensor=1, sequence=1)
+  monkeypatch.setattr(layout, 'meshes', lambda n: iter([{**one, 'data': n}, {**one, 'fsdp': n}]))
+  compiled = []
+
+  def compile_and_plan(setup, config, target):  # records the mesh; fits nothing
+    compiled.append(dict(setup.mesh.shape))
+    return None, SimpleNamespace(fits=False, argument_bytes=1, memory_bytes=0)
+
+  monkeypatch.setattr(layout, 'compile_and_plan', compile_and_plan)
+  config = tiny_config()
+  devices = jax.devices()[:2]
+  state = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(
+      build(config, devices[:1]).abstract_state))
+  config.plan.memory_gb = 0.75 * state / 2**30
+  assert layout.search(config, settings.resolve(config, devices).target, log=lambda *_: None) == []
+  assert compiled == [{**one, 'fsdp': 2}]
+
+
 def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_model(monkeypatch, capsys):
   """Ranked by the time model of each candidate's program; on CPU devices (no GPU of
   planning/gpus.py) against its nominal device, which the ranking says."""
   from training import layout
   # Two meshes and two policies show it, in fewer compiles.
-  monkeypatch.setattr(layout, 'POLICIES', ('none', 'full'))
+  monkeypatch.setattr(layout, 'POLICIES', ('full', 'none'))
   one = dict(data=1, stage=1, fsdp=1, expert=1, tensor=1, sequence=1)
   monkeypatch.setattr(layout, 'meshes', lambda n: iter([{**one, 'data': n}, {**one, 'fsdp': n}]))
   config = tiny_config()

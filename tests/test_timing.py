@@ -5,6 +5,7 @@ are charged as the model's docstring says."""
 import pytest
 
 from planning import gpu_compiler, gpus, timing
+from sharding import collectives
 from training import settings
 from tests.conftest import tiny_config
 from training.state import build
@@ -79,6 +80,39 @@ def test_known_kernels_take_their_known_times():
   assert predicted.seconds == pytest.approx(expected, rel=1e-12)
   assert predicted.breakdown['launch'] == pytest.approx(3 * LAUNCH)
   assert predicted.breakdown['communication'] == pytest.approx(0, abs=1e-15)
+
+
+def test_our_grouped_matmul_is_charged_for_the_rows_its_name_says_are_filled():
+  """The forward and the weight gradient of kernels/grouped_matmul.py, a quarter of whose 8192
+  rows a balanced routing fills: a quarter of the FLOPs at GROUPED_GEMM_EFFICIENCY, the filled
+  rows' bytes, the other operands' and the whole output; and a ragged all-to-all sends its input
+  rows, not its 4× buffer."""
+  triton = 'custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/%s/pallas_call"}'
+  hlo = module(f'''
+  %i = s32[136]{{0}} parameter(4)
+  %xs = bf16[8192,1024]{{1,0}} parameter(5)
+  %w = bf16[8,1024,2048]{{2,1,0}} parameter(6)
+  %dy = bf16[8192,2048]{{1,0}} parameter(7)
+  %y = bf16[8192,2048]{{1,0}} custom-call(%i, %i, %i, %i, %xs, %w), {triton % 'grouped_matmul_filled2500'}
+  %dw = f32[8,1024,2048]{{2,1,0}} custom-call(%i, %i, %xs, %dy), {triton % 'grouped_matmul_dw_filled2500'}
+  %out = bf16[2048,1024]{{1,0}} slice(%xs), slice={{[0:2048], [0:1024]}}
+  %zeros = bf16[8192,1024]{{1,0}} broadcast(%out), dimensions={{}}
+  %n = s64[8]{{0}} parameter(8)
+  %start = ((bf16[2048,1024]{{1,0}}, bf16[8192,1024]{{1,0}}, s64[8]{{0}}, s64[8]{{0}}, s64[8]{{0}}, s64[8]{{0}}), bf16[8192,1024]{{1,0}}) ragged-all-to-all-start(%out, %zeros, %n, %n, %n, %n), channel_id=1, replica_groups={{{{0,1,2,3,4,5,6,7}}}}
+  %done = bf16[8192,1024]{{1,0}} ragged-all-to-all-done(%start)
+  ROOT %t = (bf16[8192,2048]{{1,0}}, f32[8,1024,2048]{{2,1,0}}) tuple(%y, %dw)''')
+  predicted = timing.predict(hlo, H100)
+  by_name = {k.name: k for k in predicted.kernels}
+  ints = 4 * 136 * 4
+  assert by_name['y'].flops == by_name['dw'].flops == 2 * 2048 * 1024 * 2048
+  assert by_name['y'].bytes == ints + 2048 * 1024 * 2 + 8 * 1024 * 2048 * 2 + 8192 * 2048 * 2
+  assert by_name['dw'].bytes == 2 * 136 * 4 + (2048 * 1024 + 2048 * 2048) * 2 + 8 * 1024 * 2048 * 4
+  rate = H100.peak_bf16_flops * gpus.GROUPED_GEMM_EFFICIENCY
+  for k in (by_name['y'], by_name['dw']):
+    assert k.part == 'gemm'
+    assert k.seconds == pytest.approx(max(k.flops / rate, k.bytes / HBM), rel=1e-12)
+  ragged, = [c for c in collectives.executed(hlo) if c.op == 'ragged-all-to-all']
+  assert ragged.sent_bytes == 2048 * 1024 * 2 * 7 / 8
 
 
 def test_a_loop_body_counts_once_per_trip():

@@ -2,12 +2,16 @@
 memory and are predicted fastest, found by compiling candidates (from the abstract state: nothing
 is allocated; a few seconds each, even for 8B).
 
-Candidates: every data × stage × fsdp × tensor × sequence whose product is the device count and
-which the model divides, × (with our kernel and a sequence split) context parallelism all_gather
-and ring, × remat policies none, dots, full, × the fewest microbatches (1, 2, 4, …; from the stage
-count up with stages) that fit for that mesh and policy (more only repeat FSDP's gathers on
-smaller matmuls). A mesh whose state alone (the step's arguments) exceeds the memory is dropped
-without trying the rest.
+Candidates: every data × stage × fsdp × expert × tensor × sequence whose product is the device
+count and which the model divides, × (with our kernel and a sequence split) context parallelism
+all_gather and ring, × remat policies full, dots, none, × the fewest microbatches (1, 2, 4, …;
+from the stage count up with stages) that fit for that mesh and policy (more only repeat FSDP's
+gathers on smaller matmuls). A policy that keeps more activations needs as much memory or more:
+its microbatches start from the fewest the policy before it needed, and where that one fits with
+none, it is not tried. A mesh whose state alone exceeds the memory, counted from the
+shards of its abstract state before anything compiles, is dropped (replicas over `data` of a
+46B MoE's state, say), and so is one whose state a compiled candidate's arguments show does not
+fit.
 
 Ranked by the time model's prediction of each candidate's compiled program (planning/timing.py):
 its recomputation, a pipeline's bubble, the collectives the schedule leaves exposed, all as the
@@ -19,6 +23,8 @@ import dataclasses
 import itertools
 import math
 
+import jax
+
 from model.config import CONTEXT_PARALLEL
 from planning import gpus, timing
 from planning import plan as plan_lib
@@ -29,7 +35,7 @@ from training import settings
 from training.state import build
 from training.step import compile_and_plan
 
-POLICIES = ('none', 'dots', 'full')
+POLICIES = ('full', 'dots', 'none')  # keeping the least first
 
 
 @dataclasses.dataclass
@@ -86,25 +92,43 @@ def search(config, target: Target, log=print) -> list[Candidate]:
   found = []
   gpu = gpus.find(sharding.local_device(target.devices).device_kind) or gpus.NOMINAL
   for mesh in meshes(len(target.devices)):
-    state_fits = True
-    for context, policy in itertools.product(context_choices(config, mesh), POLICIES):
-      microbatches = mesh['stage']  # a pipeline needs a microbatch for every stage
-      while state_fits:
-        candidate = with_layout(config, target, mesh, context, policy, microbatches)
-        try:
-          setup = build(candidate, target.devices)
-        except sharding.MeshMismatch:  # the model or batch does not divide this way
+    state_fits = _state_fits(config, target, mesh)
+    for context in context_choices(config, mesh):
+      fewest = mesh['stage']  # a pipeline needs a microbatch for every stage
+      for policy in POLICIES:
+        microbatches, fitted = fewest, None
+        while state_fits and fitted is None:
+          candidate = with_layout(config, target, mesh, context, policy, microbatches)
+          try:
+            setup = build(candidate, target.devices)
+          except sharding.MeshMismatch:  # the model or batch does not divide this way
+            break
+          compiled, the_plan = compile_and_plan(setup, candidate, target)
+          if the_plan.fits:
+            found.append(Candidate(mesh, context, policy, microbatches, the_plan,
+                                   timing.predict(compiled.as_text(), gpu), gpu))
+            fitted = microbatches
+          state_fits = the_plan.argument_bytes <= the_plan.memory_bytes
+          microbatches *= 2
+        if fitted is None:  # a policy that keeps more fits no better
           break
-        compiled, the_plan = compile_and_plan(setup, candidate, target)
-        if the_plan.fits:
-          found.append(Candidate(mesh, context, policy, microbatches, the_plan,
-                                 timing.predict(compiled.as_text(), gpu), gpu))
-          break
-        state_fits = the_plan.argument_bytes <= the_plan.memory_bytes
-        microbatches *= 2
+        fewest = fitted
     log(f'layout search: {sharding.describe(mesh)}: '
         f'{sum(c.mesh == mesh for c in found)} fitting')
   return sorted(found, key=lambda c: c.step_s)
+
+
+def _state_fits(config, target: Target, mesh: dict) -> bool:
+  """Whether one device's shards of the train state fit `target`'s memory (False where the model
+  or batch does not divide over the mesh: build refuses it later anyway)."""
+  try:
+    setup = build(with_layout(config, target, mesh, config.model.context_parallel, 'none',
+                              max(1, mesh['stage'])), target.devices)
+  except sharding.MeshMismatch:
+    return True  # the candidates' own build says why
+  state = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+              for s in jax.tree.leaves(setup.abstract_state))
+  return state <= target.memory_bytes
 
 
 def report(ranked: list[Candidate], limit: int = 10) -> None:
