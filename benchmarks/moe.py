@@ -5,6 +5,7 @@ on a GPU how fast each runs.
   python -m benchmarks.moe                     # H100, Mixtral's shapes: resources, temporaries
   python -m benchmarks.moe --sweep             # every candidate tile's resources, and the rule's pick
   python -m benchmarks.moe --measure           # on a GPU: TFLOP/s of ours, ragged_dot, one GEMM
+  python -m benchmarks.moe --plans             # the MoE presets' steps on 16 H100s, per layout
 
 The shape is one forward and backward (y, dx and dw) of M routed rows (tokens × experts per
 token) of width K against G experts' [K, N] weights, bf16, rows spread evenly over the experts;
@@ -26,6 +27,11 @@ resources cannot show and a fine-grained MoE's small groups make common.
 --measure (a GPU only) times each implementation's forward and backward, and one dense [M, K] ×
 [K, N] GEMM's forward and backward (the same FLOPs: 3 · 2·M·K·N), as the median of --repeats
 runs after a warm-up; TFLOP/s counts those FLOPs.
+
+--plans compiles each of --presets (configs/moe.py) for --devices GPUs (deviceless) at each of
+--layouts (`axis=size,…` of the mesh, and `expert_buffer=f`): memory, the ragged all-to-all's
+bytes against the ideal's all-to-all term and every other collective's against the rest of the
+ideal (planning/communication.py), the bytes crossing nodes, and the time model's step and MFU.
 """
 
 import dataclasses
@@ -39,15 +45,25 @@ import numpy as np
 from absl import flags
 
 from benchmarks import report
+from configs import moe as moe_configs
 from kernels.grouped_matmul import IMPLEMENTATIONS, Blocks, grouped_matmul
-from planning import gpu_compiler, gpus
+from planning import communication, gpu_compiler, gpus
 from runtime import cli
+from training import settings
+from training.state import build
+from training.step import compile_and_plan
 
 _TARGET = flags.DEFINE_string('target', 'H100', f'GPU to compile for: {sorted(gpus.GPUS)}.')
 _SHAPE = flags.DEFINE_string('shape', '8192,4096,1792,8', 'M,K,N,G: rows, width, out, experts.')
 _SWEEP = flags.DEFINE_bool('sweep', False, 'Compile every candidate tile; pick as documented.')
 _MEASURE = flags.DEFINE_bool('measure', False, 'Time each implementation on this GPU.')
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed runs per implementation (--measure).')
+_PLANS = flags.DEFINE_bool('plans', False, 'Plan the MoE presets at --layouts instead.')
+_PRESETS = flags.DEFINE_string('presets', 'mixtral-8x7b,qwen3-30b-a3b', 'configs/moe.py presets.')
+_LAYOUTS = flags.DEFINE_string(
+    'layouts', 'fsdp=16;fsdp=2,expert=8;fsdp=2,expert=8,expert_buffer=2',
+    '`;`-separated layouts: `axis=size,…` and optionally `expert_buffer=f`.')
+_DEVICES = flags.DEFINE_integer('devices', 16, 'GPUs the --plans layouts span.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
 
 KERNELS = ('grouped_matmul', 'grouped_matmul_dw')
@@ -150,8 +166,56 @@ def measure(device) -> dict:
   return out
 
 
+def plan(preset: str, layout: str) -> dict:
+  """One preset's compiled step at one layout: the module docstring's --plans figures."""
+  fields = dict(part.split('=') for part in layout.split(','))
+  buffer = float(fields.pop('expert_buffer', 0))
+  config = moe_configs.get_config(preset)
+  config.mesh.update(report.parse_mesh(','.join(f'{k}={v}' for k, v in fields.items())))
+  config.model.expert_buffer = buffer
+  config.plan.target, config.plan.devices, config.dry_run = _TARGET.value, _DEVICES.value, True
+  config, target = settings.resolve(config)
+  setup = build(config, target.devices)
+  _, the_plan = compile_and_plan(setup, config, target)
+  ideal = communication.ideal_bytes(setup.model_cfg, dict(setup.mesh.shape), config.batch_size,
+                                    config.seq_len, config.microbatches,
+                                    config.model.remat_policy, setup.model_cfg.reduce_dtype.itemsize)
+  ragged = the_plan.collectives.get('ragged-all-to-all', {}).get('bytes', 0)
+  return {'preset': preset, 'layout': layout, 'mesh': dict(setup.mesh.shape),
+          'expert_buffer': buffer, 'memory_bytes': the_plan.total_bytes, 'fits': the_plan.fits,
+          'all_to_all_bytes': ragged, 'ideal_all_to_all_bytes': ideal['all_to_all'],
+          'other_bytes': the_plan.collective_bytes - ragged,
+          'ideal_other_bytes': sum(ideal.values()) - ideal['all_to_all'],
+          'across_nodes_bytes': the_plan.across_nodes_bytes, 'predicted': the_plan.time}
+
+
+def plans() -> None:
+  gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.moe', *sys.argv[1:]])
+  gib = lambda b: f'{b / 2**30:.2f}'
+  print(f'{_DEVICES.value} × {_TARGET.value} (deviceless); bytes sent per device per step, GiB; '
+        'step and MFU predicted by the time model')
+  print(f'{"preset":<15}{"layout":<34}{"GiB":>7}{"fits":>6}{"all-to-all":>11}{"ideal":>8}'
+        f'{"other":>8}{"ideal":>8}{"across":>8}{"step s":>8}{"MFU":>7}{"comm s":>8}')
+  rows = []
+  for preset in _PRESETS.value.split(','):
+    for layout in _LAYOUTS.value.split(';'):
+      r = plan(preset, layout)
+      rows.append(r)
+      t = r['predicted']
+      print(f'{preset:<15}{layout:<34}{gib(r["memory_bytes"]):>7}{str(r["fits"]):>6}'
+            f'{gib(r["all_to_all_bytes"]):>11}{gib(r["ideal_all_to_all_bytes"]):>8}'
+            f'{gib(r["other_bytes"]):>8}{gib(r["ideal_other_bytes"]):>8}'
+            f'{gib(r["across_nodes_bytes"]):>8}{t["seconds"]:>8.3f}{t["mfu"]:>7.1%}'
+            f'{t["breakdown"]["communication"]["s"]:>8.3f}', flush=True)
+  report.emit({'benchmark': 'moe_plans', 'target': _TARGET.value, 'devices': _DEVICES.value,
+               'deviceless': True, 'jax': jax.__version__, 'plans': rows,
+               'command': report.command()}, _OUT.value)
+
+
 def main(argv):
   del argv
+  if _PLANS.value:
+    return plans()
   M, K, N, G = shape()
   if _MEASURE.value:
     device = jax.devices()[0]

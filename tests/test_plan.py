@@ -119,7 +119,7 @@ def test_auto_layout_drops_a_mesh_whose_state_cannot_fit_before_compiling_it(mon
 
   def compile_and_plan(setup, config, target):  # records the mesh; fits nothing
     compiled.append(dict(setup.mesh.shape))
-    return None, SimpleNamespace(fits=False, argument_bytes=1, memory_bytes=0)
+    return None, SimpleNamespace(fits=False, argument_bytes=1, total_bytes=1, memory_bytes=0)
 
   monkeypatch.setattr(layout, 'compile_and_plan', compile_and_plan)
   config = tiny_config()
@@ -129,6 +129,33 @@ def test_auto_layout_drops_a_mesh_whose_state_cannot_fit_before_compiling_it(mon
   config.plan.memory_gb = 0.75 * state / 2**30
   assert layout.search(config, settings.resolve(config, devices).target, log=lambda *_: None) == []
   assert compiled == [{**one, 'fsdp': 2}]
+
+
+def test_auto_layout_stops_doubling_microbatches_where_none_can_fit(monkeypatch):
+  """Memory c + a/M: from 100 at one microbatch and 90 at two, no number of them goes below 80,
+  so with 70 the search stops after two compiles (of 8 rows it could split 8 ways); with 85 it
+  goes on, and four fit."""
+  from types import SimpleNamespace
+  from training import layout
+  one = dict(data=1, stage=1, fsdp=1, expert=1, tensor=1, sequence=1)
+  monkeypatch.setattr(layout, 'meshes', lambda n: iter([one]))
+  monkeypatch.setattr(layout, 'POLICIES', ('full',))
+  monkeypatch.setattr(layout, '_state_fits', lambda *_: True)
+  monkeypatch.setattr(layout.timing, 'predict', lambda *_: SimpleNamespace(seconds=1.0))
+  for memory, expected in ((70, [1, 2]), (85, [1, 2, 4])):
+    compiled = []
+
+    def compile_and_plan(setup, config, target):
+      compiled.append(config.microbatches)
+      total = 80 + 20 / config.microbatches
+      return (SimpleNamespace(as_text=str), SimpleNamespace(
+          fits=total <= memory, argument_bytes=1, total_bytes=total, memory_bytes=memory))
+
+    monkeypatch.setattr(layout, 'compile_and_plan', compile_and_plan)
+    config = tiny_config()
+    config.plan.memory_gb = 1.0
+    layout.search(config, settings.resolve(config, jax.devices()[:1]).target, log=lambda *_: None)
+    assert compiled == expected
 
 
 def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_model(monkeypatch, capsys):

@@ -8,10 +8,11 @@ all_gather and ring, × remat policies full, dots, none, × the fewest microbatc
 from the stage count up with stages) that fit for that mesh and policy (more only repeat FSDP's
 gathers on smaller matmuls). A policy that keeps more activations needs as much memory or more:
 its microbatches start from the fewest the policy before it needed, and where that one fits with
-none, it is not tried. A mesh whose state alone exceeds the memory, counted from the
-shards of its abstract state before anything compiles, is dropped (replicas over `data` of a
-46B MoE's state, say), and so is one whose state a compiled candidate's arguments show does not
-fit.
+none, it is not tried. Doubling the microbatches stops where two compiles show that no number
+of them fits: memory is c + a/M, the activations a shrinking with the microbatch. A mesh whose
+state alone exceeds the memory, counted from the shards of its abstract state before anything
+compiles, is dropped (replicas over `data` of a 46B MoE's state, say), and so is one whose state
+a compiled candidate's arguments show does not fit.
 
 Ranked by the time model's prediction of each candidate's compiled program (planning/timing.py):
 its recomputation, a pipeline's bubble, the collectives the schedule leaves exposed, all as the
@@ -96,7 +97,7 @@ def search(config, target: Target, log=print) -> list[Candidate]:
     for context in context_choices(config, mesh):
       fewest = mesh['stage']  # a pipeline needs a microbatch for every stage
       for policy in POLICIES:
-        microbatches, fitted = fewest, None
+        microbatches, fitted, previous = fewest, None, None
         while state_fits and fitted is None:
           candidate = with_layout(config, target, mesh, context, policy, microbatches)
           try:
@@ -109,13 +110,22 @@ def search(config, target: Target, log=print) -> list[Candidate]:
                                    timing.predict(compiled.as_text(), gpu), gpu))
             fitted = microbatches
           state_fits = the_plan.argument_bytes <= the_plan.memory_bytes
-          microbatches *= 2
+          if previous and _floor(previous, the_plan.total_bytes) > the_plan.memory_bytes:
+            break  # no number of microbatches fits
+          previous, microbatches = the_plan.total_bytes, microbatches * 2
         if fitted is None:  # a policy that keeps more fits no better
           break
         fewest = fitted
     log(f'layout search: {sharding.describe(mesh)}: '
         f'{sum(c.mesh == mesh for c in found)} fitting')
   return sorted(found, key=lambda c: c.step_s)
+
+
+def _floor(at_m: int, at_2m: int) -> float:
+  """The least memory any number of microbatches reaches, from the memory at M and at 2M: a
+  step holds c + a/M (activations shrink with the microbatch, the rest does not), so
+  c = 2·mem(2M) − mem(M)."""
+  return 2 * at_2m - at_m
 
 
 def _state_fits(config, target: Target, mesh: dict) -> bool:
