@@ -23,7 +23,8 @@ Per step:
   experts   the same for the routed experts, gathered only over g_X:
             T·(2c + r)·P_X/(V·P·t·e)·ρ(g_X)
   all_to_all each MoE layer's assignments (b·(L/s)·k rows of D) sent to their experts' devices
-            and back forward, and their gradients backward (forward again under remat `full`),
+            and back forward, and their gradients backward; forward again under any remat
+            policy, whose saved names do not include the experts' own residuals (model/moe.py),
             a share (e−1)/e of them leaving the device when the experts are balanced:
             T·(4|6)·n_X/(V·P)·b·(L/s)·k·D·c·ρ(e)
   embedding the table gathered once per microbatch (once a step with stages, which run the
@@ -88,7 +89,7 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
   return {
       'layers': T * (2 * c + r) * layers / (V * P * t) * rho(g),
       'experts': T * (2 * c + r) * experts / (V * P * t * e) * rho(g_x),
-      'all_to_all': (T * (6 if full else 4) * n_x / (V * P) * b * seq_len / s
+      'all_to_all': (T * (4 if remat_policy == 'none' else 6) * n_x / (V * P) * b * seq_len / s
                      * cfg.experts_per_token * D * c * rho(e)),
       'embedding': lookups * ((table + head) * c / t + table * r / t + lookup_grad) * rho(g),
       'data': 2 * r * ((layers / P + table + head) / g + experts / (P * g_x * e)) / t * rho(d),

@@ -161,6 +161,7 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'nested flag typo': (['--config.model.n_layer=3'], 'did you mean n_layers'),
     'unknown preset': (['--config=configs/llama.py:3b'], "unknown preset '3b'"),
     'mesh that does not divide': (['--config.mesh.data=3'], 'config.mesh'),
+    'expert axis on a dense model': (['--config.mesh.expert=2'], 'config.mesh.expert=2'),
     'unknown TFDS dataset': (['--config.data.name=no_such'], 'config.data.name'),
     'learning rate NaN': (['--config.optimizer.learning_rate=nan'], 'learning_rate=nan'),
     'learning rate inf': (['--config.optimizer.learning_rate=inf'], 'learning_rate=inf'),

@@ -72,6 +72,9 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
           'error: --vocab_size=100 must be at least 260',
       ('train.py', '--config=configs/base.py', workdir, '--config.mesh.data=3'):
           'error: config.mesh: the fixed axes multiply to 3, which does not divide the 8 devices',
+      ('train.py', '--config=configs/base.py', workdir, '--config.mesh.expert=2'):
+          'error: config.mesh.expert=2 splits the experts of an MoE model, and '
+          'config.model.experts=0; use config.mesh.fsdp for a dense model',
       ('train.py', '--config=configs/base.py', workdir, '--config.data.name=no_such_dataset'):
           "error: config.data.name='no_such_dataset': no such TFDS dataset in "
           'config.data.data_dir=',

@@ -149,7 +149,7 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
   print(f'predicted by the time model for {gpu.name}' + (
       ' (round figures for a device not in planning/gpus.py: for ranking only)'
       if gpu is gpus.NOMINAL else ', not measured'))
-  print(f'{"rank":>4}  {"×".join(AXES):<32}{"context":<11}{"remat":<6}{"micro":>6}'
+  print(f'{"rank":>4}  {"×".join(AXES):<41}{"context":<11}{"remat":<6}{"micro":>6}'
         f'{"GiB/device":>11}{"step s":>8}{"MFU":>7}{"GEMM s":>8}{"attn s":>8}{"other s":>8}'
         f'{"comm s":>8}')
   for i, c in enumerate(ranked[:limit], 1):
@@ -157,7 +157,7 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
     context = c.context_parallel if c.mesh['sequence'] > 1 else '-'
     parts = c.predicted.breakdown
     other = parts['fusion'] + parts['other'] + parts['launch']
-    print(f'{i:>4}  {mesh:<32}{context:<11}{c.remat_policy:<6}{c.microbatches:>6}'
+    print(f'{i:>4}  {mesh:<41}{context:<11}{c.remat_policy:<6}{c.microbatches:>6}'
           f'{c.plan.total_bytes / 2**30:>11.3g}{c.step_s:>8.3g}'
           f'{"-" if c.gpu is gpus.NOMINAL else f"{c.mfu:.1%}":>7}'
           f'{parts["gemm"]:>8.3g}{parts["attention"]:>8.3g}{other:>8.3g}'
