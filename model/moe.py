@@ -105,7 +105,7 @@ def dispatch(experts_Tk, n_experts: int, cap: int | None):
   group_sizes_E = counts_E
   if cap is not None:
     sorted_A = expert_A[order_A]
-    rank_A = jnp.arange(A) - (jnp.cumsum(counts_E) - counts_E)[sorted_A]
+    rank_A = jnp.arange(A) - exclusive_cumsum(counts_E)[sorted_A]
     order_A = order_A[jnp.argsort(jnp.where(rank_A < cap, sorted_A, n_experts), stable=True)]
     group_sizes_E = jnp.minimum(counts_E, cap)
   inverse_A = jnp.zeros((A,), jnp.int32).at[order_A].set(jnp.arange(A, dtype=jnp.int32))

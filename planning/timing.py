@@ -245,9 +245,9 @@ class _Model:
     if (op == 'custom-call' and (flash := _FLASH.search(inst.op_name))
         and len(operand_arrays[0][0][1]) == 4):
       return self.attention(inst, 'pallas', operand_arrays, what, flash.group(1))
-    moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays)
     if op == 'custom-call' and (grouped := _GROUPED.search(inst.op_name)):
       return self.grouped(inst, operand_arrays, what, grouped)
+    moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays)
     if op == 'custom-call' and target.startswith('__cublas'):
       dims = {(side, kind): _ints(value) for side, kind, value in _GEMM_DIMS.findall(inst.line)}
       dot = _dot(operand_arrays[0][0], operand_arrays[1][0], inst.arrays[0], dims)
