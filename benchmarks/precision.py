@@ -4,6 +4,14 @@
   python -m benchmarks.precision --config=configs/default.py \
       --out=benchmarks/results/precision-cpu.json
 
+With --compare=partition it trains the config on the devices here (8 simulated CPU devices, or
+GPUs) under each partition of config.partition against plain FSDP over all of them: data=2
+replicas, hierarchical, then with int8 weights, then int8 gradients too (sharding/hierarchical.py):
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.precision \
+      --compare=partition --config=configs/default.py \
+      --out=benchmarks/results/precision_partition-cpu.json
+
 Both runs see the same batches from the same initial parameters (same seed, fresh workdirs);
 every step's training loss is logged. Reported: the losses at a few steps, the largest and the
 mean relative gap |fp8 − default| / default over the last half of the run (the first steps, far
@@ -25,12 +33,23 @@ from training import loop
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
+_COMPARE = flags.DEFINE_enum('compare', 'fp8', ['fp8', 'partition'],
+                             'fp8 projections, or the partitions over data, against the default.')
+
+PARTITIONS = {  # name: (config.mesh.data, config.partition)
+    'flat': (1, {}), 'hierarchical': (2, dict(hierarchical=True)),
+    '+int8 weights': (2, dict(hierarchical=True, weights='int8')),
+    '+int8 grads': (2, dict(hierarchical=True, weights='int8', gradients='int8'))}
 
 
-def curve(config, precision: str) -> tuple[np.ndarray, float | None]:
-  """Every step's training loss, and the last eval loss, of `config` at `precision`."""
+def curve(config, precision: str, partition: str = 'flat') -> tuple[np.ndarray, float | None]:
+  """Every step's training loss, and the last eval loss, of `config` at `precision` under
+  `partition` (PARTITIONS: data replicas, the rest of the devices fsdp)."""
   config = config.copy_and_resolve_references()
   config.model.matmul_precision, config.log_every, config.checkpoint_every = precision, 1, 0
+  data, fields = PARTITIONS[partition]
+  config.mesh.data, config.mesh.fsdp = data, -1
+  config.partition.update(fields)
   with tempfile.TemporaryDirectory(prefix=f'meshlm-precision-{precision}-') as workdir:
     config.workdir = workdir
     records = loop.run(config)
@@ -39,9 +58,40 @@ def curve(config, precision: str) -> tuple[np.ndarray, float | None]:
   return losses, evals[-1] if evals else None
 
 
+def partitions(config) -> None:
+  """--compare=partition: each of PARTITIONS against flat, as main compares fp8."""
+  if jax.device_count() % 2:
+    raise ValueError(f'--compare=partition splits the {jax.device_count()} devices here into 2 '
+                     'data replicas; run on an even count (on CPU: XLA_FLAGS='
+                     '--xla_force_host_platform_device_count=8)')
+  runs = {name: curve(config, 'default', name) for name in PARTITIONS}
+  flat, _ = runs['flat']
+  half = len(flat) // 2
+  steps = sorted({1, len(flat) // 4, half, len(flat)})
+  gaps = {name: np.abs(losses - flat) / flat for name, (losses, _) in runs.items()}
+  rows = [(f'loss at step {s}', ', '.join(f'{losses[s - 1]:.4f} {name}'
+                                          for name, (losses, _) in runs.items())) for s in steps]
+  rows += [(f'{name}: gap, 2nd half', f'max {gaps[name][half:].max():.2%}, mean '
+            f'{gaps[name][half:].mean():.2%}; eval loss {runs[name][1]}') for name in runs]
+  print_table(rows)
+  report.emit({
+      'benchmark': 'precision_partition',
+      'config': config_flags.get_config_filename(flags.FLAGS['config']),
+      'device': jax.devices()[0].device_kind, 'devices': jax.device_count(),
+      'jax': jax.__version__, 'steps': len(flat),
+      'loss': {name: {s: float(losses[s - 1]) for s in steps}
+               for name, (losses, _) in runs.items()},
+      'max_relative_gap_second_half': {name: float(g[half:].max()) for name, g in gaps.items()},
+      'mean_relative_gap_second_half': {name: float(g[half:].mean()) for name, g in gaps.items()},
+      'eval_loss': {name: e for name, (_, e) in runs.items()}, 'command': report.command()},
+      _OUT.value)
+
+
 def main(argv):
   del argv
   config = _CONFIG.value
+  if _COMPARE.value == 'partition':
+    return partitions(config)
   (default, default_eval), (fp8, fp8_eval) = (curve(config, p) for p in ('default', 'fp8'))
   half = len(default) // 2
   gap = np.abs(fp8 - default) / default

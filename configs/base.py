@@ -86,6 +86,12 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.sequence = 1  # activations split along the length
   mesh.auto = False  # pick mesh, remat policy and microbatches that fit, fastest first (docs/memory.md)
 
+  # Across nodes (docs/parallelism.md): `data` is the level that spans them (sharding/hierarchical.py)
+  c.partition = part = ml_collections.ConfigDict()
+  part.hierarchical = False  # state split over data too, gathered across it once a step (ZeRO++ hpZ)
+  part.weights = 'exact'  # exact | int8: the compute copy crosses data in int8 blocks (qwZ)
+  part.gradients = 'exact'  # exact | int8: gradients cross data in int8 blocks, summed in fp32 (qgZ)
+
   c.optimizer = o = ml_collections.ConfigDict()
   o.learning_rate = 3e-3
   o.warmup_steps = 10

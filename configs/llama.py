@@ -41,14 +41,19 @@ PRESETS = {
                rope_high_freq_factor=4.0, rope_original_length=8192),
     '8b': dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
                vocab_size=128256, tie_embeddings=False, rope_theta=500_000.0),
+    '70b': dict(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128, d_ff=28672,
+                vocab_size=128256, tie_embeddings=False, rope_theta=500_000.0,
+                rope_type='llama3', rope_factor=8.0, rope_low_freq_factor=1.0,
+                rope_high_freq_factor=4.0, rope_original_length=8192),
 }
 RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches: the fastest the
           # time model predicts of those that fit the preset's H100s (docs/memory.md)
     '125m': (32, 1024, 'dots', 1),
     '1b': (8, 4096, 'dots', 1),
     '8b': (32, 8192, 'dots', 4),
+    '70b': (32, 8192, 'full', 1),
 }
-GPUS = {'125m': 1, '1b': 1, '8b': 8}  # H100s each run is meant for (tests compile it so)
+GPUS = {'125m': 1, '1b': 1, '8b': 8, '70b': 32}  # H100s each run is meant for (tests compile it so)
 LONG_CONTEXT = {  # name: shapes preset, seq_len, mesh; our kernel's ring over `sequence`
     '8b-128k': ('8b', 131072, dict(data=1, fsdp=1, tensor=1, sequence=8)),
 }

@@ -36,7 +36,11 @@ Per step:
             M'·((P_E + P_U)·c/t + V·D·r/t + min(T_E·(D·c + 4), P_E·r/t))·ρ(g)
             (M' = M, or 1 with stages)
   data      the gradient shards all-reduced over data once a step:
-            2·r·((P_L/P + P_E + P_U)/g + P_X/(P·g_X·e))/t·ρ(d)
+            2·r·((P_L/P + P_E + P_U)/g + P_X/(P·g_X·e))/t·ρ(d);
+            hierarchical (config.partition, sharding/hierarchical.py): the compute copy gathered
+            over data once a step and the gradients reduce-scattered there once, w and q bytes a
+            parameter (w: c, or int8's 1 + 4/256 with its block's scale; q: r, or the same int8):
+            (w + q)·(P_L/P + P_E + P_U)/(g·t)·ρ(d)
   norms     their gradients all-reduced over every device that holds a copy: 2·4·P_N·ρ(d·g·t)
   tensor    Megatron's activation all-reduces, 2 forward and 2 backward a layer (2 more under
             remat `full`, which runs the forward again), one after the vocabulary-split lookup
@@ -57,16 +61,28 @@ Per step:
 import math
 
 from model import ModelConfig
+import sharding
+from sharding.hierarchical import BLOCK
 
 
 def rho(n: int) -> float:
   return (n - 1) / n
 
 
+INT8_BYTES = 1 + 4 / BLOCK  # an int8 element with its share of its block's fp32 scale
+
+# The mesh axes each component's collectives run over, for what crosses nodes (across_nodes).
+AXES_OF = {'layers': ('fsdp', 'sequence', 'expert'), 'experts': ('fsdp', 'sequence'),
+           'all_to_all': ('expert',), 'embedding': ('fsdp', 'sequence', 'expert'),
+           'data': ('data',), 'norms': sharding.AXES, 'tensor': ('tensor',),
+           'sequence': ('sequence',), 'stage': ('stage',)}
+
+
 def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
                 microbatches: int = 1, remat_policy: str = 'none',
-                grad_reduce_bytes: int = 4) -> dict[str, float]:
-  """{component: bytes each device sends per step} per the module docstring."""
+                grad_reduce_bytes: int = 4, partition=None) -> dict[str, float]:
+  """{component: bytes each device sends per step} per the module docstring; `partition`,
+  config.partition (None: plain FSDP)."""
   d, P, f, e, t, s = (mesh.get(axis, 1)
                       for axis in ('data', 'stage', 'fsdp', 'expert', 'tensor', 'sequence'))
   g, g_x, M, c, r = f * s * e, f * s, microbatches, cfg.dtype.itemsize, grad_reduce_bytes
@@ -86,13 +102,19 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
   lookups = 1 if P > 1 else M
   lookup_tokens = b * seq_len / s * M / lookups
   lookup_grad = min(lookup_tokens * (cfg.d_model * c + 4), table * r / t)
+  if partition is not None and partition.hierarchical:
+    w = INT8_BYTES if partition.weights == 'int8' else c
+    q = INT8_BYTES if partition.gradients == 'int8' else r
+    data = (w + q) * (layers / P + table + head) / (g * t) * rho(d)
+  else:
+    data = 2 * r * ((layers / P + table + head) / g + experts / (P * g_x * e)) / t * rho(d)
   return {
       'layers': T * (2 * c + r) * layers / (V * P * t) * rho(g),
       'experts': T * (2 * c + r) * experts / (V * P * t * e) * rho(g_x),
       'all_to_all': (T * (4 if remat_policy == 'none' else 6) * n_x / (V * P) * b * seq_len / s
                      * cfg.experts_per_token * D * c * rho(e)),
       'embedding': lookups * ((table + head) * c / t + table * r / t + lookup_grad) * rho(g),
-      'data': 2 * r * ((layers / P + table + head) / g + experts / (P * g_x * e)) / t * rho(d),
+      'data': data,
       'norms': 2 * 4 * norms * rho(d * g * t),
       'tensor': (T * (6 if full else 4) * cfg.n_layers / (V * P) + 2 * M) * 2 * activation
                 * rho(t),
@@ -106,3 +128,21 @@ def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
 
 def ideal_total(*args, **kwargs) -> float:
   return math.fsum(ideal_bytes(*args, **kwargs).values())
+
+
+def spans_nodes(axes, mesh: dict, gpus_per_node: int) -> bool:
+  """Whether a group over mesh `axes` holds devices of more than one node: the devices fill
+  nodes in the mesh's order (sharding.AXES, the first varying slowest)."""
+  stride = 1
+  for axis in reversed(sharding.AXES):
+    size = mesh.get(axis, 1)
+    if axis in axes and size > 1 and size * stride > gpus_per_node:
+      return True
+    stride *= size
+  return False
+
+
+def across_nodes(ideal: dict[str, float], mesh: dict, gpus_per_node: int) -> float:
+  """Of an ideal_bytes, what the collectives of groups spanning nodes send."""
+  return math.fsum(sent for part, sent in ideal.items()
+                   if spans_nodes(AXES_OF[part], mesh, gpus_per_node))

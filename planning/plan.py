@@ -56,10 +56,13 @@ class Plan:
   compiled_flops: float | None  # XLA's cost analysis of the per-device program (CPU only)
   collectives: dict  # {op: {'count', 'bytes', 'overlapped_bytes', 'by_dtype'}} (collectives.summary)
   across_nodes_bytes: int  # of those bytes, what collectives spanning nodes send (gpus_per_node)
+  gpus_per_node: int
   memory_bytes: int | None  # what the target device offers a run; None if unknown
   memory_source: str  # where memory_bytes comes from
   time: dict | None = None  # the time model's prediction of this program (planning/timing.py),
                             # for a GPU of planning/gpus.py; None for other devices
+  partition: str = 'flat'  # how parameters cross data (config.partition): flat, or hierarchical
+                           # with what crosses in int8
 
   @property
   def collective_bytes(self) -> int:
@@ -113,8 +116,17 @@ def make_plan(compiled, setup, config, target: Target) -> Plan:
       collectives=collectives.summary(hlo),
       across_nodes_bytes=collectives.crossing_bytes(
           hlo, lambda device: device // target.gpus_per_node),
+      gpus_per_node=target.gpus_per_node, partition=partition_name(config.partition),
       memory_bytes=target.memory_bytes, memory_source=target.memory_source,
       time=predicted_time(predicted, gpu, tokens / n, flops))
+
+
+def partition_name(partition) -> str:
+  """'flat', or 'hierarchical' with what crosses data in int8: 'hierarchical, int8 weights'."""
+  if not partition.hierarchical:
+    return 'flat'
+  int8 = [part for part in ('weights', 'gradients') if partition[part] == 'int8']
+  return 'hierarchical' + (f', int8 {" and ".join(int8)}' if int8 else '')
 
 
 def predicted_time(predicted: timing.StepTime, gpu: gpus.GPU | None, tokens: float,
@@ -171,7 +183,8 @@ def report(plan: Plan) -> None:
       + " the fastest's time (config.model.attention='auto' takes the first)")
   rows = [('device', f'{plan.n_devices} × {plan.device}'),
           ('compiled for', compiled_for(plan)),
-          ('mesh', sharding.describe(plan.mesh)),
+          ('mesh', sharding.describe(plan.mesh)
+           + ('' if plan.partition == 'flat' else f' ({plan.partition} over data)')),
           ('attention, remat policy', f'{plan.attention}{context}, {plan.remat_policy}'),
           *([('attention, time model', ranking)] if ranking else []),
           ('microbatches', str(plan.microbatches) + (
@@ -192,9 +205,11 @@ def report(plan: Plan) -> None:
   rows += [(f'{op} / step', f'{c["count"]} runs, {readable_bytes(c["bytes"])} sent per device, '
             f'{c["overlapped_bytes"] / max(c["bytes"], 1):.0%} of it while computing')
            for op, c in sorted(plan.collectives.items())]
-  if plan.across_nodes_bytes:
-    rows.append(('across nodes / step', f'{readable_bytes(plan.across_nodes_bytes)} of it sent '
-                                        'by collectives spanning nodes'))
+  if plan.n_devices > plan.gpus_per_node:
+    rows.append(('across nodes / step', f'{readable_bytes(plan.across_nodes_bytes)} sent per '
+                 'device by collectives spanning nodes, '
+                 f'{readable_bytes(plan.collective_bytes - plan.across_nodes_bytes)} inside '
+                 f'nodes of {plan.gpus_per_node}'))
   rows += time_rows(plan.time)
   metrics.print_table(rows)
   print(json.dumps(plan.as_dict()))

@@ -65,6 +65,19 @@ ACTIVATION_RULES = (
     ('vocab', 'tensor'),
 )
 
+def activation_rules() -> tuple:
+  """ACTIVATION_RULES less the mesh axes the current trace is manual over (a region that runs
+  each data replica apart, training/step.py's across_data): constraints name only the rest."""
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  if not manual:
+    return ACTIVATION_RULES
+  def keep(axes):
+    if isinstance(axes, str) or axes is None:
+      return None if axes in manual else axes
+    return tuple(a for a in axes if a not in manual) or None
+  return tuple((name, keep(axes)) for name, axes in ACTIVATION_RULES)
+
+
 BATCH_SPEC = P(('data', 'fsdp', 'expert'), 'sequence')  # every [B, L] array of the batch
 
 

@@ -155,7 +155,7 @@ FAST = (
     'hidden',
     'test_timing.py::test_a_gemm_only_program_takes_its_flops_at_the_gemm_efficiency',
     'test_gpu_compile.py::test_flash_attention_compiles_for_h100_with_no_spills[False-64]',
-    'test_gpu_compile.py::test_every_preset_compiles_for_its_h100s_and_fits[auto-125m]',
+    'test_gpu_compile.py::test_every_preset_compiles_for_its_h100s_and_fits[125m-auto]',
     'test_gpu_compile.py::test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_compiling',
     'test_gpu_compile.py::test_plan_target_is_for_planning_only_and_must_be_known',
     'test_gpu_compile.py::test_a_tile_too_big_for_shared_memory_is_refused_by_the_compiler',

@@ -80,10 +80,11 @@ def compiled_hlo(mesh_axes, **model):
 
 
 def weight_shapes(setup):
-  """Full shapes of the weight matrices: stacked arrays and one layer's slice."""
+  """Full shapes of the weight matrices: stacked arrays and one layer's slice (not the norm
+  scales, [layers, D]: replicated, so their gradients are summed whole in any layout)."""
   shapes = set()
-  for x in jax.tree.leaves(setup.abstract_state.params):
-    if x.ndim >= 2:
+  for path, x in jax.tree_util.tree_leaves_with_path(setup.abstract_state.params):
+    if x.ndim >= 2 and 'norm' not in jax.tree_util.keystr(path):
       shapes |= {x.shape, x.shape[1:]} if x.ndim >= 3 else {x.shape}
   return shapes
 
@@ -91,7 +92,7 @@ def weight_shapes(setup):
 def test_tensor_parallel_hlo_has_row_parallel_all_reduce_and_no_full_weight_collective():
   """data=4 × tensor=2: Megatron layout. Activations are all-reduced after the row-parallel Wo
   and Wdown; weights are never gathered, and their gradients are reduced over `data` in their
-  tensor-split shapes, never as full matrices. (MHA, so no full weight has a split one's shape.)"""
+  tensor-split shapes, never as full matrices (once a step: training/step.py's across_data). (MHA, so no full weight has a split one's shape.)"""
   hlo, setup = compiled_hlo(dict(data=4, tensor=2), n_kv_heads=4)
   config = tiny_config()
   local_activation = (config.batch_size // 4, config.seq_len, config.model.d_model)
@@ -101,7 +102,8 @@ def test_tensor_parallel_hlo_has_row_parallel_all_reduce_and_no_full_weight_coll
   full = weight_shapes(setup)
   assert not set(reduced) & full, f'full weights in all-reduce: {set(reduced) & full}'
   wq = setup.abstract_state.params['blocks']['attn']['wq']
-  assert (wq.shape[1], wq.shape[2] // 2, wq.shape[3]) in reduced  # Wq's gradient, heads split
+  # Wq's gradient, heads split, summed over data once a step for the whole stack of layers
+  assert (wq.shape[0], wq.shape[1], wq.shape[2] // 2, wq.shape[3]) in reduced
 
 
 def test_fsdp_hlo_gathers_each_layers_weights_inside_the_scan():

@@ -30,6 +30,7 @@ from planning import target as target_lib
 from planning.target import Target
 from runtime import distributed, huggingface
 import sharding
+from sharding import hierarchical
 
 
 def _at_least(low):
@@ -84,6 +85,9 @@ def resolve(config, devices=None) -> Resolved:
   check(config)
   target = target_lib.resolve(config.plan, config.dry_run,
                               jax.devices() if devices is None else devices)
+  if config.partition.hierarchical:
+    hierarchical.check_nodes(config.partition, sharding.mesh_shape(config.mesh, target.n_devices),
+                             target.gpus_per_node)
   return Resolved(with_attention(config, target.kernels, cudnn=target.on_gpu), target)
 
 
@@ -126,6 +130,7 @@ def check(config) -> None:
   ModelConfig.from_config(config.model)
   sharding.check_mesh_config(config.mesh)
   distributed.check(config.distributed)
+  hierarchical.check(config.partition, config.mesh)
   tokens.check(config.data)
   if config.plan.target:
     gpus.get(config.plan.target)  # before anything slower, such as the GPU compiler's devices

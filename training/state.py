@@ -15,6 +15,7 @@ from model import ModelConfig, Transformer
 from planning import gpus
 from planning import target as target_lib
 import sharding
+from sharding import hierarchical
 from training import optimizer, settings
 
 
@@ -39,6 +40,9 @@ class Setup:
   opt_compute_shardings: object | None  # where the step computes the optimizer update, when
                                         # the state lives in host memory between steps
   seed: int
+  # How a dense model's parameters cross `data` > 1 (sharding/hierarchical.py); with
+  # config.partition.hierarchical, state_shardings.params are the master's, split over data too
+  hierarchy: hierarchical.Hierarchy | None = None
 
   def init_state(self, params=None) -> TrainState:
     """Initialise parameters (or start from `params`, already in their shardings) and the
@@ -92,6 +96,24 @@ def build(config, devices=None) -> Setup:
   tx = optimizer.make_optimizer(config.optimizer, schedule)
 
   param_shardings = sharding.param_shardings(abstract_params, mesh)
+  if config.partition.hierarchical:
+    if model_cfg.experts:
+      raise ValueError('config.partition.hierarchical=True does not run MoE models yet: their '
+                       "router's balancing loss is over the whole batch, which each data "
+                       'replica would see only its share of; set it to False')
+    if mesh.shape['data'] == 1:
+      raise ValueError('config.partition.hierarchical=True splits the state over config.mesh.data, '
+                       'which is 1 here; set config.mesh.data to the number of nodes')
+    if model_cfg.matmul_precision == 'fp8':
+      raise ValueError("config.partition.hierarchical=True does not run with config.model."
+                       "matmul_precision='fp8' yet: each data replica would scale its own share "
+                       "of a tensor; use one of them")
+  # A dense model's data replicas run apart and sum their gradients once a step; fp8's per-tensor
+  # scales need the whole batch's tensors, so it is left to XLA, which reduces every microbatch.
+  hierarchy = None
+  if mesh.shape['data'] > 1 and not model_cfg.experts and model_cfg.matmul_precision != 'fp8':
+    hierarchy = hierarchical.hierarchy(config.partition, abstract_params, param_shardings, mesh)
+    param_shardings = hierarchical.master_shardings(param_shardings, hierarchy.dims)
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   # Adam's moments mirror the parameters and take their shardings; counters are replicated.
   opt_shardings = optax.tree_map_params(
@@ -113,7 +135,8 @@ def build(config, devices=None) -> Setup:
                                 abstract_state, state_shardings)
   return Setup(model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
                abstract_state=abstract_state, state_shardings=state_shardings,
-               opt_compute_shardings=opt_compute_shardings, seed=config.seed)
+               opt_compute_shardings=opt_compute_shardings, seed=config.seed,
+               hierarchy=hierarchy)
 
 
 def has_fp8(device) -> bool:

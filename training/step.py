@@ -5,11 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import kernels
 import sharding
 from model import moe, pipeline
 from model.layers import constrain
+from sharding import hierarchical
 from planning import plan as plan_lib
 from training.state import Setup, TrainState
 
@@ -37,7 +39,7 @@ def context_layout(setup: Setup, batch: dict) -> dict:
   if setup.model_cfg.context_parallel != 'ring' or n == 1:
     return batch
   order = kernels.zigzag_order(next(iter(batch.values())).shape[1], n)
-  with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
+  with nnx.logical_axis_rules(sharding.activation_rules()):
     return {k: constrain(x_BL[:, order], ('batch', 'length')) for k, x_BL in batch.items()}
 
 
@@ -45,7 +47,7 @@ def _token_losses(graphdef, params, batch, microbatches=1):
   """(−log p(target), log Z) [B, L] of the batch, from the model's head and loss together; the
   MoE layers' router stats ({} for a dense model) and their weighted losses (model/moe.py)."""
   # Activations are pinned through ACTIVATION_RULES while the model is traced.
-  with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
+  with nnx.logical_axis_rules(sharding.activation_rules()):
     model = nnx.merge(graphdef, params)
     # A batch without segment ids holds one document a row (no packing mask to apply).
     nll_BL, logz_BL, stats = model(batch['inputs'], batch['positions'], batch.get('segment_ids'),
@@ -65,21 +67,23 @@ def split_microbatches(batch, microbatches: int):
   """[B, L] → [M, B/M, L] with microbatch m = rows m, m+M, m+2M, …: each device's rows hold an
   equal share of every microbatch, so splitting moves no data (B divides by M × data × fsdp)."""
   def split(x_BL):
-    with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
+    with nnx.logical_axis_rules(sharding.activation_rules()):
       return constrain(pipeline.split(x_BL, microbatches), (None, 'batch', 'length'))
   return jax.tree.map(split, batch)
 
 
 def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1,
-                   pipelined: bool = False):
+                   pipelined: bool = False, total=None):
   """((loss, (ce, z_loss, router stats)), grads) of the batch; with microbatches > 1, accumulated over a
   `lax.scan` of microbatches (only one microbatch's activations live at a time), giving the
   same result as one pass over the whole batch. `pipelined`: the model's pipeline stages take
-  the microbatches instead (model/pipeline.py), in one pass."""
+  the microbatches instead (model/pipeline.py), in one pass. `total`: the weight the losses
+  divide by (default: the batch's)."""
+  if total is None:
+    total = jnp.maximum(batch['weights'].sum(), 1.0)
   if microbatches == 1 or pipelined:
-    return jax.value_and_grad(lambda p: _loss(graphdef, p, batch, z_loss,
+    return jax.value_and_grad(lambda p: _loss(graphdef, p, batch, z_loss, total,
                                               microbatches=microbatches), has_aux=True)(params)
-  total = jnp.maximum(batch['weights'].sum(), 1.0)
   grad_fn = jax.value_and_grad(
       lambda p, mb: _loss(graphdef, p, mb, z_loss, total, share=1 / microbatches), has_aux=True)
   batches = split_microbatches(batch, microbatches)
@@ -92,6 +96,49 @@ def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1
   return jax.lax.scan(accumulate, zeros, batches)[0]
 
 
+def across_data(setup: Setup, master, batch, z_loss: float, microbatches: int):
+  """loss_and_grads over data replicas (sharding/hierarchical.py): with
+  config.partition.hierarchical the compute copy is gathered across data from the master's
+  shards once; each replica runs its own rows' microbatches in a region manual over data, its
+  gradients kept in its shards; their sum is reduce-scattered to the master's shards once (or,
+  the parameters replicated over data, all-reduced once). The losses are the whole batch's.
+
+  The region is untyped (check_vma=False): the copy is the same on every replica, and typed so,
+  autodiff would sum each use's gradient over the replicas there and then, every microbatch.
+
+  A hierarchical copy and its gradients are held in the gradient reduction dtype (norm scales in
+  their own): the values the model computes with are the master's in the compute dtype either
+  way."""
+  h, cfg = setup.hierarchy, setup.model_cfg
+  axis = hierarchical.AXIS
+
+  def to_compute(w, spec, dim, block, matrix):
+    if not h.split:  # replicated over data: the parameters themselves
+      return w
+    scheme, dtype = (h.weights, cfg.dtype) if matrix else ('exact', w.dtype)
+    return hierarchical.to_compute(w, spec, dim, scheme, dtype, block).astype(
+        cfg.reduce_dtype if matrix else w.dtype)
+
+  def region(compute, batch):
+    total = jnp.maximum(jax.lax.psum(batch['weights'].sum(), axis), 1.0)
+    (loss, (ce, zl, router)), grads = loss_and_grads(
+        setup.graphdef, compute, batch, z_loss, microbatches, pipeline_stages(setup) > 1, total)
+    # Summed across data in the reduction dtype, as inside the replica (norm scales in fp32).
+    grads = jax.tree.map(lambda g, matrix: (g.astype(cfg.reduce_dtype) if matrix else g)[None],
+                         grads, h.quantized)
+    return jax.lax.psum((loss, ce, zl), axis), router, grads
+
+  compute = jax.tree.map(to_compute, master, h.specs, h.dims, h.blocks, h.quantized)
+  (loss, ce, zl), router, grads_d = jax.shard_map(
+      region, mesh=setup.mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(), P(axis)),
+      axis_names={axis}, check_vma=False)(compute, batch)
+  grads = jax.tree.map(
+      lambda w, g_d, spec, dim, block, matrix: hierarchical.reduce(
+          g_d, spec, dim, h.gradients if matrix else 'exact', block).astype(w.dtype),
+      master, grads_d, h.specs, h.dims, h.blocks, h.quantized)
+  return (loss, (ce, zl, router)), grads
+
+
 def pipeline_stages(setup: Setup) -> int:
   """How many pipeline stages the layers are split into (>1: they take the microbatches)."""
   return setup.mesh.shape['stage']
@@ -100,8 +147,12 @@ def pipeline_stages(setup: Setup) -> int:
 def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   def train_step(state: TrainState, batch):
     batch = context_layout(setup, batch)
-    (loss, (ce, zl, router)), grads = loss_and_grads(setup.graphdef, state.params, batch, z_loss,
-                                                     microbatches, pipeline_stages(setup) > 1)
+    if setup.hierarchy is not None:
+      (loss, (ce, zl, router)), grads = across_data(setup, state.params, batch, z_loss,
+                                                    microbatches)
+    else:
+      (loss, (ce, zl, router)), grads = loss_and_grads(
+          setup.graphdef, state.params, batch, z_loss, microbatches, pipeline_stages(setup) > 1)
     grad_norm = optax.tree.norm(grads)
     old_opt_state = state.opt_state
     if setup.opt_compute_shardings is not None:  # kept in host memory: bring it in for the update
