@@ -1,7 +1,8 @@
 """Llama-shaped presets with real sizes: 125m (GPT-2-small sized, 124M), 1b (1.24B, the config of
-Hugging Face's meta-llama/Llama-3.2-1B: tied head, llama3 RoPE) and 8b (8.03B,
-meta-llama/Meta-Llama-3-8B's); and 8b-128k, the 8b on one row of 131,072 tokens split over
-sequence=8 with our kernel's ring attention (docs/parallelism.md).
+Hugging Face's meta-llama/Llama-3.2-1B: tied head, llama3 RoPE), 8b (8.03B,
+meta-llama/Meta-Llama-3-8B's) and 70b (70.6B, meta-llama/Llama-3.1-70B's); and 8b-128k, the 8b on
+one row of 131,072 tokens split over sequence=8 with our kernel's ring attention
+(docs/parallelism.md).
 
 Run (pick the preset after the colon; attention is auto: cuDNN's on an H100, ours under a split
 sequence, as the time model ranks them):
@@ -15,6 +16,8 @@ Plan on any machine, compiled for the H100s each preset is meant for (GPUS below
       --config.plan.devices=8
   python train.py --config=configs/llama.py:8b-128k --config.dry_run=True \
       --config.plan.target=H100 --config.plan.devices=8
+  python -m benchmarks.partition --config=configs/llama.py:70b --devices=32,64 \
+      --config.model.grad_reduce_dtype=bfloat16   # across 4 and 8 nodes, each partition
 Start from the weights they mirror (docs/huggingface.md), which brings
 the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
   python train.py --config=configs/llama.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B
@@ -24,7 +27,9 @@ them their real vocabulary). Compiled for H100 (cudnn attention), a step needs 8
 dots), 44.4 GiB (1b, dots) and 45.4 GiB a GPU (8b, dots over 4 microbatches, FSDP over 8;
 25.4 GiB for 8b-128k, full), within the 59.7 GiB JAX's allocator takes of each. The time model
 predicts (the dry run prints it) 79.5 ms, 559 ms and 3.00 s a step: MFU 33%, 49% and 57%
-(docs/memory.md, docs/time-model.md).
+(docs/memory.md, docs/time-model.md). The 70b, FSDP over 32 H100s (remat full), needs 53.9 GiB a
+GPU and is predicted at 14.8 s a step (MFU 25%), most of it waiting on the links between nodes:
+docs/parallelism.md has it under each partition across nodes.
 On GPU, compare the benchmark's measured MFU with those and with the peers' 33–50% (MaxText,
 torchtitan).
 """

@@ -125,7 +125,7 @@ def partition_name(partition) -> str:
   """'flat', or 'hierarchical' with what crosses data in int8: 'hierarchical, int8 weights'."""
   if not partition.hierarchical:
     return 'flat'
-  int8 = [part for part in ('weights', 'gradients') if partition[part] == 'int8']
+  int8 = [part for part in ('weights', 'gradients') if getattr(partition, part) == 'int8']
   return 'hierarchical' + (f', int8 {" and ".join(int8)}' if int8 else '')
 
 

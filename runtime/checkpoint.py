@@ -368,9 +368,9 @@ def close_all() -> None:
 # What a resumed run must keep, checked against the config saved with its checkpoint: the data
 # stream (the iterator's saved state counts batch rows and offsets into documents) and the
 # model's function (its shapes are checked from the checkpoint's metadata). Everything else may
-# change on resume: steps, cadences, mesh, remat, attention implementation, compute and gradient
-# reduction dtypes, microbatches, workers, and the optimizer's settings, which apply from the
-# resumed step on.
+# change on resume: steps, cadences, mesh and its partition, remat, attention implementation,
+# compute and gradient reduction dtypes, microbatches, workers, and the optimizer's settings,
+# which apply from the resumed step on.
 KEPT_ON_RESUME = ('seed', 'batch_size', 'seq_len', 'data.paths', 'data.name', 'data.text_key',
                   'data.train_split', 'data.validation_fraction', 'data.tokenizer',
                   'data.tokenizer_model', 'model.rope_theta', 'model.rope_type',

@@ -162,6 +162,8 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'unknown preset': (['--config=configs/llama.py:3b'], "unknown preset '3b'"),
     'mesh that does not divide': (['--config.mesh.data=3'], 'config.mesh'),
     'expert axis on a dense model': (['--config.mesh.expert=2'], 'config.mesh.expert=2'),
+    'int8 gathers without hierarchy': (['--config.partition.weights=int8'],
+                                       'config.partition.hierarchical=True'),
     'unknown TFDS dataset': (['--config.data.name=no_such'], 'config.data.name'),
     'learning rate NaN': (['--config.optimizer.learning_rate=nan'], 'learning_rate=nan'),
     'learning rate inf': (['--config.optimizer.learning_rate=inf'], 'learning_rate=inf'),

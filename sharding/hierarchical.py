@@ -56,7 +56,8 @@ class Hierarchy:
   specs: object  # where each one's compute copy lives: its PartitionSpec without data
   dims: object  # the dimension each one's state splits over data along (data_dims); -1: none
   blocks: object  # the block its last dimension is quantized in (block_sizes)
-  quantized: object  # whether it may be (a matrix, not a norm scale, which crosses in fp32)
+  matrix: object  # whether it is one, not a norm scale: only matrices are quantized, and held in
+                  # the gradient reduction dtype
 
 
 def check(partition_config, mesh_config) -> None:
@@ -68,10 +69,7 @@ def check(partition_config, mesh_config) -> None:
     if value != 'exact' and not partition_config.hierarchical:
       raise ValueError(f'config.partition.{field}={value!r} quantizes what crosses config.mesh.'
                        'data, which only config.partition.hierarchical=True sends apart; set it')
-  if partition_config.hierarchical and mesh_config.auto:
-    raise ValueError('config.mesh.auto=True searches layouts without config.partition.hierarchical;'
-                     ' give the mesh yourself, or set hierarchical=False')
-  if partition_config.hierarchical and mesh_config.data == 1:
+  if partition_config.hierarchical and mesh_config.data == 1 and not mesh_config.auto:
     raise ValueError('config.partition.hierarchical=True splits the state over config.mesh.data, '
                      'the level across nodes, and it is 1; set it to the number of nodes '
                      '(e.g. --config.mesh.data=2 --config.mesh.fsdp=-1)')
@@ -120,15 +118,9 @@ def master_shardings(shardings, dims):
   def add(sharding, dim):
     if dim < 0:
       return sharding
-    spec = list(sharding.spec) + [None] * (dim + 1 - len(sharding.spec))
-    spec[dim] = AXIS
-    return NamedSharding(sharding.mesh, P(*spec))
+    return NamedSharding(sharding.mesh,
+                         _with_data(sharding.spec, max(len(sharding.spec), dim + 1), dim))
   return jax.tree.map(add, shardings, dims)
-
-
-def region_specs(dims):
-  """The shard_map specs of the master over `data` alone: each its data dimension, or P()."""
-  return jax.tree.map(lambda dim: P() if dim < 0 else P(*(None,) * dim, AXIS), dims)
 
 
 def _axes(axes):

@@ -9,7 +9,9 @@ ACTIVATION_RULES say how the computation is split. Keeping them apart makes each
   - Sequence: 'length' → sequence for activations. XLA's attention gathers keys and values
     ('kv_length'); our kernel moves them itself (all-gather or ring, kernels/context_parallel.py).
     Parameters are also split over sequence along 'embed' so that axis holds no replicas.
-  - Data: 'batch' → data; parameters are replicated over it.
+  - Data: 'batch' → data; parameters are replicated over it, or with
+    config.partition.hierarchical split over it too, along a dimension no rule here splits
+    (sharding/hierarchical.py: the axis between nodes).
   - Expert: 'experts' → expert in both tables: each device holds E/expert of an MoE layer's
     experts, and the tokens travel to them by all-to-all (model/moe.py). Everywhere else the
     axis is one more FSDP axis: 'batch' and the dense weights' 'embed' are split over it too, so

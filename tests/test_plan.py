@@ -184,6 +184,41 @@ def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_model(mon
   assert (chosen.model.remat_policy, chosen.microbatches) == (best.remat_policy, best.microbatches)
 
 
+def test_auto_layout_ranks_plain_replicas_against_the_configs_hierarchical_partition(
+    monkeypatch):
+  """With config.partition.hierarchical, a mesh with data replicas is tried both ways and the
+  time model ranks them; one without replicas only plain."""
+  from types import SimpleNamespace
+  from training import layout
+  one = dict(data=1, stage=1, fsdp=1, expert=1, tensor=1, sequence=1)
+  monkeypatch.setattr(layout, 'meshes', lambda n: iter([{**one, 'data': 2, 'fsdp': n // 2},
+                                                        {**one, 'fsdp': n}]))
+  monkeypatch.setattr(layout, 'POLICIES', ('full',))
+  monkeypatch.setattr(layout, '_state_fits', lambda *_: True)
+  compiled = []
+
+  def compile_and_plan(setup, config, target):
+    compiled.append((setup.mesh.shape['data'], config.partition.weights))
+    return SimpleNamespace(as_text=lambda: config.partition.weights), SimpleNamespace(
+        fits=True, argument_bytes=1, total_bytes=1, memory_bytes=2)
+
+  monkeypatch.setattr(layout, 'compile_and_plan', compile_and_plan)
+  monkeypatch.setattr(layout.timing, 'predict', lambda hlo, gpu: SimpleNamespace(
+      seconds={'int8': 1.0, 'exact': 2.0}[hlo]))
+  config = tiny_config()
+  config.mesh.auto, config.plan.memory_gb = True, 1.0
+  config.partition.update(hierarchical=True, weights='int8')
+  ranked = layout.search(config, settings.resolve(config, jax.devices()[:4]).target,
+                         log=lambda *_: None)
+  assert sorted(compiled) == [(1, 'exact'), (2, 'exact'), (2, 'int8')]
+  assert ranked[0].partition == dict(hierarchical=True, weights='int8', gradients='exact')
+  assert ranked[0].mesh['data'] == 2
+  chosen = layout.with_layout(config, settings.resolve(config, jax.devices()[:4]).target,
+                              ranked[0].mesh, ranked[0].context_parallel,
+                              ranked[0].remat_policy, ranked[0].microbatches, ranked[0].partition)
+  assert chosen.partition.hierarchical and chosen.partition.weights == 'int8'
+
+
 def test_layout_tries_both_context_choices_where_the_kernel_meets_a_sequence_split():
   from training import layout
   config = tiny_config()

@@ -4,7 +4,10 @@ is allocated; a few seconds each, even for 8B).
 
 Candidates: every data × stage × fsdp × expert × tensor × sequence whose product is the device
 count and which the model divides, × (with our kernel and a sequence split) context parallelism
-all_gather and ring, × remat policies full, dots, none, × the fewest microbatches (1, 2, 4, …;
+all_gather and ring, × (with config.partition.hierarchical, for a mesh with data > 1 whose
+replicas lie within nodes or fill them) plain replicas over data and the config's hierarchical
+partition (sharding/hierarchical.py: its int8 settings are the user's to choose, as they change
+the numerics), × remat policies full, dots, none, × the fewest microbatches (1, 2, 4, …;
 from the stage count up with stages) that fit for that mesh and policy (more only repeat FSDP's
 gathers on smaller matmuls). A policy that keeps more activations needs as much memory or more:
 its microbatches start from the fewest the policy before it needed, and where that one fits with
@@ -23,6 +26,7 @@ round figures, and the ranking says it is for ranking only.
 import dataclasses
 import itertools
 import math
+from types import SimpleNamespace
 
 import jax
 
@@ -30,7 +34,7 @@ from model.config import CONTEXT_PARALLEL
 from planning import gpus, timing
 from planning import plan as plan_lib
 from planning.target import Target
-from sharding import AXES
+from sharding import AXES, hierarchical
 import sharding
 from training import settings
 from training.state import build
@@ -42,6 +46,7 @@ POLICIES = ('full', 'dots', 'none')  # keeping the least first
 @dataclasses.dataclass
 class Candidate:
   mesh: dict
+  partition: dict  # config.partition's fields
   context_parallel: str
   remat_policy: str
   microbatches: int
@@ -67,11 +72,13 @@ def meshes(n_devices: int):
 
 
 def with_layout(config, target: Target, mesh: dict, context_parallel: str, policy: str,
-                microbatches: int):
-  """`config` laid out so (auto turned off), its attention 'auto' made concrete for `target`."""
+                microbatches: int, partition: dict | None = None):
+  """`config` laid out so (auto turned off), its attention 'auto' made concrete for `target`;
+  `partition`, config.partition's fields (default: plain replicas over data)."""
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh)
   config.mesh.auto = False
+  config.partition.update(partition or PLAIN)
   config.model.context_parallel = context_parallel
   config.model.remat_policy, config.microbatches = policy, microbatches
   return settings.with_attention(config, target.kernels, cudnn=target.on_gpu)
@@ -85,6 +92,24 @@ def context_choices(config, mesh: dict) -> tuple:
   return (config.model.context_parallel,)
 
 
+PLAIN = dict(hierarchical=False, weights='exact', gradients='exact')
+
+
+def partition_choices(config, target: Target, mesh: dict) -> tuple[dict, ...]:
+  """Plain replicas over data; and with config.partition.hierarchical, the config's partition
+  too, where the mesh has data replicas of a dense model that lie within nodes or fill them."""
+  choices = (PLAIN,)
+  mine = config.partition.to_dict()
+  if (not mine['hierarchical'] or mesh['data'] == 1 or config.model.experts
+      or config.model.matmul_precision == 'fp8'):
+    return choices
+  try:
+    hierarchical.check_nodes(config.partition, mesh, target.gpus_per_node)
+  except ValueError:
+    return choices
+  return choices + (mine,)
+
+
 def search(config, target: Target, log=print) -> list[Candidate]:
   """The candidates that fit on `target`'s devices, fastest predicted first."""
   if target.memory_bytes is None:
@@ -94,19 +119,20 @@ def search(config, target: Target, log=print) -> list[Candidate]:
   gpu = gpus.find(sharding.local_device(target.devices).device_kind) or gpus.NOMINAL
   for mesh in meshes(len(target.devices)):
     state_fits = _state_fits(config, target, mesh)
-    for context in context_choices(config, mesh):
+    for context, partition in itertools.product(context_choices(config, mesh),
+                                                partition_choices(config, target, mesh)):
       fewest = mesh['stage']  # a pipeline needs a microbatch for every stage
       for policy in POLICIES:
         microbatches, fitted, previous = fewest, None, None
         while state_fits and fitted is None:
-          candidate = with_layout(config, target, mesh, context, policy, microbatches)
+          candidate = with_layout(config, target, mesh, context, policy, microbatches, partition)
           try:
             setup = build(candidate, target.devices)
           except sharding.MeshMismatch:  # the model or batch does not divide this way
             break
           compiled, the_plan = compile_and_plan(setup, candidate, target)
           if the_plan.fits:
-            found.append(Candidate(mesh, context, policy, microbatches, the_plan,
+            found.append(Candidate(mesh, partition, context, policy, microbatches, the_plan,
                                    timing.predict(compiled.as_text(), gpu), gpu))
             fitted = microbatches
           state_fits = the_plan.argument_bytes <= the_plan.memory_bytes
@@ -149,7 +175,9 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
   print(f'predicted by the time model for {gpu.name}' + (
       ' (round figures for a device not in planning/gpus.py: for ranking only)'
       if gpu is gpus.NOMINAL else ', not measured'))
-  print(f'{"rank":>4}  {"×".join(AXES):<41}{"context":<11}{"remat":<6}{"micro":>6}'
+  partitions = any(c.partition['hierarchical'] for c in ranked)
+  print(f'{"rank":>4}  {"×".join(AXES):<41}{"context":<11}'
+        + (f'{"partition":<42}' if partitions else '') + f'{"remat":<6}{"micro":>6}'
         f'{"GiB/device":>11}{"step s":>8}{"MFU":>7}{"GEMM s":>8}{"attn s":>8}{"other s":>8}'
         f'{"comm s":>8}')
   for i, c in enumerate(ranked[:limit], 1):
@@ -157,7 +185,9 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
     context = c.context_parallel if c.mesh['sequence'] > 1 else '-'
     parts = c.predicted.breakdown
     other = parts['fusion'] + parts['other'] + parts['launch']
-    print(f'{i:>4}  {mesh:<41}{context:<11}{c.remat_policy:<6}{c.microbatches:>6}'
+    partition = (f'{plan_lib.partition_name(SimpleNamespace(**c.partition)):<42}'
+                 if partitions else '')
+    print(f'{i:>4}  {mesh:<41}{context:<11}{partition}{c.remat_policy:<6}{c.microbatches:>6}'
           f'{c.plan.total_bytes / 2**30:>11.3g}{c.step_s:>8.3g}'
           f'{"-" if c.gpu is gpus.NOMINAL else f"{c.mfu:.1%}":>7}'
           f'{parts["gemm"]:>8.3g}{parts["attention"]:>8.3g}{other:>8.3g}'
@@ -177,4 +207,4 @@ def choose(config, target: Target, log=print):
   report(ranked)
   best = ranked[0]
   return with_layout(config, target, best.mesh, best.context_parallel, best.remat_policy,
-                     best.microbatches), ranked
+                     best.microbatches, best.partition), ranked

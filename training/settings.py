@@ -85,7 +85,7 @@ def resolve(config, devices=None) -> Resolved:
   check(config)
   target = target_lib.resolve(config.plan, config.dry_run,
                               jax.devices() if devices is None else devices)
-  if config.partition.hierarchical:
+  if config.partition.hierarchical and not config.mesh.auto:  # the search checks its meshes
     hierarchical.check_nodes(config.partition, sharding.mesh_shape(config.mesh, target.n_devices),
                              target.gpus_per_node)
   return Resolved(with_attention(config, target.kernels, cudnn=target.on_gpu), target)

@@ -125,17 +125,17 @@ def across_data(setup: Setup, master, batch, z_loss: float, microbatches: int):
         setup.graphdef, compute, batch, z_loss, microbatches, pipeline_stages(setup) > 1, total)
     # Summed across data in the reduction dtype, as inside the replica (norm scales in fp32).
     grads = jax.tree.map(lambda g, matrix: (g.astype(cfg.reduce_dtype) if matrix else g)[None],
-                         grads, h.quantized)
+                         grads, h.matrix)
     return jax.lax.psum((loss, ce, zl), axis), router, grads
 
-  compute = jax.tree.map(to_compute, master, h.specs, h.dims, h.blocks, h.quantized)
+  compute = jax.tree.map(to_compute, master, h.specs, h.dims, h.blocks, h.matrix)
   (loss, ce, zl), router, grads_d = jax.shard_map(
       region, mesh=setup.mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(), P(axis)),
       axis_names={axis}, check_vma=False)(compute, batch)
   grads = jax.tree.map(
       lambda w, g_d, spec, dim, block, matrix: hierarchical.reduce(
           g_d, spec, dim, h.gradients if matrix else 'exact', block).astype(w.dtype),
-      master, grads_d, h.specs, h.dims, h.blocks, h.quantized)
+      master, grads_d, h.specs, h.dims, h.blocks, h.matrix)
   return (loss, (ce, zl, router)), grads
 
 
