@@ -16,6 +16,9 @@ import tempfile
 # compiles in about two thirds of the time. The processes tests start train for longer, so they do
 # without (FAST_COMPILE is taken out of XLA_FLAGS once jax has read it, below).
 FAST_COMPILE = ' --xla_backend_optimization_level=0'
+for inherited in ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
+                  'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'):  # set below for the subprocesses
+  os.environ.pop(inherited, None)  # of a pytest that started this one (a pytest-xdist worker)
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8' + FAST_COMPILE).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
