@@ -190,6 +190,8 @@ FAST = (
     'test_benchmarks.py::test_the_fault_probe_runs_its_cases_and_counts_them',
     'test_benchmarks.py::test_every_benchmark_runs_as_a_script_too',
     'test_benchmarks.py::test_calibrate_stops_a_part_past_its_budget',
+    'test_hierarchical.py::test_int8_blocks_match_numpy_and_stay_within_half_a_step',
+    'test_hierarchical.py::test_a_replica_that_straddles_nodes_and_an_moe_are_refused',
 )
 
 
