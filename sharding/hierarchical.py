@@ -60,6 +60,14 @@ class Hierarchy:
                   # the gradient reduction dtype
 
 
+def replicas_run_apart(experts: int, matmul_precision: str) -> bool:
+  """Whether a model's data replicas can each run their rows apart and sum gradients once a
+  step: a dense one without fp8. An MoE router's balancing loss is over the whole batch, and fp8's
+  per-tensor scales need the whole batch's tensors; those are left to XLA, which reduces over
+  data every microbatch."""
+  return not experts and matmul_precision != 'fp8'
+
+
 def check(partition_config, mesh_config) -> None:
   """config.partition against itself and config.mesh's data axis: ValueError naming the
   setting."""
@@ -106,7 +114,7 @@ def data_dims(abstract_params, shardings, mesh):
   d = mesh.shape[AXIS]
 
   def choose(a, sharding):
-    spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+    spec = _padded(sharding.spec, a.ndim)
     free = [i for i, axes in enumerate(spec)
             if math.prod(mesh.shape[x] for x in _axes(axes)) == 1 and a.shape[i] % d == 0]
     return max(free, key=lambda i: (a.shape[i], -i)) if free else -1
@@ -132,7 +140,7 @@ def block_sizes(abstract_params, shardings, dims, mesh):
   power of two below it that divides the last dimension's share on a device (of the master, and
   of the compute copy), so that no block straddles devices."""
   def block(a, sharding, dim):
-    spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+    spec = _padded(sharding.spec, a.ndim)
     n = a.shape[-1] // math.prod(mesh.shape[x] for x in _axes(spec[-1]))
     return math.gcd(n // (mesh.shape[AXIS] if dim == a.ndim - 1 else 1), BLOCK)
   return jax.tree.map(block, abstract_params, shardings, dims)
@@ -163,9 +171,14 @@ def _pin(x, spec):
   return jax.lax.with_sharding_constraint(x, spec)
 
 
+def _padded(spec, ndim: int) -> tuple:
+  """A PartitionSpec's entries for all `ndim` dimensions (a spec may leave trailing ones out)."""
+  return tuple(spec) + (None,) * (ndim - len(spec))
+
+
 def _with_data(spec, ndim: int, dim: int):
   """`spec` (ndim entries) with `data` at `dim`."""
-  spec = list(spec) + [None] * (ndim - len(spec))
+  spec = list(_padded(spec, ndim))
   spec[dim] = AXIS
   return P(*spec)
 
@@ -203,7 +216,7 @@ def reduce(g_d, spec, dim: int, scheme: str, block: int):
     summed = jax.lax.reduce(g_d, jnp.zeros((), g_d.dtype), jax.lax.add, (0,))
     return _pin(summed, _with_data(spec, ndim, dim) if dim >= 0 else spec)
   d, shape = g_d.shape[0], g_d.shape[1:]
-  spec = tuple(spec) + (None,) * (ndim - len(spec))
+  spec = _padded(spec, ndim)
   # [d, .., n, ..] → [d, .., d, n/d, ..]: the share of replica r's gradient bound for replica j
   # at [r, .., j].
   g_dd = g_d.reshape(d, *shape[:dim], d, shape[dim] // d, *shape[dim + 1:])

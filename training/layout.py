@@ -100,8 +100,8 @@ def partition_choices(config, target: Target, mesh: dict) -> tuple[dict, ...]:
   too, where the mesh has data replicas of a dense model that lie within nodes or fill them."""
   choices = (PLAIN,)
   mine = config.partition.to_dict()
-  if (not mine['hierarchical'] or mesh['data'] == 1 or config.model.experts
-      or config.model.matmul_precision == 'fp8'):
+  if (not mine['hierarchical'] or mesh['data'] == 1 or not hierarchical.replicas_run_apart(
+      config.model.experts, config.model.matmul_precision)):
     return choices
   try:
     hierarchical.check_nodes(config.partition, mesh, target.gpus_per_node)

@@ -108,10 +108,9 @@ def build(config, devices=None) -> Setup:
       raise ValueError("config.partition.hierarchical=True does not run with config.model."
                        "matmul_precision='fp8' yet: each data replica would scale its own share "
                        "of a tensor; use one of them")
-  # A dense model's data replicas run apart and sum their gradients once a step; fp8's per-tensor
-  # scales need the whole batch's tensors, so it is left to XLA, which reduces every microbatch.
   hierarchy = None
-  if mesh.shape['data'] > 1 and not model_cfg.experts and model_cfg.matmul_precision != 'fp8':
+  if mesh.shape['data'] > 1 and hierarchical.replicas_run_apart(model_cfg.experts,
+                                                                model_cfg.matmul_precision):
     hierarchy = hierarchical.hierarchy(config.partition, abstract_params, param_shardings, mesh)
     param_shardings = hierarchical.master_shardings(param_shardings, hierarchy.dims)
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
