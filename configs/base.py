@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.rope_low_freq_factor = 1.0  # wavelengths above original_length / this are low frequencies
   m.rope_high_freq_factor = 4.0  # below original_length / this, high: kept; between, blended
   m.rope_original_length = 8192  # the context the frequencies were trained for
+  m.max_position_embeddings = 0  # the context an export declares (hf:DIR's); 0: max(seq_len, rope's)
   m.norm_eps = 1e-5
   m.qk_norm = False  # queries and keys RMS-normalised per head before RoPE (Qwen3's, OLMoE's)
   m.tie_embeddings = False
@@ -121,7 +122,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = d = ml_collections.ConfigDict()
   d.paths = 'stdlib'  # files, dirs or globs, comma-separated; stdlib: the Python stdlib's .py files
   d.name = ''  # a TFDS dataset already prepared in data_dir (array_record); replaces `paths`
-  d.text_key = 'text'  # the text feature of a named dataset
+  d.text_key = 'text'  # the text feature of a named dataset, or field of a record
+  # A .jsonl, .jsonl.gz or .parquet file in `paths` holds a document a record (docs/fine-tuning.md):
+  d.record = 'text'  # text | prompt_completion | messages (chat: [{"role", "content"}, …])
+  d.prompt_field = 'prompt'  # prompt_completion: the record's fields
+  d.completion_field = 'completion'
+  d.messages_field = 'messages'  # messages: the record's field
+  d.chat_template = 'auto'  # auto: the tokenizer's own (tokenizer_config.json), else fallback | fallback | a .jinja file
+  d.train_on = 'answers'  # answers: loss on the completion or assistant turns only | all
   d.train_split = 'train'  # splits of a named dataset (`paths` corpora have train and validation)
   d.eval_split = 'validation'
   d.validation_fraction = 0.02  # of the files in `paths` held out, chosen by a hash of the path

@@ -2,12 +2,15 @@
 
 `config.data.paths` (files, directories or globs; `stdlib` = the Python standard library's .py
 files) is prepared once by the `TextFiles` builder into `config.data.data_dir` and reused: the
-dataset's name hashes the file list, sizes and mtimes, so a changed corpus is prepared afresh.
+dataset's name hashes the file list, sizes and mtimes (and, for record files, what a record is),
+so a changed corpus is prepared afresh. A text file is one document; a `.jsonl`, `.jsonl.gz` or
+`.parquet` file holds one a record (data/records.py: `config.data.record` and its fields).
 `config.data.name` instead names any TFDS dataset already prepared there (array_record format),
 whose text lives under `config.data.text_key`.
 
-The train/validation split is by a hash of each file's path relative to the corpus root, so it does
-not depend on the order files are found in, and at least one file lands on each side.
+The train/validation split is by a hash of each text file's path relative to the corpus root, and
+of each record's stored content, so it does not depend on the order files or records are found in
+(and a record repeated lands on one side only); at least one document lands on each side.
 TFDS writes into an `incomplete.*` directory and renames it when done, so a failed or killed
 preparation never leaves a dataset a later run would read.
 """
@@ -25,6 +28,7 @@ import warnings
 
 import tensorflow_datasets as tfds
 
+from data import records
 from runtime.workdir import writable_dir
 from runtime import faults
 
@@ -32,7 +36,8 @@ STDLIB = 'stdlib'
 
 
 class DataWarning(UserWarning):
-  """Input that is skipped, not fatal: undecodable files, documents shorter than a row."""
+  """Input that is skipped, not fatal: undecodable files, bad records, documents shorter than a
+  row."""
 
 
 def data_dir(data_config) -> str:
@@ -72,33 +77,40 @@ def find_files(paths: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
   return root, files
 
 
-def split_files(root: pathlib.Path, files, validation_fraction: float):
-  """(train, validation) paths relative to root, by a hash of the relative path."""
+def _score(key: str) -> float:
+  return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 2**32
+
+
+def split_documents(scores: dict[str, float], validation_fraction: float):
+  """(train in the order given, validation sorted) document keys: those scoring under the
+  fraction are held out, and at least one lands on each side."""
   _check_validation_fraction(validation_fraction)
-  if len(files) < 2:
-    raise ValueError(f'config.data.paths holds {len(files)} usable file(s); at least 2 are needed '
-                     'for a train and a validation split')
-  relative = [str(f.relative_to(root)) for f in files]
-  scores = {r: int(hashlib.sha256(r.encode()).hexdigest()[:8], 16) / 2**32 for r in relative}
-  validation = sorted(r for r in relative if scores[r] < validation_fraction)
-  if not validation:  # a small corpus: hold out the lowest-scoring file
-    validation = [min(relative, key=scores.get)]
-  if len(validation) == len(relative):
+  if len(scores) < 2:
+    raise ValueError(f'config.data.paths holds {len(scores)} usable document(s); at least 2 are '
+                     'needed for a train and a validation split')
+  validation = sorted(k for k in scores if scores[k] < validation_fraction)
+  if not validation:  # a small corpus: hold out the lowest-scoring document
+    validation = [min(scores, key=scores.get)]
+  if len(validation) == len(scores):
     validation = validation[:-1]
   held = set(validation)
-  return [r for r in relative if r not in held], validation
+  return [k for k in scores if k not in held], validation
 
 
 @dataclasses.dataclass(eq=False)
 class TextFilesConfig(tfds.core.BuilderConfig):
   root: str = ''
-  train: tuple[str, ...] = ()  # paths relative to root
-  validation: tuple[str, ...] = ()
+  # Documents as (path relative to root, record's line or row number; 0 for a text file).
+  train: tuple[tuple[str, int], ...] = ()
+  validation: tuple[tuple[str, int], ...] = ()
+  fields: records.Fields | None = None  # what a record file's records hold
+  longest: int = 0  # bytes of the longest document
 
 
 class TextFiles(tfds.core.GeneratorBasedBuilder):
-  """One example per UTF-8 file: {'text', 'path'}; empty files and undecodable ones are skipped
-  (the latter with a DataWarning) before preparation starts."""
+  """One example per UTF-8 file or good record: {'text', 'path'} ('file:line' for a record).
+  Blank files, undecodable ones and bad records are skipped (the last two with a DataWarning)
+  before preparation starts."""
   VERSION = tfds.core.Version('1.0.0')
   url_infos = None  # nothing to download (and TFDS's lookup of checksum files fails in packages)
 
@@ -112,21 +124,56 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
   def _split_generators(self, dl_manager):
     del dl_manager
     cfg = self.builder_config
-    root = pathlib.Path(cfg.root)
-    self.info.metadata['max_document_bytes'] = max(
-        (root / f).stat().st_size for f in cfg.train + cfg.validation)
+    self.info.metadata['max_document_bytes'] = cfg.longest
+    self.info.metadata['record'] = cfg.fields.kind if cfg.fields else 'text'
     return {'train': self._generate_examples(cfg.train),
             'validation': self._generate_examples(cfg.validation)}
 
-  def _generate_examples(self, files):
-    root = pathlib.Path(self.builder_config.root)
-    for relative in files:
+  def _generate_examples(self, documents):
+    root, fields = pathlib.Path(self.builder_config.root), self.builder_config.fields
+    wanted = {}
+    for relative, number in documents:
+      wanted.setdefault(relative, set()).add(number)
+    for relative, numbers in wanted.items():
       # A file changed since the scan raises here, and TFDS discards the incomplete dataset.
-      yield relative, {'text': (root / relative).read_bytes().decode('utf-8'), 'path': relative}
+      if not records.is_record_file(root / relative):
+        yield relative, {'text': (root / relative).read_bytes().decode('utf-8'),
+                         'path': relative}
+        continue
+      found = 0
+      for item in records.read(root / relative, fields):
+        if not isinstance(item, records.Skipped) and item[0] in numbers:
+          found += 1
+          yield f'{relative}:{item[0]}', {'text': item[1], 'path': f'{relative}:{item[0]}'}
+      if found != len(numbers):
+        raise ValueError(f'config.data.paths: {root / relative} changed while it was prepared; '
+                         'run again')
 
 
-def _usable(files: list[pathlib.Path]) -> list[pathlib.Path]:
-  """Files holding decodable, non-blank text; undecodable ones are named in one warning."""
+def _scan_records(root: pathlib.Path, files, fields: records.Fields):
+  """Each good record's split score, by (path, number), the longest one's bytes, and a warning
+  for each file with bad records, counting them; a corpus without a good one is one error."""
+  scores, longest, skipped = {}, 0, []
+  for f in files:
+    relative = str(f.relative_to(root))
+    for item in records.read(f, fields):
+      if isinstance(item, records.Skipped):
+        skipped.append(item)
+        continue
+      scores[relative, item[0]] = _score(item[1])
+      longest = max(longest, len(item[1].encode()))
+  if not scores:
+    first = next((s.first for s in skipped if s.first), 'none')
+    raise ValueError(
+        f'config.data.paths: none of the {sum(s.total for s in skipped)} records of its '
+        f'{len(files)} record file(s) holds what config.data.record={fields.kind!r} reads '
+        f'(first: {first}); set config.data.record and the field it reads (text_key, '
+        'prompt_field, completion_field or messages_field) to what the records hold')
+  return scores, longest, [f'config.data.paths: {s}' for s in skipped if s.count]
+
+
+def _usable(files: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[str]]:
+  """Files holding decodable, non-blank text, and a warning naming the undecodable ones."""
   usable, undecodable = [], []
   for f in files:
     data = f.read_bytes()
@@ -135,17 +182,19 @@ def _usable(files: list[pathlib.Path]) -> list[pathlib.Path]:
         usable.append(f)
     except UnicodeDecodeError:
       undecodable.append(f)
-  if undecodable:
-    names = ', '.join(str(f) for f in undecodable[:5]) + (' …' if len(undecodable) > 5 else '')
-    warnings.warn(f'config.data.paths: skipping {len(undecodable)} file(s) that are not UTF-8 '
-                  f'text: {names}', DataWarning, stacklevel=3)
   if not usable:
     raise ValueError(f'config.data.paths: none of its {len(files)} files holds UTF-8 text')
-  return usable
+  if not undecodable:
+    return usable, []
+  names = ', '.join(str(f) for f in undecodable[:5]) + (' …' if len(undecodable) > 5 else '')
+  return usable, [f'config.data.paths: skipping {len(undecodable)} file(s) that are not UTF-8 '
+                  f'text: {names}']
 
 
-def _fingerprint(paths: str, files, validation_fraction: float) -> str:
+def _fingerprint(paths: str, files, validation_fraction: float, fields=None) -> str:
   h = hashlib.sha256(repr(validation_fraction).encode())
+  if fields:
+    h.update(f'{fields.key()}\n'.encode())
   for f in files:
     st = f.stat()
     h.update(f'{f}\0{st.st_size}\0{st.st_mtime_ns}\n'.encode())
@@ -165,18 +214,56 @@ def _quiet_tfds():
     logger.setLevel(level)
 
 
-def text_files_builder(data_config) -> TextFiles:
-  """The (maybe not yet prepared) builder for config.data.paths; reads files only to prepare."""
+def _record_fields(data_config, files) -> records.Fields | None:
+  """What the corpus's record files hold (None when it has none), checked against its files."""
+  records.check(data_config)
+  record_files = [f for f in files if records.is_record_file(f)]
+  if data_config.record != 'text' and len(record_files) < len(files):
+    text_file = next(f for f in files if not records.is_record_file(f))
+    raise ValueError(f'config.data.record={data_config.record!r} reads records from '
+                     f'{", ".join(records.SUFFIXES)} files, but config.data.paths also holds '
+                     f'{text_file}; give only record files, or set config.data.record=\'text\'')
+  return records.Fields.of(data_config) if record_files else None
+
+
+_SCANNED = {}  # dataset name → its scan: the builder config and warnings (the name hashes the files)
+
+
+def text_files_builder(data_config, warn: bool = True) -> TextFiles:
+  """The (maybe not yet prepared) builder for config.data.paths; reads files only to prepare,
+  once a process (`check` reads them first, so bad records stop a run before it writes), and
+  warns of what it skips unless `warn` is False."""
   root, files = find_files(data_config.paths)
-  name = _fingerprint(data_config.paths, files, data_config.validation_fraction)
+  fields = _record_fields(data_config, files)
+  name = _fingerprint(data_config.paths, files, data_config.validation_fraction, fields)
   with _quiet_tfds():
     builder = TextFiles(data_dir=data_dir(data_config), config=TextFilesConfig(name=name))
-    if not builder.is_prepared():
-      writable_dir(data_dir(data_config), 'config.data.data_dir')
-      train, validation = split_files(root, _usable(files), data_config.validation_fraction)
-      builder = TextFiles(data_dir=data_dir(data_config), config=TextFilesConfig(
-          name=name, root=str(root), train=tuple(train), validation=tuple(validation)))
-  return builder
+    if builder.is_prepared():
+      return builder
+    writable_dir(data_dir(data_config), 'config.data.data_dir')
+    if name not in _SCANNED:
+      _SCANNED[name] = _scan(root, files, fields, data_config.validation_fraction, name)
+    config, skipped = _SCANNED[name]
+    for warning in skipped if warn else ():
+      warnings.warn(warning, DataWarning, stacklevel=3)
+    return TextFiles(data_dir=data_dir(data_config), config=config)
+
+
+def _scan(root, files, fields, validation_fraction: float, name: str):
+  """Every document's split, read from the files, and warnings of what was skipped."""
+  text_files = [f for f in files if not records.is_record_file(f)]
+  scores, longest, skipped = {}, 0, []
+  if len(text_files) < len(files):
+    scores, longest, skipped = _scan_records(
+        root, [f for f in files if records.is_record_file(f)], fields)
+  if text_files:
+    usable, undecodable = _usable(text_files)
+    scores.update({(str(f.relative_to(root)), 0): _score(str(f.relative_to(root)))
+                   for f in usable})
+    longest, skipped = max(longest, max(f.stat().st_size for f in usable)), skipped + undecodable
+  train, validation = split_documents(scores, validation_fraction)
+  return TextFilesConfig(name=name, root=str(root), train=tuple(train),
+                         validation=tuple(validation), fields=fields, longest=longest), skipped
 
 
 def _named_builder(data_config):
@@ -235,16 +322,17 @@ class Corpus:
   name: str = ''  # the TFDS dataset's
   prepared_in: str = ''  # its directory of prepared files
   splits: tuple[str, str] = ('train', 'validation')  # the names of `train` and `validation`
+  record: str = 'text'  # what a document's text holds (data/records.py: KINDS)
 
 
 def check(data_config) -> None:
-  """The cheap checks of load (the files exist, the named dataset is prepared), without
-  preparing or reading anything: for a run to fail before it creates anything."""
+  """The checks of load without preparing anything (the files exist and hold documents, the named
+  dataset is prepared): for a run to fail before it creates anything."""
   if data_config.name:
     _named_builder(data_config)
   else:
-    find_files(data_config.paths)
     _check_validation_fraction(data_config.validation_fraction)
+    text_files_builder(data_config, warn=False)
 
 
 def _check_validation_fraction(fraction: float) -> None:
@@ -290,9 +378,10 @@ def load(data_config) -> Corpus:
                      f'{len(validation)} documents; both need at least one')
   for source in (train, validation):  # a truncated file fails at its end: before any compile
     source[len(source) - 1]
-  max_bytes = builder.info.metadata.get('max_document_bytes') if builder.info.metadata else None
+  metadata = builder.info.metadata or {}
   return Corpus(train=train, validation=validation, text_key=text_key,
                 description=f'{builder.info.full_name} ({len(train):,} train / '
                             f'{len(validation):,} validation documents)',
-                max_document_bytes=max_bytes, name=builder.name,
-                prepared_in=str(builder.data_dir), splits=tuple(splits))
+                max_document_bytes=metadata.get('max_document_bytes'), name=builder.name,
+                prepared_in=str(builder.data_dir), splits=tuple(splits),
+                record=metadata.get('record', 'text'))

@@ -10,12 +10,18 @@ pieces from 1 (0 is padding) and positions count from the document's start, cont
 Because each lane is independent, a process builds only its own lanes, worker processes can split
 them among themselves, and the global batch is the same for any number of processes or workers.
 A lane's whole state is two integers: documents started, and pairs of the current one emitted.
+
+A pair weighs 1, or, for a document that carries weights (`[2, n]`: ids, then the weight of
+predicting each; data/chat.py), the weight of its target: a chat's prompt tokens weigh 0 wherever
+packing cuts it.
 """
 
 import dataclasses
 from typing import Callable
 
 import numpy as np
+
+from data.chat import ids_and_weights
 
 ROW_KEYS = ('inputs', 'targets', 'positions', 'segment_ids', 'weights')
 
@@ -29,8 +35,9 @@ class LaneState:
 class Lane:
   """Row after row of packed pairs for one batch row.
 
-  `document(g)` returns the tokens (int32, BOS…EOS) of the g-th document of the sequence, or None
-  past its end (a finite pass); this lane reads g = lane, lane + stride, lane + 2·stride, …
+  `document(g)` returns the tokens (int32, BOS…EOS; `[n]`, or `[2, n]` with weights) of the g-th
+  document of the sequence, or None past its end (a finite pass); this lane reads g = lane,
+  lane + stride, lane + 2·stride, …
   """
 
   def __init__(self, document: Callable[[int], np.ndarray | None], lane: int, stride: int,
@@ -47,7 +54,7 @@ class Lane:
     while not self.exhausted:
       if s.docs_started and self._tokens is None:
         self._tokens = self.document((s.docs_started - 1) * self.stride + self.lane)
-      if self._tokens is not None and s.offset < len(self._tokens) - 1:
+      if self._tokens is not None and s.offset < self._tokens.shape[-1] - 1:
         return self._tokens
       tokens = self.document(s.docs_started * self.stride + self.lane)
       if tokens is None:
@@ -62,7 +69,8 @@ class Lane:
            'positions': np.zeros(L, np.int32), 'segment_ids': np.zeros(L, np.int32),
            'weights': np.zeros(L, np.float32)}
     filled, segment = 0, 0
-    while filled < L and (tokens := self._current()) is not None:
+    while filled < L and (document := self._current()) is not None:
+      tokens, weights = ids_and_weights(document)
       start = self.state.offset
       n = min(L - filled, len(tokens) - 1 - start)
       end = filled + n
@@ -71,7 +79,7 @@ class Lane:
       row['targets'][filled:end] = tokens[start + 1:start + n + 1]
       row['positions'][filled:end] = np.arange(start, start + n, dtype=np.int32)
       row['segment_ids'][filled:end] = segment
-      row['weights'][filled:end] = 1.0
+      row['weights'][filled:end] = 1.0 if weights is None else weights[start + 1:start + n + 1]
       self.state.offset += n
       filled = end
     return row

@@ -216,7 +216,7 @@ def pass_length(docs: DocumentSequence, batch_size: int, seq_len: int) -> int:
   for start in range(0, len(docs), batch_size * LOOKAHEAD):
     gs = range(start, min(start + batch_size * LOOKAHEAD, len(docs)))
     for g, tokens in zip(gs, docs.get(gs)):
-      pairs[g % batch_size] += len(tokens) - 1
+      pairs[g % batch_size] += tokens.shape[-1] - 1
   return int(-(-pairs.max() // seq_len))
 
 

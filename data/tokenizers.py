@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import shutil
+import uuid
 
 import numpy as np
 
@@ -124,9 +125,12 @@ class SentencePieceTokenizer(_FromFile):
 
 class HFTokenizer(_FromFile):
   """A Hugging Face `tokenizer.json`, with BOS and EOS (and PAD, else EOS) named by the
-  `tokenizer_config.json` beside it, as transformers reads them."""
+  `tokenizer_config.json` beside it, as transformers reads them, and the chat template there (or
+  in the `chat_template.jinja` beside it)."""
   name = 'hf'
-  files = ('tokenizer_config.json',)
+  files = ('tokenizer_config.json', 'chat_template.jinja', 'special_tokens_map.json')
+  SPECIAL = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token',
+             'mask_token')  # the named special tokens a chat template sees, as transformers'
 
   def _load(self):
     import tokenizers  # only needed when this tokenizer is configured
@@ -138,10 +142,19 @@ class HFTokenizer(_FromFile):
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     special = pathlib.Path(self.path).with_name('tokenizer_config.json')
     names = json.loads(special.read_text()) if special.is_file() else {}
+    legacy = pathlib.Path(self.path).with_name('special_tokens_map.json')
+    names = {**(json.loads(legacy.read_text()) if legacy.is_file() else {}), **names}
+    self.special_tokens = {}
+    for key in self.SPECIAL:
+      token = names.get(key)
+      token = token.get('content') if isinstance(token, dict) else token
+      if isinstance(token, str):
+        self.special_tokens[key] = token
+    self.chat_template = _chat_template(names.get('chat_template'),
+                                        pathlib.Path(self.path).with_name('chat_template.jinja'))
     ids = {}
     for role in ('bos', 'eos', 'pad'):
-      token = names.get(f'{role}_token')
-      token = token.get('content') if isinstance(token, dict) else token
+      token = self.special_tokens.get(f'{role}_token')
       ids[role] = None if token is None else self._tok.token_to_id(token)
       if token is not None and ids[role] is None:
         raise ValueError(f'{setting}: its {special.name} names {role}_token {token!r}, which '
@@ -162,13 +175,19 @@ class HFTokenizer(_FromFile):
                                             add_special_tokens=False)
     return [np.asarray(e.ids, np.int32) for e in encodings]
 
+  def encode_offsets_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids, the character each starts at) of each text."""
+    encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+    return [(np.asarray(e.ids, np.int32), np.asarray([a for a, _ in e.offsets], np.int64))
+            for e in encodings]
+
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids if 0 <= i < self.vocab_size],
                             skip_special_tokens=True)
 
   def save_hf(self, directory: pathlib.Path) -> None:
-    """Copies tokenizer.json and the files beside it that name its special tokens."""
-    for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
+    """Copies tokenizer.json and the files beside it that it reads."""
+    for name in ('tokenizer.json', *self.files):
       if (source := pathlib.Path(self.path).with_name(name)).is_file():
         shutil.copyfile(source, directory / name)
 
@@ -189,6 +208,17 @@ class HFTokenizer(_FromFile):
       else:
         counts[i] = len(piece.replace('\u2581', ' ').encode('utf-8'))
     return counts
+
+
+def _chat_template(configured, beside: pathlib.Path) -> str | None:
+  """The template transformers uses: tokenizer_config.json's (a string, or a list of named ones
+  of which 'default'), else the chat_template.jinja file."""
+  if isinstance(configured, list):
+    configured = next((t.get('template') for t in configured if isinstance(t, dict)
+                       and t.get('name') == 'default'), None)
+  if isinstance(configured, str) and configured:
+    return configured
+  return beside.read_text() if beside.is_file() else None
 
 
 def _gpt2_byte_table() -> dict[str, int]:
@@ -228,6 +258,45 @@ def load(data_config) -> Tokenizer:
     raise ValueError(f'config.data.tokenizer_model={data_config.tokenizer_model!r} is not a file;'
                      f' {what}')
   return kind(str(model_file))
+
+
+KEPT = 'tokenizer'  # a run's copy of its tokenizer's files, in its workdir
+
+
+def keep(tokenizer: Tokenizer, workdir: pathlib.Path) -> str | None:
+  """Copies the tokenizer's files into workdir/tokenizer/ once (into a partial directory renamed
+  when whole), so sample.py and export.py find them after the originals move. Returns a warning
+  when the copy there is of another tokenizer: it is left as it is."""
+  if not isinstance(tokenizer, _FromFile):
+    return None
+  kept, name = workdir / KEPT, pathlib.Path(tokenizer.path).name
+  if kept.is_dir():
+    try:
+      same = type(tokenizer)(str(kept / name)).fingerprint == tokenizer.fingerprint
+    except (ValueError, OSError):
+      same = False
+    return None if same else (f'{kept} holds another tokenizer than {tokenizer.path}; it is kept '
+                              'as it is, and sample.py and export.py read it')
+  partial = workdir / f'{KEPT}.partial-{uuid.uuid4().hex[:8]}'
+  partial.mkdir()
+  try:
+    for source in (pathlib.Path(tokenizer.path),
+                   *(pathlib.Path(tokenizer.path).with_name(f) for f in tokenizer.files)):
+      if source.is_file():
+        shutil.copyfile(source, partial / source.name)
+    partial.rename(kept)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+  return None
+
+
+def kept_model(workdir: pathlib.Path, data_config) -> str | None:
+  """The run's own copy of config.data.tokenizer_model in its workdir, if it has one."""
+  if data_config.tokenizer == 'byte' or not data_config.tokenizer_model:
+    return None
+  copy = workdir / KEPT / pathlib.Path(data_config.tokenizer_model).name
+  return str(copy) if copy.is_file() else None
 
 
 def padded_vocab_size(n: int) -> int:

@@ -1,12 +1,16 @@
 """Documents as token ids, `BOS ids… EOS` in int32, by index: tokenized once and stored, or
-tokenized as packing asks for them. Both give the same arrays, so the batches are the same.
+tokenized as packing asks for them. Both give the same arrays, so the batches are the same. A
+prompt-and-completion or chat corpus's documents carry the weight of predicting each token too
+(data/chat.py: a `[2, n]` array).
 
 - **Once** (`config.data.tokenize='once'`): preparation encodes every document of both splits, a
   batch at a time on the tokenizer's own threads (`encode_batch`), and writes its ids to an
   array_record file per split (uint16 where the vocabulary fits, int32 otherwise) in
   `{data_dir}/meshlm_tokens/{dataset}-{tokenizer fingerprint}-{key}/`. The fingerprint hashes the
-  tokenizer's files and the key the prepared corpus's (names, sizes, modification times), so
-  another tokenizer or an edited corpus is prepared afresh, never confused with these. It is
+  tokenizer's files and the key the prepared corpus's (names, sizes, modification times) and, for
+  records, the chat template and what is trained on, so another tokenizer, template or an edited
+  corpus is prepared afresh, never confused with these. A weighted document's record is its ids
+  then a byte per id of weights. It is
   written into an `incomplete-*` directory and renamed when whole; a failure removes it, and a
   killed preparation leaves only that directory, which no run reads. Training then reads integers.
 - **On the fly** (`'on_the_fly'`): the text is read and encoded when packing asks, a batch of a
@@ -24,6 +28,8 @@ import uuid
 
 import numpy as np
 
+from data import chat, records
+from data.chat import Encoder
 from runtime import faults
 from runtime.workdir import writable_dir
 
@@ -32,8 +38,16 @@ BATCH = 256  # documents encoded at once while preparing
 
 
 def check(data_config) -> None:
+  """The data settings' own checks, reading no file."""
   if data_config.tokenize not in MODES:
     raise ValueError(f'config.data.tokenize={data_config.tokenize!r} is not one of {MODES}')
+  records.check(data_config)
+  chat.check(data_config)
+
+
+def encoder(corpus, tokenizer, data_config) -> Encoder:
+  """How the corpus's stored documents become token arrays."""
+  return Encoder(tokenizer, corpus.record, data_config.chat_template, data_config.train_on)
 
 
 @dataclasses.dataclass
@@ -44,31 +58,25 @@ class Documents:
   description: str  # how they are read
 
 
-def _with_ends(ids: np.ndarray, tokenizer) -> np.ndarray:
-  tokens = np.empty(len(ids) + 2, np.int32)
-  tokens[0], tokens[1:-1], tokens[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
-  return tokens
-
-
 class OnTheFly:
   """A text source's documents, encoded when asked for."""
 
-  def __init__(self, source, text_key: str, tokenizer):
-    self.source, self.text_key, self.tokenizer = source, text_key, tokenizer
+  def __init__(self, source, text_key: str, tokenizer, encode: Encoder | None = None):
+    self.source, self.text_key = source, text_key
+    self.encode = encode or Encoder(tokenizer)
 
   def __len__(self):
     return len(self.source)
 
   def get(self, indices) -> list[np.ndarray]:
-    texts = [self.source[int(i)][self.text_key] for i in indices]
-    return [_with_ends(ids, self.tokenizer) for ids in self.tokenizer.encode_batch(texts)]
+    return self.encode([self.source[int(i)][self.text_key] for i in indices])
 
 
 class Prepared:
   """A split's stored token ids. It pickles by path: grain's worker processes open their own."""
 
-  def __init__(self, path: str, dtype: str, damaged: str):
-    self.path, self.dtype, self.damaged = path, dtype, damaged
+  def __init__(self, path: str, dtype: str, damaged: str, weighted: bool = False):
+    self.path, self.dtype, self.damaged, self.weighted = path, dtype, damaged, weighted
     self._reader = None
 
   def _read(self, read):
@@ -86,15 +94,32 @@ class Prepared:
 
   def get(self, indices) -> list[np.ndarray]:
     records = self._read(lambda reader: reader.__getitems__([int(i) for i in indices]))
-    return [np.frombuffer(r, self.dtype).astype(np.int32) for r in records]
+    return [_document(r, self.dtype, self.weighted) for r in records]
 
   def __getstate__(self):
     return {**self.__dict__, '_reader': None}
 
 
-def _corpus_key(corpus) -> str:
-  """A hash of the prepared corpus's files and what is read of them."""
+def _record(document: np.ndarray, dtype) -> bytes:
+  if document.ndim == 1:
+    return document.astype(dtype).tobytes()
+  return document[0].astype(dtype).tobytes() + document[1].astype(np.uint8).tobytes()
+
+
+def _document(record: bytes, dtype: str, weighted: bool) -> np.ndarray:
+  if not weighted:
+    return np.frombuffer(record, dtype).astype(np.int32)
+  n = len(record) // (np.dtype(dtype).itemsize + 1)
+  ids = np.frombuffer(record, dtype, count=n).astype(np.int32)
+  return np.stack([ids, np.frombuffer(record, np.uint8, offset=ids.size * np.dtype(dtype).itemsize
+                                      ).astype(np.int32)])
+
+
+def _corpus_key(corpus, encode: Encoder) -> str:
+  """A hash of the prepared corpus's files, what is read of them and how it is encoded."""
   h = hashlib.sha256(f'{corpus.text_key}\0{corpus.splits}\0{corpus.prepared_in}\n'.encode())
+  if encode.key:
+    h.update(f'{encode.key}\n'.encode())
   for f in sorted(pathlib.Path(corpus.prepared_in).iterdir()):
     if f.is_file():
       st = f.stat()
@@ -102,15 +127,15 @@ def _corpus_key(corpus) -> str:
   return h.hexdigest()[:12]
 
 
-def _write(source, text_key: str, tokenizer, path: pathlib.Path, dtype) -> int:
+def _write(source, text_key: str, encode: Encoder, path: pathlib.Path, dtype) -> int:
   from array_record.python.array_record_module import ArrayRecordWriter
   writer, tokens = ArrayRecordWriter(str(path), 'group_size:1'), 0
   try:
     for start in range(0, len(source), BATCH):
       texts = [source[i][text_key] for i in range(start, min(start + BATCH, len(source)))]
-      for ids in tokenizer.encode_batch(texts):
-        writer.write(_with_ends(ids, tokenizer).astype(dtype).tobytes())
-        tokens += len(ids) + 2
+      for document in encode(texts):
+        writer.write(_record(document, dtype))
+        tokens += document.shape[-1]
     writer.close()
   except RuntimeError as e:  # array_record's own way of saying a write failed (a full disk)
     raise faults.Fault(f'config.data.data_dir: writing token ids to {path.parent} failed '
@@ -119,14 +144,16 @@ def _write(source, text_key: str, tokenizer, path: pathlib.Path, dtype) -> int:
   return tokens
 
 
-def prepared_dir(corpus, tokenizer, data_dir: str) -> pathlib.Path:
-  return (pathlib.Path(data_dir) / 'meshlm_tokens' /
-          f'{corpus.name}-{tokenizer.fingerprint}-{_corpus_key(corpus)}')
+def prepared_dir(corpus, tokenizer, data_dir: str, encode: Encoder | None = None) -> pathlib.Path:
+  key = _corpus_key(corpus, encode or Encoder(tokenizer))
+  return pathlib.Path(data_dir) / 'meshlm_tokens' / f'{corpus.name}-{tokenizer.fingerprint}-{key}'
 
 
-def prepare(corpus, tokenizer, data_dir: str) -> pathlib.Path:
+
+def prepare(corpus, tokenizer, data_dir: str, encode: Encoder | None = None) -> pathlib.Path:
   """The directory of the corpus's token ids for `tokenizer`, written first if it is not there."""
-  final = prepared_dir(corpus, tokenizer, data_dir)
+  encode = encode or Encoder(tokenizer)
+  final = prepared_dir(corpus, tokenizer, data_dir, encode)
   if (final / 'info.json').is_file():
     return final
   dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
@@ -135,9 +162,10 @@ def prepare(corpus, tokenizer, data_dir: str) -> pathlib.Path:
   partial.mkdir(parents=True)
   try:
     info = {'tokenizer': tokenizer.fingerprint, 'corpus': corpus.description,
-            'dtype': np.dtype(dtype).name, 'documents': {}, 'tokens': {}}
+            'dtype': np.dtype(dtype).name, 'weighted': encode.masked, 'documents': {},
+            'tokens': {}}
     for split, source in zip(corpus.splits, (corpus.train, corpus.validation)):
-      info['tokens'][split] = _write(source, corpus.text_key, tokenizer,
+      info['tokens'][split] = _write(source, corpus.text_key, encode,
                                      partial / f'{split}.array_record', dtype)
       info['documents'][split] = len(source)
     (partial / 'info.json').write_text(json.dumps(info, indent=2) + '\n')
@@ -153,16 +181,18 @@ def prepare(corpus, tokenizer, data_dir: str) -> pathlib.Path:
 def load(corpus, tokenizer, data_config, data_dir: str) -> Documents:
   """The corpus's documents as config.data.tokenize says, preparing their ids if needed."""
   check(data_config)
+  encode = encoder(corpus, tokenizer, data_config)
   if data_config.tokenize == 'on_the_fly' or (data_config.tokenize == 'auto'
                                               and tokenizer.name == 'byte'):
-    return Documents(OnTheFly(corpus.train, corpus.text_key, tokenizer),
-                     OnTheFly(corpus.validation, corpus.text_key, tokenizer),
+    return Documents(OnTheFly(corpus.train, corpus.text_key, tokenizer, encode),
+                     OnTheFly(corpus.validation, corpus.text_key, tokenizer, encode),
                      'tokenized on the fly')
-  directory = prepare(corpus, tokenizer, data_dir)
+  directory = prepare(corpus, tokenizer, data_dir, encode)
   info = json.loads((directory / 'info.json').read_text())
   sources = [Prepared(str(directory / f'{split}.array_record'), info['dtype'],
                       f'config.data: the prepared token ids in {directory} are damaged; delete '
-                      'that directory and the next run prepares them again')
+                      'that directory and the next run prepares them again',
+                      info.get('weighted', False))
              for split in corpus.splits]
   for source, split in zip(sources, corpus.splits):
     if len(source) != info['documents'][split]:

@@ -31,6 +31,7 @@ class ModelConfig:
   rope_low_freq_factor: float
   rope_high_freq_factor: float
   rope_original_length: int
+  max_position_embeddings: int  # the context an export declares (the model itself reads no limit)
   norm_eps: float
   qk_norm: bool  # queries and keys RMS-normalised per head before RoPE (Qwen3, OLMoE)
   tie_embeddings: bool

@@ -373,7 +373,9 @@ def close_all() -> None:
 # which apply from the resumed step on.
 KEPT_ON_RESUME = ('seed', 'batch_size', 'seq_len', 'data.paths', 'data.name', 'data.text_key',
                   'data.train_split', 'data.validation_fraction', 'data.tokenizer',
-                  'data.tokenizer_model', 'model.rope_theta', 'model.rope_type',
+                  'data.tokenizer_model', 'data.record', 'data.prompt_field',
+                  'data.completion_field', 'data.messages_field', 'data.chat_template',
+                  'data.train_on', 'model.rope_theta', 'model.rope_type',
                   'model.rope_factor', 'model.rope_low_freq_factor', 'model.rope_high_freq_factor',
                   'model.rope_original_length', 'model.norm_eps')
 

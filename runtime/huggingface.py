@@ -112,7 +112,8 @@ FIELDS = {'vocab_size': 'vocab_size', 'd_model': 'hidden_size', 'n_layers': 'num
           'tie_embeddings': 'tie_word_embeddings', 'rope_theta': 'rope_theta',
           'rope_type': 'rope_type', 'rope_factor': 'factor',
           'rope_low_freq_factor': 'low_freq_factor', 'rope_high_freq_factor': 'high_freq_factor',
-          'rope_original_length': 'original_max_position_embeddings'}
+          'rope_original_length': 'original_max_position_embeddings',
+          'max_position_embeddings': 'max_position_embeddings'}
 LLAMA3_FIELDS = ('rope_factor', 'rope_low_freq_factor', 'rope_high_freq_factor',
                  'rope_original_length')
 # An MoE's experts: transformers' MixtralConfig's names (Qwen3MoeConfig's after the slash). Both
@@ -184,7 +185,8 @@ def model_settings(path: pathlib.Path) -> dict:
             'num_key_value_heads': hf.get('num_key_value_heads') or heads,
             'head_dim': hf.get('head_dim') or hf['hidden_size'] // heads,
             'rms_norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
-            'tie_word_embeddings': hf.get('tie_word_embeddings', False)}
+            'tie_word_embeddings': hf.get('tie_word_embeddings', False),
+            'max_position_embeddings': int(hf.get('max_position_embeddings') or 0)}
   fields = {f: values[key] for f, key in FIELDS.items()
             if rope_type == 'llama3' or f not in LLAMA3_FIELDS}
   for field in LLAMA3_FIELDS[:3]:
@@ -385,8 +387,8 @@ def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
       'num_attention_heads': cfg.n_heads, 'num_key_value_heads': cfg.n_kv_heads,
       'head_dim': cfg.head_dim, 'hidden_act': 'silu', 'rms_norm_eps': cfg.norm_eps,
       'rope_theta': cfg.rope_theta, 'rope_scaling': rope_scaling,
-      'max_position_embeddings': max(seq_len, int(cfg.rope_original_length * cfg.rope_factor)
-                                     if rope_scaling else seq_len),
+      'max_position_embeddings': cfg.max_position_embeddings or max(
+          seq_len, int(cfg.rope_original_length * cfg.rope_factor) if rope_scaling else seq_len),
       'tie_word_embeddings': cfg.tie_embeddings, 'attention_bias': False, 'mlp_bias': False,
       'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id,
       'pad_token_id': tokenizer.pad_id, 'torch_dtype': dtype, 'dtype': dtype,

@@ -507,6 +507,37 @@ def _(p):
     p.env['TFDS_DATA_DIR'] = str(p.root / 'tfds')
 
 
+def chat_records(p, rows) -> pathlib.Path:
+  path = p.path('chat').with_suffix('.jsonl')
+  path.write_text(''.join(line + '\n' for line in rows))
+  return path
+
+
+def good_chat(i: int) -> str:
+  return json.dumps({'messages': [{'role': 'user', 'content': f'Two and {i}?'},
+                                  {'role': 'assistant', 'content': f'{i + 2}.'}]})
+
+
+@case('data: chat records that hold no conversation')
+def _(p):
+  path = chat_records(p, [json.dumps({'text': f'document {i}'}) for i in range(4)])
+  workdir = p.path('x')
+  return refused(p.run(*p.train(workdir, 1, f'--config.data.paths={path}',
+                                '--config.data.record=messages')),
+                 "none of the 4 records of its 1 record file(s) holds what "
+                 "config.data.record='messages' reads", [workdir])
+
+
+@case('data: chat records, some bad')
+def _(p):
+  path = chat_records(p, [good_chat(i) for i in range(12)] + ['{"messages": [', json.dumps({'messages': 'hi'})])
+  result = p.run(*p.train(p.path('x'), 1, f'--config.data.paths={path}',
+                          '--config.data.record=messages', '--config.data.validation_fraction=0.2'))
+  warned = [line for line in lines(result.stderr) if 'skipped 2 of 14 records (line 13' in line]
+  verdict = survived(result)
+  return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
+
+
 def tokens_dir_copy(p) -> pathlib.Path:
   """A copy of the prepared corpora, in which the cases below prepare token ids."""
   p.template  # noqa: B018  (trained once, which prepares the corpus)

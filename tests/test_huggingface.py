@@ -83,15 +83,18 @@ def test_an_imported_checkpoint_computes_what_transformers_computes(path):
 
 def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path):
   """train.py from hf:DIR (its settings, tokenizer and weights) → checkpoint → export.py →
-  the same tensors transformers saved; and transformers, where installed, loads the export."""
+  the same tensors transformers saved, and its context limit; DIR may move away meanwhile (the
+  run keeps its tokenizer); and transformers, where installed, loads the export."""
   workdir, output = tmp_path / 'run', tmp_path / 'export'
-  config = hf_config(UNTIED, workdir=str(workdir), train_steps=2, checkpoint_every=2,
+  source = shutil.copytree(UNTIED, tmp_path / 'hf')
+  config = hf_config(source, workdir=str(workdir), train_steps=2, checkpoint_every=2,
                      eval_every=0)
   config.optimizer.learning_rate = 0.0  # the weights stay the checkpoint's
   records = loop.run(config)
   assert abs(records[-1]['loss'] - np.log(320)) < 0.5
   saved = json.loads((workdir / 'config.json').read_text())
   assert saved['model']['norm_eps'] == 1e-6 and saved['data']['tokenizer'] == 'hf'
+  source.rename(tmp_path / 'moved')
   done = subprocess.run([sys.executable, 'export.py', f'--workdir={workdir}', '--step=2',
                          f'--output={output}', '--max_shard_gb=0.0002'], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
@@ -104,6 +107,8 @@ def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path
     np.testing.assert_array_equal(exported[name], original[name], err_msg=name)
   hf_config_json = json.loads((output / 'config.json').read_text())
   assert hf_config_json['rms_norm_eps'] == 1e-6 and hf_config_json['tie_word_embeddings'] is False
+  assert hf_config_json['max_position_embeddings'] == json.loads(
+      (UNTIED / 'config.json').read_text())['max_position_embeddings'] != config.seq_len
   assert (output / 'tokenizer.json').read_bytes() == (UNTIED / 'tokenizer.json').read_bytes()
   umask = os.umask(0o022)
   os.umask(umask)
@@ -129,7 +134,7 @@ def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path
     lines = [line for line in err.splitlines() if line.strip()]
     assert processes[args].returncode == 2 and len(lines) == 1, (args, err[-2000:])
     assert lines[0].startswith(expected), (args, lines)
-  assert sorted(p.name for p in tmp_path.iterdir()) == ['export', 'run']
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['export', 'moved', 'run']
   # Re-imported, the export is the run's checkpoint, bit for bit.
   setup = build(settings.resolve(hf_config(output)).config)
   again = huggingface.load_params(output, setup.abstract_state.params, setup.model_cfg)

@@ -141,6 +141,8 @@ def _train(config, target, setup, workdir, tokenizer, checkpointer, stop) -> lis
   is_main = jax.process_index() == 0
   if is_main:
     (workdir / 'config.json').write_text(config.to_json_best_effort(indent=2))
+    if warning := tokenizers.keep(tokenizer, workdir):
+      warnings.warn(warning, corpus_lib.DataWarning, stacklevel=2)
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
   console = metrics_lib.Console(config.train_steps, enabled=is_main)
   log = console.log

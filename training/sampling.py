@@ -1,6 +1,7 @@
 """Text from a trained run: `load(path)` restores a checkpoint's model and tokenizer (the config
-saved with the checkpoint says which), `complete(...)` continues prompts with the KV-cached
-sampler in model/generate.py. sample.py is the command.
+saved with the checkpoint says which; its files are read from the run's copy in the workdir), and
+`complete(...)` continues prompts with the KV-cached sampler in model/generate.py. sample.py is
+the command.
 
 The parameters are sharded FSDP-style over this process's devices when their dimensions divide,
 else kept on one device: sampling needs neither the training mesh nor its batch size.
@@ -58,6 +59,8 @@ def load(path: str, step: int | None = None) -> Loaded:
   config = base.get_config()  # the settings a checkpoint from an older meshlm may lack
   config.update(_known(saved, config))  # and those it has that meshlm no longer has
   config.init_from = ''  # the run's model settings are saved: where it started is not needed
+  if kept := tokenizers.kept_model(directory.parent, config.data):  # the run's copy, wherever
+    config.data.tokenizer_model = kept  # the original went
   config = settings.resolve(config).config
   tokenizer = tokenizers.load(config.data)
   model_cfg = ModelConfig.from_config(config.model)

@@ -1,0 +1,231 @@
+"""Stored documents (data/records.py) → token ids, and the weight of predicting each.
+
+- `text`: `BOS ids… EOS`, every token trained on.
+- `prompt_completion`: the prompt and the completion laid end to end; the completion (and the
+  EOS after it) weigh 1, the prompt 0.
+- `messages`: the conversation rendered by a Jinja chat template as transformers renders it (the
+  same sandbox, options, filters and variables): the tokenizer's own, from its
+  tokenizer_config.json or the chat_template.jinja beside it, else FALLBACK, a ChatML layout in
+  plain text. Each assistant turn is what rendering it adds to the conversation before it with
+  the generation prompt (or what its `{% generation %}` blocks mark, where it has them, as
+  transformers' assistant mask reads them); those characters weigh 1.
+
+The weights follow the characters, not a second tokenization: a Hugging Face tokenizer encodes the
+whole rendered text once (so the ids are transformers' ids) and a token weighs 1 when it starts
+inside an answer; the byte and SentencePiece tokenizers encode each piece on its own. A document is
+an int32 array `[n]` (every token weighs 1) or `[2, n]` (ids; then weights, 0 or 1).
+"""
+
+import datetime
+import functools
+import hashlib
+import json
+import pathlib
+import re
+
+import numpy as np
+
+TRAIN_ON = ('answers', 'all')
+FALLBACK = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+            "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GENERATION = re.compile(r'\{%-?\s*generation\s*-?%\}')
+
+
+def check(data_config) -> None:
+  if data_config.train_on not in TRAIN_ON:
+    raise ValueError(f'config.data.train_on={data_config.train_on!r} is not one of {TRAIN_ON}')
+  template = data_config.chat_template
+  if template not in ('auto', 'fallback') and not pathlib.Path(template).expanduser().is_file():
+    raise ValueError(f'config.data.chat_template={template!r} is not auto, fallback or a Jinja '
+                     'template file')
+
+
+def template_source(tokenizer, setting: str) -> tuple[str, str]:
+  """(the Jinja source, where it comes from) that config.data.chat_template names."""
+  if setting == 'fallback':
+    return FALLBACK, 'the fallback template'
+  if setting != 'auto':
+    path = pathlib.Path(setting).expanduser()
+    return path.read_text(), str(path)
+  own = getattr(tokenizer, 'chat_template', None)
+  if own:
+    return own, f"the chat template of {tokenizer.path}'s tokenizer_config.json"
+  return FALLBACK, 'the fallback template (the tokenizer has none of its own)'
+
+
+class TemplateError(ValueError):
+  pass
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _raise(message):
+  raise TemplateError(message)
+
+
+@functools.cache
+def _compiled(source: str):
+  """The template in the environment transformers renders chat templates in."""
+  import jinja2  # only needed for chat records
+  from jinja2 import ext, nodes, sandbox
+
+  class Generation(ext.Extension):
+    """`{% generation %}…{% endgeneration %}` marks an answer: while `environment.answers` is a
+    list, each one's (start, end) characters go in it, as transformers finds them."""
+    tags = {'generation'}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
+      return nodes.CallBlock(self.call_method('_body'), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+      text = caller()
+      if self.environment.answers is not None:
+        start = sum(map(len, self.environment.rendered))
+        self.environment.answers.append((start, start + len(text)))
+      return text
+
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=[Generation, ext.loopcontrols])
+  env.filters['tojson'] = _tojson
+  env.globals['raise_exception'] = _raise
+  env.globals['strftime_now'] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  env.answers, env.rendered = None, []
+  try:
+    return env.from_string(source)
+  except jinja2.TemplateSyntaxError as e:
+    raise TemplateError(f'it is not a Jinja template ({e})') from None
+
+
+def render(source: str, messages, special_tokens: dict, add_generation_prompt: bool,
+           answers: list | None = None) -> str:
+  """The conversation as `source` renders it; `answers`, if given, gets the spans its
+  {% generation %} blocks mark."""
+  import jinja2
+  template = _compiled(source)
+  env = template.environment
+  env.answers, env.rendered = answers, []
+  try:
+    for block in template.generate(messages=messages, tools=None, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **special_tokens):
+      env.rendered.append(block)
+    return ''.join(env.rendered)
+  except jinja2.TemplateError as e:
+    raise TemplateError(str(e)) from None
+  finally:
+    env.answers, env.rendered = None, []
+
+
+def answer_spans(source: str, messages, special_tokens: dict) -> tuple[str, list[tuple[int, int]]]:
+  """The rendered conversation, and the (start, end) characters of each assistant turn: those its
+  {% generation %} blocks mark, else what rendering each adds to the conversation before it with
+  the generation prompt."""
+  if GENERATION.search(source):
+    spans = []
+    return render(source, messages, special_tokens, False, spans), spans
+  text, spans = render(source, messages, special_tokens, False), []
+  for k, message in enumerate(messages):
+    if message['role'] != 'assistant':
+      continue
+    before = render(source, messages[:k], special_tokens, True)
+    through = render(source, messages[:k + 1], special_tokens, False)
+    if not (text.startswith(through) and through.startswith(before)):
+      raise TemplateError('it does not render the start of a conversation as the start of the '
+                          f'whole one (turn {k}), so its answers cannot be found')
+    spans.append((len(before), len(through)))
+  return text, spans
+
+
+def _weights_of(starts: np.ndarray, spans) -> np.ndarray:
+  weights = np.zeros(len(starts), np.int32)
+  for start, end in spans:
+    weights[(starts >= start) & (starts < end)] = 1
+  return weights
+
+
+def _pieces(text: str, spans):
+  """The text cut at the spans' edges: (piece, inside a span)."""
+  cuts = sorted({0, len(text), *(e for span in spans for e in span)})
+  for a, b in zip(cuts, cuts[1:]):
+    yield text[a:b], any(s <= a and b <= e for s, e in spans)
+
+
+class Encoder:
+  """Stored documents of one kind → token arrays (a callable on a list of stored texts)."""
+
+  def __init__(self, tokenizer, record: str = 'text', template: str = 'auto',
+               train_on: str = 'answers'):
+    self.tokenizer, self.record = tokenizer, record
+    self.masked = record != 'text' and train_on == 'answers'
+    self.source, self.origin = (template_source(tokenizer, template) if record == 'messages'
+                                else ('', ''))
+
+  @property
+  def key(self) -> str:
+    """What, beside the tokenizer and the corpus, changes the arrays: '' for plain text."""
+    if self.record == 'text':
+      return ''
+    what = f'{self.record}\0{self.masked}\0{self.source}'
+    return hashlib.sha256(what.encode()).hexdigest()[:12]
+
+  def _text_and_spans(self, stored: str):
+    record = json.loads(stored)
+    if self.record == 'prompt_completion':
+      text = record['prompt'] + record['completion']
+      return text, [(len(record['prompt']), len(text))]
+    try:
+      return answer_spans(self.source, record['messages'],
+                          getattr(self.tokenizer, 'special_tokens', {}))
+    except TemplateError as e:
+      raise ValueError(f'config.data.chat_template: {self.origin} fails on a conversation: {e}; '
+                       'fix the records, or set config.data.chat_template=fallback or to a '
+                       '.jinja file') from None
+
+  def _encode(self, texts: list[str], spans) -> list[tuple[np.ndarray, np.ndarray]]:
+    tok = self.tokenizer
+    if hasattr(tok, 'encode_offsets_batch'):  # one encoding of the whole text: transformers' ids
+      return [(ids, _weights_of(starts, s))
+              for (ids, starts), s in zip(tok.encode_offsets_batch(texts), spans)]
+    out = []
+    for text, s in zip(texts, spans):
+      pieces = list(_pieces(text, s))
+      encoded = tok.encode_batch([p.encode() for p, _ in pieces])
+      out.append((np.concatenate([np.zeros(0, np.int32), *encoded]),
+                  np.concatenate([np.zeros(0, np.int32)] + [np.full(len(ids), int(inside),
+                                                                    np.int32)
+                                                            for ids, (_, inside) in
+                                                            zip(encoded, pieces)])))
+    return out
+
+  def _with_ends(self, ids: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
+    """BOS first and EOS last (a record's: unless its template put them there); the EOS weighs
+    what the token before it does (a completion's end is trained on)."""
+    tok, templated = self.tokenizer, self.record != 'text'
+    head = [] if templated and len(ids) and ids[0] == tok.bos_id else [tok.bos_id]
+    tail = [] if templated and len(ids) and ids[-1] == tok.eos_id else [tok.eos_id]
+    tokens = np.concatenate([np.asarray(head, np.int32), ids, np.asarray(tail, np.int32)])
+    if weights is None:
+      return tokens.astype(np.int32)
+    last = weights[-1:] if len(weights) else np.zeros(1, np.int32)
+    weights = np.concatenate([np.zeros(len(head), np.int32), weights,
+                              last if tail else np.zeros(0, np.int32)])
+    return np.stack([tokens, weights]).astype(np.int32)
+
+  def __call__(self, stored: list[bytes]) -> list[np.ndarray]:
+    tok = self.tokenizer
+    if self.record == 'text':
+      return [self._with_ends(ids, None) for ids in tok.encode_batch(stored)]
+    texts, spans = zip(*(self._text_and_spans(s.decode('utf-8')) for s in stored))
+    if not self.masked:
+      return [self._with_ends(ids, None) for ids in tok.encode_batch([t.encode() for t in texts])]
+    return [self._with_ends(ids, weights) for ids, weights in self._encode(list(texts), spans)]
+
+
+def ids_and_weights(document: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+  """A document's ids, and the weight of predicting each (None: every one weighs 1)."""
+  return (document, None) if document.ndim == 1 else (document[0], document[1])

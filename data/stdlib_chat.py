@@ -1,0 +1,92 @@
+"""A chat corpus every machine has: questions about the standard library's functions, answered by
+their docstrings, as JSON Lines of `{"messages": [{"role", "content"}, …]}`.
+
+  python -m data.stdlib_chat --output=/tmp/stdlib-chat.jsonl
+
+Each public function or method with a docstring gives one conversation: the user asks what
+`module.name(arguments)` does, the assistant answers with the docstring's first paragraph; every
+fourth has a system prompt. The functions come in sorted order of their files, so the file is
+the same on every machine with the same Python. It is written beside --output and renamed when
+whole.
+"""
+
+import ast
+import json
+import os
+import pathlib
+import sys
+import sysconfig
+import uuid
+
+from absl import app, flags
+
+from runtime import cli
+
+_OUTPUT = flags.DEFINE_string('output', None, 'The .jsonl file to write.', required=True)
+_MAX = flags.DEFINE_integer('max_records', 5000, 'At most this many conversations.')
+
+SYSTEM = 'You answer questions about Python in one short paragraph.'
+
+
+def _answer(docstring: str) -> str | None:
+  """The docstring's first paragraph on one line, if it reads like a sentence."""
+  paragraph = docstring.strip().split('\n\n')[0]
+  text = ' '.join(line.strip() for line in paragraph.splitlines())
+  return text if 20 <= len(text) <= 400 and text[0].isupper() else None
+
+
+def conversations(root: pathlib.Path):
+  for path in sorted(root.rglob('*.py')):
+    relative = path.relative_to(root)
+    if any(part.startswith(('_', 'test', 'site-packages', 'idlelib')) for part in relative.parts):
+      continue
+    module = '.'.join(relative.with_suffix('').parts).removesuffix('.__init__')
+    try:
+      tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):
+      continue
+    for node in ast.walk(tree):
+      body = node.body if isinstance(node, (ast.Module, ast.ClassDef)) else []
+      for item in body:
+        if not isinstance(item, ast.FunctionDef) or item.name.startswith('_'):
+          continue
+        answer = _answer(ast.get_docstring(item) or '')
+        if answer is None:
+          continue
+        owner = f'{module}.{node.name}' if isinstance(node, ast.ClassDef) else module
+        question = f'What does `{owner}.{item.name}({ast.unparse(item.args)})` do?'
+        yield [{'role': 'user', 'content': question}, {'role': 'assistant', 'content': answer}]
+
+
+def write(output: pathlib.Path, limit: int) -> int:
+  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
+  output.parent.mkdir(parents=True, exist_ok=True)
+  partial = output.with_name(f'.{output.name}.partial-{uuid.uuid4().hex[:8]}')
+  count = 0
+  try:
+    with open(partial, 'w', encoding='utf-8') as f:
+      for count, messages in enumerate(conversations(root), 1):
+        if count % 4 == 0:
+          messages = [{'role': 'system', 'content': SYSTEM}, *messages]
+        f.write(json.dumps({'messages': messages}, ensure_ascii=False) + '\n')
+        if count == limit:
+          break
+    os.replace(partial, output)
+  except BaseException:
+    partial.unlink(missing_ok=True)
+    raise
+  return count
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if _MAX.value < 2:
+    raise ValueError(f'--max_records={_MAX.value} must be at least 2 (a train and a validation '
+                     'record)')
+  count = write(pathlib.Path(_OUTPUT.value).expanduser(), _MAX.value)
+  print(f'{count} conversations → {_OUTPUT.value} (Python {sys.version.split()[0]})')
+
+
+if __name__ == '__main__':
+  cli.run(main)
