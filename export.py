@@ -5,16 +5,19 @@
 
 The directory holds config.json, model.safetensors (sharded with model.safetensors.index.json
 above --max_shard_gb) and the tokenizer's files, and loads with
-transformers.AutoModelForCausalLM.from_pretrained(DIR). It is written beside --output and moved
-there whole; an existing non-empty --output is refused.
+transformers.AutoModelForCausalLM.from_pretrained(DIR). A run with LoRA adapters is exported with
+them merged into its weights, or with --lora=peft as a PEFT adapter alone (runtime/peft.py):
+  python export.py --workdir=/tmp/meshlm-lora --output=/tmp/meshlm-lora-adapter --lora=peft
+It is written beside --output and moved there whole; an existing non-empty --output is refused.
 """
 
+import dataclasses
 import pathlib
 
 from absl import app, flags
 from flax import nnx
 
-from runtime import cli, huggingface
+from runtime import cli, huggingface, peft
 from training import sampling
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "A run's workdir, checkpoints/ or "
@@ -24,6 +27,8 @@ _OUTPUT = flags.DEFINE_string('output', None, 'A new (or empty) directory to wri
                               required=True)
 _DTYPE = flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16', 'float16'],
                            "The tensors' dtype; default: the run's config.model.param_dtype.")
+_LORA = flags.DEFINE_enum('lora', 'merge', ['merge', 'peft'], "A run with adapters: merge them "
+                          'into the weights, or write them as a PEFT adapter alone.')
 _MAX_SHARD_GB = flags.DEFINE_float('max_shard_gb', 5.0, 'Safetensors files of at most this many '
                                    'GB (10^9 bytes), as transformers shards.')
 
@@ -37,10 +42,22 @@ def main(argv):
     raise ValueError(f'--max_shard_gb={_MAX_SHARD_GB.value} must be positive')
   workdir = pathlib.Path(_WORKDIR.value).expanduser()
   loaded = sampling.load(str(workdir), step=_STEP.value)
-  dtype = _DTYPE.value or loaded.config.model.param_dtype
-  print(f'# {loaded.checkpoint} → {output} ({dtype})')
-  huggingface.export(nnx.state(loaded.model), loaded.model.cfg, loaded.tokenizer,
-                     loaded.config.seq_len, output, dtype=dtype,
+  cfg, params = loaded.model.cfg, nnx.state(loaded.model)
+  if _LORA.value == 'peft':
+    if not cfg.lora_rank:
+      raise ValueError(f'--lora=peft: {loaded.checkpoint} has no adapters (its '
+                       'config.model.lora_rank is 0); export it whole, without --lora')
+    dtype = _DTYPE.value or cfg.param_dtype
+    print(f'# {loaded.checkpoint} → {output} (PEFT adapter, {dtype})')
+    peft.write(params, cfg, output, dtype=dtype, tokenizer=loaded.tokenizer,
+               base_model=loaded.init_from.removeprefix(huggingface.PREFIX))
+    return
+  dtype = _DTYPE.value or cfg.weight_dtype.name
+  print(f'# {loaded.checkpoint} → {output} ({dtype}'
+        f'{", adapters merged" if cfg.lora_rank else ""})')
+  if cfg.lora_rank:
+    params, cfg = peft.merged(params, cfg), dataclasses.replace(cfg, lora_rank=0)
+  huggingface.export(params, cfg, loaded.tokenizer, loaded.config.seq_len, output, dtype=dtype,
                      max_shard_bytes=int(_MAX_SHARD_GB.value * 1e9))
 
 

@@ -77,6 +77,11 @@ def get_config() -> ml_collections.ConfigDict:
   m.load_balance_loss = 0.01  # weight of the load-balancing loss (1.0 when balanced)
   m.router_z_loss = 0.001  # weight of the router's mean log(Z)^2
   m.expert_matmul = 'pallas'  # pallas (ours; interpret mode off GPU) | ragged_dot | dense
+  # LoRA (docs/fine-tuning.md): rank > 0 adds adapters to these projections and trains only them;
+  # the base is frozen in compute_dtype, and the optimizer holds the adapters alone.
+  m.lora_rank = 0  # r; 0: no adapters, every parameter trains
+  m.lora_alpha = 16.0  # the adapters' output is scaled by alpha / r (PEFT's lora_alpha)
+  m.lora_targets = 'q,k,v,o,gate,up,down'  # of q, k, v, o (attention), gate, up, down (MLP)
 
   c.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = 1  # pure data parallelism: parameters replicated

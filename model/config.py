@@ -14,6 +14,7 @@ CONTEXT_PARALLEL = ('all_gather', 'ring')  # kernels/context_parallel.py
 ROPE_TYPES = ('default', 'llama3')  # transformers' names: plain RoPE, Llama 3.1's rescaling
 MATMUL_PRECISIONS = ('default', 'fp8')  # projections on compute-dtype or scaled fp8 operands
 ROUTERS = ('softmax', 'sigmoid')  # model/moe.py: Mixtral's and Qwen's; DeepSeek-V3's
+LORA_TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')  # the projections adapters may adapt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,10 @@ class ModelConfig:
   load_balance_loss: float  # weight of the load-balancing loss (1 when perfectly balanced)
   router_z_loss: float  # weight of the router's mean log(Z)²
   expert_matmul: str  # kernels/grouped_matmul.py: pallas (ours) | ragged_dot | dense
+  # Low-rank adapters (model/layers.py: Adapter); lora_rank = 0: none, every parameter trains.
+  lora_rank: int  # r: W x + (lora_alpha / r) · B A x on each target projection, the rest frozen
+  lora_alpha: float
+  lora_targets: str  # comma-separated, of LORA_TARGETS
 
   def __post_init__(self):
     if self.vocab_size == 0:
@@ -111,6 +116,23 @@ class ModelConfig:
     _check_choice('matmul_precision', self.matmul_precision, MATMUL_PRECISIONS)
     if self.experts:
       self._check_experts()
+    if self.lora_rank:
+      self._check_lora()
+
+  def _check_lora(self):
+    if self.lora_rank < 0:
+      raise ValueError(f'config.model.lora_rank={self.lora_rank} must be 0 (no adapters) or more')
+    if not self.lora_alpha > 0:
+      raise ValueError(f'config.model.lora_alpha={self.lora_alpha} must be positive')
+    if not self.lora_target_names or set(self.lora_target_names) - set(LORA_TARGETS):
+      raise ValueError(f'config.model.lora_targets={self.lora_targets!r} must name some of '
+                       f'{",".join(LORA_TARGETS)}, comma-separated')
+    if self.experts:
+      raise ValueError('config.model.lora_rank > 0 adapts dense models only: an MoE\'s experts '
+                       'have no adapters yet; set lora_rank=0 or experts=0')
+    if self.matmul_precision == 'fp8':
+      raise ValueError("config.model.lora_rank > 0 keeps the base in the compute dtype; use "
+                       "--config.model.matmul_precision=default with it")
 
   def _check_experts(self):
     if self.experts < 2:
@@ -178,7 +200,16 @@ class ModelConfig:
 
   @property
   def weight_dtype(self):
-    return jnp.dtype(self.param_dtype)
+    """The base parameters': param_dtype, or, frozen under adapters, the compute dtype."""
+    return jnp.dtype(self.compute_dtype if self.lora_rank else self.param_dtype)
+
+  @property
+  def lora_target_names(self) -> tuple[str, ...]:
+    return tuple(t.strip() for t in self.lora_targets.split(',') if t.strip())
+
+  @property
+  def lora_scale(self) -> float:
+    return self.lora_alpha / self.lora_rank
 
 
 def _check_choice(field, value, choices):

@@ -38,6 +38,51 @@ def param(rngs: nnx.Rngs, shape: tuple, names: tuple, dtype, stddev: float | Non
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+class LoRA(nnx.Param):
+  """A low-rank adapter's parameter: what trains while every other parameter is frozen."""
+
+
+class Adapter(nnx.Module):
+  """LoRA on a projection W[in…, out…]: A[in…, lora] drawn as PEFT draws it (uniform within
+  ±1/√fan_in), B[lora, out…] zero, so the adapted model starts as the base; the projection gains
+  (alpha/r) · (x A) B. A and B take W's logical names for its dimensions, so they shard with it,
+  and 'lora' (replicated) for the rank."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, in_shape: tuple, in_names: tuple,
+               out_shape: tuple, out_names: tuple):
+    r, dt, fan_in = cfg.lora_rank, cfg.param_dtype, int(np.prod(in_shape))
+    bound = fan_in ** -0.5
+    self.a = LoRA(jax.random.uniform(rngs.params(), (*in_shape, r), dt, -bound, bound),
+                  out_sharding=(*in_names, 'lora'), eager_sharding=False)
+    self.b = LoRA(jnp.zeros((r, *out_shape), dt), out_sharding=('lora', *out_names),
+                  eager_sharding=False)
+    self.scale = cfg.lora_scale
+
+  def __call__(self, spec: str, x):
+    """(alpha/r) · (x A) B for the projection `spec` ('bld,dnh->blnh'), in x's dtype."""
+    inputs, out = spec.split('->')
+    x_letters, w_letters = inputs.split(',')
+    reduced = ''.join(c for c in w_letters if c in x_letters)
+    kept = ''.join(c for c in x_letters if c not in reduced)
+    xa = jnp.einsum(f'{x_letters},{reduced}r->{kept}r', x, self.a[...].astype(x.dtype))
+    xab = jnp.einsum(f'{kept}r,r{w_letters[len(reduced):]}->{out}', xa,
+                     self.b[...].astype(x.dtype))
+    return (self.scale * xab).astype(x.dtype)
+
+
+def adapter(cfg: ModelConfig, rngs: nnx.Rngs, target: str, in_shape, in_names, out_shape,
+            out_names) -> Adapter | None:
+  """The adapter of projection `target` (model/config.py: LORA_TARGETS), if cfg adapts it."""
+  if not cfg.lora_rank or target not in cfg.lora_target_names:
+    return None
+  return Adapter(cfg, rngs, in_shape, in_names, out_shape, out_names)
+
+
+def split_adapters(params):
+  """(the adapters' parameters, the rest): the trained and the frozen, under LoRA."""
+  return nnx.split_state(params, LoRA, ...)
+
+
 def gathered(w, names: tuple, dtype):
   """w cast to `dtype` where it lies (its parameter sharding), then laid out as compute names it:
   an FSDP gather moves the compute dtype, never the fp32 master copy."""
@@ -49,15 +94,17 @@ def weight(p: nnx.Param, cfg: ModelConfig):
   return p[...].astype(cfg.reduce_dtype)
 
 
-def project(spec: str, x, p: nnx.Param, cfg: ModelConfig):
-  """matmul of x by a layer's weight p. Under a remat policy the backward recomputes the forward,
-  the weight's FSDP gather included, so the backward uses that gather rather than make its own;
-  without one, the backward gathers again rather than hold every layer's whole weights from
-  forward to backward (ZeRO-3). With matmul_precision 'fp8' the operands are scaled fp8
-  (kernels/matmul.py: fp8_matmul)."""
+def project(spec: str, x, p: nnx.Param, cfg: ModelConfig, lora: Adapter | None = None):
+  """matmul of x by a layer's weight p (plus its adapter's output, under LoRA). Under a remat
+  policy the backward recomputes the forward, the weight's FSDP gather included, so the backward
+  uses that gather rather than make its own; without one, the backward gathers again rather than
+  hold every layer's whole weights from forward to backward (ZeRO-3). With matmul_precision 'fp8'
+  the operands are scaled fp8 (kernels/matmul.py: fp8_matmul)."""
   w = weight(p, cfg)
   multiply = fp8_matmul if cfg.matmul_precision == 'fp8' else matmul
   out = multiply(spec, x, w, x.dtype, None if cfg.remat_policy == 'none' else w.astype(x.dtype))
+  if lora is not None:
+    out = out + lora(spec, x)
   # Remat policies cannot see the dots inside a custom_vjp: the name lets them save its output.
   return checkpoint_name(out, 'projection')
 
@@ -118,15 +165,21 @@ class Attention(nnx.Module):
     self.wk = param(rngs, (D, K, H), ('embed', 'kv_heads', 'head_dim'), dt, D ** -0.5)
     self.wv = param(rngs, (D, K, H), ('embed', 'kv_heads', 'head_dim'), dt, D ** -0.5)
     self.wo = param(rngs, (N, H, D), ('heads', 'head_dim', 'embed'), dt, (N * H) ** -0.5)
+    D_, NH, KH = ((D,), ('embed',)), ((N, H), ('heads', 'head_dim')), ((K, H), ('kv_heads',
+                                                                            'head_dim'))
+    self.wq_lora = adapter(cfg, rngs, 'q', *D_, *NH)
+    self.wk_lora = adapter(cfg, rngs, 'k', *D_, *KH)
+    self.wv_lora = adapter(cfg, rngs, 'v', *D_, *KH)
+    self.wo_lora = adapter(cfg, rngs, 'o', *NH, *D_)
     if cfg.qk_norm:  # one scale[H] each, shared by the heads
       self.q_norm, self.k_norm = RMSNorm(cfg, rngs, H), RMSNorm(cfg, rngs, H)
 
   def _project(self, x_BLD, positions_BL):
     """q, k, v with rotary embeddings applied to q and k (after their norms, with qk_norm)."""
     cfg = self.cfg
-    q_BLNH = project('bld,dnh->blnh', x_BLD, self.wq, cfg)
-    k_BLKH = project('bld,dkh->blkh', x_BLD, self.wk, cfg)
-    v_BLKH = project('bld,dkh->blkh', x_BLD, self.wv, cfg)
+    q_BLNH = project('bld,dnh->blnh', x_BLD, self.wq, cfg, self.wq_lora)
+    k_BLKH = project('bld,dkh->blkh', x_BLD, self.wk, cfg, self.wk_lora)
+    v_BLKH = project('bld,dkh->blkh', x_BLD, self.wv, cfg, self.wv_lora)
     if cfg.qk_norm:
       q_BLNH, k_BLKH = self.q_norm(q_BLNH), self.k_norm(k_BLKH)
     inv_freq_h = rope_frequencies(cfg)
@@ -141,7 +194,7 @@ class Attention(nnx.Module):
     k_BSKH = k_BSKH.at[rows_B1, positions_BT].set(k_BTKH.astype(k_BSKH.dtype))
     v_BSKH = v_BSKH.at[rows_B1, positions_BT].set(v_BTKH.astype(v_BSKH.dtype))
     out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
-    out_BTD = project('btnh,nhd->btd', out_BTNH, self.wo, self.cfg)
+    out_BTD = project('btnh,nhd->btd', out_BTNH, self.wo, self.cfg, self.wo_lora)
     return out_BTD, k_BSKH, v_BSKH
 
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
@@ -189,7 +242,7 @@ class Attention(nnx.Module):
     out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
     out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
                                'attention_out')
-    return project('blnh,nhd->bld', out_BLNH, self.wo, self.cfg)
+    return project('blnh,nhd->bld', out_BLNH, self.wo, self.cfg, self.wo_lora)
 
 
 class MLP(nnx.Module):
@@ -201,11 +254,15 @@ class MLP(nnx.Module):
     self.w_gate = param(rngs, (D, F), ('embed', 'mlp'), dt, D ** -0.5)
     self.w_up = param(rngs, (D, F), ('embed', 'mlp'), dt, D ** -0.5)
     self.w_down = param(rngs, (F, D), ('mlp', 'embed'), dt, F ** -0.5)
+    D_, F_ = ((D,), ('embed',)), ((F,), ('mlp',))
+    self.w_gate_lora = adapter(cfg, rngs, 'gate', *D_, *F_)
+    self.w_up_lora = adapter(cfg, rngs, 'up', *D_, *F_)
+    self.w_down_lora = adapter(cfg, rngs, 'down', *F_, *D_)
 
   def __call__(self, x_BLD):
     cfg = self.cfg
-    gate_BLF = project('bld,df->blf', x_BLD, self.w_gate, cfg)
-    up_BLF = project('bld,df->blf', x_BLD, self.w_up, cfg)
+    gate_BLF = project('bld,df->blf', x_BLD, self.w_gate, cfg, self.w_gate_lora)
+    up_BLF = project('bld,df->blf', x_BLD, self.w_up, cfg, self.w_up_lora)
     h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
     h_BLF = checkpoint_name(h_BLF, 'mlp_hidden')
-    return project('blf,fd->bld', h_BLF, self.w_down, cfg)
+    return project('blf,fd->bld', h_BLF, self.w_down, cfg, self.w_down_lora)

@@ -7,6 +7,8 @@ convention:
   attention = 12 · n_layers · n_heads · head_dim · seq_len               per token,
               halved when causal (only the lower triangle of QKᵀ and PV is useful work)
 Rematerialised recomputation is not credited: MFU counts the model's work, not the program's.
+Under LoRA the frozen weights take no gradient: they count 4 · params (forward, and the
+activations' gradients through them), the adapters 6 · theirs.
 """
 
 from model.config import ModelConfig
@@ -31,6 +33,15 @@ def matmul_params_per_layer(cfg: ModelConfig, experts: bool = False) -> int:
   return attention + cfg.d_model * cfg.experts + 3 * cfg.d_model * cfg.expert_width * taken
 
 
+def adapter_params_per_layer(cfg: ModelConfig) -> int:
+  """The LoRA adapters' parameters in one layer: r · (fan in + fan out) of each target."""
+  D, F = cfg.d_model, cfg.d_ff
+  q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+  sizes = {'q': D + q, 'k': D + kv, 'v': D + kv, 'o': q + D, 'gate': D + F, 'up': D + F,
+           'down': F + D}
+  return cfg.lora_rank * sum(sizes[t] for t in cfg.lora_target_names) if cfg.lora_rank else 0
+
+
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
   attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
   return attention / 2 if causal else attention
@@ -39,7 +50,9 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = Tru
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
   layers = ((cfg.n_layers - cfg.moe_layers) * matmul_params_per_layer(cfg)
             + cfg.moe_layers * matmul_params_per_layer(cfg, experts=True))
-  dense = 6 * (layers + cfg.d_model * cfg.vocab_size)
+  weights = 4 if cfg.lora_rank else 6  # frozen under LoRA: no weight gradient
+  dense = weights * (layers + cfg.d_model * cfg.vocab_size)
+  dense += 6 * cfg.n_layers * adapter_params_per_layer(cfg)
   return dense + attention_flops_per_token(cfg, seq_len, causal)
 
 

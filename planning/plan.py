@@ -22,6 +22,9 @@ its total is within the target's memory (planning/target.py says where that figu
 
 import dataclasses
 import json
+import math
+
+import jax
 
 from planning import flops as flops_lib
 from planning import gpu_compiler, gpus, timing
@@ -63,6 +66,8 @@ class Plan:
                             # for a GPU of planning/gpus.py; None for other devices
   partition: str = 'flat'  # how parameters cross data (config.partition): flat, or hierarchical
                            # with what crosses in int8
+  param_bytes: int = 0  # of argument_bytes: the parameters a device holds (its shards)
+  optimizer_bytes: int = 0  # and the optimizer state (under LoRA, the adapters' alone)
 
   @property
   def collective_bytes(self) -> int:
@@ -118,7 +123,15 @@ def make_plan(compiled, setup, config, target: Target) -> Plan:
           hlo, lambda device: device // target.gpus_per_node),
       gpus_per_node=target.gpus_per_node, partition=partition_name(config.partition),
       memory_bytes=target.memory_bytes, memory_source=target.memory_source,
-      time=predicted_time(predicted, gpu, tokens / n, flops))
+      time=predicted_time(predicted, gpu, tokens / n, flops),
+      param_bytes=_device_bytes(setup.abstract_state.params),
+      optimizer_bytes=_device_bytes(setup.abstract_state.opt_state))
+
+
+def _device_bytes(abstract) -> int:
+  """What one device holds of `abstract` (ShapeDtypeStructs with shardings), wherever it lives."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(abstract))
 
 
 def partition_name(partition) -> str:
@@ -191,6 +204,8 @@ def report(plan: Plan) -> None:
               f' through {plan.mesh["stage"]} stages × {plan.virtual_stages} virtual'
               if plan.mesh.get('stage', 1) > 1 else '')),
           ('arguments / device', readable_bytes(plan.argument_bytes)),
+          ('state / device', f'parameters {readable_bytes(plan.param_bytes)}, optimizer '
+                             f'{readable_bytes(plan.optimizer_bytes)} (wherever they live)'),
           ('outputs / device', f'{readable_bytes(plan.output_bytes)} ({readable_bytes(plan.alias_bytes)} of them '
                                'in place of donated arguments)'),
           ('temporaries / device', readable_bytes(plan.temp_bytes)),

@@ -217,9 +217,11 @@ class Checkpointer:
     except Exception:  # a corrupted checkpoint: restore_latest reports it
       return {}
 
-  def check(self, abstract_tree, step: int, *, setting: str, model_config) -> bool:
+  def check(self, abstract_tree, step: int, *, setting: str, model_config,
+            any_dtype: bool = False) -> bool:
     """Whether checkpoint `step` reads; CheckpointMismatch if it holds other arrays than
-    `abstract_tree` (a TrainState, or a subtree such as {'params': ...})."""
+    `abstract_tree` (a TrainState, or a subtree such as {'params': ...}): other shapes, or with
+    `any_dtype` False other dtypes."""
     if not (self.directory / str(step) / 'state' / '_METADATA').is_file():
       return False  # without it orbax guesses a partial tree, which would look like another model
     try:
@@ -229,6 +231,8 @@ class Checkpointer:
     wanted = _arrays(abstract_tree)
     if isinstance(abstract_tree, dict):  # a subtree: the rest of the checkpoint is not wanted
       saved = {k: v for k, v in saved.items() if k.split('.')[0] in abstract_tree}
+    if any_dtype:
+      saved, wanted = ({k: v[:1] for k, v in arrays.items()} for arrays in (saved, wanted))
     differences = _differences(saved, wanted)
     if differences:
       saved_model = self.saved_config(step).get('model', {})
@@ -428,11 +432,19 @@ def _init_from(path: str, abstract_params, model_config, setting: str = 'config.
   """The read-only Checkpointer, step and wanted tree of `setting` (config.init_from), checked."""
   directory, step = step_directory(path, setting)
   checkpointer, wanted = Checkpointer(directory, read_only=True), {'params': abstract_params}
-  if not checkpointer.check(wanted, step, setting=setting, model_config=model_config):
+  if not checkpointer.check(wanted, step, setting=setting, model_config=model_config,
+                            any_dtype=True):
     checkpointer.close()
     raise ValueError(f'{setting}: checkpoint {directory / str(step)} is damaged (its metadata '
                      f'does not read); it is left as it is. {_others(checkpointer, step)}')
-  return checkpointer, step, wanted
+  # Read as saved (the checksums are of those arrays), cast after: a run may start from
+  # another's parameters in another dtype (LoRA's base is frozen in the compute dtype).
+  saved = _arrays(checkpointer.manager.item_metadata(step)['state'])
+  as_saved = jax.tree_util.tree_map_with_path(
+      lambda path, a: jax.ShapeDtypeStruct(
+          a.shape, saved[jax.tree_util.keystr(path, simple=True, separator='.')][1],
+          sharding=a.sharding), wanted)
+  return checkpointer, step, as_saved
 
 
 def _others(checkpointer: Checkpointer, step: int) -> str:
@@ -467,6 +479,8 @@ def restore_params(path: str, abstract_params, model_config, setting: str = 'con
     if error:
       raise ValueError(f'{setting}: checkpoint {checkpointer.directory / str(step)} is damaged '
                        f'({error}); it is left as it is. {_others(checkpointer, step)}')
-    return restored.state['params'], checkpointer.directory / str(step)
+    params = jax.tree.map(lambda x, a: x.astype(a.dtype), restored.state['params'],
+                          abstract_params)
+    return params, checkpointer.directory / str(step)
   finally:
     checkpointer.close()

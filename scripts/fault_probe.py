@@ -177,6 +177,10 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'init_from nothing': (['--config.init_from=/nonexistent'], 'config.init_from'),
     'hf: without config.json': (['--config.init_from=hf:/nonexistent'], 'holds no config.json'),
     'extra argument': (['oops'], 'unexpected arguments'),
+    'LoRA target typo': (['--config.model.lora_rank=4', '--config.model.lora_targets=q,x'],
+                         "config.model.lora_targets='q,x'"),
+    'chat template file missing': (['--config.data.chat_template=/nonexistent.jinja'],
+                                   'config.data.chat_template'),
 }
 
 
@@ -607,6 +611,13 @@ def _(p):
   verdict = refused(p.run('export.py', f'--workdir={p.template}', f'--output={out}'),
                     'is not an empty directory')
   return verdict if (out / 'mine').read_text() == 'mine' else ('BAD', 'overwritten')
+
+
+@case('export.py: --lora=peft of a run without adapters')
+def _(p):
+  out = p.path('out')
+  return refused(p.run('export.py', f'--workdir={p.template}', f'--output={out}', '--lora=peft'),
+                 'has no adapters', [out])
 
 
 @case('export.py: --max_shard_gb=0')

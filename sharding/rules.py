@@ -48,6 +48,7 @@ PARAM_RULES = (
     ('experts', 'expert'),
     ('expert_scores', None),  # the router's: every token's device scores every expert
     ('norm', None),
+    ('lora', None),  # an adapter's rank (model/layers.py: Adapter): its other names are its weight's
 )
 
 ACTIVATION_RULES = (
@@ -65,6 +66,7 @@ ACTIVATION_RULES = (
     ('experts', 'expert'),  # an expert's weights stay on its devices; the tokens travel
     ('expert_scores', None),
     ('vocab', 'tensor'),
+    ('lora', None),
 )
 
 def activation_rules() -> tuple:

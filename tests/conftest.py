@@ -195,6 +195,8 @@ FAST = (
     'test_chat.py::test_chat_templates_render_and_tokenize_as_transformers_does',
     'test_chat.py::test_answer_weights_survive_packing_cut_anywhere',
     'test_chat.py::test_record_settings_and_files_that_hold_nothing_are_one_clear_error',
+    'test_lora.py::test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does',
+    'test_lora.py::test_lora_settings_are_checked_before_anything_is_built',
 )
 
 

@@ -245,11 +245,14 @@ def walkthrough_commands(tmp_path) -> list[str]:
 
 
 def test_the_walkthrough_fine_tunes_an_imported_model_and_exports_it(tmp_path):
-  """The preset's docstring, run as a user would (fewer records and steps): the export holds the
-  run's weights, the tokenizer with its chat template, and the imported context limit."""
+  """The preset's docstring, run as a user would (fewer records and steps): LoRA on the imported
+  model; the merged export holds the tokenizer with its chat template and the imported context
+  limit; the PEFT export is the adapters; and where transformers and peft are installed, the
+  base with the PEFT adapter computes what the merged export does."""
   commands = walkthrough_commands(tmp_path)
-  assert [c.split()[:2] for c in commands] == [['python', '-m'], ['cp', '-r'],
-                                               ['python', 'train.py'], ['python', 'export.py']]
+  assert [c.split()[:2] for c in commands] == [
+      ['python', '-m'], ['cp', '-r'], ['python', 'train.py'], ['python', 'export.py'],
+      ['python', 'export.py']]
   script = '\n'.join([f'python() {{ {shlex.quote(sys.executable)} "$@"; }}', *commands])
   done = subprocess.run(['bash', '-e', '-c', script], cwd=REPO, capture_output=True, text=True,
                         timeout=600)
@@ -261,3 +264,19 @@ def test_the_walkthrough_fine_tunes_an_imported_model_and_exports_it(tmp_path):
       (CHAT / 'llama3' / 'tokenizer_config.json').read_text())['chat_template']
   metrics = [json.loads(line) for line in (tmp_path / 'meshlm-finetune' / 'metrics.jsonl').open()]
   assert metrics[-1]['eval_tokens'] > 0 and metrics[-1]['step'] == 6
+  adapter = tmp_path / 'tiny-llama-adapter'
+  assert json.loads((adapter / 'adapter_config.json').read_text())['r'] == 16
+  assert (adapter / 'adapter_model.safetensors').is_file()
+  try:
+    import peft
+    import torch
+    import transformers
+  except ImportError:
+    return  # CI has no torch: tests/test_lora.py's PEFT goldens stand in
+  tokens = torch.arange(40).reshape(2, 20)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+  base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'tiny-llama').eval()
+  adapted = peft.PeftModel.from_pretrained(base, adapter).eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(adapted(tokens).logits.numpy(), merged(tokens).logits.numpy(),
+                               atol=1e-4)

@@ -1,5 +1,6 @@
-"""notebooks/quickstart.ipynb runs from top to bottom (nbclient, a real Jupyter kernel) and shows
-what it promises: the mesh, a falling loss, a plot, sampled text."""
+"""The notebooks run from top to bottom (nbclient, a real Jupyter kernel) and show what they
+promise: quickstart.ipynb the mesh, a falling loss, a plot, sampled text; finetune.ipynb a chat
+corpus and its template, LoRA, the exports, an answer."""
 
 import pathlib
 
@@ -23,3 +24,20 @@ def test_quickstart_notebook_runs():
   assert last < first
   assert any('image/png' in o.get('data', {}) for o in outputs)
   assert "--- 'def '\ndef " in text and "--- 'import '\nimport " in text
+
+
+def test_finetune_notebook_runs():
+  """notebooks/finetune.ipynb: records and their template, LoRA on the imported model, both
+  exports, a chat answer."""
+  notebook = nbformat.read(REPO / 'notebooks' / 'finetune.ipynb', as_version=4)
+  nbclient.NotebookClient(notebook, timeout=600, kernel_name='python3',
+                          resources={'metadata': {'path': str(REPO)}}).execute()
+  text = ''.join(o.get('text', '') for cell in notebook.cells if cell.cell_type == 'code'
+                 for o in cell.outputs)
+  assert "template from: the chat template of" in text and ' trained on: ' in text
+  assert 'adapters 32,768 parameters (trained), base 115,008 (frozen)' in text
+  assert "Adam's moments of the adapters alone, 65,536 numbers" in text
+  first, last = map(float, text.split('loss ')[-1].split(';')[0].split(' → '))
+  assert last < first
+  assert "'adapter_config.json', 'adapter_model.safetensors'" in text
+  assert 'context limit kept: 128' in text and '<|start_header_id|>assistant' in text

@@ -26,7 +26,7 @@ from runtime.preemption import StopSignals
 import sharding
 from training import hooks, layout, settings
 from training.evaluation import Evaluator
-from training.state import build, param_count
+from training.state import base_params, build, param_count
 from training.step import compile_and_plan
 
 
@@ -70,10 +70,11 @@ def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
         checkpoint_lib.check_resume(checkpointer.saved_config(step), config,
                                     checkpointer.directory / str(step))
         return
+    base = base_params(setup.model_cfg, setup.abstract_state.params)
     if (hf := huggingface.directory(config.init_from)) and not steps:
-      huggingface.check(hf, setup.abstract_state.params, setup.model_cfg)
+      huggingface.check(hf, base, setup.model_cfg)
     elif config.init_from and not steps:
-      checkpoint_lib.check_init_from(config.init_from, setup.abstract_state.params, config.model)
+      checkpoint_lib.check_init_from(config.init_from, base, config.model)
   except checkpoint_lib.CheckpointMismatch as e:
     if 'vocab_size' in e.saved_model:
       tokenizers.check_checkpoint_vocab(e.saved_model['vocab_size'], tokenizer,
@@ -89,13 +90,13 @@ def initial_state(setup, config, checkpointer, log):
   if restored:
     log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')
     return restored
+  base = base_params(setup.model_cfg, setup.abstract_state.params)  # under LoRA, not adapters
   if hf := huggingface.directory(config.init_from):
-    params = huggingface.load_params(hf, setup.abstract_state.params, setup.model_cfg)
+    params = huggingface.load_params(hf, base, setup.model_cfg)
     log(f'starting from the Hugging Face checkpoint {hf} (fresh optimizer, step 0)')
     return 0, setup.init_state(params), None
   if config.init_from:
-    params, path = checkpoint_lib.restore_params(config.init_from, setup.abstract_state.params,
-                                                 config.model)
+    params, path = checkpoint_lib.restore_params(config.init_from, base, config.model)
     log(f'starting from the parameters of {path} (fresh optimizer, step 0)')
     return 0, setup.init_state(params), None
   return 0, setup.init_state(), None

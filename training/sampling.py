@@ -32,6 +32,7 @@ class Loaded:
   tokenizer: tokenizers.Tokenizer
   config: ml_collections.ConfigDict  # the run's resolved config, as saved
   checkpoint: str  # the step directory it came from
+  init_from: str = ''  # where the run started (config.init_from as saved): an adapter's base
 
 
 def check_arguments(max_new_tokens: int, temperature: float, top_k: int, max_len: int) -> None:
@@ -76,7 +77,8 @@ def load(path: str, step: int | None = None) -> Loaded:
                           abstract, shardings)
   params, step_dir = checkpoint_lib.restore_params(str(directory / str(step)), abstract,
                                                    config.model, setting='--workdir')
-  return Loaded(nnx.merge(graphdef, params), tokenizer, config, str(step_dir))
+  return Loaded(nnx.merge(graphdef, params), tokenizer, config, str(step_dir),
+                saved.get('init_from', ''))
 
 
 def _known(saved: dict, known) -> dict:
@@ -87,13 +89,15 @@ def _known(saved: dict, known) -> dict:
 def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.8,
              top_k: int = 40, seed: int = 0, max_len: int = 0) -> list[str]:
   """Each prompt's continuation (text after the prompt), up to the end of a document or
-  `max_new_tokens` tokens. Every prompt starts as a document does, after BOS.
+  `max_new_tokens` tokens. Every prompt starts as a document does, after BOS (a prompt whose
+  text begins with it, as a chat template's may, is not given a second).
 
   Prompt and continuation together are at most `max_len` tokens (0: the seq_len the model was
   trained at, beyond which its positions are untried); a longer max_len must leave the KV cache
   room in memory. Both are checked before anything is allocated."""
   tok = loaded.tokenizer
-  ids = [[tok.bos_id, *tok.encode(p.encode())] for p in prompts]
+  ids = [list(tok.encode(p.encode())) for p in prompts]
+  ids = [row if row[:1] == [tok.bos_id] else [tok.bos_id, *row] for row in ids]
   check_length(loaded, len(ids), max(map(len, ids)) + max_new_tokens, max_new_tokens, max_len)
   new = generate(loaded.model, ids, max_new_tokens, key=jax.random.key(seed),
                  temperature=temperature, top_k=top_k, eos_id=tok.eos_id, pad_id=tok.pad_id,

@@ -51,7 +51,7 @@ RANGES = {
     'model.rope_theta': POSITIVE, 'model.rope_factor': POSITIVE,
     'model.rope_low_freq_factor': POSITIVE, 'model.rope_high_freq_factor': POSITIVE,
     'model.rope_original_length': _at_least(1), 'model.max_position_embeddings': _at_least(0),
-    'model.norm_eps': POSITIVE,
+    'model.norm_eps': POSITIVE, 'model.lora_rank': _at_least(0), 'model.lora_alpha': POSITIVE,
     'model.experts': _at_least(0), 'model.experts_per_token': _at_least(1),
     'model.shared_experts': _at_least(0), 'model.expert_d_ff': _at_least(0),
     'model.dense_layers': _at_least(0), 'model.router_bias_rate': _at_least(0),

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from model import ModelConfig, Transformer
+from model.layers import split_adapters
 from planning import gpus
 from planning import target as target_lib
 import sharding
@@ -22,9 +23,23 @@ from training import optimizer, settings
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array  # int32 scalar
-  params: nnx.State  # the model's parameters, Variables holding arrays
-  opt_state: optax.OptState
+  params: nnx.State  # the model's parameters, Variables holding arrays (adapters and base alike)
+  opt_state: optax.OptState  # of the trained ones: all, or under LoRA the adapters alone
   bad_steps: jax.Array  # int32 scalar: steps not applied because their loss or gradient was not finite
+
+
+def trained(cfg: ModelConfig, params):
+  """(the parameters the optimizer trains, the frozen rest): under LoRA the adapters and the
+  base, else all of them and nothing."""
+  if cfg.lora_rank:
+    return split_adapters(params)
+  return params, nnx.State({})
+
+
+def base_params(cfg: ModelConfig, params):
+  """What a checkpoint or a Hugging Face model supplies at the start: all the parameters, or under
+  LoRA the base (the adapters start afresh)."""
+  return trained(cfg, params)[1] if cfg.lora_rank else params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +60,18 @@ class Setup:
   hierarchy: hierarchical.Hierarchy | None = None
 
   def init_state(self, params=None) -> TrainState:
-    """Initialise parameters (or start from `params`, already in their shardings) and the
-    optimizer state, directly into their shardings, at step 0."""
+    """Initialise parameters (or start from `params`, already in their shardings: under LoRA the
+    base's, the adapters initialised) and the optimizer state, directly into their shardings, at
+    step 0."""
     cfg, tx, seed = self.model_cfg, self.tx, self.seed
 
     def init(params):
-      if params is None:
-        params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+      if params is None or cfg.lora_rank:
+        fresh = nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+        params = fresh if params is None else nnx.merge_state(split_adapters(fresh)[0], params)
       zero = jnp.zeros((), jnp.int32)
-      return TrainState(step=zero, params=params, opt_state=tx.init(params), bad_steps=zero)
+      return TrainState(step=zero, params=params, opt_state=tx.init(trained(cfg, params)[0]),
+                        bad_steps=zero)
 
     with jax.set_mesh(self.mesh):
       return jax.jit(init, out_shardings=self.state_shardings)(params)
@@ -96,6 +114,10 @@ def build(config, devices=None) -> Setup:
   tx = optimizer.make_optimizer(config.optimizer, schedule)
 
   param_shardings = sharding.param_shardings(abstract_params, mesh)
+  if model_cfg.lora_rank and config.partition.hierarchical:
+    raise ValueError('config.partition.hierarchical=True splits a trained state over nodes; under '
+                     'LoRA (config.model.lora_rank > 0) only the adapters train, and their '
+                     'gradients are small: set it to False')
   if config.partition.hierarchical:
     if model_cfg.experts:
       raise ValueError('config.partition.hierarchical=True does not run MoE models yet: their '
@@ -109,14 +131,15 @@ def build(config, devices=None) -> Setup:
                        "matmul_precision='fp8' yet: each data replica would scale its own share "
                        "of a tensor; use one of them")
   hierarchy = None
-  if mesh.shape['data'] > 1 and hierarchical.replicas_run_apart(model_cfg.experts,
-                                                                model_cfg.matmul_precision):
+  if mesh.shape['data'] > 1 and hierarchical.replicas_run_apart(
+      model_cfg.experts, model_cfg.matmul_precision, model_cfg.lora_rank):
     hierarchy = hierarchical.hierarchy(config.partition, abstract_params, param_shardings, mesh)
     param_shardings = hierarchical.master_shardings(param_shardings, hierarchy.dims)
-  abstract_opt = jax.eval_shape(tx.init, abstract_params)
-  # Adam's moments mirror the parameters and take their shardings; counters are replicated.
+  abstract_opt = jax.eval_shape(tx.init, trained(model_cfg, abstract_params)[0])
+  # Adam's moments mirror the trained parameters and take their shardings; counters are
+  # replicated.
   opt_shardings = optax.tree_map_params(
-      tx, lambda _, s: s, abstract_opt, param_shardings,
+      tx, lambda _, s: s, abstract_opt, trained(model_cfg, param_shardings)[0],
       transform_non_params=lambda _: sharding.replicated(mesh))
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   opt_compute_shardings = None

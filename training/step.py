@@ -13,7 +13,7 @@ from model import moe, pipeline
 from model.layers import constrain
 from sharding import hierarchical
 from planning import plan as plan_lib
-from training.state import Setup, TrainState
+from training.state import Setup, TrainState, trained
 
 BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
               'segment_ids': np.int32, 'weights': np.float32}
@@ -43,22 +43,23 @@ def context_layout(setup: Setup, batch: dict) -> dict:
     return {k: constrain(x_BL[:, order], ('batch', 'length')) for k, x_BL in batch.items()}
 
 
-def _token_losses(graphdef, params, batch, microbatches=1):
+def _token_losses(graphdef, params, batch, microbatches=1, frozen=None):
   """(−log p(target), log Z) [B, L] of the batch, from the model's head and loss together; the
-  MoE layers' router stats ({} for a dense model) and their weighted losses (model/moe.py)."""
+  MoE layers' router stats ({} for a dense model) and their weighted losses (model/moe.py).
+  `frozen`: the parameters not in `params` (under LoRA, the base)."""
   # Activations are pinned through ACTIVATION_RULES while the model is traced.
   with nnx.logical_axis_rules(sharding.activation_rules()):
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params, *([frozen] if frozen is not None else []))
     # A batch without segment ids holds one document a row (no packing mask to apply).
     nll_BL, logz_BL, stats = model(batch['inputs'], batch['positions'], batch.get('segment_ids'),
                                    microbatches, targets_BL=batch['targets'])
     return nll_BL, logz_BL, stats, moe.aux_loss(stats, model.cfg)
 
 
-def _loss(graphdef, params, batch, z_loss, total=None, microbatches=1, share=1.0):
+def _loss(graphdef, params, batch, z_loss, total=None, microbatches=1, share=1.0, frozen=None):
   """(loss, (ce, z-loss, router stats)); the router's losses and stats count `share` of
   theirs: a microbatch's part of the batch."""
-  nll_BL, logz_BL, stats, aux = _token_losses(graphdef, params, batch, microbatches)
+  nll_BL, logz_BL, stats, aux = _token_losses(graphdef, params, batch, microbatches, frozen)
   ce, zl = weighted_losses(nll_BL, logz_BL, batch['weights'], z_loss, total)
   return ce + zl + share * aux, (ce, zl, jax.tree.map(lambda a: a * share, stats))
 
@@ -73,19 +74,22 @@ def split_microbatches(batch, microbatches: int):
 
 
 def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1,
-                   pipelined: bool = False, total=None):
+                   pipelined: bool = False, total=None, frozen=None):
   """((loss, (ce, z_loss, router stats)), grads) of the batch; with microbatches > 1, accumulated over a
   `lax.scan` of microbatches (only one microbatch's activations live at a time), giving the
   same result as one pass over the whole batch. `pipelined`: the model's pipeline stages take
   the microbatches instead (model/pipeline.py), in one pass. `total`: the weight the losses
-  divide by (default: the batch's)."""
+  divide by (default: the batch's). `frozen`: parameters the model uses and no gradient is
+  taken of (under LoRA, the base: its weights' gradients are never computed)."""
   if total is None:
     total = jnp.maximum(batch['weights'].sum(), 1.0)
   if microbatches == 1 or pipelined:
     return jax.value_and_grad(lambda p: _loss(graphdef, p, batch, z_loss, total,
-                                              microbatches=microbatches), has_aux=True)(params)
+                                              microbatches=microbatches, frozen=frozen),
+                              has_aux=True)(params)
   grad_fn = jax.value_and_grad(
-      lambda p, mb: _loss(graphdef, p, mb, z_loss, total, share=1 / microbatches), has_aux=True)
+      lambda p, mb: _loss(graphdef, p, mb, z_loss, total, share=1 / microbatches, frozen=frozen),
+      has_aux=True)
   batches = split_microbatches(batch, microbatches)
 
   def accumulate(carry, microbatch):
@@ -147,18 +151,19 @@ def pipeline_stages(setup: Setup) -> int:
 def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   def train_step(state: TrainState, batch):
     batch = context_layout(setup, batch)
+    params, frozen = trained(setup.model_cfg, state.params)
     if setup.hierarchy is not None:
-      (loss, (ce, zl, router)), grads = across_data(setup, state.params, batch, z_loss,
-                                                    microbatches)
+      (loss, (ce, zl, router)), grads = across_data(setup, params, batch, z_loss, microbatches)
     else:
       (loss, (ce, zl, router)), grads = loss_and_grads(
-          setup.graphdef, state.params, batch, z_loss, microbatches, pipeline_stages(setup) > 1)
+          setup.graphdef, params, batch, z_loss, microbatches, pipeline_stages(setup) > 1,
+          frozen=frozen if setup.model_cfg.lora_rank else None)
     grad_norm = optax.tree.norm(grads)
     old_opt_state = state.opt_state
     if setup.opt_compute_shardings is not None:  # kept in host memory: bring it in for the update
       old_opt_state = jax.device_put(old_opt_state, setup.opt_compute_shardings)
-    updates, opt_state = setup.tx.update(grads, old_opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = setup.tx.update(grads, old_opt_state, params)
+    params = nnx.merge_state(optax.apply_updates(params, updates), frozen)
     if setup.model_cfg.router_bias_rate:  # not a gradient's: the router's balancing bias
       model = nnx.merge(setup.graphdef, params)
       model.balanced(router['tokens_per_expert'], setup.model_cfg.router_bias_rate)

@@ -1,0 +1,170 @@
+"""LoRA adapters out of a run, in the two forms the field reads: merged into the weights (what
+export.py writes for a run with adapters), or as a PEFT adapter (`export.py --lora=peft`):
+`adapter_config.json` and `adapter_model.safetensors`, which
+`peft.PeftModel.from_pretrained(base_model, DIR)` puts on the base model. `load` reads such an
+adapter back into meshlm's form.
+
+meshlm's adapter of W[in…, out…] (model/layers.py: Adapter) is A[in…, r] and B[r, out…], adding
+(alpha/r) · (x A) B; PEFT's of a Linear whose weight is [out, in] is lora_A.weight [r, in] and
+lora_B.weight [out, r], adding (lora_alpha/r) · B_peft A_peft x. So lora_A is A flattened to
+[in, r] and transposed, lora_B is B flattened to [r, out] and transposed, and each layer's are
+named after the module its weight is in HF's Llama (runtime/huggingface.py: TENSORS).
+"""
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import tempfile
+
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from runtime import faults
+from runtime.huggingface import LAYER, TENSORS
+
+SUFFIX = '_lora'  # an adapter's attribute: its weight's name and this (model/layers.py)
+MODULES = {'q': 'q_proj', 'k': 'k_proj', 'v': 'v_proj', 'o': 'o_proj', 'gate': 'gate_proj',
+           'up': 'up_proj', 'down': 'down_proj'}
+PREFIX = 'base_model.model.'  # PEFT's names wrap the model's
+
+
+def _pure(params) -> dict:
+  """Nested dicts of arrays, from an nnx.State or as given."""
+  return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def _adapters(params: dict):
+  """(path of the adapted weight, the adapter's {'a', 'b'}) for each adapter in `params`."""
+  def walk(tree, path):
+    for key, value in tree.items():
+      if key.endswith(SUFFIX):
+        yield (*path, key[:-len(SUFFIX)]), value
+      elif isinstance(value, dict):
+        yield from walk(value, (*path, key))
+  return list(walk(params, ()))
+
+
+def _delta(w_shape, a, b) -> np.ndarray:
+  """A B as W's shape, in fp32: A[lead…, in…, r] @ B[lead…, r, out…]."""
+  lead = a.ndim + b.ndim - 2 - len(w_shape)
+  a = np.asarray(a, np.float32).reshape(*a.shape[:lead], math.prod(a.shape[lead:-1]), a.shape[-1])
+  b = np.asarray(b, np.float32).reshape(*b.shape[:lead + 1], -1)
+  return np.matmul(a, b).reshape(w_shape)
+
+
+def merged(params, cfg) -> dict:
+  """The parameters without adapters, each adapted weight W + (alpha/r) A B (summed in fp32, then
+  in W's dtype): the model the adapters make, as a plain Llama."""
+  params = _pure(params)
+
+  def copy(tree):
+    return {k: copy(v) if isinstance(v, dict) else v for k, v in tree.items()
+            if not k.endswith(SUFFIX)}
+
+  out = copy(params)
+  for path, adapter in _adapters(params):
+    parent = out
+    for key in path[:-1]:
+      parent = parent[key]
+    w = np.asarray(parent[path[-1]])
+    parent[path[-1]] = (w.astype(np.float32) + cfg.lora_scale * _delta(
+        w.shape, adapter['a'], adapter['b'])).astype(w.dtype)
+  return out
+
+
+def _layers(cfg) -> int:
+  """How many leading dimensions a stacked ('blocks') parameter has."""
+  return 1 + (cfg.virtual_stages > 1)
+
+
+def tensors(params, cfg, dtype) -> dict[str, np.ndarray]:
+  """The adapters as PEFT names and lays them out, in `dtype`."""
+  out = {}
+  for path, adapter in _adapters(_pure(params)):
+    module = TENSORS[path].name.removesuffix('.weight')
+    a, b = np.asarray(adapter['a']), np.asarray(adapter['b'])
+    lead = _layers(cfg) if path[0] == 'blocks' else 0
+    for i in range(math.prod(a.shape[:lead])):
+      at = np.unravel_index(i, a.shape[:lead])
+      a_i, b_i = a[at], b[at]
+      name = PREFIX + (LAYER.format(i) if lead else '') + module
+      out[f'{name}.lora_A.weight'] = np.ascontiguousarray(
+          a_i.reshape(-1, a_i.shape[-1]).T.astype(dtype))
+      out[f'{name}.lora_B.weight'] = np.ascontiguousarray(
+          b_i.reshape(b_i.shape[0], -1).T.astype(dtype))
+  return out
+
+
+def adapter_config(cfg, base_model: str) -> dict:
+  """PEFT's LoraConfig for these adapters: plain LoRA (no rsLoRA, no DoRA, no dropout)."""
+  return {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': cfg.lora_rank,
+          'lora_alpha': cfg.lora_alpha, 'lora_dropout': 0.0,
+          'target_modules': sorted(MODULES[t] for t in cfg.lora_target_names), 'bias': 'none',
+          'fan_in_fan_out': False, 'use_rslora': False, 'use_dora': False,
+          'init_lora_weights': True, 'inference_mode': True,
+          'base_model_name_or_path': base_model, 'modules_to_save': None,
+          'layers_to_transform': None, 'layers_pattern': None, 'rank_pattern': {},
+          'alpha_pattern': {}, 'revision': None}
+
+
+def write(params, cfg, output: pathlib.Path, *, dtype: str, base_model: str,
+          tokenizer=None, log=print) -> None:
+  """adapter_config.json and adapter_model.safetensors (and the tokenizer's files) in `output`,
+  built beside it and renamed to it whole, as runtime.huggingface.export does."""
+  np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
+  output.parent.mkdir(parents=True, exist_ok=True)
+  partial = pathlib.Path(tempfile.mkdtemp(prefix=f'.{output.name}.partial-', dir=output.parent))
+  try:
+    arrays = tensors(params, cfg, np_dtype)
+    save_file(arrays, partial / 'adapter_model.safetensors', metadata={'format': 'pt'})
+    (partial / 'adapter_config.json').write_text(
+        json.dumps(adapter_config(cfg, base_model), indent=2) + '\n')
+    if hasattr(tokenizer, 'save_hf'):
+      tokenizer.save_hf(partial)
+    log(f'wrote adapter_model.safetensors ({len(arrays)} tensors, '
+        f'{sum(a.nbytes for a in arrays.values()) / 2**20:,.2f} MiB) and adapter_config.json '
+        f'(r={cfg.lora_rank}, lora_alpha={cfg.lora_alpha}, base {base_model or "unnamed"})')
+    if output.exists():
+      output.rmdir()  # empty (checked before the export started)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for file in partial.iterdir():
+      file.chmod(0o666 & ~umask)
+    partial.chmod(0o777 & ~umask)
+    partial.rename(output)
+  except BaseException as e:
+    shutil.rmtree(partial, ignore_errors=True)
+    if fault := faults.on_disk(e, where=f'--output={output}'):
+      raise faults.Fault(f'{fault}; nothing was written there') from None
+    raise
+
+
+def load(path: pathlib.Path, params, cfg) -> dict:
+  """`params` (a pure dict or State, adapters included) with its adapters read from the PEFT
+  adapter in `path`, whose r, alpha and targets must be this model's."""
+  config = json.loads((path / 'adapter_config.json').read_text())
+  mine = adapter_config(cfg, '')
+  for key in ('r', 'lora_alpha', 'target_modules'):
+    theirs = sorted(config[key]) if key == 'target_modules' else config[key]
+    if theirs != mine[key]:
+      raise ValueError(f'{path}: its adapter_config.json has {key}={config[key]!r}, this model '
+                       f'{mine[key]!r} (config.model.lora_rank, lora_alpha, lora_targets)')
+  params = _pure(params)
+  with safe_open(path / 'adapter_model.safetensors', framework='numpy') as f:
+    found = {name: f.get_tensor(name) for name in f.keys()}
+  for weight_path, adapter in _adapters(params):
+    lead = _layers(cfg) if weight_path[0] == 'blocks' else 0
+    name = TENSORS[weight_path].name.removesuffix('.weight')
+    a, b = np.array(adapter['a']), np.array(adapter['b'])
+    for i in range(math.prod(a.shape[:lead])):
+      at = np.unravel_index(i, a.shape[:lead])
+      where = PREFIX + (LAYER.format(i) if lead else '') + name
+      a[at] = found[f'{where}.lora_A.weight'].T.reshape(a[at].shape)
+      b[at] = found[f'{where}.lora_B.weight'].T.reshape(b[at].shape)
+    adapter['a'], adapter['b'] = a, b
+  return params

@@ -1,0 +1,150 @@
+"""LoRA (model/layers.py: Adapter; runtime/peft.py): the adapted model starts as the base; a PEFT
+adapter reads in and writes out tensor for tensor, and the model it makes computes what PEFT's
+does (goldens made by tests/data/make_peft_goldens.py); merged, it is a plain Llama computing the
+same; only the adapters train, with the optimizer holding them alone, the base's weight
+gradients never computed, and they train on meshes with fsdp and tensor as on one device."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from configs import base
+from model.layers import LoRA, split_adapters
+from runtime import huggingface, peft
+from tests.conftest import SMALL_CORPUS
+from training import settings
+from training.state import base_params, build
+from training.step import compile_train_step
+
+DATA = pathlib.Path(__file__).resolve().parent / 'data'
+UNTIED = DATA / 'hf-llama-untied'
+PEFT = DATA / 'hf-peft-lora'  # r=4, lora_alpha=8, every projection, B random
+
+
+def lora_config(rank=4, **mesh):
+  c = base.get_config()
+  c.init_from = f'hf:{UNTIED}'
+  c.model.compute_dtype = 'float32'
+  c.model.lora_rank, c.model.lora_alpha = rank, 8.0
+  c.batch_size, c.seq_len, c.microbatches = 16, 32, 2
+  c.mesh.update(dict(data=1, stage=1, fsdp=-1, expert=1, tensor=1, sequence=1))
+  c.mesh.update(mesh)
+  c.data.paths, c.data.validation_fraction = SMALL_CORPUS, 0.1
+  c.optimizer.learning_rate, c.optimizer.warmup_steps = 1e-2, 0
+  return settings.resolve(c).config
+
+
+def started(config, devices=None):
+  """The setup and its state from the imported base, adapters fresh."""
+  setup = build(config, devices)
+  base = base_params(setup.model_cfg, setup.abstract_state.params)
+  return setup, setup.init_state(huggingface.load_params(UNTIED, base, setup.model_cfg))
+
+
+def logits(setup, params, tokens):
+  model = nnx.merge(setup.graphdef, params)
+  with jax.set_mesh(setup.mesh):
+    return np.asarray(jax.jit(lambda m, t: m(t))(model, tokens))
+
+
+def test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does():
+  tokens = np.load(UNTIED / 'goldens.npz')['tokens']
+  setup, state = started(lora_config())
+  plain = build(settings.resolve(lora_config(rank=0)).config)
+  plain_params = huggingface.load_params(UNTIED, plain.abstract_state.params, plain.model_cfg)
+  # B starts at zero: the adapted model is the base, exactly.
+  np.testing.assert_array_equal(logits(setup, state.params, tokens),
+                                logits(plain, plain_params, tokens))
+  adapted = peft.load(PEFT, jax.tree.map(np.asarray, nnx.to_pure_dict(state.params)),
+                      setup.model_cfg)
+  params = nnx.State(state.params)
+  nnx.replace_by_pure_dict(params, adapted)
+  golden = np.load(PEFT / 'goldens.npz')['logits']
+  np.testing.assert_allclose(logits(setup, params, tokens), golden, atol=1e-4, rtol=0)
+  written = peft.tensors(params, setup.model_cfg, np.float32)
+  theirs = load_file(PEFT / 'adapter_model.safetensors')
+  assert sorted(written) == sorted(theirs) and len(theirs) == 2 * 7 * 2
+  for name in theirs:
+    np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)
+  config, golden_config = (peft.adapter_config(setup.model_cfg, ''),
+                           json.loads((PEFT / 'adapter_config.json').read_text()))
+  for key in ('peft_type', 'r', 'lora_alpha', 'use_rslora', 'use_dora', 'bias', 'fan_in_fan_out'):
+    assert config[key] == golden_config[key], key
+  assert sorted(config['target_modules']) == sorted(golden_config['target_modules'])
+  # Merged, a plain Llama computes the same.
+  merged = peft.merged(params, setup.model_cfg)
+  merged_state = nnx.State(plain_params)
+  nnx.replace_by_pure_dict(merged_state, merged)
+  np.testing.assert_allclose(logits(plain, merged_state, tokens), golden, atol=1e-4, rtol=0)
+
+
+def steps(config, n, devices=None):
+  """n steps on one fixed batch: (losses, the state after, the setup, the compiled step)."""
+  setup, state = started(config, devices)
+  step = compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
+                            microbatches=config.microbatches)
+  rng = np.random.default_rng(0)
+  batch = {'inputs': rng.integers(0, 300, (16, 32)), 'targets': rng.integers(0, 300, (16, 32)),
+           'positions': np.tile(np.arange(32), (16, 1)), 'segment_ids': np.ones((16, 32)),
+           'weights': np.ones((16, 32))}
+  batch = {k: jnp.asarray(v, jnp.float32 if k == 'weights' else jnp.int32)
+           for k, v in batch.items()}
+  losses = []
+  for _ in range(n):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics['loss']))
+  return losses, state, setup, step
+
+
+def test_only_the_adapters_train_alike_on_every_mesh_and_the_base_gets_no_gradient():
+  one_losses, one, _, _ = steps(lora_config(fsdp=1), 3, jax.devices()[:1])
+  assert one_losses[-1] < one_losses[0]
+  adapters_one, base_one = split_adapters(one.params)
+  compiled = {}
+  for mesh in (dict(fsdp=8), dict(fsdp=4, tensor=2)):
+    losses, state, setup, compiled[len(mesh)] = steps(lora_config(**mesh), 3)
+    np.testing.assert_allclose(losses, one_losses, rtol=2e-5)
+    adapters, frozen = split_adapters(state.params)
+    for a, b in zip(jax.tree.leaves(adapters), jax.tree.leaves(adapters_one)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(base_one)):
+      np.testing.assert_array_equal(a, b)  # the base never moves
+    # The optimizer holds the adapters alone: Adam's two moments of each.
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert len(moments) == 2 * len(jax.tree.leaves(adapters)) == 2 * 2 * 7
+    assert all(x.dtype == jnp.float32 for x in moments)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(frozen))  # compute_dtype here
+    # An adapter shards as its weight: Wq's A along embed over fsdp, its B along heads.
+    attn = state.params['blocks']['attn']
+    a_shard = attn['wq_lora']['a'][...].addressable_shards[0].data.shape
+    b_shard = attn['wq_lora']['b'][...].addressable_shards[0].data.shape
+    fsdp, tensor = mesh['fsdp'], mesh.get('tensor', 1)
+    assert a_shard == (2, 64 // fsdp, 4) and b_shard == (2, 4, 4 // tensor, 16)
+  # No weight gradient of the base is computed: a full step's matmul FLOPs are about 3 times the
+  # forward's, the adapted one's about 2 (the activations' gradients still flow through it).
+  full = build(settings.resolve(lora_config(rank=0, fsdp=8)).config)
+  full_step = compile_train_step(full, 16, 32, 1e-4, microbatches=2)
+  ratio = compiled[1].cost_analysis()['flops'] / full_step.cost_analysis()['flops']
+  assert 0.55 < ratio < 0.75, ratio
+
+
+def test_lora_settings_are_checked_before_anything_is_built():
+  for changes, match in (({'lora_rank': -1}, 'lora_rank=-1'),
+                         ({'lora_rank': 4, 'lora_targets': 'q,x'}, "lora_targets='q,x'"),
+                         ({'lora_rank': 4, 'lora_alpha': 0.0}, 'lora_alpha=0.0'),
+                         ({'lora_rank': 4, 'experts': 4}, 'adapts dense models only')):
+    c = base.get_config()
+    c.model.update(changes)
+    with pytest.raises(ValueError, match=match):
+      build(settings.resolve(c).config)
+  c = lora_config(data=2, fsdp=4)
+  c.partition.hierarchical = True
+  with pytest.raises(ValueError, match='config.partition.hierarchical=True .* LoRA'):
+    build(c)
+  assert issubclass(LoRA, nnx.Param)
