@@ -5,7 +5,10 @@
 
 --temperature=0 is greedy; otherwise a draw at that temperature from the --top_k most likely
 tokens (0: all). The model, tokenizer and data settings come from the config saved with the
-checkpoint.
+checkpoint. --chat asks each prompt as a user's message, in the run's chat template with its
+generation prompt (docs/fine-tuning.md); the answer runs until the model ends the document:
+  python sample.py --workdir=/tmp/meshlm-finetune --chat --temperature=0 \
+      --prompt='What does `json.dumps(obj)` do?'
 """
 
 from absl import app, flags
@@ -20,6 +23,8 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generat
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, '0: greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', 40, 'Sample among this many most likely tokens; 0: all.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Random seed of the draws.')
+_CHAT = flags.DEFINE_bool('chat', False, "Each prompt is a user's message, in the run's chat "
+                          'template.')
 _MAX_LEN = flags.DEFINE_integer('max_len', 0, 'Prompt + continuation at most, in tokens; 0: the '
                                 'seq_len the model was trained at.')
 
@@ -32,11 +37,13 @@ def main(argv):
   loaded = sampling.load(_WORKDIR.value)
   print(f'# {loaded.checkpoint}: temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
         f'seed {_SEED.value}', flush=True)
-  texts = sampling.complete(loaded, _PROMPT.value, _MAX_NEW_TOKENS.value,
+  prompts = ([sampling.chat_prompt(loaded, p) for p in _PROMPT.value] if _CHAT.value else
+             _PROMPT.value)
+  texts = sampling.complete(loaded, prompts, _MAX_NEW_TOKENS.value,
                             temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value,
                             max_len=_MAX_LEN.value)
   for prompt, text in zip(_PROMPT.value, texts):
-    print(f'--- prompt {prompt!r}\n{prompt}{text}')
+    print(f'--- prompt {prompt!r}\n{"" if _CHAT.value else prompt}{text}')
 
 
 if __name__ == '__main__':

@@ -9,13 +9,16 @@ docstrings as answers:
       --config.data.paths=/tmp/stdlib-chat.jsonl --config.workdir=/tmp/meshlm-finetune
   python export.py --workdir=/tmp/meshlm-finetune --output=/tmp/tiny-llama-tuned
   python export.py --workdir=/tmp/meshlm-finetune --output=/tmp/tiny-llama-adapter --lora=peft
+  python sample.py --workdir=/tmp/meshlm-finetune --chat --temperature=0 --max_new_tokens=20 \
+      --prompt='What does `json.dumps(obj)` do?'
 Should reach: the answers' loss falls from about 5.53 at step 10 to about 5.35 nats per token
 by step 150, eval 5.38, in about a minute on a 2-core CPU, the tokenizer's files kept in the
 workdir. Only the rank-16 adapters on the 7 projections train (32,768 parameters; the base's
 115,008 are frozen), and the tiny model's weights are random: its frozen head, of small random
 weights after a norm, caps how far any adapter moves the logits (full fine-tuning,
 --config.model.lora_rank=0, reaches 2.6). The first export is the model with its adapters merged,
-the second the adapters alone in PEFT's format. A real model: point init_from at its directory
+the second the adapters alone in PEFT's format; sample.py asks the run a question in its chat
+template. A real model: point init_from at its directory
 (its own tokenizer and template come with it), paths at your .jsonl or .parquet, and take a
 learning rate near 2e-4.
 

@@ -81,7 +81,7 @@ def _score(key: str) -> float:
   return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 2**32
 
 
-def split_documents(scores: dict[str, float], validation_fraction: float):
+def split_documents(scores: dict, validation_fraction: float):
   """(train in the order given, validation sorted) document keys: those scoring under the
   fraction are held out, and at least one lands on each side."""
   _check_validation_fraction(validation_fraction)

@@ -452,9 +452,7 @@ def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype:
   tensors = [t[1:] for t in sorted(tensors, key=lambda t: t[0])]  # stable: tree order within
   shards = _shards(tensors, max_shard_bytes)
 
-  output.parent.mkdir(parents=True, exist_ok=True)
-  partial = pathlib.Path(tempfile.mkdtemp(prefix=f'.{output.name}.partial-', dir=output.parent))
-  try:
+  with written_whole(output) as partial:
     weight_map = {}
     for n, shard in enumerate(shards, 1):
       file = ('model.safetensors' if len(shards) == 1 else
@@ -474,6 +472,17 @@ def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype:
     else:
       log(f'the {tokenizer.name} tokenizer has no Hugging Face form here: pass its model file '
           'along with the checkpoint')
+
+
+@contextlib.contextmanager
+def written_whole(output: pathlib.Path):
+  """A directory beside `output` to write an export into, renamed to `output` when the block
+  ends, with the modes any file the user writes has; a failure removes it, and a full or
+  read-only disk is a Fault naming --output. `output` is new or empty (check_output)."""
+  output.parent.mkdir(parents=True, exist_ok=True)
+  partial = pathlib.Path(tempfile.mkdtemp(prefix=f'.{output.name}.partial-', dir=output.parent))
+  try:
+    yield partial
     if output.exists():
       output.rmdir()  # empty (checked before the export started); never replaced if not
     umask = os.umask(0o022)

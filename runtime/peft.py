@@ -13,10 +13,7 @@ named after the module its weight is in HF's Llama (runtime/huggingface.py: TENS
 
 import json
 import math
-import os
 import pathlib
-import shutil
-import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -24,8 +21,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from runtime import faults
-from runtime.huggingface import LAYER, TENSORS
+from runtime.huggingface import LAYER, TENSORS, written_whole
 
 SUFFIX = '_lora'  # an adapter's attribute: its weight's name and this (model/layers.py)
 MODULES = {'q': 'q_proj', 'k': 'k_proj', 'v': 'v_proj', 'o': 'o_proj', 'gate': 'gate_proj',
@@ -117,9 +113,7 @@ def write(params, cfg, output: pathlib.Path, *, dtype: str, base_model: str,
   """adapter_config.json and adapter_model.safetensors (and the tokenizer's files) in `output`,
   built beside it and renamed to it whole, as runtime.huggingface.export does."""
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
-  output.parent.mkdir(parents=True, exist_ok=True)
-  partial = pathlib.Path(tempfile.mkdtemp(prefix=f'.{output.name}.partial-', dir=output.parent))
-  try:
+  with written_whole(output) as partial:
     arrays = tensors(params, cfg, np_dtype)
     save_file(arrays, partial / 'adapter_model.safetensors', metadata={'format': 'pt'})
     (partial / 'adapter_config.json').write_text(
@@ -129,19 +123,6 @@ def write(params, cfg, output: pathlib.Path, *, dtype: str, base_model: str,
     log(f'wrote adapter_model.safetensors ({len(arrays)} tensors, '
         f'{sum(a.nbytes for a in arrays.values()) / 2**20:,.2f} MiB) and adapter_config.json '
         f'(r={cfg.lora_rank}, lora_alpha={cfg.lora_alpha}, base {base_model or "unnamed"})')
-    if output.exists():
-      output.rmdir()  # empty (checked before the export started)
-    umask = os.umask(0o022)
-    os.umask(umask)
-    for file in partial.iterdir():
-      file.chmod(0o666 & ~umask)
-    partial.chmod(0o777 & ~umask)
-    partial.rename(output)
-  except BaseException as e:
-    shutil.rmtree(partial, ignore_errors=True)
-    if fault := faults.on_disk(e, where=f'--output={output}'):
-      raise faults.Fault(f'{fault}; nothing was written there') from None
-    raise
 
 
 def load(path: pathlib.Path, params, cfg) -> dict:

@@ -252,11 +252,12 @@ def test_the_walkthrough_fine_tunes_an_imported_model_and_exports_it(tmp_path):
   commands = walkthrough_commands(tmp_path)
   assert [c.split()[:2] for c in commands] == [
       ['python', '-m'], ['cp', '-r'], ['python', 'train.py'], ['python', 'export.py'],
-      ['python', 'export.py']]
+      ['python', 'export.py'], ['python', 'sample.py']]
   script = '\n'.join([f'python() {{ {shlex.quote(sys.executable)} "$@"; }}', *commands])
   done = subprocess.run(['bash', '-e', '-c', script], cwd=REPO, capture_output=True, text=True,
                         timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
+  assert "--- prompt 'What does `json.dumps(obj)` do?'" in done.stdout
   exported = tmp_path / 'tiny-llama-tuned'
   assert json.loads((exported / 'config.json').read_text())['max_position_embeddings'] == 128
   config = json.loads((exported / 'tokenizer_config.json').read_text())

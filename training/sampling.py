@@ -16,7 +16,7 @@ import ml_collections
 from flax import nnx
 
 from configs import base
-from data import tokenizers
+from data import chat, tokenizers
 from model import ModelConfig, Transformer
 from model.generate import generate
 from runtime import checkpoint as checkpoint_lib
@@ -79,6 +79,14 @@ def load(path: str, step: int | None = None) -> Loaded:
                                                    config.model, setting='--workdir')
   return Loaded(nnx.merge(graphdef, params), tokenizer, config, str(step_dir),
                 saved.get('init_from', ''))
+
+
+def chat_prompt(loaded: Loaded, message: str) -> str:
+  """`message` as a user's turn in the run's chat template (config.data.chat_template, the
+  tokenizer's own or the fallback), with the generation prompt: what a chat server sends."""
+  source, _ = chat.template_source(loaded.tokenizer, loaded.config.data.chat_template)
+  return chat.render(source, [{'role': 'user', 'content': message}],
+                     getattr(loaded.tokenizer, 'special_tokens', {}), add_generation_prompt=True)
 
 
 def _known(saved: dict, known) -> dict:
