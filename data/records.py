@@ -29,6 +29,11 @@ def is_record_file(path: pathlib.Path) -> bool:
 def check(data_config) -> None:
   if data_config.record not in KINDS:
     raise ValueError(f'config.data.record={data_config.record!r} is not one of {KINDS}')
+  if data_config.name and data_config.record != 'text':
+    raise ValueError(f'config.data.record={data_config.record!r} reads the records of '
+                     f'{", ".join(SUFFIXES)} files in config.data.paths; a named TFDS dataset '
+                     f'(config.data.name={data_config.name!r}) is read as text from '
+                     'config.data.text_key: convert it to JSON Lines, or set record=text')
   for field in ('text_key', 'prompt_field', 'completion_field', 'messages_field'):
     if not data_config[field]:
       raise ValueError(f'config.data.{field} is empty; name the field records hold it in')

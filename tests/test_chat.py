@@ -178,7 +178,8 @@ def test_record_settings_and_files_that_hold_nothing_are_one_clear_error(tmp_pat
   for field, value, match in (('record', 'chat', 'config.data.record'),
                               ('train_on', 'prompts', 'config.data.train_on'),
                               ('chat_template', '/no/such.jinja', 'config.data.chat_template'),
-                              ('messages_field', '', 'config.data.messages_field')):
+                              ('messages_field', '', 'config.data.messages_field'),
+                              ('name', 'lm1b', "a named TFDS dataset .*config.data.name='lm1b'")):
     config = config_for(rows, tmp_path / 'tfds')
     config.data[field] = value
     with pytest.raises(ValueError, match=match):
