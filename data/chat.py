@@ -194,12 +194,11 @@ class Encoder:
     out = []
     for text, s in zip(texts, spans):
       pieces = list(_pieces(text, s))
-      encoded = tok.encode_batch([p.encode() for p, _ in pieces])
-      out.append((np.concatenate([np.zeros(0, np.int32), *encoded]),
-                  np.concatenate([np.zeros(0, np.int32)] + [np.full(len(ids), int(inside),
-                                                                    np.int32)
-                                                            for ids, (_, inside) in
-                                                            zip(encoded, pieces)])))
+      encoded = tok.encode_batch([piece.encode() for piece, _ in pieces])
+      ids = [i for piece_ids in encoded for i in piece_ids]
+      weights = [int(inside) for piece_ids, (_, inside) in zip(encoded, pieces)
+                 for _ in piece_ids]
+      out.append((np.asarray(ids, np.int32), np.asarray(weights, np.int32)))
     return out
 
   def _with_ends(self, ids: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
