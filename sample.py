@@ -5,14 +5,17 @@
 
 --temperature=0 is greedy; otherwise a draw at that temperature from the --top_k most likely
 tokens (0: all). The model, tokenizer and data settings come from the config saved with the
-checkpoint. --chat asks each prompt as a user's message, in the run's chat template with its
-generation prompt (docs/fine-tuning.md); the answer runs until the model ends the document:
+checkpoint. --kv_cache=int8 (or xquant) keeps about half the bytes of past tokens, int4 (or
+xquant4) about a quarter (docs/sampling.md). --chat asks each prompt as a user's message, in the
+run's chat template with its generation prompt (docs/fine-tuning.md); the answer runs until the
+model ends the document:
   python sample.py --workdir=/tmp/meshlm-finetune --chat --temperature=0 \
       --prompt='What does `json.dumps(obj)` do?'
 """
 
 from absl import app, flags
 
+from model import kv_cache
 from runtime import cli
 from training import sampling
 
@@ -25,6 +28,10 @@ _TOP_K = flags.DEFINE_integer('top_k', 40, 'Sample among this many most likely t
 _SEED = flags.DEFINE_integer('seed', 0, 'Random seed of the draws.')
 _CHAT = flags.DEFINE_bool('chat', False, "Each prompt is a user's message, in the run's chat "
                           'template.')
+_KV_CACHE = flags.DEFINE_string('kv_cache', 'full', 'What decoding keeps of past tokens: full (K '
+                                'and V in the compute dtype), int8 or int4 (K and V), x, xquant '
+                                "or xquant4 (XQuant: each layer's input, in the compute dtype, "
+                                'int8 or int4); docs/sampling.md.')
 _MAX_LEN = flags.DEFINE_integer('max_len', 0, 'Prompt + continuation at most, in tokens; 0: the '
                                 'seq_len the model was trained at.')
 
@@ -33,15 +40,17 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   sampling.check_arguments(_MAX_NEW_TOKENS.value, _TEMPERATURE.value, _TOP_K.value,
-                           _MAX_LEN.value)
+                           _MAX_LEN.value, _KV_CACHE.value)
   loaded = sampling.load(_WORKDIR.value)
+  per_token = kv_cache.bytes_per_token(loaded.model.cfg, _KV_CACHE.value)
   print(f'# {loaded.checkpoint}: temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
-        f'seed {_SEED.value}', flush=True)
+        f'seed {_SEED.value}, {_KV_CACHE.value} cache ({per_token:,} bytes a token a layer)',
+        flush=True)
   prompts = ([sampling.chat_prompt(loaded, p) for p in _PROMPT.value] if _CHAT.value else
              _PROMPT.value)
   texts = sampling.complete(loaded, prompts, _MAX_NEW_TOKENS.value,
                             temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value,
-                            max_len=_MAX_LEN.value)
+                            max_len=_MAX_LEN.value, cache=_KV_CACHE.value)
   for prompt, text in zip(_PROMPT.value, texts):
     print(f'--- prompt {prompt!r}\n{"" if _CHAT.value else prompt}{text}')
 

@@ -42,9 +42,10 @@ def mask_vocab(logits_BV, vocab_size: int | None):
 
 def generate(model, prompts, max_new_tokens: int, *, key=None, temperature: float = 0.0,
              top_k: int = 0, eos_id: int | None = None, pad_id: int = 0,
-             vocab_size: int | None = None) -> np.ndarray:
+             vocab_size: int | None = None, cache: str = 'full') -> np.ndarray:
   """New tokens [B, max_new_tokens] after each prompt (lists of token ids, each non-empty).
-  A row that produced `eos_id` is filled with `pad_id` after it."""
+  A row that produced `eos_id` is filled with `pad_id` after it. `cache`: what the decoding keeps
+  of past tokens (model/kv_cache.py: KINDS)."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError('generate: every prompt needs at least one token (e.g. BOS)')
   if temperature < 0 or top_k < 0 or max_new_tokens < 1:
@@ -59,17 +60,17 @@ def generate(model, prompts, max_new_tokens: int, *, key=None, temperature: floa
   out = _generate(graphdef, state, tokens, lengths, key, max_new_tokens=max_new_tokens,
                   temperature=float(temperature), top_k=int(top_k),
                   eos_id=-1 if eos_id is None else int(eos_id), pad_id=int(pad_id),
-                  vocab_size=vocab_size)
+                  vocab_size=vocab_size, cache=cache)
   return np.asarray(out)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=(
-    'max_new_tokens', 'temperature', 'top_k', 'eos_id', 'pad_id', 'vocab_size'))
+    'max_new_tokens', 'temperature', 'top_k', 'eos_id', 'pad_id', 'vocab_size', 'cache'))
 def _generate(graphdef, state, tokens_BP, lengths_B, key, *, max_new_tokens, temperature, top_k,
-              eos_id, pad_id, vocab_size):
+              eos_id, pad_id, vocab_size, cache):
   model = nnx.merge(graphdef, state)
   B, P = tokens_BP.shape
-  cache = model.init_cache(B, P + max_new_tokens)
+  cache = model.init_cache(B, P + max_new_tokens, cache)
   positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
   logits_BPV, cache = model.decode(tokens_BP, positions_BP, cache)
   last_BV = logits_BPV[jnp.arange(B), lengths_B - 1]

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 import kernels
 import sharding
 from kernels.matmul import fp8_matmul, matmul
+from model import kv_cache
 from model.config import ModelConfig
 
 constrain = nn.with_logical_constraint  # pins an activation to logical axes (no-op off a mesh)
@@ -177,25 +178,54 @@ class Attention(nnx.Module):
   def _project(self, x_BLD, positions_BL):
     """q, k, v with rotary embeddings applied to q and k (after their norms, with qk_norm)."""
     cfg = self.cfg
-    q_BLNH = project('bld,dnh->blnh', x_BLD, self.wq, cfg, self.wq_lora)
     k_BLKH = project('bld,dkh->blkh', x_BLD, self.wk, cfg, self.wk_lora)
     v_BLKH = project('bld,dkh->blkh', x_BLD, self.wv, cfg, self.wv_lora)
-    if cfg.qk_norm:
-      q_BLNH, k_BLKH = self.q_norm(q_BLNH), self.k_norm(k_BLKH)
-    inv_freq_h = rope_frequencies(cfg)
-    return (rotary(q_BLNH, positions_BL, inv_freq_h),
-            rotary(k_BLKH, positions_BL, inv_freq_h), v_BLKH)
+    return self._queries(x_BLD, positions_BL), self._keys(k_BLKH, positions_BL), v_BLKH
 
-  def decode(self, x_BTD, positions_BT, k_BSKH, v_BSKH):
-    """T new tokens per row against a cache of S slots: writes their keys and values into the
-    slots of their positions, attends to slots 0 … position. Returns (out, k cache, v cache)."""
-    q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT)
+  def _queries(self, x_BLD, positions_BL):
+    q_BLNH = project('bld,dnh->blnh', x_BLD, self.wq, self.cfg, self.wq_lora)
+    if self.cfg.qk_norm:
+      q_BLNH = self.q_norm(q_BLNH)
+    return rotary(q_BLNH, positions_BL, rope_frequencies(self.cfg))
+
+  def _keys(self, k_BLKH, positions_BL):
+    """Projected keys as attention takes them: normed (with qk_norm), then rotated."""
+    if self.cfg.qk_norm:
+      k_BLKH = self.k_norm(k_BLKH)
+    return rotary(k_BLKH, positions_BL, rope_frequencies(self.cfg))
+
+  def kv_weights(self):
+    """(Wk, Wv) [embed, kv_heads, head_dim] in fp32 with their adapters merged: what an X cache
+    (model/kv_cache.py) recomputes keys and values with."""
+    def merged(p, lora):
+      w = p[...].astype(jnp.float32)
+      if lora is None:
+        return w
+      return w + lora.scale * jnp.einsum('dr,rkh->dkh', lora.a[...].astype(jnp.float32),
+                                         lora.b[...].astype(jnp.float32))
+    return merged(self.wk, self.wk_lora), merged(self.wv, self.wv_lora)
+
+  def decode(self, x_BTD, positions_BT, cache: dict, weights: dict):
+    """T new tokens per row against this layer's cache of S slots (model/kv_cache.py; slot s
+    holds position s): writes what the cache keeps of them into the slots of their positions and
+    attends to slots 0 … position. An X cache's keys and values are recomputed from it with
+    `weights` (kv_cache.x_weights). Returns (out, cache)."""
+    cfg = self.cfg
     rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
-    k_BSKH = k_BSKH.at[rows_B1, positions_BT].set(k_BTKH.astype(k_BSKH.dtype))
-    v_BSKH = v_BSKH.at[rows_B1, positions_BT].set(v_BTKH.astype(v_BSKH.dtype))
+    if 'x' in cache:
+      q_BTNH = self._queries(x_BTD, positions_BT)
+      new = kv_cache.latent(x_BTD, weights, kv_cache.x_group(cfg))
+      cache = {'x': kv_cache.store(cache['x'], rows_B1, positions_BT, new)}
+      k_BSKH, v_BSKH = kv_cache.recompute(kv_cache.read(cache['x'], cfg.dtype), weights)
+      B, S = k_BSKH.shape[:2]
+      k_BSKH = self._keys(k_BSKH, jnp.broadcast_to(jnp.arange(S), (B, S)))
+    else:
+      q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT)
+      cache = {name: kv_cache.store(cache[name], rows_B1, positions_BT, new)
+               for name, new in (('k', k_BTKH), ('v', v_BTKH))}
+      k_BSKH, v_BSKH = (kv_cache.read(cache[name], cfg.dtype) for name in ('k', 'v'))
     out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
-    out_BTD = project('btnh,nhd->btd', out_BTNH, self.wo, self.cfg, self.wo_lora)
-    return out_BTD, k_BSKH, v_BSKH
+    return project('btnh,nhd->btd', out_BTNH, self.wo, cfg, self.wo_lora), cache
 
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
     cfg = self.cfg

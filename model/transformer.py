@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import sharding
-from model import head, moe, pipeline
+from model import head, kv_cache, moe, pipeline
 from model.config import REMAT_POLICIES, ModelConfig
 from model.embedding import lookup
 from model.layers import MLP, Attention, RMSNorm, constrain, gathered, matmul, param, weight
@@ -49,11 +49,11 @@ class Block(nnx.Module):
     out = self.mlp(self.mlp_norm(x_BLD))
     return out if isinstance(out, tuple) else (out, {})
 
-  def decode(self, x_BTD, positions_BT, k_BSKH, v_BSKH):
-    """The block on T new tokens against its KV cache (Attention.decode)."""
-    out_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), positions_BT, k_BSKH, v_BSKH)
+  def decode(self, x_BTD, positions_BT, cache: dict, weights: dict):
+    """The block on T new tokens against its cache (Attention.decode)."""
+    out_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), positions_BT, cache, weights)
     x_BTD = x_BTD + out_BTD
-    return x_BTD + self._mlp(x_BTD)[0], k_BSKH, v_BSKH
+    return x_BTD + self._mlp(x_BTD)[0], cache
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
     x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
@@ -199,38 +199,49 @@ class Transformer(nnx.Module):
     bias_nE = self._in_order(bias[...])
     bias[...] = moe.balance_step(bias_nE, tokens_per_expert_nE, rate).reshape(bias.shape)
 
-  def init_cache(self, batch: int, slots: int) -> dict:
-    """An empty KV cache: k and v [layers, B, S, K, H] in the compute dtype."""
+  def init_cache(self, batch: int, slots: int, kind: str = 'full') -> dict:
+    """An empty cache of `kind` (model/kv_cache.py: KINDS), every entry [layers, B, S, ...]; an
+    X cache also holds each layer's constants under 'weights' (kv_cache.x_weights)."""
     cfg = self.cfg
-    shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
-    return {'k': jnp.zeros(shape, cfg.dtype), 'v': jnp.zeros(shape, cfg.dtype)}
+    if kind not in kv_cache.KINDS:
+      raise ValueError(f'cache kind {kind!r}: one of {", ".join(kv_cache.KINDS)}')
+    cache = kv_cache.empty(cfg, kind, cfg.n_layers, batch, slots)
+    if kv_cache.is_x_cache(kind):
+      per_stack = []
+      for stack, _ in self._stacks():
+        graphdef, layers = nnx.split(stack)
+        per_stack.append(jax.vmap(lambda layer, graphdef=graphdef: kv_cache.x_weights(
+            *nnx.merge(graphdef, layer).attn.kv_weights(), cfg.dtype))(self._in_order(layers)))
+      cache['weights'] = jax.tree.map(lambda *w: jnp.concatenate(w), *per_stack)
+    return cache
 
   def decode(self, tokens_BT, positions_BT, cache: dict):
     """Logits[B, T, V] of T new tokens per row at `positions_BT`, reading and extending `cache`
     (init_cache) in the slots of those positions; returns (logits, cache). Feeding a prompt and
-    then one token at a time gives the logits `__call__` gives the whole sequence."""
+    then one token at a time gives the logits `__call__` gives the whole sequence (with a full
+    cache; a quantized one approximates them)."""
     cfg = self.cfg
     table_VD = weight(self.embed, cfg)
     table_c_VD = table_VD.astype(cfg.dtype)
     x_BTD = lookup(table_VD, table_c_VD, tokens_BT)
-    ks, vs = [], []
+    weights = cache.get('weights', {})
+    stored = {name: entry for name, entry in cache.items() if name != 'weights'}
+    updated = []
     for stack, first in self._stacks():
       graphdef, layers = nnx.split(stack)
       layers = self._in_order(layers)
       n = jax.tree.leaves(layers)[0].shape[0]
+      mine = lambda tree, first=first, n=n: jax.tree.map(lambda a: a[first:first + n], tree)
 
-      def body(x_BTD, layer_and_cache, graphdef=graphdef):
-        layer, k_BSKH, v_BSKH = layer_and_cache
-        x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, layer).decode(x_BTD, positions_BT, k_BSKH,
-                                                                  v_BSKH)
-        return x_BTD, (k_BSKH, v_BSKH)
+      def body(x_BTD, layer_cache_weights, graphdef=graphdef):
+        layer, layer_cache, layer_weights = layer_cache_weights
+        return nnx.merge(graphdef, layer).decode(x_BTD, positions_BT, layer_cache, layer_weights)
 
-      x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (layers, cache['k'][first:first + n],
-                                                 cache['v'][first:first + n]))
-      ks.append(k)
-      vs.append(v)
-    cache = {'k': jnp.concatenate(ks) if len(ks) > 1 else ks[0],
-             'v': jnp.concatenate(vs) if len(vs) > 1 else vs[0]}
+      x_BTD, stack_cache = jax.lax.scan(body, x_BTD, (layers, mine(stored), mine(weights)))
+      updated.append(stack_cache)
+    cache = jax.tree.map(lambda *c: jnp.concatenate(c) if len(c) > 1 else c[0], *updated)
+    if weights:
+      cache['weights'] = weights
     return self._head(x_BTD, table_VD, table_c_VD), cache
 
   def _stacks(self):

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from configs import default
+from configs import base
 from runtime import distributed
-from tests.conftest import SMALL_CORPUS, free_port
+from tests.conftest import FAST_COMPILE, SMALL_CORPUS, free_port
 from training import loop
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def launch(config_file, overrides, n=2, devices_each=4, heartbeat_s=10, logs=Non
   """`n` train.py processes joined by jax.distributed on this machine."""
   port = free_port()
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1',
-         'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices_each}'}
+         'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices_each}{FAST_COMPILE}'}
   flags = [f'--config.{k}={v}' for k, v in overrides.items()]
   processes = []
   for i in range(n):
@@ -54,14 +54,14 @@ def losses(workdir):
 
 def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path):
   def config(workdir):
-    c = default.get_config()
+    c = base.get_config()
     c.update_from_flattened_dict(default_overrides(workdir))
     return c
 
   loop.run(config(tmp_path / 'one'))  # one process × 8 devices: the reference
   reference = losses(tmp_path / 'one')
 
-  processes = launch('configs/default.py', default_overrides(tmp_path / 'two'), logs=tmp_path)
+  processes = launch('configs/base.py', default_overrides(tmp_path / 'two'), logs=tmp_path)
   codes = [p.wait(timeout=600) for p in processes]
   logs = [(tmp_path / f'process{i}.txt').read_text() for i in range(2)]
   assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
@@ -77,7 +77,7 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path
   for f in (tmp_path / 'two' / 'checkpoints' / str(STEPS) / 'state').rglob('*'):
     if f.is_file() and 'ocdbt.process_1/d/' in str(f):
       f.write_bytes(f.read_bytes()[:f.stat().st_size // 3])
-  processes = launch('configs/default.py', default_overrides(tmp_path / 'two'), logs=tmp_path)
+  processes = launch('configs/base.py', default_overrides(tmp_path / 'two'), logs=tmp_path)
   codes = [p.wait(timeout=600) for p in processes]
   logs = [(tmp_path / f'process{i}.txt').read_text() for i in range(2)]
   assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
@@ -148,7 +148,7 @@ def test_scheduler_detection_reads_what_jax_reads():
     ({'heartbeat_timeout_s': 0}, 'heartbeat_timeout_s'),
 ])
 def test_bad_distributed_settings_are_named(settings, field):
-  c = default.get_config()
+  c = base.get_config()
   c.distributed.update(settings)
   with pytest.raises(ValueError, match=field):
     loop.run(c)  # raised before jax.distributed or anything else starts

@@ -1,6 +1,7 @@
 """Generation with a KV cache equals generation by recomputing the whole sequence every step:
 greedy and sampled (same keys), prompts of different lengths in one batch, tied and untied heads."""
 
+import json
 import pathlib
 import signal
 import subprocess
@@ -13,7 +14,9 @@ import pytest
 from flax import nnx
 
 from model import ModelConfig, Transformer
+from benchmarks import kv_cache as kv_cache_benchmark
 from model import generate as gen
+from model import kv_cache
 from tests.conftest import tiny_config
 from training import loop, sampling
 
@@ -101,19 +104,21 @@ def test_bad_generation_arguments_are_named():
     gen.generate(tiny_model(), [[1]], 4, temperature=-1.0)
 
 
-def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatch):
+def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatch, capsys):
   c = tiny_config(fsdp=8)
   c.workdir, c.train_steps, c.checkpoint_every, c.eval_every = str(tmp_path), 4, 4, 0
   loop.run(c)
   command = [sys.executable, 'sample.py', f'--workdir={tmp_path}', '--prompt=def ',
              '--prompt=import', '--max_new_tokens=16', '--temperature=0']
-  result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+  result = subprocess.run([*command, '--kv_cache=int8'], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert f'# {tmp_path}/checkpoints/4: temperature 0.0' in result.stdout
+  assert (f'# {tmp_path}/checkpoints/4: temperature 0.0, top_k 40, seed 0, int8 cache (72 bytes a '
+          'token a layer)') in result.stdout  # 2 × 2 kv heads × (16 int8 values + a fp16 scale)
   assert "--- prompt 'def '\ndef " in result.stdout and "--- prompt 'import'\nimport" in result.stdout
   # The command's greedy text is what the function gives, on a mesh other than the run's.
   loaded = sampling.load(str(tmp_path / 'checkpoints' / '4'))
-  texts = sampling.complete(loaded, ['def ', 'import'], 16, temperature=0)
+  texts = sampling.complete(loaded, ['def ', 'import'], 16, temperature=0, cache='int8')
   expected = f"--- prompt 'def '\ndef {texts[0]}\n--- prompt 'import'\nimport{texts[1]}\n"
   assert expected.replace('\r\n', '\n').replace('\r', '\n') in result.stdout  # text mode
 
@@ -128,10 +133,19 @@ def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatc
     sampling.complete(loaded, ['def '], 10**9, max_len=2 * 10**9)
   with monkeypatch.context() as m:  # the memory there is, the bound past that
     m.setattr(sampling, 'MAX_LEN_FACTOR', 10**9)
-    with pytest.raises(ValueError, match=r'--max_len=2000000000: the KV cache of 1 prompt\(s\) × '
+    with pytest.raises(ValueError, match=r'--max_len=2000000000: the full cache of 1 prompt\(s\) × '
                                          r'1,000,000,005 tokens needs .* GiB, more than'):
       sampling.complete(loaded, ['def '], 10**9, max_len=2 * 10**9)
   assert sampling.complete(loaded, ['def '], 40, temperature=0, max_len=64)  # past 32, asked
+
+  # The cache benchmark on this checkpoint: each kind's bytes, loss and greedy agreement.
+  kv_cache_benchmark.main([f'--workdir={tmp_path}', '--rows=4', '--prompts=2',
+                           '--prompt_tokens=8', '--new_tokens=6'])
+  figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])['kinds']
+  assert figures['full']['greedy_same'] == 1 and figures['x']['bytes_of_full'] == 1
+  assert figures['int8']['bytes_of_full'] == 72 / 256  # the model computes in fp32
+  for kind in kv_cache.QUANTIZED:
+    assert abs(figures[kind]['bits_per_byte_change']) < 0.01, figures
 
   # SIGTERM while it samples: one line saying so, and the signal's exit status.
   process = subprocess.Popen([*command[:-2], '--max_len=512', '--max_new_tokens=480'], cwd=REPO,

@@ -18,6 +18,7 @@ from flax import nnx
 from configs import base
 from data import chat, tokenizers
 from model import ModelConfig, Transformer
+from model import kv_cache
 from model.generate import generate
 from runtime import checkpoint as checkpoint_lib
 import sharding
@@ -35,8 +36,12 @@ class Loaded:
   init_from: str = ''  # where the run started (config.init_from as saved): an adapter's base
 
 
-def check_arguments(max_new_tokens: int, temperature: float, top_k: int, max_len: int) -> None:
+def check_arguments(max_new_tokens: int, temperature: float, top_k: int, max_len: int,
+                    cache: str = 'full') -> None:
   """ValueError naming the flag, before anything is loaded."""
+  if cache not in kv_cache.KINDS:
+    raise ValueError(f'--kv_cache={cache!r}: one of {", ".join(kv_cache.KINDS)} '
+                     '(docs/sampling.md)')
   if max_new_tokens < 1:
     raise ValueError(f'--max_new_tokens={max_new_tokens} must be at least 1')
   if not (math.isfinite(temperature) and temperature >= 0):
@@ -95,21 +100,23 @@ def _known(saved: dict, known) -> dict:
 
 
 def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0, max_len: int = 0) -> list[str]:
+             top_k: int = 40, seed: int = 0, max_len: int = 0, cache: str = 'full') -> list[str]:
   """Each prompt's continuation (text after the prompt), up to the end of a document or
   `max_new_tokens` tokens. Every prompt starts as a document does, after BOS (a prompt whose
   text begins with it, as a chat template's may, is not given a second).
 
   Prompt and continuation together are at most `max_len` tokens (0: the seq_len the model was
-  trained at, beyond which its positions are untried); a longer max_len must leave the KV cache
-  room in memory. Both are checked before anything is allocated."""
+  trained at, beyond which its positions are untried); a longer max_len must leave the cache
+  room in memory. Both are checked before anything is allocated. `cache` is what decoding keeps
+  of past tokens (model/kv_cache.py: KINDS)."""
   tok = loaded.tokenizer
   ids = [list(tok.encode(p.encode())) for p in prompts]
   ids = [row if row[:1] == [tok.bos_id] else [tok.bos_id, *row] for row in ids]
-  check_length(loaded, len(ids), max(map(len, ids)) + max_new_tokens, max_new_tokens, max_len)
+  check_length(loaded, len(ids), max(map(len, ids)) + max_new_tokens, max_new_tokens, max_len,
+               cache)
   new = generate(loaded.model, ids, max_new_tokens, key=jax.random.key(seed),
                  temperature=temperature, top_k=top_k, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                 vocab_size=tok.vocab_size)
+                 vocab_size=tok.vocab_size, cache=cache)
   texts = []
   for row in new.tolist():
     if tok.eos_id in row:
@@ -118,9 +125,11 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
   return texts
 
 
-def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, max_len: int):
+def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, max_len: int,
+                 cache: str = 'full'):
   """ValueError naming the flag, if `rows` sequences of `length` tokens go past max_len (0: the
-  trained seq_len) or, for an explicit max_len, their KV cache past the memory there is."""
+  trained seq_len) or, for an explicit max_len, their cache of kind `cache` past the memory there
+  is."""
   limit, trained = max_len or loaded.config.seq_len, loaded.config.seq_len
   if max_len > MAX_LEN_FACTOR * trained:
     raise ValueError(f'--max_len={max_len:,} is more than {MAX_LEN_FACTOR}× the seq_len the model '
@@ -133,13 +142,20 @@ def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, ma
                      f'make {length:,} tokens, more than {bound}; lower --max_new_tokens, or '
                      'raise --max_len to sample past the trained length')
   if max_len:
-    cfg = loaded.model.cfg
-    # The scan over new tokens holds the cache it reads and the one it writes.
-    cache = 4 * cfg.n_layers * rows * length * cfg.n_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    needs = cache_bytes(loaded.model.cfg, cache, rows, length)
     device = jax.local_devices()[0]
     free = ((device.memory_stats() or {}).get('bytes_limit')
             or os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))  # CPU: free RAM
-    if cache > free:
-      raise ValueError(f'--max_len={max_len}: the KV cache of {rows} prompt(s) × {length:,} tokens '
-                       f'needs {cache / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB '
-                       'there is; lower --max_len or --max_new_tokens, or give fewer prompts')
+    if needs > free:
+      raise ValueError(f'--max_len={max_len}: the {cache} cache of {rows} prompt(s) × {length:,} '
+                       f'tokens needs {needs / 2**30:,.1f} GiB, more than the '
+                       f'{free / 2**30:,.1f} GiB there is; lower --max_len or --max_new_tokens, '
+                       'give fewer prompts, or a smaller --kv_cache (docs/sampling.md)')
+
+
+def cache_bytes(cfg, cache: str, rows: int, length: int) -> int:
+  """What decoding `rows` sequences of `length` tokens holds for a cache of kind `cache`: the
+  scan over new tokens holds the cache it reads and the one it writes, plus an X cache's
+  constants."""
+  per_token = kv_cache.bytes_per_token(cfg, cache)
+  return 2 * cfg.n_layers * rows * length * per_token + kv_cache.fixed_bytes(cfg, cache)
