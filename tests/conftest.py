@@ -2,7 +2,7 @@
 datasets go to a temporary TFDS data dir (TFDS_DATA_DIR, also seen by subprocesses), removed at
 the end, so tests never write under the user's home. The processes tests start share a temporary
 persistent compilation cache: each compiles the same tiny steps again (a killed run and its
-restart, two processes of one job). This process compiles its own."""
+restart, two processes of one job), and so does this process."""
 
 import os
 import re
@@ -42,12 +42,16 @@ from configs import base  # noqa: E402
 
 assert jax.device_count() == 8, 'tests expect 8 CPU devices (XLA_FLAGS was set too late)'
 
-# Set after jax read its configuration, so only the processes tests start see it.
+# Set after jax read its configuration: the environment is for the processes tests start.
 CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
 os.environ.update(JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
-assert not jax.config.jax_compilation_cache_dir
+# This process uses it too: tests build the same tiny steps again and again (each loop.run jits
+# anew; a subprocess compiles what this process did), and a cached one loads in milliseconds.
+jax.config.update('jax_compilation_cache_dir', CACHE_DIR)
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
 
 def tiny_config(**mesh):
@@ -202,10 +206,16 @@ FAST = (
 )
 
 
+LONGEST = {'test_gpu_compile.py': 325, 'test_checkpoint.py': 265, 'test_distributed.py': 150,
+           'test_context_parallel.py': 105, 'test_plan.py': 100, 'test_benchmarks.py': 92,
+           'test_pipeline.py': 83, 'test_moe.py': 79, 'test_notebook.py': 71}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by it
+
 def pytest_collection_modifyitems(config, items):
   """Marks the FAST tests `fast`; an entry of a wholly collected file that names no test is an
-  error (a test renamed without its entry)."""
+  error (a test renamed without its entry). Orders the files longest first (LONGEST)."""
   unmatched = set(FAST)
   partly = {f'tests/{os.path.basename(arg.split("::")[0])}' for arg in config.args if '::' in arg}
   files = {item.nodeid.split('::')[0] for item in items} - partly
@@ -215,6 +225,9 @@ def pytest_collection_modifyitems(config, items):
       if nodeid == entry or nodeid.startswith(entry + '['):
         item.add_marker(pytest.mark.fast)
         unmatched.discard(entry)
+  # The longest files first (their test seconds on 2 cores), so that the two workers, each
+  # taking a file at a time, end on short ones together rather than one on a long one alone.
+  items.sort(key=lambda item: -LONGEST.get(os.path.basename(item.nodeid.split('::')[0]), 0))
   if stale := [e for e in unmatched if f'tests/{e.split("::")[0]}' in files]:
     raise pytest.UsageError(f'tests/conftest.py FAST names tests that do not exist: {stale}')
 

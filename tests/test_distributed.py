@@ -180,7 +180,7 @@ def test_the_sbatch_script_runs_a_slurm_job(tmp_path):
   env = {**os.environ, 'PATH': f'{bin_dir}:{os.environ["PATH"]}', 'SLURM_JOB_ID': '4242',
          'SLURM_NTASKS': '2', 'SLURM_SUBMIT_DIR': str(REPO), 'JAX_PLATFORMS': 'cpu',
          'JAX_COORDINATOR_PORT': str(free_port()),
-         'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
+         'XLA_FLAGS': f'--xla_force_host_platform_device_count=4{FAST_COMPILE}'}
   result = subprocess.run(
       ['bash', str(REPO / 'scripts/slurm/train.sbatch'), '--config=configs/base.py',
        f'--config.workdir={tmp_path / "run"}', '--config.train_steps=3', '--config.log_every=1',
