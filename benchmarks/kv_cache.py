@@ -4,6 +4,8 @@ the full cache's, and how many greedy tokens stay those of the full cache.
 
   python train.py --config=configs/default.py --config.workdir=/tmp/meshlm-default   # once
   python -m benchmarks.kv_cache --workdir=/tmp/meshlm-default
+  python -m benchmarks.kv_cache --plan=8b --batch=8 --slots=32768   # one decode step, each kind,
+                                                                    # compiled for an H100
 
 Each row (--rows of seq_len tokens: the validation documents cut into consecutive windows, as
 packing cuts them) goes through `Transformer.decode` in one call against an empty cache of the
@@ -19,20 +21,31 @@ position, and how many come before the first that differs (mean over prompts).
 Bytes are per token and layer, from the kind's shapes (tests check them against the arrays
 allocated), so they hold for any device. The quality figures are the model's on this machine's
 CPU; a GPU computes the same arithmetic.
+
+--plan=PRESET (of configs/llama.py) compiles one decode step (--batch rows, one new token each,
+against a cache of --slots) for each kind, deviceless for --target (planning/gpu_compiler.py),
+with bf16 weights: the compiled program's memory (arguments: weights and cache; temporaries) and
+the time model's prediction of its step (planning/timing.py), never a measurement.
 """
 
 import argparse
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import report
+from configs import llama
+from model import ModelConfig, Transformer, kv_cache
 from model import generate as gen
-from model import kv_cache
+from planning import gpu_compiler, gpus, timing
 from training import loop, sampling
+
+LLAMA3_VOCAB = 128_256  # the presets leave vocab_size to the tokenizer
 
 
 def windows(loaded, count: int, length: int) -> list[np.ndarray]:
@@ -80,6 +93,47 @@ def agreement(new: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
   return float(same.mean()), float(before.mean())
 
 
+def plan(preset: str, batch: int, slots: int, target: str) -> dict:
+  """Each kind's decode step compiled for `target` GPUs: memory and the time model's step."""
+  gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.kv_cache', *sys.argv[1:]])
+  config = llama.get_config(preset)
+  config.model.vocab_size = config.model.vocab_size or LLAMA3_VOCAB
+  config.model.param_dtype = 'bfloat16'  # served weights
+  cfg = ModelConfig.from_config(config.model)
+  gpu = gpus.get(target)
+  device, = gpu_compiler.devices(gpu, 1)
+  on_device = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), tree)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  abstract, tokens = on_device(abstract), on_device(jax.ShapeDtypeStruct((batch, 1), jnp.int32))
+
+  def step(state, tokens, positions, cache):
+    return nnx.merge(graphdef, state).decode(tokens, positions, cache)
+
+  print(f'# {preset}: one decode step of {batch} rows against {slots:,} slots, compiled for '
+        f'{device.device_kind} (deviceless); step: the time model\'s prediction')
+  print(f'\n{"cache":8} {"cache GiB":>10} {"weights GiB":>12} {"temp GiB":>9} {"step ms":>8} '
+        f'{"tokens/s":>9}')
+  rows = {}
+  for kind in kv_cache.KINDS:
+    cache = on_device(jax.eval_shape(
+        lambda s, kind=kind: nnx.merge(graphdef, s).init_cache(batch, slots, kind), abstract))
+    compiled = jax.jit(step, donate_argnums=3).lower(abstract, tokens, tokens, cache).compile()
+    memory, predicted = compiled.memory_analysis(), timing.predict(compiled.as_text(), gpu)
+    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+    rows[kind] = {'cache_bytes': sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache)),
+                  'weights_bytes': weights, 'temp_bytes': memory.temp_size_in_bytes,
+                  'predicted_step_s': predicted.seconds,
+                  'predicted_tokens_per_s': batch / predicted.seconds}
+    r = rows[kind]
+    print(f'{kind:8} {r["cache_bytes"] / 2**30:>10.2f} {weights / 2**30:>12.2f} '
+          f'{r["temp_bytes"] / 2**30:>9.2f} {1e3 * predicted.seconds:>8.2f} '
+          f'{r["predicted_tokens_per_s"]:>9,.0f}', flush=True)
+  return {'benchmark': 'kv_cache_plan', 'preset': preset, 'batch': batch, 'slots': slots,
+          'compiled_for': device.device_kind, 'deviceless': True, 'jax': jax.__version__,
+          'kinds': rows, 'command': report.command()}
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--workdir', default='/tmp/meshlm-default')
@@ -87,7 +141,14 @@ def main(argv=None):
   parser.add_argument('--prompts', type=int, default=16)
   parser.add_argument('--prompt_tokens', type=int, default=64)
   parser.add_argument('--new_tokens', type=int, default=64)
+  parser.add_argument('--plan', default='', help='a preset of configs/llama.py: plan its decode '
+                      'step per kind for --target instead')
+  parser.add_argument('--batch', type=int, default=8)
+  parser.add_argument('--slots', type=int, default=32768)
+  parser.add_argument('--target', default='H100')
   args = parser.parse_args(argv)
+  if args.plan:
+    return report.emit(plan(args.plan, args.batch, args.slots, args.target), None)
   loaded = sampling.load(args.workdir)
   cfg, tok = loaded.model.cfg, loaded.tokenizer
   rows = windows(loaded, args.rows, loaded.config.seq_len)

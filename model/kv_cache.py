@@ -148,17 +148,18 @@ def recompute(z_BSGg, weights: dict):
                for w in ('wk', 'wv'))
 
 
-def store(entry, rows_B1, positions_BT, new_BTGH):
-  """`entry` with the new tokens written into the slots of their positions."""
+def store(entry, layer, rows_B1, positions_BT, new_BTGH):
+  """`entry` [layers, B, S, ...] with the new tokens written into layer `layer`'s slots of their
+  positions (in place, where the entry is a loop's carry)."""
   if isinstance(entry, dict):
     q, scale = quantize(new_BTGH, 4 if entry['q'].dtype == jnp.uint8 else 8)
-    return {'q': entry['q'].at[rows_B1, positions_BT].set(q),
-            'scale': entry['scale'].at[rows_B1, positions_BT].set(scale)}
-  return entry.at[rows_B1, positions_BT].set(new_BTGH.astype(entry.dtype))
+    return {'q': entry['q'].at[layer, rows_B1, positions_BT].set(q),
+            'scale': entry['scale'].at[layer, rows_B1, positions_BT].set(scale)}
+  return entry.at[layer, rows_B1, positions_BT].set(new_BTGH.astype(entry.dtype))
 
 
-def read(entry, dtype):
-  """The whole entry [B, S, G, H] as the attention reads it, in `dtype`."""
+def read(entry, layer, dtype):
+  """Layer `layer` of the entry, [B, S, G, H], as the attention reads it, in `dtype`."""
   if isinstance(entry, dict):
-    return dequantize(entry['q'], entry['scale'], dtype)
-  return entry.astype(dtype)
+    return dequantize(entry['q'][layer], entry['scale'][layer], dtype)
+  return entry[layer].astype(dtype)

@@ -205,25 +205,25 @@ class Attention(nnx.Module):
                                          lora.b[...].astype(jnp.float32))
     return merged(self.wk, self.wk_lora), merged(self.wv, self.wv_lora)
 
-  def decode(self, x_BTD, positions_BT, cache: dict, weights: dict):
-    """T new tokens per row against this layer's cache of S slots (model/kv_cache.py; slot s
-    holds position s): writes what the cache keeps of them into the slots of their positions and
-    attends to slots 0 … position. An X cache's keys and values are recomputed from it with
-    `weights` (kv_cache.x_weights). Returns (out, cache)."""
+  def decode(self, x_BTD, positions_BT, cache: dict, layer, weights: dict):
+    """T new tokens per row against layer `layer` of the cache, S slots a row (model/kv_cache.py;
+    slot s holds position s): writes what the cache keeps of them into the slots of their
+    positions and attends to slots 0 … position. An X cache's keys and values are recomputed
+    from it with `weights` (kv_cache.x_weights). Returns (out, the whole cache)."""
     cfg = self.cfg
     rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
     if 'x' in cache:
       q_BTNH = self._queries(x_BTD, positions_BT)
       new = kv_cache.latent(x_BTD, weights, kv_cache.x_group(cfg))
-      cache = {'x': kv_cache.store(cache['x'], rows_B1, positions_BT, new)}
-      k_BSKH, v_BSKH = kv_cache.recompute(kv_cache.read(cache['x'], cfg.dtype), weights)
+      cache = {'x': kv_cache.store(cache['x'], layer, rows_B1, positions_BT, new)}
+      k_BSKH, v_BSKH = kv_cache.recompute(kv_cache.read(cache['x'], layer, cfg.dtype), weights)
       B, S = k_BSKH.shape[:2]
       k_BSKH = self._keys(k_BSKH, jnp.broadcast_to(jnp.arange(S), (B, S)))
     else:
       q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT)
-      cache = {name: kv_cache.store(cache[name], rows_B1, positions_BT, new)
+      cache = {name: kv_cache.store(cache[name], layer, rows_B1, positions_BT, new)
                for name, new in (('k', k_BTKH), ('v', v_BTKH))}
-      k_BSKH, v_BSKH = (kv_cache.read(cache[name], cfg.dtype) for name in ('k', 'v'))
+      k_BSKH, v_BSKH = (kv_cache.read(cache[name], layer, cfg.dtype) for name in ('k', 'v'))
     out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
     return project('btnh,nhd->btd', out_BTNH, self.wo, cfg, self.wo_lora), cache
 

@@ -49,9 +49,10 @@ class Block(nnx.Module):
     out = self.mlp(self.mlp_norm(x_BLD))
     return out if isinstance(out, tuple) else (out, {})
 
-  def decode(self, x_BTD, positions_BT, cache: dict, weights: dict):
-    """The block on T new tokens against its cache (Attention.decode)."""
-    out_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), positions_BT, cache, weights)
+  def decode(self, x_BTD, positions_BT, cache: dict, layer, weights: dict):
+    """The block on T new tokens against its layer of the cache (Attention.decode)."""
+    out_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), positions_BT, cache, layer,
+                                      weights)
     x_BTD = x_BTD + out_BTD
     return x_BTD + self._mlp(x_BTD)[0], cache
 
@@ -226,22 +227,23 @@ class Transformer(nnx.Module):
     x_BTD = lookup(table_VD, table_c_VD, tokens_BT)
     weights = cache.get('weights', {})
     stored = {name: entry for name, entry in cache.items() if name != 'weights'}
-    updated = []
     for stack, first in self._stacks():
       graphdef, layers = nnx.split(stack)
       layers = self._in_order(layers)
       n = jax.tree.leaves(layers)[0].shape[0]
-      mine = lambda tree, first=first, n=n: jax.tree.map(lambda a: a[first:first + n], tree)
+      mine = jax.tree.map(lambda a, first=first, n=n: a[first:first + n], weights)
 
-      def body(x_BTD, layer_cache_weights, graphdef=graphdef):
-        layer, layer_cache, layer_weights = layer_cache_weights
-        return nnx.merge(graphdef, layer).decode(x_BTD, positions_BT, layer_cache, layer_weights)
+      # The whole cache is the scan's carry: each layer writes its new tokens into it in place
+      # and reads its own slice, so a step moves the cache once rather than copying it per layer.
+      def body(carry, layer_index_weights, graphdef=graphdef, first=first):
+        x_BTD, stored = carry
+        layer, i, layer_weights = layer_index_weights
+        x_BTD, stored = nnx.merge(graphdef, layer).decode(x_BTD, positions_BT, stored, first + i,
+                                                          layer_weights)
+        return (x_BTD, stored), None
 
-      x_BTD, stack_cache = jax.lax.scan(body, x_BTD, (layers, mine(stored), mine(weights)))
-      updated.append(stack_cache)
-    cache = jax.tree.map(lambda *c: jnp.concatenate(c) if len(c) > 1 else c[0], *updated)
-    if weights:
-      cache['weights'] = weights
+      (x_BTD, stored), _ = jax.lax.scan(body, (x_BTD, stored), (layers, jnp.arange(n), mine))
+    cache = dict(stored, weights=weights) if weights else stored
     return self._head(x_BTD, table_VD, table_c_VD), cache
 
   def _stacks(self):

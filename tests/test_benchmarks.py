@@ -52,6 +52,25 @@ def test_moe_benchmark_compiles_each_implementation_for_h100():
   assert f['results']['ragged_dot']['temp_bytes'] > ours['temp_bytes']
 
 
+def test_the_cache_plan_compiles_a_decode_step_per_kind_for_h100():
+  """Deviceless, the 125m preset: each kind's cache is what its compiled step takes as arguments
+  beside the weights, and the time model predicts each step."""
+  from benchmarks import kv_cache as benchmark
+  from configs import llama
+  from model import ModelConfig, kv_cache
+  f = benchmark.plan('125m', batch=2, slots=256, target='H100')
+  assert f['deviceless'] and f['compiled_for'] == 'NVIDIA H100 80GB HBM3'
+  c = llama.get_config('125m')
+  c.model.param_dtype = 'bfloat16'
+  cfg = ModelConfig.from_config(c.model)
+  for kind, r in f['kinds'].items():
+    assert r['cache_bytes'] == (kv_cache.bytes_per_token(cfg, kind) * cfg.n_layers * 2 * 256
+                                + kv_cache.fixed_bytes(cfg, kind)), kind
+    assert r['predicted_step_s'] > 0
+  assert f['kinds']['int4']['cache_bytes'] < f['kinds']['int8']['cache_bytes'] < \
+      f['kinds']['full']['cache_bytes']
+
+
 def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):
   """Its plumbing, on the CPU (ratios against the time model's nominal device mean nothing here):
   each part's rows measured and predicted, its file, and the constants its rows imply."""
