@@ -2,7 +2,7 @@
 datasets go to a temporary TFDS data dir (TFDS_DATA_DIR, also seen by subprocesses), removed at
 the end, so tests never write under the user's home. The processes tests start share a temporary
 persistent compilation cache: each compiles the same tiny steps again (a killed run and its
-restart, two processes of one job), and so does this process."""
+restart, two processes of one job); this process has one of its own."""
 
 import os
 import re
@@ -47,9 +47,11 @@ CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
 os.environ.update(JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
-# This process uses it too: tests build the same tiny steps again and again (each loop.run jits
-# anew; a subprocess compiles what this process did), and a cached one loads in milliseconds.
-jax.config.update('jax_compilation_cache_dir', CACHE_DIR)
+# This process has one of its own: tests build the same tiny steps again and again (each
+# loop.run jits anew), and a cached one loads in milliseconds. Never the processes' cache: a
+# program this process compiled, with the GPU compiler loaded, is not one for them to run.
+OWN_CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
+jax.config.update('jax_compilation_cache_dir', OWN_CACHE_DIR)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
@@ -235,6 +237,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session, exitstatus):
   shutil.rmtree(DATA_DIR, ignore_errors=True)
   shutil.rmtree(CACHE_DIR, ignore_errors=True)
+  shutil.rmtree(OWN_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')

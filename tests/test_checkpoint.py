@@ -504,7 +504,8 @@ def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
   step = int(stopped.split('after step ')[1].split(';')[0])
   resumed = subprocess.run(command(tmp_path) + every_step, cwd=REPO, capture_output=True,
                            text=True, timeout=600, env=ENV)
-  assert resumed.returncode == 0 and f'resuming from step {step} ' in resumed.stdout
+  assert resumed.returncode == 0 and f'resuming from step {step} ' in resumed.stdout, (
+      resumed.stdout[-3000:] + resumed.stderr[-3000:])  # an abort's reason, for the reruns
   records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').open()]
   assert sorted(r['step'] for r in records if 'eval_loss' in r) == list(range(1, 17))
   assert sorted(r['step'] for r in records if 'loss' in r) == list(range(1, 17))
