@@ -114,13 +114,13 @@ def plan(preset: str, batch: int, slots: int, target: str) -> dict:
         f'{device.device_kind} (deviceless); step: the time model\'s prediction')
   print(f'\n{"cache":8} {"cache GiB":>10} {"weights GiB":>12} {"temp GiB":>9} {"step ms":>8} '
         f'{"tokens/s":>9}')
+  weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
   rows = {}
   for kind in kv_cache.KINDS:
     cache = on_device(jax.eval_shape(
         lambda s, kind=kind: nnx.merge(graphdef, s).init_cache(batch, slots, kind), abstract))
     compiled = jax.jit(step, donate_argnums=3).lower(abstract, tokens, tokens, cache).compile()
     memory, predicted = compiled.memory_analysis(), timing.predict(compiled.as_text(), gpu)
-    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
     rows[kind] = {'cache_bytes': sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache)),
                   'weights_bytes': weights, 'temp_bytes': memory.temp_size_in_bytes,
                   'predicted_step_s': predicted.seconds,

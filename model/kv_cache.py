@@ -23,7 +23,6 @@ scale = max|x| / qmax (127 for int8, 7 for int4). int4 values are stored in pair
 ([B, S, groups, size / 2]; the low nibble the even channel).
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
