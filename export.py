@@ -9,6 +9,8 @@ transformers.AutoModelForCausalLM.from_pretrained(DIR). A run with LoRA adapters
 them merged into its weights, or with --lora=peft as a PEFT adapter alone (runtime/peft.py):
   python export.py --workdir=/tmp/meshlm-lora --output=/tmp/meshlm-lora-adapter --lora=peft
 It is written beside --output and moved there whole; an existing non-empty --output is refused.
+A run's draft heads (config.model.draft_heads) are left out, and it says so: no Llama, Mixtral or
+Qwen3-MoE checkpoint has a place for them.
 """
 
 import dataclasses
@@ -17,6 +19,7 @@ import pathlib
 from absl import app, flags
 from flax import nnx
 
+from model.layers import Draft, split_adapters
 from runtime import cli, huggingface, peft
 from training import sampling
 
@@ -55,6 +58,11 @@ def main(argv):
   dtype = _DTYPE.value or cfg.weight_dtype.name
   print(f'# {loaded.checkpoint} → {output} ({dtype}'
         f'{", adapters merged" if cfg.lora_rank else ""})')
+  if cfg.draft_heads:  # no Llama, Mixtral or Qwen3-MoE checkpoint has a place for them
+    print(f'# its {cfg.draft_heads} draft heads are left out: they stay in the checkpoint, '
+          'for sample.py')
+    params = split_adapters(params, Draft)[1]
+    cfg = dataclasses.replace(cfg, draft_heads=0)
   if cfg.lora_rank:
     params, cfg = peft.merged(params, cfg), dataclasses.replace(cfg, lora_rank=0)
   huggingface.export(params, cfg, loaded.tokenizer, loaded.config.seq_len, output, dtype=dtype,

@@ -6,7 +6,9 @@
 --temperature=0 is greedy; otherwise a draw at that temperature from the --top_k most likely
 tokens (0: all). The model, tokenizer and data settings come from the config saved with the
 checkpoint. --kv_cache=int8 (or xquant) keeps about half the bytes of past tokens, int4 (or
-xquant4) about a quarter (docs/sampling.md). --chat asks each prompt as a user's message, in the
+xquant4) about a quarter (docs/sampling.md). A run trained with draft heads
+(config.model.draft_heads) decodes speculatively, the heads guessing and one forward checking
+their guesses, unless --nospeculative. --chat asks each prompt as a user's message, in the
 run's chat template with its generation prompt (docs/fine-tuning.md); the answer runs until the
 model ends the document:
   python sample.py --workdir=/tmp/meshlm-finetune --chat --temperature=0 \
@@ -32,6 +34,9 @@ _KV_CACHE = flags.DEFINE_string('kv_cache', 'full', 'What decoding keeps of past
                                 'and V in the compute dtype), int8 or int4 (K and V), x, xquant '
                                 "or xquant4 (XQuant: each layer's input, in the compute dtype, "
                                 'int8 or int4); docs/sampling.md.')
+_SPECULATIVE = flags.DEFINE_bool('speculative', True, "Decode with the checkpoint's draft heads, "
+                                  'if it has them (config.model.draft_heads): the same text '
+                                  'greedy, the same distribution sampled, fewer forwards.')
 _MAX_LEN = flags.DEFINE_integer('max_len', 0, 'Prompt + continuation at most, in tokens; 0: the '
                                 'seq_len the model was trained at.')
 
@@ -50,7 +55,8 @@ def main(argv):
              _PROMPT.value)
   texts = sampling.complete(loaded, prompts, _MAX_NEW_TOKENS.value,
                             temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value,
-                            max_len=_MAX_LEN.value, cache=_KV_CACHE.value)
+                            max_len=_MAX_LEN.value, cache=_KV_CACHE.value,
+                            speculative=_SPECULATIVE.value, report=print)
   for prompt, text in zip(_PROMPT.value, texts):
     print(f'--- prompt {prompt!r}\n{"" if _CHAT.value else prompt}{text}')
 

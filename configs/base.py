@@ -82,6 +82,11 @@ def get_config() -> ml_collections.ConfigDict:
   m.lora_rank = 0  # r; 0: no adapters, every parameter trains
   m.lora_alpha = 16.0  # the adapters' output is scaled by alpha / r (PEFT's lora_alpha)
   m.lora_targets = 'q,k,v,o,gate,up,down'  # of q, k, v, o (attention), gate, up, down (MLP)
+  # Draft heads (docs/sampling.md): K small heads guess the K tokens after the next, for sample.py's
+  # speculative decoding; they train beside the base and never change it.
+  m.draft_heads = 0  # K; 0: none
+  m.draft_kind = 'clover'  # clover: each head sees the token the one before guessed | medusa
+  m.draft_only = False  # only the heads train, the base frozen (start it with config.init_from)
 
   c.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = 1  # pure data parallelism: parameters replicated

@@ -5,8 +5,9 @@ On each device's own tokens (the caller runs these per shard, model/head.py), `c
 time: the chunk's logits x·W in the compute dtype with fp32 accumulation, their log-sum-exp over
 the vocabulary (its shards along `vocab_axis` combined by a max and a sum across devices), and
 the target's logit (from the shard that holds it). Out come per-token log Z and −log p(target) in
-fp32, [T] each; weights and the z-loss are the caller's, in fp32. A [chunk, V/shards] fp32 block
-is the largest thing made: the 8b preset's 32,768 tokens × 128,256 vocabulary a device (15.7 GiB
+fp32, [T] each, and how far the target's logit lies below the largest (0 where the target is the
+top-1 guess: what accuracy counts); weights and the z-loss are the caller's, in fp32. A
+[chunk, V/shards] fp32 block is the largest thing made: the 8b preset's 32,768 tokens × 128,256 vocabulary a device (15.7 GiB
 of fp32 logits, and as much again for their gradient) become 4,096 × 128,256 (2 GiB) at the
 default chunk.
 
@@ -52,8 +53,9 @@ def _over_vocab(reduce, x, vocab_axis):
 
 
 def token_losses(x_TD, w_c, targets_T, *, spec: str, chunk: int, vocab_axis: str | None = None):
-  """(−log p(target), log Z), fp32 [T] each, of tokens x_TD under the head w_c (the compute dtype;
-  this device's vocabulary shard along `vocab_axis`, if split), `chunk` tokens at a time."""
+  """(−log p(target), log Z, max logit − target's logit), fp32 [T] each, of tokens x_TD under the
+  head w_c (the compute dtype; this device's vocabulary shard along `vocab_axis`, if split),
+  `chunk` tokens at a time."""
   def one_chunk(_, xs):
     x_CD, targets_C = xs
     logits_CV = jnp.einsum(spec, x_CD, w_c, preferred_element_type=jnp.float32)
@@ -65,11 +67,11 @@ def token_losses(x_TD, w_c, targets_T, *, spec: str, chunk: int, vocab_axis: str
     index_C1 = jnp.clip(local_C, 0, logits_CV.shape[1] - 1)[:, None]
     picked_C = jnp.take_along_axis(logits_CV, index_C1, axis=-1)[:, 0]
     target_logit_C = _over_vocab(jax.lax.psum, jnp.where(here_C, picked_C, 0.0), vocab_axis)
-    return None, (logz_C - target_logit_C, logz_C)
+    return None, (logz_C - target_logit_C, logz_C, max_C - target_logit_C)
 
   T = x_TD.shape[0]
-  _, (nll_nC, logz_nC) = jax.lax.scan(one_chunk, None, _in_chunks(chunk, x_TD, targets_T))
-  return nll_nC.reshape(-1)[:T], logz_nC.reshape(-1)[:T]
+  _, out = jax.lax.scan(one_chunk, None, _in_chunks(chunk, x_TD, targets_T))
+  return tuple(a_nC.reshape(-1)[:T] for a_nC in out)
 
 
 def token_losses_grads(x_TD, w_c, targets_T, logz_T, g_nll_T, g_logz_T, *, spec: str, chunk: int,
@@ -107,9 +109,11 @@ def token_losses_grads(x_TD, w_c, targets_T, logz_T, g_nll_T, g_logz_T, *, spec:
   return dx_nCD.reshape(-1, x_TD.shape[1])[:T], dw
 
 
-def plain_token_losses(logits_TV, targets_T):
-  """token_losses from logits already whole (the plain path, config.model.head_chunk=0)."""
+def plain_token_losses(logits_TV, targets_T, gap: bool = False):
+  """token_losses from logits already whole (the plain path, config.model.head_chunk=0): the
+  first two, or with `gap` all three."""
   logz_T = jax.nn.logsumexp(logits_TV, axis=-1)
   target_logit_T = jnp.take_along_axis(logits_TV, targets_T[..., None], axis=-1)[..., 0]
-  return logz_T - target_logit_T, logz_T
+  losses = logz_T - target_logit_T, logz_T
+  return (*losses, logits_TV.max(axis=-1) - target_logit_T) if gap else losses
 

@@ -15,6 +15,7 @@ ROPE_TYPES = ('default', 'llama3')  # transformers' names: plain RoPE, Llama 3.1
 MATMUL_PRECISIONS = ('default', 'fp8')  # projections on compute-dtype or scaled fp8 operands
 ROUTERS = ('softmax', 'sigmoid')  # model/moe.py: Mixtral's and Qwen's; DeepSeek-V3's
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')  # the projections adapters may adapt
+DRAFT_KINDS = ('clover', 'medusa')  # model/draft.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,10 @@ class ModelConfig:
   lora_rank: int  # r: W x + (lora_alpha / r) · B A x on each target projection, the rest frozen
   lora_alpha: float
   lora_targets: str  # comma-separated, of LORA_TARGETS
+  # Draft heads for speculative decoding (model/draft.py); draft_heads = 0: none.
+  draft_heads: int  # K: head k guesses the token k+1 after the one the base predicts from
+  draft_kind: str  # of DRAFT_KINDS
+  draft_only: bool  # only the heads train; the base is frozen
 
   def __post_init__(self):
     if self.vocab_size == 0:
@@ -118,6 +123,7 @@ class ModelConfig:
       self._check_experts()
     if self.lora_rank:
       self._check_lora()
+    self._check_draft()
 
   def _check_lora(self):
     if self.lora_rank < 0:
@@ -133,6 +139,17 @@ class ModelConfig:
     if self.matmul_precision == 'fp8':
       raise ValueError("config.model.lora_rank > 0 keeps the base in the compute dtype; use "
                        "--config.model.matmul_precision=default with it")
+
+  def _check_draft(self):
+    if self.draft_heads < 0:
+      raise ValueError(f'config.model.draft_heads={self.draft_heads} must be 0 (none) or more')
+    _check_choice('draft_kind', self.draft_kind, DRAFT_KINDS)
+    if self.draft_only and not self.draft_heads:
+      raise ValueError('config.model.draft_only=True trains the draft heads alone, and '
+                       'config.model.draft_heads is 0; set it to the heads wanted, e.g. 3')
+    if self.draft_only and self.lora_rank:
+      raise ValueError('config.model.draft_only=True freezes everything but the draft heads, '
+                       'adapters too; set lora_rank=0 or draft_only=False')
 
   def _check_experts(self):
     if self.experts < 2:
@@ -206,6 +223,11 @@ class ModelConfig:
   @property
   def lora_target_names(self) -> tuple[str, ...]:
     return tuple(t.strip() for t in self.lora_targets.split(',') if t.strip())
+
+  @property
+  def frozen_base(self) -> bool:
+    """Whether the base's parameters are frozen: under LoRA, or training draft heads alone."""
+    return bool(self.lora_rank or self.draft_only)
 
   @property
   def lora_scale(self) -> float:

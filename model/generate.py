@@ -20,10 +20,20 @@ def sample(logits_BV, keys_B, temperature: float, top_k: int):
   with its own key keys_B[b] (so a row's draws do not depend on the rest of the batch)."""
   if temperature == 0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  return draw(keys_B, tempered(logits_BV, temperature, top_k))
+
+
+def tempered(logits_BV, temperature: float, top_k: int):
+  """The logits `sample` draws from at a temperature > 0: divided by it, all but the top_k
+  most likely at −inf."""
   logits_BV = logits_BV / temperature
   if top_k:
     kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
     logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+  return logits_BV
+
+
+def draw(keys_B, logits_BV):
   return jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
 
 
@@ -46,6 +56,19 @@ def generate(model, prompts, max_new_tokens: int, *, key=None, temperature: floa
   """New tokens [B, max_new_tokens] after each prompt (lists of token ids, each non-empty).
   A row that produced `eos_id` is filled with `pad_id` after it. `cache`: what the decoding keeps
   of past tokens (model/kv_cache.py: KINDS)."""
+  tokens, lengths = padded(prompts, pad_id, max_new_tokens, temperature, top_k)
+  graphdef, state = nnx.split(model)
+  key = jax.random.key(0) if key is None else key
+  out = _generate(graphdef, state, tokens, lengths, key, max_new_tokens=max_new_tokens,
+                  temperature=float(temperature), top_k=int(top_k),
+                  eos_id=-1 if eos_id is None else int(eos_id), pad_id=int(pad_id),
+                  vocab_size=vocab_size, cache=cache)
+  return np.asarray(out)
+
+
+def padded(prompts, pad_id: int, max_new_tokens: int, temperature: float, top_k: int):
+  """The prompts (lists of token ids) as one right-padded [B, P] array and their lengths [B],
+  the arguments checked."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError('generate: every prompt needs at least one token (e.g. BOS)')
   if temperature < 0 or top_k < 0 or max_new_tokens < 1:
@@ -55,13 +78,7 @@ def generate(model, prompts, max_new_tokens: int, *, key=None, temperature: floa
   tokens = np.full((len(prompts), lengths.max()), pad_id, np.int32)
   for row, prompt in enumerate(prompts):
     tokens[row, :len(prompt)] = prompt
-  graphdef, state = nnx.split(model)
-  key = jax.random.key(0) if key is None else key
-  out = _generate(graphdef, state, tokens, lengths, key, max_new_tokens=max_new_tokens,
-                  temperature=float(temperature), top_k=int(top_k),
-                  eos_id=-1 if eos_id is None else int(eos_id), pad_id=int(pad_id),
-                  vocab_size=vocab_size, cache=cache)
-  return np.asarray(out)
+  return tokens, lengths
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=(

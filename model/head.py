@@ -23,14 +23,16 @@ from kernels.matmul import matmul
 TOKENS = ('batch', 'length')
 
 
-def token_losses(x_BLD, w, w_c, targets_BL, *, tied: bool, chunk: int):
-  """(−log p(target), log Z), fp32 [B, L], of the head w (the tied table [V, D], or [D, V])."""
+def token_losses(x_BLD, w, w_c, targets_BL, *, tied: bool, chunk: int, gap: bool = False):
+  """(−log p(target), log Z), fp32 [B, L], of the head w (the tied table [V, D], or [D, V]); with
+  `gap`, also the largest logit less the target's (0 where the target is the top guess)."""
   if chunk == 0:
     logits_BLV = matmul('bld,vd->blv' if tied else 'bld,dv->blv', x_BLD, w, jnp.float32, w_c)
-    return cross_entropy.plain_token_losses(logits_BLV, targets_BL)
+    return cross_entropy.plain_token_losses(logits_BLV, targets_BL, gap)
   # The backward is traced after the forward returns, outside the caller's rules: it gets them.
   rules = tuple(flax.core.spmd.get_logical_axis_rules())
-  return _chunked(cross_entropy.SPECS[tied], chunk, rules, x_BLD, w, w_c, targets_BL)
+  losses = _chunked(cross_entropy.SPECS[tied], chunk, rules, x_BLD, w, w_c, targets_BL)
+  return losses if gap else losses[:2]
 
 
 def _names(spec: str) -> tuple:
@@ -42,18 +44,17 @@ def _chunked(spec, chunk, rules, x_BLD, w, w_c, targets_BL):
   del w, rules
   def local(x_BLD, w_c, targets_BL):
     B, L, D = x_BLD.shape
-    nll_T, logz_T = cross_entropy.token_losses(
+    return tuple(a_T.reshape(B, L) for a_T in cross_entropy.token_losses(
         x_BLD.reshape(B * L, D), w_c, targets_BL.reshape(-1), spec=spec, chunk=chunk,
-        vocab_axis=sharding.mesh_axis('vocab'))
-    return nll_T.reshape(B, L), logz_T.reshape(B, L)
+        vocab_axis=sharding.mesh_axis('vocab')))
 
   return sharding.per_shard(local, (TOKENS + ('embed',), _names(spec), TOKENS),
-                            [TOKENS, TOKENS])(x_BLD, w_c, targets_BL)
+                            [TOKENS, TOKENS, TOKENS])(x_BLD, w_c, targets_BL)
 
 
 def _chunked_fwd(spec, chunk, rules, x_BLD, w, w_c, targets_BL):
-  nll_BL, logz_BL = _chunked(spec, chunk, rules, x_BLD, w, w_c, targets_BL)
-  return (nll_BL, logz_BL), (x_BLD, w, w_c, targets_BL, logz_BL)
+  nll_BL, logz_BL, gap_BL = _chunked(spec, chunk, rules, x_BLD, w, w_c, targets_BL)
+  return (nll_BL, logz_BL, gap_BL), (x_BLD, w, w_c, targets_BL, logz_BL)
 
 
 def _chunked_bwd(spec, chunk, rules, residuals, cotangents):
@@ -63,7 +64,7 @@ def _chunked_bwd(spec, chunk, rules, residuals, cotangents):
 
 def _chunked_grads(spec, chunk, residuals, cotangents):
   x_BLD, w, w_c, targets_BL, logz_BL = residuals
-  g_nll_BL, g_logz_BL = cotangents
+  g_nll_BL, g_logz_BL, _ = cotangents  # the gap is a count's, not a loss's: no gradient
   # W's gradient leaves summed over every axis the tokens are split over: reduce-scattered over
   # those that also split its model dimension (FSDP's), summed over the rest.
   _, scatter, summed = sharding.token_gradient_axes('the head weight')

@@ -26,21 +26,32 @@ from model.config import ModelConfig
 constrain = nn.with_logical_constraint  # pins an activation to logical axes (no-op off a mesh)
 
 
-def param(rngs: nnx.Rngs, shape: tuple, names: tuple, dtype, stddev: float | None = None):
-  """A parameter drawn from N(0, stddev²) (ones when stddev is None), named by logical axes.
+def param(rngs: nnx.Rngs, shape: tuple, names: tuple, dtype, stddev: float | None = None,
+          kind: type = nnx.Param):
+  """A parameter (of type `kind`) drawn from N(0, stddev²) (ones when stddev is None; zeros when
+  it is 0), named by logical axes.
 
   Eager sharding is off: shardings are applied by the caller's jit (sharding/), so building a
   model never needs a mesh.
   """
   if stddev is None:
     value = jnp.ones(shape, dtype)
+  elif stddev == 0:
+    value = jnp.zeros(shape, dtype)
   else:
     value = stddev * jax.random.normal(rngs.params(), shape, dtype)
-  return nnx.Param(value, out_sharding=names, eager_sharding=False)
+  return kind(value, out_sharding=names, eager_sharding=False)
 
 
 class LoRA(nnx.Param):
   """A low-rank adapter's parameter: what trains while every other parameter is frozen."""
+
+
+class Draft(nnx.Param):
+  """A draft head's parameter (model/draft.py): added to a base model, as an adapter is."""
+
+
+ADDED = (LoRA, Draft)  # parameters a base model's checkpoint does not hold: they start afresh
 
 
 class Adapter(nnx.Module):
@@ -79,9 +90,9 @@ def adapter(cfg: ModelConfig, rngs: nnx.Rngs, target: str, in_shape, in_names, o
   return Adapter(cfg, rngs, in_shape, in_names, out_shape, out_names)
 
 
-def split_adapters(params):
-  """(the adapters' parameters, the rest): the trained and the frozen, under LoRA."""
-  return nnx.split_state(params, LoRA, ...)
+def split_adapters(params, kinds=(LoRA,)):
+  """(the parameters of `kinds`, the rest): under LoRA the adapters and the base."""
+  return nnx.split_state(params, kinds, ...)
 
 
 def gathered(w, names: tuple, dtype):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import sharding
-from model import head, kv_cache, moe, pipeline
+from model import draft, head, kv_cache, moe, pipeline
 from model.config import REMAT_POLICIES, ModelConfig
 from model.embedding import lookup
 from model.layers import MLP, Attention, RMSNorm, constrain, gathered, matmul, param, weight
@@ -79,7 +79,8 @@ class Transformer(nnx.Module):
     embed[vocab, embed]; blocks.*[layers, ...] (one stacked copy per layer, scanned), or
     blocks.*[virtual, layers, ...] with cfg.virtual_stages > 1 (layer v·n/V + j at [v, j]: the
     pipeline's chunks, model/pipeline.py); final_norm.scale[norm]; unembed[embed, vocab] unless
-    cfg.tie_embeddings.
+    cfg.tie_embeddings; draft.*[draft, ...] with cfg.draft_heads (model/draft.py), made last so
+    that the base's parameters are drawn as without them.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -98,13 +99,17 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'),
                            cfg.weight_dtype, cfg.d_model ** -0.5)
+    if cfg.draft_heads:
+      self.draft = draft.Heads(cfg, rngs)
 
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, microbatches: int = 1,
                targets_BL=None):
     """Logits[B, L, V] in fp32; or, given the targets, their losses instead: (−log p(target),
     log Z), fp32 [B, L], from the head and loss as one operation that never holds the whole
     logits (model/head.py), and the MoE layers' router statistics (model/moe.py:
-    balance_stats, each [moe_layers, ...] in execution order; {} for a dense model). Positions default to 0..L-1; with segment ids (packed rows) a token
+    balance_stats, each [moe_layers, ...] in execution order; {} for a dense model), with the
+    draft heads' (nll, gap) [K, B, L] under 'draft' (draft.Heads.losses) if the model has them.
+    Positions default to 0..L-1; with segment ids (packed rows) a token
     attends only within its own segment, so documents never see each other. Under ring attention
     over a sequence split, rows come in the zigzag order (training.step.context_layout lays a
     batch out so; positions then must be given). With the layers split into pipeline stages, the
@@ -144,8 +149,25 @@ class Transformer(nnx.Module):
       x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
     if targets_BL is None:
       return constrain(self._head(x_BLD, table_VD, table_c_VD), ('batch', 'length', 'vocab'))
+    if self.cfg.draft_heads:
+      stats = dict(stats, draft=self._draft_losses(x_BLD, table_VD, table_c_VD, targets_BL))
     return (*(constrain(a_BL, ('batch', 'length'))
               for a_BL in self._losses(x_BLD, table_VD, table_c_VD, targets_BL)), stats)
+
+  def _draft_losses(self, x_BLD, table_VD, table_c_VD, targets_BL):
+    """The draft heads' (nll, gap) [K, B, L] on the base's last hidden states, through the base's
+    embedding table and head, neither of which their gradients reach."""
+    w, w_c = map(jax.lax.stop_gradient, self._head_weight(table_VD, table_c_VD))
+    table_c_VD = jax.lax.stop_gradient(table_c_VD)
+
+    def token_losses(x_BLD, targets_BL):
+      nll_BL, _, gap_BL = head.token_losses(x_BLD, w, w_c, targets_BL,
+                                            tied=self.cfg.tie_embeddings,
+                                            chunk=self.cfg.head_chunk, gap=True)
+      return nll_BL, gap_BL
+
+    return self.draft.losses(x_BLD, targets_BL, lambda t_BL: jnp.take(table_c_VD, t_BL, axis=0),
+                             token_losses)
 
   def _staged_losses(self, y_MbLD, table_VD, table_c_VD, targets_BL, stage_axis):
     """The head and loss after pipeline stages, split among them: each stage takes its share of
@@ -186,12 +208,26 @@ class Transformer(nnx.Module):
                              *self._head_weight(table_VD, table_c_VD, stage_axis), targets_BL,
                              tied=self.cfg.tie_embeddings, chunk=self.cfg.head_chunk)
 
-  def _head(self, x_BLD, table_VD, table_c_VD):
-    """Final norm and output projection: logits in fp32. The projection is gathered once, kept
-    from the forward to the backward (they follow each other)."""
+  def _head(self, x_BLD, table_VD, table_c_VD, normed: bool = False):
+    """Final norm (unless `normed`: a draft head's own norm came first) and output projection:
+    logits in fp32. The projection is gathered once, kept from the forward to the backward (they
+    follow each other)."""
     w, w_c = self._head_weight(table_VD, table_c_VD)
     spec = 'bld,vd->blv' if self.cfg.tie_embeddings else 'bld,dv->blv'
-    return matmul(spec, self.final_norm(x_BLD), w, jnp.float32, w_c)
+    return matmul(spec, x_BLD if normed else self.final_norm(x_BLD), w, jnp.float32, w_c)
+
+  def _tables(self):
+    table_VD = weight(self.embed, self.cfg)
+    return table_VD, table_VD.astype(self.cfg.dtype)
+
+  def logits(self, x_BTD, normed: bool = False):
+    """Logits[B, T, V] in fp32 of hidden states (decode_hidden's), or with `normed` of a draft
+    head's normed state (model/draft.py)."""
+    return self._head(x_BTD, *self._tables(), normed=normed)
+
+  def embedding(self, tokens_BT):
+    """The tokens' rows of the embedding table, in the compute dtype."""
+    return jnp.take(self._tables()[1], tokens_BT, axis=0)
 
   def balanced(self, tokens_per_expert_nE, rate: float) -> None:
     """The sigmoid router's biases after one aux-loss-free balancing step (moe.balance_step),
@@ -221,9 +257,13 @@ class Transformer(nnx.Module):
     (init_cache) in the slots of those positions; returns (logits, cache). Feeding a prompt and
     then one token at a time gives the logits `__call__` gives the whole sequence (with a full
     cache; a quantized one approximates them)."""
+    x_BTD, cache = self.decode_hidden(tokens_BT, positions_BT, cache)
+    return self.logits(x_BTD), cache
+
+  def decode_hidden(self, tokens_BT, positions_BT, cache: dict):
+    """decode's last hidden states [B, T, D] (before the final norm) instead of its logits."""
     cfg = self.cfg
-    table_VD = weight(self.embed, cfg)
-    table_c_VD = table_VD.astype(cfg.dtype)
+    table_VD, table_c_VD = self._tables()
     x_BTD = lookup(table_VD, table_c_VD, tokens_BT)
     weights = cache.get('weights', {})
     stored = {name: entry for name, entry in cache.items() if name != 'weights'}
@@ -244,7 +284,7 @@ class Transformer(nnx.Module):
 
       (x_BTD, stored), _ = jax.lax.scan(body, (x_BTD, stored), (layers, jnp.arange(n), mine))
     cache = dict(stored, weights=weights) if weights else stored
-    return self._head(x_BTD, table_VD, table_c_VD), cache
+    return x_BTD, cache
 
   def _stacks(self):
     """(stack, index of its first layer) in execution order: the dense first layers, if a

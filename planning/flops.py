@@ -8,7 +8,9 @@ convention:
               halved when causal (only the lower triangle of QKᵀ and PV is useful work)
 Rematerialised recomputation is not credited: MFU counts the model's work, not the program's.
 Under LoRA the frozen weights take no gradient: they count 4 · params (forward, and the
-activations' gradients through them), the adapters 6 · theirs.
+activations' gradients through them), the adapters 6 · theirs. Draft heads (model/draft.py) count
+6 · their own weights and 4 · the shared head's (no gradient reaches it); training them alone
+(draft_only), the base runs forward only: 2 · params, and a third of the attention.
 """
 
 from model.config import ModelConfig
@@ -42,6 +44,13 @@ def adapter_params_per_layer(cfg: ModelConfig) -> int:
   return cfg.lora_rank * sum(sizes[t] for t in cfg.lora_target_names) if cfg.lora_rank else 0
 
 
+def draft_flops_per_token(cfg: ModelConfig) -> float:
+  """The draft heads' training FLOPs a token: each head's D × D weights (Wh, Wo and Clover's We)
+  forward and backward, and the base's head forward and back to its input."""
+  own = (3 if cfg.draft_kind == 'clover' else 2) * cfg.d_model ** 2
+  return cfg.draft_heads * (6 * own + 4 * cfg.d_model * cfg.vocab_size)
+
+
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
   attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
   return attention / 2 if causal else attention
@@ -50,10 +59,11 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = Tru
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
   layers = ((cfg.n_layers - cfg.moe_layers) * matmul_params_per_layer(cfg)
             + cfg.moe_layers * matmul_params_per_layer(cfg, experts=True))
-  weights = 4 if cfg.lora_rank else 6  # frozen under LoRA: no weight gradient
+  # Frozen under LoRA: no weight gradient; under draft_only, no backward at all.
+  weights = 2 if cfg.draft_only else 4 if cfg.lora_rank else 6
   dense = weights * (layers + cfg.d_model * cfg.vocab_size)
-  dense += 6 * cfg.n_layers * adapter_params_per_layer(cfg)
-  return dense + attention_flops_per_token(cfg, seq_len, causal)
+  dense += 6 * cfg.n_layers * adapter_params_per_layer(cfg) + draft_flops_per_token(cfg)
+  return dense + attention_flops_per_token(cfg, seq_len, causal) / (3 if cfg.draft_only else 1)
 
 
 def throughput(cfg: ModelConfig, seq_len: int, tokens_per_sec: float, n_devices: int,

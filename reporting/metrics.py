@@ -114,6 +114,10 @@ def format_line(record: dict, train_steps: int) -> str:
   for key, fmt in formats.items():
     if key in record:
       parts.append(f'{labels.get(key, key)} {record[key]:{fmt}}')
+  heads = sorted((k for k in record if k.startswith('draft') and k.endswith('_accuracy')),
+                 key=lambda k: int(k[len('draft'):-len('_accuracy')]))
+  if heads:  # draft1_accuracy, … (model/draft.py)
+    parts.append('draft top-1 ' + ' / '.join(f'{record[k]:.0%}' for k in heads))
   if record.get('bad_steps'):
     parts.append(f'{record["bad_steps"]:.0f} skipped (non-finite)')
   return ' | '.join(parts)

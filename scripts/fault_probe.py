@@ -181,6 +181,8 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
                          "config.model.lora_targets='q,x'"),
     'chat template file missing': (['--config.data.chat_template=/nonexistent.jinja'],
                                    'config.data.chat_template'),
+    'draft heads alone, none asked': (['--config.model.draft_only=True'],
+                                      'config.model.draft_heads'),
 }
 
 

@@ -60,13 +60,13 @@ class Hierarchy:
                   # the gradient reduction dtype
 
 
-def replicas_run_apart(experts: int, matmul_precision: str, lora_rank: int = 0) -> bool:
+def replicas_run_apart(experts: int, matmul_precision: str, frozen_base: bool = False) -> bool:
   """Whether a model's data replicas can each run their rows apart and sum gradients once a
-  step: a dense one without fp8 or adapters. An MoE router's balancing loss is over the whole
-  batch, and fp8's per-tensor scales need the whole batch's tensors; those are left to XLA, which
-  reduces over data every microbatch, as it does an adapters' gradients (small, and the base's
-  none)."""
-  return not experts and matmul_precision != 'fp8' and not lora_rank
+  step: a dense one without fp8 or a frozen base. An MoE router's balancing loss is over the
+  whole batch, and fp8's per-tensor scales need the whole batch's tensors; those are left to XLA,
+  which reduces over data every microbatch, as it does the gradients of what trains on a frozen
+  base (adapters, draft heads: small, and the base's none)."""
+  return not experts and matmul_precision != 'fp8' and not frozen_base
 
 
 def check(partition_config, mesh_config) -> None:

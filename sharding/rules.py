@@ -49,6 +49,7 @@ PARAM_RULES = (
     ('expert_scores', None),  # the router's: every token's device scores every expert
     ('norm', None),
     ('lora', None),  # an adapter's rank (model/layers.py: Adapter): its other names are its weight's
+    ('draft', None),  # which draft head (model/draft.py)
 )
 
 ACTIVATION_RULES = (
@@ -67,6 +68,7 @@ ACTIVATION_RULES = (
     ('expert_scores', None),
     ('vocab', 'tensor'),
     ('lora', None),
+    ('draft', None),
 )
 
 def activation_rules() -> tuple:

@@ -153,6 +153,8 @@ FAST = (
     'test_generate.py::test_top_k_draws_only_the_k_most_likely',
     'test_generate.py::test_rows_stop_at_eos',
     'test_kv_cache.py::test_quantization_is_numpys',
+    'test_speculate.py::test_greedy_speculation_gives_plain_greedy_tokens[medusa-2-full]',
+    'test_speculate.py::test_sampled_tokens_have_the_base_models_distribution',
     'test_kv_cache.py::test_each_kinds_bytes_are_the_arrays_it_allocates',
     'test_plan.py::test_a_run_that_cannot_fit_stops_before_allocating_naming_the_settings',
     'test_plan.py::test_compiled_matmul_flops_are_the_formula_plus_what_remat_recomputes[none]',
@@ -210,7 +212,8 @@ FAST = (
 
 LONGEST = {'test_gpu_compile.py': 325, 'test_checkpoint.py': 265, 'test_distributed.py': 150,
            'test_context_parallel.py': 105, 'test_plan.py': 100, 'test_benchmarks.py': 92,
-           'test_pipeline.py': 83, 'test_moe.py': 79, 'test_notebook.py': 71}
+           'test_pipeline.py': 83, 'test_moe.py': 79, 'test_notebook.py': 71,
+           'test_speculate.py': 45}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by it

@@ -52,9 +52,10 @@ def test_moe_benchmark_compiles_each_implementation_for_h100():
   assert f['results']['ragged_dot']['temp_bytes'] > ours['temp_bytes']
 
 
-def test_the_cache_plan_compiles_a_decode_step_per_kind_for_h100():
+def test_the_cache_and_speculation_plans_compile_decode_steps_for_h100():
   """Deviceless, the 125m preset: each kind's cache is what its compiled step takes as arguments
-  beside the weights, and the time model predicts each step."""
+  beside the weights, and the time model predicts each step; a round of speculation, its draft
+  heads' bytes as stated, is predicted slower than a one-token step."""
   from benchmarks import kv_cache as benchmark
   from configs import llama
   from model import ModelConfig, kv_cache
@@ -69,6 +70,11 @@ def test_the_cache_plan_compiles_a_decode_step_per_kind_for_h100():
     assert r['predicted_step_s'] > 0
   assert f['kinds']['int4']['cache_bytes'] < f['kinds']['int8']['cache_bytes'] < \
       f['kinds']['full']['cache_bytes']
+  # A round of speculation (heads, a forward of K + 1 tokens, acceptance) beside a plain step.
+  from benchmarks import speculative
+  f = speculative.plan('125m', heads=2, batch=2, slots=256, target='H100')
+  assert f['deviceless'] and f['draft_bytes'] == 2 * 2 * 3 * (cfg.d_model ** 2 + cfg.d_model)
+  assert 0 < f['plain_step']['predicted_s'] < f['speculative_round']['predicted_s']
 
 
 def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):

@@ -107,6 +107,7 @@ def test_bad_generation_arguments_are_named():
 def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatch, capsys):
   c = tiny_config(fsdp=8)
   c.workdir, c.train_steps, c.checkpoint_every, c.eval_every = str(tmp_path), 4, 4, 0
+  c.model.draft_heads = 2  # sample.py speculates with them
   loop.run(c)
   command = [sys.executable, 'sample.py', f'--workdir={tmp_path}', '--prompt=def ',
              '--prompt=import', '--max_new_tokens=16', '--temperature=0']
@@ -116,11 +117,21 @@ def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatc
   assert (f'# {tmp_path}/checkpoints/4: temperature 0.0, top_k 40, seed 0, int8 cache (72 bytes a '
           'token a layer)') in result.stdout  # 2 × 2 kv heads × (16 int8 values + a fp16 scale)
   assert "--- prompt 'def '\ndef " in result.stdout and "--- prompt 'import'\nimport" in result.stdout
-  # The command's greedy text is what the function gives, on a mesh other than the run's.
+  assert '# speculative: ' in result.stdout and 'guesses kept, head by head: ' in result.stdout
+  # The command's greedy text, speculated, is what plain decoding gives, on a mesh other than
+  # the run's.
   loaded = sampling.load(str(tmp_path / 'checkpoints' / '4'))
   texts = sampling.complete(loaded, ['def ', 'import'], 16, temperature=0, cache='int8')
   expected = f"--- prompt 'def '\ndef {texts[0]}\n--- prompt 'import'\nimport{texts[1]}\n"
   assert expected.replace('\r\n', '\n').replace('\r', '\n') in result.stdout  # text mode
+
+  # export.py writes the model without its heads, and says so.
+  result = subprocess.run([sys.executable, 'export.py', f'--workdir={tmp_path}',
+                           f'--output={tmp_path / "hf"}'], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert '# its 2 draft heads are left out' in result.stdout
+  assert (tmp_path / 'hf' / 'config.json').exists()
 
   # Asked for ten million tokens, it stops at once with one line, before allocating anything.
   result = subprocess.run([*command[:-2], '--max_new_tokens=10000000'], cwd=REPO,

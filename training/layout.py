@@ -101,7 +101,8 @@ def partition_choices(config, target: Target, mesh: dict) -> tuple[dict, ...]:
   choices = (PLAIN,)
   mine = config.partition.to_dict()
   if (not mine['hierarchical'] or mesh['data'] == 1 or not hierarchical.replicas_run_apart(
-      config.model.experts, config.model.matmul_precision, config.model.lora_rank)):
+      config.model.experts, config.model.matmul_precision,
+      bool(config.model.lora_rank or config.model.draft_only))):
     return choices
   try:
     hierarchical.check_nodes(config.partition, mesh, target.gpus_per_node)

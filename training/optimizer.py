@@ -1,9 +1,11 @@
-"""AdamW with linear warmup + cosine decay and global-norm clipping."""
+"""AdamW with linear warmup + cosine decay and global-norm clipping (draft heads clipped apart
+from the model they draft for, so that they never change how it trains)."""
 
 import jax
 import optax
 from flax import nnx
 
+from model.layers import Draft
 from model.moe import RouterBias
 
 
@@ -26,9 +28,21 @@ def decay_mask(params):
   return jax.tree.map(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(opt_config, schedule) -> optax.GradientTransformation:
+def drafts_apart(params):
+  """'draft' for the draft heads' parameters (model/draft.py), 'model' for the rest."""
+  return jax.tree.map(lambda x: x.replace('draft' if isinstance(x, Draft) else 'model'), params,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_optimizer(opt_config, schedule, draft_heads: bool = False) -> optax.GradientTransformation:
+  """AdamW, after clipping the gradients' global norm to opt_config.grad_clip (0: no clipping);
+  with `draft_heads`, the heads' and the rest's each to it, so that the heads never change the
+  model's updates."""
   adamw = optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
                       weight_decay=opt_config.weight_decay, mask=decay_mask)
-  if opt_config.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(opt_config.grad_clip), adamw)
-  return adamw
+  if opt_config.grad_clip <= 0:
+    return adamw
+  clip = optax.clip_by_global_norm(opt_config.grad_clip)
+  if draft_heads:
+    clip = optax.multi_transform({'model': clip, 'draft': clip}, drafts_apart)
+  return optax.chain(clip, adamw)

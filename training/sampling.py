@@ -20,6 +20,7 @@ from data import chat, tokenizers
 from model import ModelConfig, Transformer
 from model import kv_cache
 from model.generate import generate
+from model.speculate import speculate
 from runtime import checkpoint as checkpoint_lib
 import sharding
 from training import settings
@@ -100,7 +101,8 @@ def _known(saved: dict, known) -> dict:
 
 
 def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0, max_len: int = 0, cache: str = 'full') -> list[str]:
+             top_k: int = 40, seed: int = 0, max_len: int = 0, cache: str = 'full',
+             speculative: bool = False, report=None) -> list[str]:
   """Each prompt's continuation (text after the prompt), up to the end of a document or
   `max_new_tokens` tokens. Every prompt starts as a document does, after BOS (a prompt whose
   text begins with it, as a chat template's may, is not given a second).
@@ -108,15 +110,23 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
   Prompt and continuation together are at most `max_len` tokens (0: the seq_len the model was
   trained at, beyond which its positions are untried); a longer max_len must leave the cache
   room in memory. Both are checked before anything is allocated. `cache` is what decoding keeps
-  of past tokens (model/kv_cache.py: KINDS)."""
+  of past tokens (model/kv_cache.py: KINDS). `speculative`: decode with the model's draft heads
+  (model/speculate.py; the same text greedy, the same distribution sampled), if it has them;
+  `report(line)` then gets a line of how far their guesses went."""
   tok = loaded.tokenizer
   ids = [list(tok.encode(p.encode())) for p in prompts]
   ids = [row if row[:1] == [tok.bos_id] else [tok.bos_id, *row] for row in ids]
+  heads = loaded.model.cfg.draft_heads if speculative else 0
   check_length(loaded, len(ids), max(map(len, ids)) + max_new_tokens, max_new_tokens, max_len,
-               cache)
-  new = generate(loaded.model, ids, max_new_tokens, key=jax.random.key(seed),
-                 temperature=temperature, top_k=top_k, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                 vocab_size=tok.vocab_size, cache=cache)
+               cache, heads)
+  args = dict(key=jax.random.key(seed), temperature=temperature, top_k=top_k, eos_id=tok.eos_id,
+              pad_id=tok.pad_id, vocab_size=tok.vocab_size, cache=cache)
+  if heads:
+    new, stats = speculate(loaded.model, ids, max_new_tokens, **args)
+    if report:
+      report(speculation_summary(stats))
+  else:
+    new = generate(loaded.model, ids, max_new_tokens, **args)
   texts = []
   for row in new.tolist():
     if tok.eos_id in row:
@@ -125,11 +135,19 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
   return texts
 
 
+def speculation_summary(stats: dict) -> str:
+  """One line of speculate's stats: tokens per base forward, each head's guesses kept."""
+  forwards = max(int(stats['forwards'].sum()), 1)
+  kept = ' / '.join(f'{100 * n / forwards:.0f}%' for n in stats['accepted'].sum(0))
+  return (f'# speculative: {stats["tokens"].sum() / forwards:.2f} tokens per base forward '
+          f'({forwards:,} forwards); guesses kept, head by head: {kept}')
+
+
 def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, max_len: int,
-                 cache: str = 'full'):
+                 cache: str = 'full', draft_heads: int = 0):
   """ValueError naming the flag, if `rows` sequences of `length` tokens go past max_len (0: the
   trained seq_len) or, for an explicit max_len, their cache of kind `cache` past the memory there
-  is."""
+  is (with room for `draft_heads` guesses and the token before them, speculating)."""
   limit, trained = max_len or loaded.config.seq_len, loaded.config.seq_len
   if max_len > MAX_LEN_FACTOR * trained:
     raise ValueError(f'--max_len={max_len:,} is more than {MAX_LEN_FACTOR}× the seq_len the model '
@@ -142,7 +160,8 @@ def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, ma
                      f'make {length:,} tokens, more than {bound}; lower --max_new_tokens, or '
                      'raise --max_len to sample past the trained length')
   if max_len:
-    needs = cache_bytes(loaded.model.cfg, cache, rows, length)
+    needs = cache_bytes(loaded.model.cfg, cache, rows, length + (draft_heads + 1 if draft_heads
+                                                                  else 0))
     device = jax.local_devices()[0]
     free = ((device.memory_stats() or {}).get('bytes_limit')
             or os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))  # CPU: free RAM

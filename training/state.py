@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from model import ModelConfig, Transformer
-from model.layers import split_adapters
+from model.layers import ADDED, Draft, LoRA, split_adapters
 from planning import gpus
 from planning import target as target_lib
 import sharding
@@ -29,17 +29,20 @@ class TrainState:
 
 
 def trained(cfg: ModelConfig, params):
-  """(the parameters the optimizer trains, the frozen rest): under LoRA the adapters and the
-  base, else all of them and nothing."""
+  """(the parameters the optimizer trains, the frozen rest): under LoRA the adapters (and draft
+  heads) and the base; with draft_only the draft heads and the rest; else all of them and
+  nothing."""
+  if cfg.draft_only:
+    return split_adapters(params, Draft)
   if cfg.lora_rank:
-    return split_adapters(params)
+    return split_adapters(params, ADDED)
   return params, nnx.State({})
 
 
 def base_params(cfg: ModelConfig, params):
-  """What a checkpoint or a Hugging Face model supplies at the start: all the parameters, or under
-  LoRA the base (the adapters start afresh)."""
-  return trained(cfg, params)[1] if cfg.lora_rank else params
+  """What a checkpoint or a Hugging Face model supplies at the start: all the parameters, or the
+  base's (adapters and draft heads start afresh)."""
+  return split_adapters(params, ADDED)[1] if cfg.lora_rank or cfg.draft_heads else params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +69,10 @@ class Setup:
     cfg, tx, seed = self.model_cfg, self.tx, self.seed
 
     def init(params):
-      if params is None or cfg.lora_rank:
+      if params is None or cfg.lora_rank or cfg.draft_heads:
         fresh = nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
-        params = fresh if params is None else nnx.merge_state(split_adapters(fresh)[0], params)
+        params = (fresh if params is None else
+                  nnx.merge_state(split_adapters(fresh, ADDED)[0], params))
       zero = jnp.zeros((), jnp.int32)
       return TrainState(step=zero, params=params, opt_state=tx.init(trained(cfg, params)[0]),
                         bad_steps=zero)
@@ -107,17 +111,21 @@ def build(config, devices=None) -> Setup:
                      f'host memory, which this {devices[0].platform} backend does not offer; use '
                      'a policy without offload_, such as full or dots')
   mesh = sharding.make_mesh(config.mesh, devices)
+  if model_cfg.draft_heads and mesh.shape['stage'] > 1:
+    raise ValueError('config.model.draft_heads > 0 trains on the last stage\'s hidden states, '
+                     'which pipeline stages do not gather yet; set config.mesh.stage=1, or train '
+                     'the heads afterwards on one stage (config.model.draft_only=True)')
 
   abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
   graphdef, abstract_params = nnx.split(abstract_model)
   schedule = optimizer.make_schedule(config.optimizer, config.train_steps)
-  tx = optimizer.make_optimizer(config.optimizer, schedule)
+  tx = optimizer.make_optimizer(config.optimizer, schedule, model_cfg.draft_heads > 0)
 
   param_shardings = sharding.param_shardings(abstract_params, mesh)
-  if model_cfg.lora_rank and config.partition.hierarchical:
+  if model_cfg.frozen_base and config.partition.hierarchical:
     raise ValueError('config.partition.hierarchical=True splits a trained state over nodes; under '
-                     'LoRA (config.model.lora_rank > 0) only the adapters train, and their '
-                     'gradients are small: set it to False')
+                     'LoRA (config.model.lora_rank > 0) or config.model.draft_only only small '
+                     'added parameters train, and their gradients are small: set it to False')
   if config.partition.hierarchical:
     if model_cfg.experts:
       raise ValueError('config.partition.hierarchical=True does not run MoE models yet: their '
@@ -132,7 +140,7 @@ def build(config, devices=None) -> Setup:
                        "of a tensor; use one of them")
   hierarchy = None
   if mesh.shape['data'] > 1 and hierarchical.replicas_run_apart(
-      model_cfg.experts, model_cfg.matmul_precision, model_cfg.lora_rank):
+      model_cfg.experts, model_cfg.matmul_precision, model_cfg.frozen_base):
     hierarchy = hierarchical.hierarchy(config.partition, abstract_params, param_shardings, mesh)
     param_shardings = hierarchical.master_shardings(param_shardings, hierarchy.dims)
   abstract_opt = jax.eval_shape(tx.init, trained(model_cfg, abstract_params)[0])

@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 import sharding
-from model import moe, pipeline
-from model.layers import constrain
+from model import draft, moe, pipeline
+from model.layers import Draft, constrain, split_adapters
 from sharding import hierarchical
 from planning import plan as plan_lib
 from training.state import Setup, TrainState, trained
@@ -45,23 +45,55 @@ def context_layout(setup: Setup, batch: dict) -> dict:
 
 def _token_losses(graphdef, params, batch, microbatches=1, frozen=None):
   """(−log p(target), log Z) [B, L] of the batch, from the model's head and loss together; the
-  MoE layers' router stats ({} for a dense model) and their weighted losses (model/moe.py).
-  `frozen`: the parameters not in `params` (under LoRA, the base)."""
+  MoE layers' router stats ({} for a dense model), their weighted losses (model/moe.py), and the
+  draft heads' sums (draft_sums; {} without heads). `frozen`: the parameters not in `params`
+  (under LoRA, the base)."""
   # Activations are pinned through ACTIVATION_RULES while the model is traced.
   with nnx.logical_axis_rules(sharding.activation_rules()):
     model = nnx.merge(graphdef, params, *([frozen] if frozen is not None else []))
     # A batch without segment ids holds one document a row (no packing mask to apply).
     nll_BL, logz_BL, stats = model(batch['inputs'], batch['positions'], batch.get('segment_ids'),
                                    microbatches, targets_BL=batch['targets'])
-    return nll_BL, logz_BL, stats, moe.aux_loss(stats, model.cfg)
+    stats = dict(stats)
+    drafted = draft_sums(stats.pop('draft', None), batch)
+    return nll_BL, logz_BL, stats, moe.aux_loss(stats, model.cfg), drafted
+
+
+def draft_sums(losses, batch) -> dict:
+  """The draft heads' weighted sums over the batch, [K] each: nats, top-1 hits and the weight
+  of the tokens they guess ({} without heads). Sums, so microbatches and data replicas add."""
+  if losses is None:
+    return {}
+  nll_KBL, gap_KBL = losses
+  w_KBL = draft.weights(batch['weights'], batch.get('segment_ids'), nll_KBL.shape[0])
+  return {'nats': (nll_KBL * w_KBL).sum((1, 2)), 'hits': ((gap_KBL == 0) * w_KBL).sum((1, 2)),
+          'tokens': w_KBL.sum((1, 2))}
+
+
+def draft_metrics(sums: dict) -> dict:
+  """Each head's mean loss and top-1 accuracy over the tokens it guessed: draft1_loss, …"""
+  if not sums:
+    return {}
+  tokens_K = jnp.maximum(sums['tokens'], 1.0)
+  out = {}
+  for k in range(tokens_K.shape[0]):
+    out[f'draft{k + 1}_loss'] = sums['nats'][k] / tokens_K[k]
+    out[f'draft{k + 1}_accuracy'] = sums['hits'][k] / tokens_K[k]
+  return out
 
 
 def _loss(graphdef, params, batch, z_loss, total=None, microbatches=1, share=1.0, frozen=None):
-  """(loss, (ce, z-loss, router stats)); the router's losses and stats count `share` of
-  theirs: a microbatch's part of the batch."""
-  nll_BL, logz_BL, stats, aux = _token_losses(graphdef, params, batch, microbatches, frozen)
+  """(loss, (ce, z-loss, router stats, draft sums)); the router's losses and stats count
+  `share` of theirs: a microbatch's part of the batch. The draft heads' losses join the loss
+  per token of the batch, as the base's does (their gradients reach only the heads)."""
+  nll_BL, logz_BL, stats, aux, drafted = _token_losses(graphdef, params, batch, microbatches,
+                                                       frozen)
+  if total is None:
+    total = jnp.maximum(batch['weights'].sum(), 1.0)
   ce, zl = weighted_losses(nll_BL, logz_BL, batch['weights'], z_loss, total)
-  return ce + zl + share * aux, (ce, zl, jax.tree.map(lambda a: a * share, stats))
+  heads = drafted['nats'].sum() / total if drafted else 0.0
+  return ce + zl + share * aux + heads, (ce, zl, jax.tree.map(lambda a: a * share, stats),
+                                         drafted)
 
 
 def split_microbatches(batch, microbatches: int):
@@ -75,12 +107,12 @@ def split_microbatches(batch, microbatches: int):
 
 def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1,
                    pipelined: bool = False, total=None, frozen=None):
-  """((loss, (ce, z_loss, router stats)), grads) of the batch; with microbatches > 1, accumulated over a
-  `lax.scan` of microbatches (only one microbatch's activations live at a time), giving the
-  same result as one pass over the whole batch. `pipelined`: the model's pipeline stages take
+  """((loss, (ce, z_loss, router stats, draft sums)), grads) of the batch; with microbatches > 1,
+  accumulated over a `lax.scan` of microbatches (only one microbatch's activations live at a
+  time), giving the same result as one pass over the whole batch. `pipelined`: the model's pipeline stages take
   the microbatches instead (model/pipeline.py), in one pass. `total`: the weight the losses
   divide by (default: the batch's). `frozen`: parameters the model uses and no gradient is
-  taken of (under LoRA, the base: its weights' gradients are never computed)."""
+  taken of (under LoRA or draft_only, the base: its weights' gradients are never computed)."""
   if total is None:
     total = jnp.maximum(batch['weights'].sum(), 1.0)
   if microbatches == 1 or pipelined:
@@ -125,22 +157,22 @@ def across_data(setup: Setup, master, batch, z_loss: float, microbatches: int):
 
   def region(compute, batch):
     total = jnp.maximum(jax.lax.psum(batch['weights'].sum(), axis), 1.0)
-    (loss, (ce, zl, router)), grads = loss_and_grads(
+    (loss, (ce, zl, router, drafted)), grads = loss_and_grads(
         setup.graphdef, compute, batch, z_loss, microbatches, pipeline_stages(setup) > 1, total)
     # Summed across data in the reduction dtype, as inside the replica (norm scales in fp32).
     grads = jax.tree.map(lambda g, matrix: (g.astype(cfg.reduce_dtype) if matrix else g)[None],
                          grads, h.matrix)
-    return jax.lax.psum((loss, ce, zl), axis), router, grads
+    return jax.lax.psum((loss, ce, zl, drafted), axis), router, grads
 
   compute = jax.tree.map(to_compute, master, h.specs, h.dims, h.blocks, h.matrix)
-  (loss, ce, zl), router, grads_d = jax.shard_map(
+  (loss, ce, zl, drafted), router, grads_d = jax.shard_map(
       region, mesh=setup.mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(), P(axis)),
       axis_names={axis}, check_vma=False)(compute, batch)
   grads = jax.tree.map(
       lambda w, g_d, spec, dim, block, matrix: hierarchical.reduce(
           g_d, spec, dim, h.gradients if matrix else 'exact', block).astype(w.dtype),
       master, grads_d, h.specs, h.dims, h.blocks, h.matrix)
-  return (loss, (ce, zl, router)), grads
+  return (loss, (ce, zl, router, drafted)), grads
 
 
 def pipeline_stages(setup: Setup) -> int:
@@ -148,17 +180,29 @@ def pipeline_stages(setup: Setup) -> int:
   return setup.mesh.shape['stage']
 
 
+def gradient_norms(cfg, grads):
+  """(the norm of all the gradients, the metrics that replace it where draft heads train beside
+  the model: grad_norm the model's alone, as it would be without them, and draft_grad_norm)."""
+  if not cfg.draft_heads or cfg.draft_only:
+    return optax.tree.norm(grads), {}
+  drafts, model = split_adapters(grads, Draft)
+  model_norm, drafts_norm = optax.tree.norm(model), optax.tree.norm(drafts)
+  return jnp.hypot(model_norm, drafts_norm), {'grad_norm': model_norm,
+                                              'draft_grad_norm': drafts_norm}
+
+
 def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   def train_step(state: TrainState, batch):
     batch = context_layout(setup, batch)
     params, frozen = trained(setup.model_cfg, state.params)
     if setup.hierarchy is not None:
-      (loss, (ce, zl, router)), grads = across_data(setup, params, batch, z_loss, microbatches)
+      (loss, (ce, zl, router, drafted)), grads = across_data(setup, params, batch, z_loss,
+                                                              microbatches)
     else:
-      (loss, (ce, zl, router)), grads = loss_and_grads(
+      (loss, (ce, zl, router, drafted)), grads = loss_and_grads(
           setup.graphdef, params, batch, z_loss, microbatches, pipeline_stages(setup) > 1,
-          frozen=frozen if setup.model_cfg.lora_rank else None)
-    grad_norm = optax.tree.norm(grads)
+          frozen=frozen if setup.model_cfg.frozen_base else None)
+    grad_norm, norms = gradient_norms(setup.model_cfg, grads)
     old_opt_state = state.opt_state
     if setup.opt_compute_shardings is not None:  # kept in host memory: bring it in for the update
       old_opt_state = jax.device_put(old_opt_state, setup.opt_compute_shardings)
@@ -176,7 +220,8 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
     bad_steps = state.bad_steps + jnp.where(finite, 0, 1).astype(jnp.int32)
     metrics = {'loss': ce, 'z_loss': zl, 'grad_norm': grad_norm,
                'learning_rate': setup.schedule(state.step - state.bad_steps),
-               'skipped': ~finite, 'bad_steps': bad_steps, **moe.metrics(router)}
+               'skipped': ~finite, 'bad_steps': bad_steps, **moe.metrics(router),
+               **norms, **draft_metrics(drafted)}
     return TrainState(step=state.step + 1, params=keep_if_bad(params, state.params),
                       opt_state=keep_if_bad(opt_state, old_opt_state),
                       bad_steps=bad_steps), metrics

@@ -1,0 +1,169 @@
+"""What a run's draft heads (model/draft.py) buy when sampling: how many tokens each forward of the
+base model commits, how often each head's guess is kept, and whether greedy speculation gave
+plain greedy decoding's tokens.
+
+  python train.py --config=configs/default.py --config.workdir=/tmp/meshlm-draft \
+      --config.model.draft_heads=3                                   # once
+  python -m benchmarks.speculative --workdir=/tmp/meshlm-draft
+  python -m benchmarks.speculative --plan=8b --heads=3 --batch=8 --slots=8192   # an H100's round
+
+--prompts rows of the validation text (their first --prompt_tokens tokens) are continued for
+--new_tokens, plainly and speculatively: greedy, then at each --temperatures (top_k 0). Tokens
+per forward: the new tokens the rounds committed over the rounds (the prompt's forward, which
+gives the first new token either way, not counted). The wall times are this machine's, CPU,
+measured after a warm-up call; they say nothing of a GPU's.
+
+--plan=PRESET (of configs/llama.py, bf16 weights, --heads Clover heads) compiles for --target,
+deviceless (planning/gpu_compiler.py), one plain decode step (one token a row) and one round of
+speculation (the heads' K guesses, the base's forward over K + 1 tokens, the acceptance) for
+--batch rows against --slots: their memory and the time model's predictions (planning/timing.py),
+never a measurement. A round is worth its time where the heads commit more tokens a round than
+its time over the plain step's (the break-even printed).
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks import report
+from benchmarks.kv_cache import LLAMA3_VOCAB, agreement, windows
+from configs import llama
+from model import ModelConfig, Transformer
+from model import generate as gen
+from model import speculate as spec
+from planning import gpu_compiler, gpus, timing
+from training import sampling
+
+
+def timed(fn):
+  """(fn()'s result, seconds of a second call: the first compiles)."""
+  fn()
+  start = time.perf_counter()
+  out = fn()
+  return out, time.perf_counter() - start
+
+
+def measure(loaded, prompts, new_tokens: int, temperature: float) -> dict:
+  tok = loaded.tokenizer
+  args = dict(temperature=temperature, key=jax.random.key(0), pad_id=tok.pad_id,
+              vocab_size=tok.vocab_size)
+  plain, plain_s = timed(lambda: gen.generate(loaded.model, prompts, new_tokens, **args))
+  (tokens, stats), spec_s = timed(lambda: spec.speculate(loaded.model, prompts, new_tokens,
+                                                         **args))
+  forwards = int(stats['forwards'].sum())
+  row = {'temperature': temperature, 'tokens_per_forward': float(stats['tokens'].sum() / forwards),
+         'kept_per_head': (stats['accepted'].sum(0) / forwards).tolist(),
+         'cpu_plain_s': plain_s, 'cpu_speculative_s': spec_s}
+  if temperature == 0:
+    row['greedy_same'], row['greedy_tokens_before_change'] = agreement(tokens, plain)
+  return row
+
+
+def plan(preset: str, heads: int, batch: int, slots: int, target: str) -> dict:
+  """A plain decode step and a round of speculation compiled for `target` GPUs: memory and the
+  time model's predictions."""
+  gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.speculative', *sys.argv[1:]])
+  config = llama.get_config(preset)
+  config.model.vocab_size = config.model.vocab_size or LLAMA3_VOCAB
+  config.model.param_dtype = 'bfloat16'  # served weights
+  config.model.draft_heads = heads
+  cfg = ModelConfig.from_config(config.model)
+  gpu = gpus.get(target)
+  device, = gpu_compiler.devices(gpu, 1)
+  on_device = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), tree)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  abstract = on_device(abstract)
+  cache = on_device(jax.eval_shape(
+      lambda s: nnx.merge(graphdef, s).init_cache(batch, slots), abstract))
+  B = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  rows = on_device(spec.Rows(
+      i=jax.ShapeDtypeStruct((), jnp.int32), cache=cache,
+      h_BD=jax.ShapeDtypeStruct((batch, cfg.d_model), cfg.dtype), token_B=B, pos_B=B,
+      out_BN=jax.ShapeDtypeStruct((batch, 64 + heads + 1), jnp.int32), count_B=B,
+      done_B=jax.ShapeDtypeStruct((batch,), jnp.bool_), forwards_B=B,
+      accepted_BK=jax.ShapeDtypeStruct((batch, heads), jnp.int32)))
+  key = on_device(jax.eval_shape(lambda: jax.random.key(0)))
+  tokens = on_device(jax.ShapeDtypeStruct((batch, 1), jnp.int32))
+
+  def step(state, tokens, positions, cache):
+    return nnx.merge(graphdef, state).decode(tokens, positions, cache)
+
+  def round_(state, rows, key):
+    return spec.one_round(nnx.merge(graphdef, state), rows, key, max_new_tokens=64,
+                          temperature=0.0, top_k=0, eos_id=-1, pad_id=0, vocab_size=None)
+
+  figures = {}
+  for name, fn, args in (('plain step', step, (abstract, tokens, tokens, cache)),
+                         ('speculative round', round_, (abstract, rows, key))):
+    compiled = jax.jit(fn, donate_argnums=3 if fn is step else 1).lower(*args).compile()
+    memory, predicted = compiled.memory_analysis(), timing.predict(compiled.as_text(), gpu)
+    figures[name] = {'temp_bytes': memory.temp_size_in_bytes,
+                     'predicted_s': predicted.seconds}
+  plain_s, round_s = (figures[n]['predicted_s'] for n in ('plain step', 'speculative round'))
+  draft_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(
+      nnx.state(nnx.merge(graphdef, abstract).draft)))
+  print(f'# {preset} with {heads} Clover heads ({draft_bytes / 2**30:.2f} GiB): {batch} rows '
+        f'against {slots:,} slots, compiled for {device.device_kind} (deviceless); times: the '
+        'time model\'s predictions\n')
+  print(f'{"":18} {"temp GiB":>9} {"predicted ms":>13}')
+  for name, f in figures.items():
+    print(f'{name:18} {f["temp_bytes"] / 2**30:>9.2f} {1e3 * f["predicted_s"]:>13.2f}')
+  print(f'\nbreak-even: {round_s / plain_s:.2f} tokens a round; at τ tokens a round the '
+        f'speed-up is τ × {plain_s / round_s:.3f}')
+  return {'benchmark': 'speculative_plan', 'preset': preset, 'heads': heads, 'batch': batch,
+          'slots': slots, 'compiled_for': device.device_kind, 'deviceless': True,
+          'jax': jax.__version__, 'draft_bytes': draft_bytes, **{
+              name.replace(' ', '_'): f for name, f in figures.items()},
+          'break_even_tokens_per_round': round_s / plain_s, 'command': report.command()}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--workdir', default='/tmp/meshlm-draft')
+  parser.add_argument('--prompts', type=int, default=16)
+  parser.add_argument('--prompt_tokens', type=int, default=64)
+  parser.add_argument('--new_tokens', type=int, default=128)
+  parser.add_argument('--temperatures', default='0.8', help='comma-separated, besides greedy')
+  parser.add_argument('--plan', default='', help='a preset of configs/llama.py: plan a round of '
+                      'speculation and a plain step for --target instead')
+  parser.add_argument('--heads', type=int, default=3)
+  parser.add_argument('--batch', type=int, default=8)
+  parser.add_argument('--slots', type=int, default=8192)
+  parser.add_argument('--target', default='H100')
+  args = parser.parse_args(argv)
+  if args.plan:
+    return report.emit(plan(args.plan, args.heads, args.batch, args.slots, args.target), None)
+  loaded = sampling.load(args.workdir)
+  cfg = loaded.model.cfg
+  if not cfg.draft_heads:
+    raise SystemExit(f'{loaded.checkpoint}: the run has no draft heads; train one with '
+                     '--config.model.draft_heads=3')
+  rows = windows(loaded, args.prompts, args.prompt_tokens)
+  prompts = [list(r) for r in rows]
+  print(f'# {loaded.checkpoint}: {cfg.draft_heads} {cfg.draft_kind} heads; {len(prompts)} '
+        f'prompts of {args.prompt_tokens} validation tokens, {args.new_tokens} new tokens each; '
+        'times: this machine\'s CPU, measured\n')
+  temperatures = [0.0] + [float(t) for t in args.temperatures.split(',') if t]
+  results = [measure(loaded, prompts, args.new_tokens, t) for t in temperatures]
+  print(f'{"temperature":>11} {"tokens/forward":>15} {"kept, head by head":>24} '
+        f'{"greedy same":>12} {"CPU plain s":>12} {"CPU spec. s":>12}')
+  for r in results:
+    kept = ' / '.join(f'{100 * k:.0f}%' for k in r['kept_per_head'])
+    same = f'{100 * r["greedy_same"]:.1f}%' if 'greedy_same' in r else '—'
+    print(f'{r["temperature"]:>11} {r["tokens_per_forward"]:>15.2f} {kept:>24} {same:>12} '
+          f'{r["cpu_plain_s"]:>12.2f} {r["cpu_speculative_s"]:>12.2f}')
+  print(json.dumps({'benchmark': 'speculative', 'checkpoint': loaded.checkpoint,
+                    'heads': cfg.draft_heads, 'kind': cfg.draft_kind, 'prompts': len(prompts),
+                    'new_tokens': args.new_tokens, 'device': jax.devices()[0].device_kind,
+                    'results': results}))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,118 @@
+"""Draft heads and speculative decoding (model/draft.py, model/speculate.py): greedy speculation
+gives plain greedy decoding's tokens, ragged batches and end-of-document included; sampled, every
+token has the base model's distribution (a χ² test on a 4-token vocabulary); the heads learn
+on the corpus without changing how the model trains, and train alone on a frozen base."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from model import ModelConfig, Transformer
+from model import generate as gen
+from model.layers import Draft
+from model.speculate import speculate
+from reporting.metrics import format_line
+from runtime import checkpoint as checkpoint_lib
+from tests.conftest import tiny_config
+from training import loop
+from training.state import build
+
+PROMPTS = [[1, 5, 3, 2, 7, 6], [1], [1, 4, 4]]
+
+
+def drafting_model(vocab_size: int, **model):
+  """A tiny model whose heads guess apart from the base (their output weights drawn, not zero),
+  on a small vocabulary, so that guesses are kept and refused alike."""
+  c = tiny_config()
+  c.model.update(dict(vocab_size=vocab_size, **model))
+  m = Transformer(ModelConfig.from_config(c.model), rngs=nnx.Rngs(3))
+  m.draft.w_o[...] = 0.4 * jax.random.normal(jax.random.key(1), m.draft.w_o.shape)
+  return m
+
+
+@pytest.mark.parametrize('kind, heads, cache', [('clover', 3, 'int8'), ('medusa', 2, 'full')])
+def test_greedy_speculation_gives_plain_greedy_tokens(kind, heads, cache):
+  model = drafting_model(8, draft_heads=heads, draft_kind=kind)
+  plain = gen.generate(model, PROMPTS, 30, cache=cache)
+  tokens, counts = speculate(model, PROMPTS, 30, cache=cache)
+  np.testing.assert_array_equal(tokens, plain)
+  assert counts['accepted'].sum() > 0  # guesses were kept: rounds committed several tokens
+  assert (counts['tokens'] == 29).all() and (counts['forwards'] < 29).any()
+  # A row ends at its end-of-document token, as plain decoding's does, mid-round or not.
+  eos = int(plain[0, 9])
+  np.testing.assert_array_equal(speculate(model, PROMPTS, 30, eos_id=eos, pad_id=0)[0],
+                                gen.generate(model, PROMPTS, 30, eos_id=eos, pad_id=0))
+
+
+def test_sampled_tokens_have_the_base_models_distribution():
+  """Three tokens after a prompt, drawn 20,000 times at temperature 0.7 among the top 3 of 4:
+  the heads guess tokens 2 and 3, and their counts over the 27 possible triples match the
+  base model's own probabilities (χ², fixed seed). Accepting every guess, or drawing a refused
+  one's replacement from the base's distribution instead of what is left of it over the head's,
+  gives p < 1e-300 here."""
+  model = drafting_model(4, draft_heads=2)
+  temperature, top_k, rows, prompt = 0.7, 3, 20_000, [1, 2]
+  tokens, counts = speculate(model, [prompt] * rows, 3, key=jax.random.key(7),
+                             temperature=temperature, top_k=top_k)
+  kept = counts['accepted'].mean(0)
+  assert 0.2 < kept[0] < 0.9 and 0.05 < kept[1] < kept[0]  # guesses both kept and refused
+  prefixes = np.array([prompt + list(p) for p in itertools.product(range(4), repeat=2)])
+  logits = model(jnp.asarray(prefixes, jnp.int32))[:, 1:]  # [16, 3, V]: the three draws
+  probs = np.asarray(jax.nn.softmax(gen.tempered(logits.reshape(-1, 4), temperature, top_k)),
+                     np.float64).reshape(16, 3, 4)
+  exact = np.zeros((4, 4, 4))
+  for i, (a, b) in enumerate(itertools.product(range(4), repeat=2)):
+    exact[a, b] = probs[i, 0, a] * probs[i, 1, b] * probs[i, 2]
+  seen = np.zeros((4, 4, 4))
+  np.add.at(seen, tuple(tokens.T), 1)
+  possible = exact > 0
+  assert seen[~possible].sum() == 0  # nothing outside the top 3
+  expected = exact[possible] / exact[possible].sum() * rows
+  assert stats.chisquare(seen[possible], expected).pvalue > 1e-3
+
+
+def test_heads_learn_without_changing_the_model_and_train_alone_on_a_frozen_base(tmp_path):
+  def run(name, steps, init_from='', **model):
+    c = tiny_config(fsdp=8)
+    c.model.update(model)
+    c.init_from = init_from
+    c.workdir, c.train_steps, c.log_every = str(tmp_path / name), steps, 5
+    c.eval_every, c.checkpoint_every = 0, steps
+    c.optimizer.learning_rate = 3e-3
+    return c, loop.run(c)
+
+  _, plain = run('plain', 25)
+  _, drafted = run('drafted', 25, draft_heads=2)
+  # The model trains as it does without heads: the heads' gradients reach none of its weights,
+  # and are clipped apart from its own.
+  for a, b in zip(plain, drafted):
+    assert a['loss'] == pytest.approx(b['loss'], rel=1e-6) and a['step'] == b['step']
+    assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-5)
+  chance = 1 / 259  # the byte tokenizer's
+  first, last = drafted[0], drafted[-1]
+  for k in (1, 2):
+    assert last[f'draft{k}_accuracy'] > max(20 * chance, first[f'draft{k}_accuracy'] + 0.05)
+    assert last[f'draft{k}_loss'] < first[f'draft{k}_loss'] - 0.5
+  assert f'draft top-1 {last["draft1_accuracy"]:.0%} / ' in format_line(last, 25)  # the console
+
+  # Heads trained alone on that base, started from its checkpoint: the optimizer holds the heads
+  # alone, and the base's parameters leave as they came.
+  config, _ = run('alone', 5, draft_heads=2, draft_only=True, init_from=str(tmp_path / 'plain'))
+  setup = build(config)
+  moments = [a for a in jax.tree.leaves(setup.abstract_state.opt_state) if a.ndim >= 1]
+  heads = [a for a in jax.tree.leaves(nnx.state(setup.abstract_state.params, Draft))]
+  assert sum(a.size for a in moments) == 2 * sum(a.size for a in heads)  # Adam's mu and nu
+  abstract = setup.abstract_state.params
+  start, _ = checkpoint_lib.restore_params(str(tmp_path / 'plain'),
+                                           nnx.state(abstract, nnx.Not(Draft)), config.model)
+  end, _ = checkpoint_lib.restore_params(str(tmp_path / 'alone'), abstract, config.model)
+  value = lambda v: np.asarray(v[...] if isinstance(v, nnx.Variable) else v)
+  ends = dict(nnx.to_flat_state(end))
+  for path, a in nnx.to_flat_state(start):
+    np.testing.assert_array_equal(value(a), value(ends[path]))
+  assert value(ends[('draft', 'w_o')]).any()  # the heads trained: their output weights left zero
