@@ -107,7 +107,7 @@ def test_bad_generation_arguments_are_named():
 def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatch, capsys):
   c = tiny_config(fsdp=8)
   c.workdir, c.train_steps, c.checkpoint_every, c.eval_every = str(tmp_path), 4, 4, 0
-  c.model.draft_heads = 2  # sample.py speculates with them
+  c.model.draft_heads, c.model.draft_kind = 2, 'medusa'  # sample.py speculates with them
   loop.run(c)
   command = [sys.executable, 'sample.py', f'--workdir={tmp_path}', '--prompt=def ',
              '--prompt=import', '--max_new_tokens=16', '--temperature=0']

@@ -75,6 +75,8 @@ BAD = [
     (dict(train_steps=0), 'config.train_steps'),
     (dict(model=dict(draft_only=True)), 'config.model.draft_heads'),
     (dict(microbatches=2, mesh=dict(stage=2), model=dict(draft_heads=2)), 'config.mesh.stage=1'),
+    (dict(mesh=dict(sequence=2), model=dict(draft_heads=2, context_parallel='ring',
+                                            attention='pallas')), 'context_parallel=.all_gather'),
 ]
 
 

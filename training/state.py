@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from model import ModelConfig, Transformer
-from model.layers import ADDED, Draft, LoRA, split_adapters
+from model.layers import ADDED, Draft, split_adapters
 from planning import gpus
 from planning import target as target_lib
 import sharding
@@ -115,6 +115,11 @@ def build(config, devices=None) -> Setup:
     raise ValueError('config.model.draft_heads > 0 trains on the last stage\'s hidden states, '
                      'which pipeline stages do not gather yet; set config.mesh.stage=1, or train '
                      'the heads afterwards on one stage (config.model.draft_only=True)')
+  if (model_cfg.draft_heads and mesh.shape['sequence'] > 1
+      and model_cfg.context_parallel == 'ring'):
+    raise ValueError("config.model.draft_heads > 0 reads each token's next ones along the row, "
+                     "which ring attention's zigzag order over config.mesh.sequence scatters; set "
+                     "config.model.context_parallel='all_gather' for them")
 
   abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
   graphdef, abstract_params = nnx.split(abstract_model)

@@ -88,8 +88,7 @@ def _loss(graphdef, params, batch, z_loss, total=None, microbatches=1, share=1.0
   per token of the batch, as the base's does (their gradients reach only the heads)."""
   nll_BL, logz_BL, stats, aux, drafted = _token_losses(graphdef, params, batch, microbatches,
                                                        frozen)
-  if total is None:
-    total = jnp.maximum(batch['weights'].sum(), 1.0)
+  total = jnp.maximum(batch['weights'].sum(), 1.0) if total is None else total
   ce, zl = weighted_losses(nll_BL, logz_BL, batch['weights'], z_loss, total)
   heads = drafted['nats'].sum() / total if drafted else 0.0
   return ce + zl + share * aux + heads, (ce, zl, jax.tree.map(lambda a: a * share, stats),
@@ -109,10 +108,11 @@ def loss_and_grads(graphdef, params, batch, z_loss: float, microbatches: int = 1
                    pipelined: bool = False, total=None, frozen=None):
   """((loss, (ce, z_loss, router stats, draft sums)), grads) of the batch; with microbatches > 1,
   accumulated over a `lax.scan` of microbatches (only one microbatch's activations live at a
-  time), giving the same result as one pass over the whole batch. `pipelined`: the model's pipeline stages take
-  the microbatches instead (model/pipeline.py), in one pass. `total`: the weight the losses
-  divide by (default: the batch's). `frozen`: parameters the model uses and no gradient is
-  taken of (under LoRA or draft_only, the base: its weights' gradients are never computed)."""
+  time), giving the same result as one pass over the whole batch. `pipelined`: the model's
+  pipeline stages take the microbatches instead (model/pipeline.py), in one pass. `total`: the
+  weight the losses divide by (default: the batch's). `frozen`: parameters the model uses and
+  no gradient is taken of (under LoRA or draft_only, the base: its weights' gradients are never
+  computed)."""
   if total is None:
     total = jnp.maximum(batch['weights'].sum(), 1.0)
   if microbatches == 1 or pipelined:
