@@ -7,7 +7,8 @@ base's last hidden state h before it. The heads guess d_1 … d_K after t from h
 own distribution q_i for each guess d_i and q_{K+1} after the last. Guesses are kept from the
 left while the base agrees:
   greedy: d_i is kept while it is the argmax of q_i; the first that is not is replaced by that
-    argmax, so the output is token for token plain greedy decoding's;
+    argmax, so the output is plain greedy decoding's token for token (wherever the forward of
+    K + 1 tokens rounds as the one of one token does: in fp32; docs/sampling.md on bf16);
   sampled: d_i, drawn from the head's distribution p_i, is kept with probability
     min(1, q_i(d_i) / p_i(d_i)); the first refused is replaced by a draw from
     max(0, q_i − p_i) normalised (Leviathan et al. 2023; Chen et al. 2023), so every token has

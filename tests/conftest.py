@@ -210,10 +210,16 @@ FAST = (
 )
 
 
-LONGEST = {'test_gpu_compile.py': 325, 'test_checkpoint.py': 265, 'test_distributed.py': 150,
-           'test_context_parallel.py': 105, 'test_plan.py': 100, 'test_benchmarks.py': 92,
-           'test_pipeline.py': 83, 'test_moe.py': 79, 'test_notebook.py': 71,
-           'test_speculate.py': 45}
+LONGEST = {'test_gpu_compile.py': 353, 'test_checkpoint.py': 256, 'test_distributed.py': 109,
+           'test_benchmarks.py': 90, 'test_context_parallel.py': 88, 'test_notebook.py': 80,
+           'test_plan.py': 79, 'test_pipeline.py': 73, 'test_moe.py': 70, 'test_kernels.py': 57,
+           'test_generate.py': 56, 'test_speculate.py': 46, 'test_training.py': 45,
+           'test_sharding.py': 39, 'test_chat.py': 39, 'test_kv_cache.py': 38,
+           'test_huggingface.py': 36, 'test_configs.py': 33, 'test_data.py': 33,
+           'test_model.py': 31, 'test_hierarchical.py': 27, 'test_lora.py': 23,
+           'test_tokens.py': 23, 'test_cli.py': 22, 'test_workdir.py': 19, 'test_fp8.py': 15,
+           'test_head.py': 14, 'test_timing.py': 13, 'test_grouped_matmul.py': 13,
+           'test_preemption.py': 11, 'test_instruments.py': 6, 'test_embedding.py': 4}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by it
