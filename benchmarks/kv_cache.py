@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,22 +94,44 @@ def agreement(new: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
   return float(same.mean()), float(before.mean())
 
 
-def plan(preset: str, batch: int, slots: int, target: str) -> dict:
-  """Each kind's decode step compiled for `target` GPUs: memory and the time model's step."""
-  gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.kv_cache', *sys.argv[1:]])
+class Served(NamedTuple):
+  """A preset's model as served on one GPU of a kind, compiled for it deviceless."""
+  cfg: ModelConfig
+  gpu: gpus.GPU
+  device: jax.Device
+  graphdef: nnx.GraphDef
+  abstract: nnx.State  # the weights, bf16, on `device`
+
+  def on_device(self, tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(self.device)), tree)
+
+  def decode_step(self, state, tokens, positions, cache):
+    return nnx.merge(self.graphdef, state).decode(tokens, positions, cache)
+
+
+def served(preset: str, target: str, module: str, **model) -> Served:
+  """`preset` (of configs/llama.py, with `model`'s settings) with bf16 weights on one `target`
+  GPU; this process becomes the GPU compiler's (running `module` again there) if it is not."""
+  gpu_compiler.run_as_compiler_process(['-m', module, *sys.argv[1:]])
   config = llama.get_config(preset)
   config.model.vocab_size = config.model.vocab_size or LLAMA3_VOCAB
   config.model.param_dtype = 'bfloat16'  # served weights
+  config.model.update(model)
   cfg = ModelConfig.from_config(config.model)
   gpu = gpus.get(target)
   device, = gpu_compiler.devices(gpu, 1)
-  on_device = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-      a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), tree)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  abstract, tokens = on_device(abstract), on_device(jax.ShapeDtypeStruct((batch, 1), jnp.int32))
+  model = Served(cfg, gpu, device, graphdef, abstract)
+  return model._replace(abstract=model.on_device(abstract))
 
-  def step(state, tokens, positions, cache):
-    return nnx.merge(graphdef, state).decode(tokens, positions, cache)
+
+def plan(preset: str, batch: int, slots: int, target: str) -> dict:
+  """Each kind's decode step compiled for `target` GPUs: memory and the time model's step."""
+  model = served(preset, target, 'benchmarks.kv_cache')
+  cfg, gpu, device, graphdef, abstract = model[:5]
+  on_device, step = model.on_device, model.decode_step
+  tokens = on_device(jax.ShapeDtypeStruct((batch, 1), jnp.int32))
 
   print(f'# {preset}: one decode step of {batch} rows against {slots:,} slots, compiled for '
         f'{device.device_kind} (deviceless); step: the time model\'s prediction')

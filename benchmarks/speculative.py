@@ -23,21 +23,17 @@ its time over the plain step's (the break-even printed).
 
 import argparse
 import json
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from benchmarks import report
-from benchmarks.kv_cache import LLAMA3_VOCAB, agreement, windows
-from configs import llama
-from model import ModelConfig, Transformer
+from benchmarks.kv_cache import agreement, served, windows
 from model import generate as gen
 from model import speculate as spec
-from planning import gpu_compiler, gpus, timing
+from planning import timing
 from training import sampling
 
 
@@ -68,18 +64,9 @@ def measure(loaded, prompts, new_tokens: int, temperature: float) -> dict:
 def plan(preset: str, heads: int, batch: int, slots: int, target: str) -> dict:
   """A plain decode step and a round of speculation compiled for `target` GPUs: memory and the
   time model's predictions."""
-  gpu_compiler.run_as_compiler_process(['-m', 'benchmarks.speculative', *sys.argv[1:]])
-  config = llama.get_config(preset)
-  config.model.vocab_size = config.model.vocab_size or LLAMA3_VOCAB
-  config.model.param_dtype = 'bfloat16'  # served weights
-  config.model.draft_heads = heads
-  cfg = ModelConfig.from_config(config.model)
-  gpu = gpus.get(target)
-  device, = gpu_compiler.devices(gpu, 1)
-  on_device = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-      a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), tree)
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  abstract = on_device(abstract)
+  model = served(preset, target, 'benchmarks.speculative', draft_heads=heads)
+  cfg, gpu, device, graphdef, abstract = model[:5]
+  on_device, step = model.on_device, model.decode_step
   cache = on_device(jax.eval_shape(
       lambda s: nnx.merge(graphdef, s).init_cache(batch, slots), abstract))
   B = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -91,9 +78,6 @@ def plan(preset: str, heads: int, batch: int, slots: int, target: str) -> dict:
       accepted_BK=jax.ShapeDtypeStruct((batch, heads), jnp.int32)))
   key = on_device(jax.eval_shape(lambda: jax.random.key(0)))
   tokens = on_device(jax.ShapeDtypeStruct((batch, 1), jnp.int32))
-
-  def step(state, tokens, positions, cache):
-    return nnx.merge(graphdef, state).decode(tokens, positions, cache)
 
   def round_(state, rows, key):
     return spec.one_round(nnx.merge(graphdef, state), rows, key, max_new_tokens=64,

@@ -262,7 +262,6 @@ class Transformer(nnx.Module):
 
   def decode_hidden(self, tokens_BT, positions_BT, cache: dict):
     """decode's last hidden states [B, T, D] (before the final norm) instead of its logits."""
-    cfg = self.cfg
     table_VD, table_c_VD = self._tables()
     x_BTD = lookup(table_VD, table_c_VD, tokens_BT)
     weights = cache.get('weights', {})

@@ -81,13 +81,13 @@ def test_sampled_tokens_have_the_base_models_distribution():
 
 def test_heads_learn_without_changing_the_model_and_train_alone_on_a_frozen_base(tmp_path):
   def run(name, steps, init_from='', **model):
-    c = tiny_config(data=2, fsdp=4)  # replicas run apart, summing the heads' counts too
+    c = tiny_config(data=2)  # replicas run apart, summing the heads' counts too
     c.model.update(model)
     c.init_from = init_from
     c.workdir, c.train_steps, c.log_every = str(tmp_path / name), steps, 5
     c.eval_every, c.checkpoint_every = 0, steps
     c.optimizer.learning_rate = 3e-3
-    return c, loop.run(c)
+    return c, loop.run(c, jax.devices()[:2])
 
   _, plain = run('plain', 25)
   _, drafted = run('drafted', 25, draft_heads=2)
@@ -106,7 +106,7 @@ def test_heads_learn_without_changing_the_model_and_train_alone_on_a_frozen_base
   # Heads trained alone on that base, started from its checkpoint: the optimizer holds the heads
   # alone, and the base's parameters leave as they came.
   config, _ = run('alone', 5, draft_heads=2, draft_only=True, init_from=str(tmp_path / 'plain'))
-  setup = build(config)
+  setup = build(config, jax.devices()[:2])
   moments = [a for a in jax.tree.leaves(setup.abstract_state.opt_state) if a.ndim >= 1]
   heads = [a for a in jax.tree.leaves(nnx.state(setup.abstract_state.params, Draft))]
   assert sum(a.size for a in moments) == 2 * sum(a.size for a in heads)  # Adam's mu and nu
