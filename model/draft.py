@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import Draft, constrain, gathered, param
+from model.layers import Draft, constrain, gathered, param, rms_norm
 
 X = ('batch', 'length', 'embed')
 
@@ -47,12 +47,6 @@ def weights(weights_BL, segment_ids_BL, heads: int):
   return jnp.stack(out)
 
 
-def _rms(x, scale):
-  x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-  return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
-
-
 class Heads(nnx.Module):
   """The K draft heads, their parameters stacked [K, ...] (of type Draft)."""
 
@@ -73,17 +67,18 @@ class Heads(nnx.Module):
   def step(self, k: int, h_D, s_D, e_D=None):
     """Head k's state (0-based) from the base's h, the state s head k−1 left (h for the first)
     and, for clover, the embedding e of the token before the one it guesses; every array
-    [..., D] in the compute dtype. Returns (s_k, out_norm_k(s_k), what the base's head takes)."""
+    [..., D] in the compute dtype. Returns (s_k, out_norm_k(s_k): what the base's head takes)."""
     dtype = self.cfg.dtype
     start_D = s_D if self.cfg.draft_kind == 'clover' else h_D
-    pre_F = jnp.einsum('...d,df->...f', _rms(start_D, self.h_norm[...][k]),
+    norm = lambda x_D, p: rms_norm(x_D, p[...][k], self.cfg.norm_eps)
+    pre_F = jnp.einsum('...d,df->...f', norm(start_D, self.h_norm),
                        self._weight(self.w_h, k, ('embed', 'mlp')))
     if self.cfg.draft_kind == 'clover':
-      pre_F = pre_F + jnp.einsum('...d,df->...f', _rms(e_D, self.e_norm[...][k]),
+      pre_F = pre_F + jnp.einsum('...d,df->...f', norm(e_D, self.e_norm),
                                  self._weight(self.w_e, k, ('embed', 'mlp')))
     s_D = start_D + jnp.einsum('...f,fd->...d', jax.nn.silu(pre_F).astype(dtype),
                                self._weight(self.w_o, k, ('mlp', 'embed')))
-    return s_D, _rms(s_D, self.out_norm[...][k])
+    return s_D, norm(s_D, self.out_norm)
 
   def losses(self, h_BLD, targets_BL, embed, token_losses):
     """(−log p, gap to the top logit) [K, B, L] fp32 of head k's guess at every t of the k-th

@@ -130,9 +130,14 @@ class RMSNorm(nnx.Module):
     self.scale = param(rngs, (size or cfg.d_model,), ('norm',), cfg.weight_dtype)
 
   def __call__(self, x_BLD):
-    x = x_BLD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * self.scale[...].astype(jnp.float32)).astype(x_BLD.dtype)
+    return rms_norm(x_BLD, self.scale[...], self.eps)
+
+
+def rms_norm(x, scale, eps: float):
+  """x / rms(x) * scale over the last dimension, in fp32, returned in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
