@@ -8,7 +8,8 @@ above --max_shard_gb) and the tokenizer's files, and loads with
 transformers.AutoModelForCausalLM.from_pretrained(DIR). A run with LoRA adapters is exported with
 them merged into its weights, or with --lora=peft as a PEFT adapter alone (runtime/peft.py):
   python export.py --workdir=/tmp/meshlm-lora --output=/tmp/meshlm-lora-adapter --lora=peft
-It is written beside --output and moved there whole; an existing non-empty --output is refused.
+It is written beside --output and moved there whole; an existing non-empty --output is refused,
+and what an export killed on this host left beside it is cleared.
 A run's draft heads (config.model.draft_heads) are left out, and it says so: no Llama, Mixtral or
 Qwen3-MoE checkpoint has a place for them.
 """
@@ -39,6 +40,8 @@ _MAX_SHARD_GB = flags.DEFINE_float('max_shard_gb', 5.0, 'Safetensors files of at
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not _OUTPUT.value.strip():
+    raise ValueError('--output is empty; give a new directory to write the export into')
   output = pathlib.Path(_OUTPUT.value).expanduser()
   huggingface.check_output(output)  # before anything is read
   if _MAX_SHARD_GB.value <= 0:
@@ -52,8 +55,15 @@ def main(argv):
                        'config.model.lora_rank is 0); export it whole, without --lora')
     dtype = _DTYPE.value or cfg.param_dtype
     print(f'# {loaded.checkpoint} → {output} (PEFT adapter, {dtype})')
+    base = loaded.init_from
+    if base == 'random':  # settings.RANDOM
+      print('# its base was drawn at random (config.init_from=random): no model holds it')
+    elif base and not base.startswith(huggingface.PREFIX):  # a meshlm run: no model PEFT loads
+      print(f'# its base is the meshlm run {base}: export that first (python export.py '
+            f'--workdir={base} --output=BASE) and load the adapter onto BASE')
     peft.write(params, cfg, output, dtype=dtype, tokenizer=loaded.tokenizer,
-               base_model=loaded.init_from.removeprefix(huggingface.PREFIX))
+               base_model=base.removeprefix(huggingface.PREFIX) if base.startswith(
+                   huggingface.PREFIX) else '', chat_template=loaded.chat_template)
     return
   dtype = _DTYPE.value or cfg.weight_dtype.name
   print(f'# {loaded.checkpoint} → {output} ({dtype}'
@@ -66,7 +76,8 @@ def main(argv):
   if cfg.lora_rank:
     params, cfg = peft.merged(params, cfg), dataclasses.replace(cfg, lora_rank=0)
   huggingface.export(params, cfg, loaded.tokenizer, loaded.config.seq_len, output, dtype=dtype,
-                     max_shard_bytes=int(_MAX_SHARD_GB.value * 1e9))
+                     max_shard_bytes=int(_MAX_SHARD_GB.value * 1e9),
+                     chat_template=loaded.chat_template)
 
 
 if __name__ == '__main__':

@@ -56,7 +56,8 @@ def main(argv):
   texts = sampling.complete(loaded, prompts, _MAX_NEW_TOKENS.value,
                             temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value,
                             max_len=_MAX_LEN.value, cache=_KV_CACHE.value,
-                            speculative=_SPECULATIVE.value, report=print)
+                            speculative=_SPECULATIVE.value, report=print,
+                            chat_prompts=_CHAT.value)
   for prompt, text in zip(_PROMPT.value, texts):
     print(f'--- prompt {prompt!r}\n{"" if _CHAT.value else prompt}{text}')
 

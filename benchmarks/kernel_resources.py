@@ -5,7 +5,7 @@ and spills, from the GPU compiler itself (deviceless, planning/gpu_compiler.py: 
   python -m benchmarks.kernel_resources --sweep --head_dims=64,128   # how default_blocks was chosen
 
 Each variant is one attention call, forward and backward (the fwd, dq and dkv kernels), compiled
-for --target: causal, GQA --heads (32/8), B = 1, L = S = --seq_len, bf16, with and without segment
+for --target: causal, GQA --heads (32/8), B = 1, L = S = --seq_len, --dtype (bf16), with and without segment
 ids (packed rows), with the tiles of kernels.flash_attention.default_blocks(head_dim) unless
 --block_q/--block_k/--num_warps/--num_stages say otherwise. Grid, threads per block and shared
 memory per block are XLA's launch of the kernel; registers per thread, spill stores and loads
@@ -40,9 +40,11 @@ _WARPS = flags.DEFINE_integer('num_warps', 0, 'Triton warps (0: default_blocks).
 _STAGES = flags.DEFINE_integer('num_stages', 0, 'Triton pipeline stages (0: default_blocks).')
 _SWEEP = flags.DEFINE_bool('sweep', False, 'Compile every candidate tile and pick as documented.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
+_DTYPE = flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'],
+                           "q, k and v's dtype (config.model.compute_dtype).")
 
 def tiles_for(head_dim: int):
-  default = default_blocks(head_dim)
+  default = default_blocks(head_dim, _DTYPE.value)
   return tuple(flag or d for flag, d in
                zip((_BLOCK_Q.value, _BLOCK_K.value, _WARPS.value, _STAGES.value), default))
 
@@ -82,7 +84,7 @@ def main(argv):
   device, = gpu_compiler.devices(gpu, 1)
   head_dims = [int(h) for h in _HEAD_DIMS.value]
   print(f'compiled for {device.device_kind} (deviceless), heads {_HEADS.value}, '
-        f'L = S = {_SEQ_LEN.value}, causal, bf16')
+        f'L = S = {_SEQ_LEN.value}, causal, {_DTYPE.value}')
   print(f'{"H":>4}{"seg":>5} {"tiles":<9}{"wp":>3}{"st":>3}  {"kern":<4}{"grid":>14}'
         f'{"threads":>8}{"smem KiB":>9}{"regs":>6}{"spillS":>7}{"spillL":>7}')
   results, chosen = [], {}
@@ -98,7 +100,7 @@ def main(argv):
            **dict(zip(('block_q', 'block_k', 'num_warps', 'num_stages'), tiles)),
            **gpu_compiler.flash_attention_kernels(
                device, head_dim, segments, tiles, tuple(map(int, _HEADS.value.split('/'))),
-               _SEQ_LEN.value)}
+               _SEQ_LEN.value, _DTYPE.value)}
       print_row(r)
       rows.append(r)
     results += rows
@@ -109,6 +111,7 @@ def main(argv):
   compiled = [r for r in results if 'kernels' in r]
   figures = {'benchmark': 'kernel_resources', 'compiled_for': device.device_kind,
              'deviceless': True, 'jax': jax.__version__, 'heads': _HEADS.value,
+             'dtype': _DTYPE.value,
              'seq_len': _SEQ_LEN.value, 'results': results,
              'spilling_variants': sum(spills(r) for r in compiled),
              'failed_variants': len(results) - len(compiled),

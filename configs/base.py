@@ -20,7 +20,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 50  # steps between asynchronous checkpoints (and one at the end); 0: none
   c.keep_checkpoints = 3  # the newest this many are kept
   c.init_from = ''  # a run's workdir (or checkpoints/<step>): start from its parameters only;
-  # or hf:DIR, a Hugging Face Llama checkpoint, which also sets config.model (docs/huggingface.md)
+  # or hf:DIR, a Hugging Face Llama checkpoint; either sets the base model (docs/huggingface.md).
+  # '': fresh parameters; random: fresh ones on purpose, which a frozen base (LoRA) must say
   c.dry_run = False  # compile the step, print its memory/FLOPs/collectives plan, and stop
   c.max_bad_steps = 5  # this many steps in a row with a non-finite loss or gradient stop the run
   c.profile_steps = 0  # trace this many steps into workdir/profile (TensorBoard, Perfetto); 0: none
@@ -150,3 +151,37 @@ def get_config() -> ml_collections.ConfigDict:
   d.workers = 0  # grain worker processes (0: in the training process); batches are the same
   d.prefetch = 2  # batches each worker prepares ahead
   return c
+
+
+# What changing each setting does to a run (configs/effects.py: the kinds, and what a resumed run
+# or a run started from a checkpoint does with each). Every setting above is declared here once.
+EFFECTS = {field: kind for kind, names in {
+    'shape': """model.vocab_size model.d_model model.n_layers model.n_heads model.n_kv_heads
+        model.head_dim model.d_ff model.qk_norm model.tie_embeddings model.virtual_stages
+        model.experts model.shared_experts model.expert_d_ff model.dense_layers""",
+    'function': """model.rope_theta model.rope_type model.rope_factor model.rope_low_freq_factor
+        model.rope_high_freq_factor model.rope_original_length model.max_position_embeddings
+        model.norm_eps model.experts_per_token model.router model.router_renormalize
+        model.capacity_factor model.expert_buffer""",
+    'added': """model.lora_rank model.lora_alpha model.lora_targets model.draft_heads
+        model.draft_kind model.draft_only""",
+    'data': """seed batch_size seq_len init_from data.paths data.name data.text_key data.record
+        data.prompt_field data.completion_field data.messages_field data.chat_template
+        data.train_on data.train_split data.validation_fraction data.tokenizer
+        data.tokenizer_model""",
+    'schedule': """train_steps optimizer.learning_rate optimizer.warmup_steps
+        optimizer.min_lr_ratio optimizer.b1 optimizer.b2 optimizer.eps optimizer.weight_decay
+        optimizer.grad_clip loss.z_loss model.load_balance_loss model.router_z_loss
+        model.router_bias_rate""",
+    'numerics': """microbatches model.param_dtype model.compute_dtype model.grad_reduce_dtype
+        model.matmul_precision model.attention model.attention_block_q model.attention_block_k
+        model.context_parallel model.scan_layers model.remat_policy model.head_chunk
+        model.expert_matmul mesh.data mesh.stage mesh.fsdp mesh.expert mesh.tensor
+        mesh.sequence mesh.auto partition.hierarchical partition.weights partition.gradients
+        optimizer.offload_state""",
+    'none': """workdir log_every eval_every eval_batches checkpoint_every keep_checkpoints
+        dry_run max_bad_steps profile_steps profile_start distributed.coordinator_address
+        distributed.num_processes distributed.process_id distributed.initialization_timeout_s
+        distributed.heartbeat_timeout_s plan.target plan.devices plan.memory_gb data.eval_split
+        data.data_dir data.tokenize data.workers data.prefetch""",
+}.items() for field in names.split()}

@@ -25,6 +25,8 @@ import re
 
 import numpy as np
 
+from data import records
+
 TRAIN_ON = ('answers', 'all')
 FALLBACK = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
             "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -32,11 +34,15 @@ FALLBACK = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
 GENERATION = re.compile(r'\{%-?\s*generation\s*-?%\}')
 
 
-def check(data_config) -> None:
+def check(data_config, workdir=None) -> None:
+  """The chat settings' own checks; a template file gone is no matter to a run that kept its
+  own (`workdir`'s: owned_template)."""
   if data_config.train_on not in TRAIN_ON:
     raise ValueError(f'config.data.train_on={data_config.train_on!r} is not one of {TRAIN_ON}')
   template = data_config.chat_template
-  if template not in ('auto', 'fallback') and not pathlib.Path(template).expanduser().is_file():
+  kept = workdir and (pathlib.Path(workdir).expanduser() / KEPT).is_file()
+  if (template not in ('auto', 'fallback') and not kept
+      and not pathlib.Path(template).expanduser().is_file()):
     raise ValueError(f'config.data.chat_template={template!r} is not auto, fallback or a Jinja '
                      'template file')
 
@@ -54,8 +60,76 @@ def template_source(tokenizer, setting: str) -> tuple[str, str]:
   return FALLBACK, 'the fallback template (the tokenizer has none of its own)'
 
 
+KEPT = 'chat_template.jinja'  # a run's copy of the template it renders its records with
+
+
+def digest(source: str) -> str:
+  return 'sha256:' + hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+def owned_template(tokenizer, setting: str, workdir) -> tuple[str, str]:
+  """(source, origin) of the chat template a run in `workdir` renders with: its own copy
+  (workdir/chat_template.jinja, written by `keep_template` when it started) once it has one;
+  else what config.data.chat_template names. A template there now that is not the run's is
+  refused, naming both digests; one gone (a moved .jinja file) is not missed."""
+  kept = pathlib.Path(workdir).expanduser() / KEPT if workdir else None
+  if kept is None or not kept.is_file():
+    return template_source(tokenizer, setting)
+  mine = kept.read_text()
+  try:
+    source, origin = template_source(tokenizer, setting)
+  except OSError:  # the .jinja file moved: the run has its own
+    return mine, str(kept)
+  if source != mine:
+    raise ValueError(
+        f'config.data.chat_template: {origin} is {digest(source)} now, but the run in {workdir} '
+        f'rendered its records with {digest(mine)}, kept in {kept}: it keeps its own. Put the '
+        'template back, or train with the new one in another --config.workdir')
+  return mine, str(kept)
+
+
+def keep_template(source: str, workdir: pathlib.Path) -> None:
+  """Writes the run's chat template into its workdir once, whole (a partial file renamed)."""
+  kept = workdir / KEPT
+  if kept.is_file():
+    return
+  partial = workdir / f'{KEPT}.partial'
+  partial.write_text(source)
+  partial.rename(kept)
+
+
+def kept_template(workdir) -> str | None:
+  """The chat template a run rendered its records with, if it kept one."""
+  kept = pathlib.Path(workdir).expanduser() / KEPT
+  return kept.read_text() if kept.is_file() else None
+
+
 class TemplateError(ValueError):
   pass
+
+
+class Renders:
+  """`renders(stored)`: a stored conversation (data/records.py) rendered by a run's template, or
+  BadRecord saying why not. Corpus preparation asks it of every record, so a conversation the
+  template refuses is skipped and counted there, its file and line named, never met mid-run."""
+
+  def __init__(self, source: str, special_tokens: dict):
+    self.source, self.special_tokens = source, dict(special_tokens)
+    self.key = digest(source + json.dumps(self.special_tokens, sort_keys=True))
+
+  def __call__(self, stored: str) -> None:
+    try:
+      answer_spans(self.source, json.loads(stored)['messages'], self.special_tokens)
+    except TemplateError as e:
+      raise records.BadRecord(f'the chat template refuses it ({str(e)[:120]})') from None
+
+
+def renders(tokenizer, data_config, workdir=None) -> Renders | None:
+  """What corpus preparation checks each record with: for chat records, the run's template."""
+  if data_config.record != 'messages':
+    return None
+  source, _ = owned_template(tokenizer, data_config.chat_template, workdir)
+  return Renders(source, getattr(tokenizer, 'special_tokens', {}))
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -159,11 +233,12 @@ class Encoder:
   """Stored documents of one kind → token arrays (a callable on a list of stored texts)."""
 
   def __init__(self, tokenizer, record: str = 'text', template: str = 'auto',
-               train_on: str = 'answers'):
+               train_on: str = 'answers', workdir=None):
+    """`workdir`: a run's, whose own copy of the template is rendered (owned_template)."""
     self.tokenizer, self.record = tokenizer, record
     self.masked = record != 'text' and train_on == 'answers'
-    self.source, self.origin = (template_source(tokenizer, template) if record == 'messages'
-                                else ('', ''))
+    self.source, self.origin = (owned_template(tokenizer, template, workdir)
+                                if record == 'messages' else ('', ''))
 
   @property
   def key(self) -> str:
@@ -182,9 +257,10 @@ class Encoder:
       return answer_spans(self.source, record['messages'],
                           getattr(self.tokenizer, 'special_tokens', {}))
     except TemplateError as e:
+      # Preparation skips what the run's template refuses (Renders): only a corpus read without
+      # that check (prepared with another template) reaches here.
       raise ValueError(f'config.data.chat_template: {self.origin} fails on a conversation: {e}; '
-                       'fix the records, or set config.data.chat_template=fallback or to a '
-                       '.jinja file') from None
+                       'fix the records, and a run prepares them afresh') from None
 
   def _encode(self, texts: list[str], spans) -> list[tuple[np.ndarray, np.ndarray]]:
     tok = self.tokenizer
@@ -203,9 +279,12 @@ class Encoder:
 
   def _with_ends(self, ids: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
     """BOS first and EOS last (a record's: unless its template put them there); the EOS weighs
-    what the token before it does (a completion's end is trained on)."""
+    what the token before it does (a completion's end is trained on). A conversation starts as
+    its template renders it, BOS or not (ChatML has none), as transformers' apply_chat_template
+    gives a served model its prompt."""
     tok, templated = self.tokenizer, self.record != 'text'
-    head = [] if templated and len(ids) and ids[0] == tok.bos_id else [tok.bos_id]
+    head = ([] if self.record == 'messages' or (templated and len(ids) and ids[0] == tok.bos_id)
+            else [tok.bos_id])
     tail = [] if templated and len(ids) and ids[-1] == tok.eos_id else [tok.eos_id]
     tokens = np.concatenate([np.asarray(head, np.int32), ids, np.asarray(tail, np.int32)])
     if weights is None:

@@ -83,18 +83,22 @@ def _score(key: str) -> float:
 
 def split_documents(scores: dict, validation_fraction: float):
   """(train in the order given, validation sorted) document keys: those scoring under the
-  fraction are held out, and at least one lands on each side."""
+  fraction are held out, and at least one lands on each side. Documents of one score (a record
+  repeated: its score hashes its content) land on one side together, so evaluation never scores
+  a document trained on."""
   _check_validation_fraction(validation_fraction)
-  if len(scores) < 2:
-    raise ValueError(f'config.data.paths holds {len(scores)} usable document(s); at least 2 are '
-                     'needed for a train and a validation split')
-  validation = sorted(k for k in scores if scores[k] < validation_fraction)
-  if not validation:  # a small corpus: hold out the lowest-scoring document
-    validation = [min(scores, key=scores.get)]
-  if len(validation) == len(scores):
-    validation = validation[:-1]
-  held = set(validation)
-  return [k for k in scores if k not in held], validation
+  distinct = sorted(set(scores.values()))
+  if len(distinct) < 2:
+    raise ValueError(f'config.data.paths holds {len(scores)} usable document(s), '
+                     f'{len(distinct)} of them distinct; at least 2 distinct ones are needed for '
+                     'a train and a validation split that share none')
+  held = {v for v in distinct if v < validation_fraction}
+  if not held:  # a small corpus: hold out the lowest-scoring document (and its repeats)
+    held = {distinct[0]}
+  if len(held) == len(distinct):
+    held.discard(distinct[-1])
+  validation = sorted(k for k in scores if scores[k] in held)
+  return [k for k in scores if scores[k] not in held], validation
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,6 +109,8 @@ class TextFilesConfig(tfds.core.BuilderConfig):
   validation: tuple[tuple[str, int], ...] = ()
   fields: records.Fields | None = None  # what a record file's records hold
   longest: int = 0  # bytes of the longest document
+  content: str = ''  # a hash of every document's text and split (`content_hash`)
+  renders: object = None  # chat records: what each must render with (data/chat.py: Renders)
 
 
 class TextFiles(tfds.core.GeneratorBasedBuilder):
@@ -126,6 +132,7 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
     cfg = self.builder_config
     self.info.metadata['max_document_bytes'] = cfg.longest
     self.info.metadata['record'] = cfg.fields.kind if cfg.fields else 'text'
+    self.info.metadata['content'] = cfg.content
     return {'train': self._generate_examples(cfg.train),
             'validation': self._generate_examples(cfg.validation)}
 
@@ -141,7 +148,7 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
                          'path': relative}
         continue
       found = 0
-      for item in records.read(root / relative, fields):
+      for item in records.read(root / relative, fields, self.builder_config.renders):
         if not isinstance(item, records.Skipped) and item[0] in numbers:
           found += 1
           yield f'{relative}:{item[0]}', {'text': item[1], 'path': f'{relative}:{item[0]}'}
@@ -150,18 +157,22 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
                          'run again')
 
 
-def _scan_records(root: pathlib.Path, files, fields: records.Fields):
+def _scan_records(root: pathlib.Path, files, fields: records.Fields, renders=None):
   """Each good record's split score, by (path, number), the longest one's bytes, and a warning
   for each file with bad records, counting them; a corpus without a good one is one error."""
-  scores, longest, skipped = {}, 0, []
+  scores, digests, longest, skipped = {}, {}, 0, []
   for f in files:
     relative = str(f.relative_to(root))
-    for item in records.read(f, fields):
+    for item in records.read(f, fields, renders):
       if isinstance(item, records.Skipped):
         skipped.append(item)
         continue
       scores[relative, item[0]] = _score(item[1])
+      digests[relative, item[0]] = hashlib.sha256(item[1].encode()).digest()
       longest = max(longest, len(item[1].encode()))
+  if not sum(s.total for s in skipped):
+    raise ValueError(f'config.data.paths: its {len(files)} record file(s) hold no records '
+                     f'({", ".join(str(f) for f in files[:3])}); give files with some')
   if not scores:
     first = next((s.first for s in skipped if s.first), 'none')
     raise ValueError(
@@ -169,7 +180,7 @@ def _scan_records(root: pathlib.Path, files, fields: records.Fields):
         f'{len(files)} record file(s) holds what config.data.record={fields.kind!r} reads '
         f'(first: {first}); set config.data.record and the field it reads (text_key, '
         'prompt_field, completion_field or messages_field) to what the records hold')
-  return scores, longest, [f'config.data.paths: {s}' for s in skipped if s.count]
+  return scores, digests, longest, [f'config.data.paths: {s}' for s in skipped if s.count]
 
 
 def _usable(files: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[str]]:
@@ -191,10 +202,13 @@ def _usable(files: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[str]]:
                   f'text: {names}']
 
 
-def _fingerprint(paths: str, files, validation_fraction: float, fields=None) -> str:
+def _fingerprint(paths: str, files, validation_fraction: float, fields=None,
+                 renders=None) -> str:
   h = hashlib.sha256(repr(validation_fraction).encode())
   if fields:
     h.update(f'{fields.key()}\n'.encode())
+  if fields and fields.kind == 'messages' and renders is not None:  # what it skips depends on it
+    h.update(f'{renders.key}\n'.encode())
   for f in files:
     st = f.stat()
     h.update(f'{f}\0{st.st_size}\0{st.st_mtime_ns}\n'.encode())
@@ -229,41 +243,58 @@ def _record_fields(data_config, files) -> records.Fields | None:
 _SCANNED = {}  # dataset name → its scan: the builder config and warnings (the name hashes the files)
 
 
-def text_files_builder(data_config, warn: bool = True) -> TextFiles:
+def text_files_builder(data_config, warn: bool = True, renders=None) -> TextFiles:
   """The (maybe not yet prepared) builder for config.data.paths; reads files only to prepare,
   once a process (`check` reads them first, so bad records stop a run before it writes), and
-  warns of what it skips unless `warn` is False."""
+  warns of what it skips unless `warn` is False. Chat records are rendered with `renders`
+  (data/chat.py: Renders), if given, and skipped where it refuses them."""
   root, files = find_files(data_config.paths)
   fields = _record_fields(data_config, files)
-  name = _fingerprint(data_config.paths, files, data_config.validation_fraction, fields)
+  renders = renders if fields and fields.kind == 'messages' else None
+  name = _fingerprint(data_config.paths, files, data_config.validation_fraction, fields, renders)
   with _quiet_tfds():
     builder = TextFiles(data_dir=data_dir(data_config), config=TextFilesConfig(name=name))
     if builder.is_prepared():
       return builder
     writable_dir(data_dir(data_config), 'config.data.data_dir')
     if name not in _SCANNED:
-      _SCANNED[name] = _scan(root, files, fields, data_config.validation_fraction, name)
+      _SCANNED[name] = _scan(root, files, fields, data_config.validation_fraction, name, renders)
     config, skipped = _SCANNED[name]
     for warning in skipped if warn else ():
       warnings.warn(warning, DataWarning, stacklevel=3)
     return TextFiles(data_dir=data_dir(data_config), config=config)
 
 
-def _scan(root, files, fields, validation_fraction: float, name: str):
+def _scan(root, files, fields, validation_fraction: float, name: str, renders=None):
   """Every document's split, read from the files, and warnings of what was skipped."""
   text_files = [f for f in files if not records.is_record_file(f)]
-  scores, longest, skipped = {}, 0, []
+  scores, digests, longest, skipped = {}, {}, 0, []
   if len(text_files) < len(files):
-    scores, longest, skipped = _scan_records(
-        root, [f for f in files if records.is_record_file(f)], fields)
+    scores, digests, longest, skipped = _scan_records(
+        root, [f for f in files if records.is_record_file(f)], fields, renders)
   if text_files:
     usable, undecodable = _usable(text_files)
-    scores.update({(str(f.relative_to(root)), 0): _score(str(f.relative_to(root)))
-                   for f in usable})
+    for f in usable:
+      key = (str(f.relative_to(root)), 0)
+      scores[key], digests[key] = _score(key[0]), hashlib.sha256(f.read_bytes()).digest()
     longest, skipped = max(longest, max(f.stat().st_size for f in usable)), skipped + undecodable
   train, validation = split_documents(scores, validation_fraction)
   return TextFilesConfig(name=name, root=str(root), train=tuple(train),
-                         validation=tuple(validation), fields=fields, longest=longest), skipped
+                         validation=tuple(validation), fields=fields, longest=longest,
+                         content=content_hash(digests, train, validation),
+                         renders=renders), skipped
+
+
+def content_hash(digests: dict, train, validation) -> str:
+  """What a corpus holds, whatever its files' names, order or modification times: a hash of each
+  split's documents (`digests`: each one's sha256), as a set. A resumed run is refused another
+  (training/loop.py)."""
+  h = hashlib.sha256()
+  for split, keys in (('train', train), ('validation', validation)):
+    h.update(f'{split}\n'.encode())
+    for digest in sorted(digests[k] for k in keys):
+      h.update(digest)
+  return f'sha256:{h.hexdigest()[:16]}'
 
 
 def _named_builder(data_config):
@@ -325,14 +356,30 @@ class Corpus:
   record: str = 'text'  # what a document's text holds (data/records.py: KINDS)
 
 
-def check(data_config) -> None:
+def check(data_config, renders=None) -> None:
   """The checks of load without preparing anything (the files exist and hold documents, the named
   dataset is prepared): for a run to fail before it creates anything."""
   if data_config.name:
     _named_builder(data_config)
   else:
     _check_validation_fraction(data_config.validation_fraction)
-    text_files_builder(data_config, warn=False)
+    text_files_builder(data_config, warn=False, renders=renders)
+
+
+def identity(data_config, renders=None) -> str:
+  """What the corpus holds, without preparing it: the content hash of config.data.paths' documents
+  (''  for a dataset prepared before meshlm kept one), or a named dataset's name, version and
+  sizes. A resumed run must read the same (training/loop.py)."""
+  if data_config.name:
+    builder = _named_builder(data_config)
+    sizes = {split: builder.info.splits[split].num_examples for split in builder.info.splits}
+    return f'{builder.info.full_name} {sorted(sizes.items())}'
+  builder = text_files_builder(data_config, warn=False, renders=renders)
+  with _quiet_tfds():
+    prepared = builder.is_prepared()
+  if prepared:
+    return (builder.info.metadata or {}).get('content', '')
+  return builder.builder_config.content
 
 
 def _check_validation_fraction(fraction: float) -> None:
@@ -340,19 +387,39 @@ def _check_validation_fraction(fraction: float) -> None:
     raise ValueError(f'config.data.validation_fraction={fraction} must be in (0, 1)')
 
 
-def load(data_config) -> Corpus:
-  """Open config.data's corpus, preparing it first if needed."""
+def _prepare(builder: TextFiles, data_config) -> None:
+  """Prepares the corpus in config.data.data_dir: TFDS writes an incomplete-* directory and
+  renames it when whole. Another process that finished first wins (its copy is the same); a disk
+  that refuses the writes is a Fault naming the data dir."""
+  tfds.disable_progress_bar()
+  try:
+    with _quiet_tfds():
+      builder.download_and_prepare(file_format='array_record')
+  except Exception as e:  # OSError, or array_record's RuntimeError of a refused write
+    with _quiet_tfds():
+      if isinstance(e, FileExistsError) and builder.is_prepared():
+        return  # prepared by another run meanwhile
+    fault = faults.on_disk(e, where=f'config.data.data_dir: preparing {builder.name} in '
+                                    f'{data_dir(data_config)}')
+    if fault is None:
+      raise
+    raise faults.Fault(f'{fault}; nothing was prepared, and the next run prepares it afresh'
+                       ) from None
+
+
+def load(data_config, renders=None) -> Corpus:
+  """Open config.data's corpus, preparing it first if needed (chat records checked with
+  `renders`: text_files_builder)."""
   if data_config.name:
     builder = _named_builder(data_config)
     splits = (data_config.train_split, data_config.eval_split)
     text_key = data_config.text_key
   else:
-    builder = text_files_builder(data_config)
+    builder = text_files_builder(data_config, renders=renders)
     with _quiet_tfds():
       prepared = builder.is_prepared()
     if not prepared:
-      tfds.disable_progress_bar()
-      builder.download_and_prepare(file_format='array_record')
+      _prepare(builder, data_config)
     splits, text_key = ('train', 'validation'), 'text'
   for field, split in zip(('train_split', 'eval_split'), splits):
     if split not in builder.info.splits:

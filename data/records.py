@@ -87,6 +87,8 @@ def _messages(record: dict, field: str) -> list[dict]:
     out.append({'role': m['role'], 'content': m['content']})
   if not any(m['role'] == 'assistant' for m in out):
     raise BadRecord(f'field {field!r} has no assistant message to train on')
+  if not any(m['content'].strip() for m in out if m['role'] == 'assistant'):
+    raise BadRecord(f'field {field!r}: every assistant message is blank, nothing to train on')
   return out
 
 
@@ -149,9 +151,10 @@ class Skipped:
     return f'{self.path}: skipped {self.count} of {self.total} records ({self.first})'
 
 
-def read(path: pathlib.Path, fields: Fields):
+def read(path: pathlib.Path, fields: Fields, renders=None):
   """Yields (number, stored document) of a file's good records; the last thing it yields is its
-  Skipped (count 0 when none was bad)."""
+  Skipped (count 0 when none was bad). `renders(stored)` (data/chat.py: Renders), if given, must
+  pass too: a conversation its chat template refuses is a bad record."""
   bad, first, total = 0, '', 0
   where = 'row' if path.name.endswith('.parquet') else 'line'
   for number, record in _raw(path):
@@ -160,6 +163,8 @@ def read(path: pathlib.Path, fields: Fields):
       if isinstance(record, BadRecord):
         raise record
       document = stored(record, fields)
+      if renders is not None:
+        renders(document)
     except BadRecord as e:
       bad += 1
       first = first or f'{where} {number}: {e}'

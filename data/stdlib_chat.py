@@ -6,8 +6,9 @@ their docstrings, as JSON Lines of `{"messages": [{"role", "content"}, …]}`.
 Each public function or method with a docstring gives one conversation: the user asks what
 `module.name(arguments)` does, the assistant answers with the docstring's first paragraph; every
 fourth has a system prompt. The functions come in sorted order of their files, so the file is
-the same on every machine with the same Python. It is written beside --output and renamed when
-whole.
+the same on every machine with the same Python. It is written beside --output and linked into
+place when whole, never over another file: one already there with the same records is left as it
+is, one with others is refused.
 """
 
 import ast
@@ -71,7 +72,13 @@ def write(output: pathlib.Path, limit: int) -> int:
         f.write(json.dumps({'messages': messages}, ensure_ascii=False) + '\n')
         if count == limit:
           break
-    os.replace(partial, output)
+    try:
+      os.link(partial, output)  # never over an existing file (a run may be reading it)
+    except FileExistsError:
+      if output.read_bytes() != partial.read_bytes():
+        raise ValueError(f'--output={output} exists and holds other records; it is never '
+                         'written over: give a new --output') from None
+    partial.unlink()
   except BaseException:
     partial.unlink(missing_ok=True)
     raise

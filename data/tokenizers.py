@@ -62,14 +62,14 @@ class _FromFile:
   def __init__(self, path: str):
     self.path = str(path)
     self._load()
+    self.fingerprint = self._fingerprint()
 
   def _load(self):
     raise NotImplementedError
 
-  @property
-  def fingerprint(self) -> str:
-    """A hash of the model file and the files beside it that it reads: prepared token ids
-    (data/tokens.py) are kept under it, so another tokenizer never reads them."""
+  def _fingerprint(self) -> str:
+    """A hash of the model file and the files beside it that it reads, as loaded: prepared token
+    ids (data/tokens.py) are kept under it, so another tokenizer never reads them."""
     h = hashlib.sha256(self.name.encode())
     for path in (pathlib.Path(self.path), *(pathlib.Path(self.path).with_name(f)
                                             for f in self.files)):
@@ -80,8 +80,7 @@ class _FromFile:
     return {'path': self.path}
 
   def __setstate__(self, state):
-    self.path = state['path']
-    self._load()
+    self.__init__(state['path'])
 
 
 class SentencePieceTokenizer(_FromFile):
@@ -263,20 +262,43 @@ def load(data_config) -> Tokenizer:
 KEPT = 'tokenizer'  # a run's copy of its tokenizer's files, in its workdir
 
 
-def keep(tokenizer: Tokenizer, workdir: pathlib.Path) -> str | None:
-  """Copies the tokenizer's files into workdir/tokenizer/ once (into a partial directory renamed
-  when whole), so sample.py and export.py find them after the originals move. Returns a warning
-  when the copy there is of another tokenizer: it is left as it is."""
-  if not isinstance(tokenizer, _FromFile):
+def kept_model(workdir: pathlib.Path, data_config) -> str | None:
+  """The run's own copy of config.data.tokenizer_model in its workdir, if it has one."""
+  if data_config.tokenizer == 'byte' or not data_config.tokenizer_model:
     return None
-  kept, name = workdir / KEPT, pathlib.Path(tokenizer.path).name
+  copy = pathlib.Path(workdir).expanduser() / KEPT / pathlib.Path(data_config.tokenizer_model).name
+  return str(copy) if copy.is_file() else None
+
+
+def owned(data_config, workdir) -> Tokenizer:
+  """The tokenizer a run in `workdir` trains with: its own copy (workdir/tokenizer/, written by
+  `keep` when it started) once it has one, wherever the original went; else config.data's. An
+  original that is there but no longer the run's (replaced, retrained over) is refused, naming
+  both fingerprints: the run's embeddings are its own tokenizer's ids."""
+  kept = kept_model(workdir, data_config) if workdir else None
+  if kept is None:
+    return load(data_config)
+  mine = _MODEL_FILES[data_config.tokenizer][0](kept)
+  source = pathlib.Path(data_config.tokenizer_model).expanduser()
+  if source.is_file() and source.resolve() != pathlib.Path(kept).resolve():
+    theirs = load(data_config)
+    if theirs.fingerprint != mine.fingerprint:
+      raise ValueError(
+          f'config.data.tokenizer_model={str(source)!r} is {theirs.fingerprint} now, but the run '
+          f'in {workdir} trained with {mine.fingerprint}, kept in {pathlib.Path(kept).parent}: '
+          'it keeps its own. Put the original back, or train the new tokenizer in another '
+          '--config.workdir')
+  return mine
+
+
+def keep(tokenizer: Tokenizer, workdir: pathlib.Path) -> None:
+  """Copies the tokenizer's files into workdir/tokenizer/ once (into a partial directory renamed
+  when whole), so a resumed run, sample.py and export.py read the run's own (`owned`)."""
+  if not isinstance(tokenizer, _FromFile):
+    return
+  kept = workdir / KEPT
   if kept.is_dir():
-    try:
-      same = type(tokenizer)(str(kept / name)).fingerprint == tokenizer.fingerprint
-    except (ValueError, OSError):
-      same = False
-    return None if same else (f'{kept} holds another tokenizer than {tokenizer.path}; it is kept '
-                              'as it is, and sample.py and export.py read it')
+    return
   partial = workdir / f'{KEPT}.partial-{uuid.uuid4().hex[:8]}'
   partial.mkdir()
   try:
@@ -288,15 +310,6 @@ def keep(tokenizer: Tokenizer, workdir: pathlib.Path) -> str | None:
   except BaseException:
     shutil.rmtree(partial, ignore_errors=True)
     raise
-  return None
-
-
-def kept_model(workdir: pathlib.Path, data_config) -> str | None:
-  """The run's own copy of config.data.tokenizer_model in its workdir, if it has one."""
-  if data_config.tokenizer == 'byte' or not data_config.tokenizer_model:
-    return None
-  copy = workdir / KEPT / pathlib.Path(data_config.tokenizer_model).name
-  return str(copy) if copy.is_file() else None
 
 
 def padded_vocab_size(n: int) -> int:
@@ -309,6 +322,12 @@ def with_vocab_size(config, tokenizer: Tokenizer):
   config = config.copy_and_resolve_references()  # the caller's config stays as given
   if config.model.vocab_size == 0:
     config.model.vocab_size = padded_vocab_size(tokenizer.vocab_size)
+  elif config.model.vocab_size < tokenizer.vocab_size and config.init_from not in ('', 'random'):
+    raise ValueError(f'config.init_from={config.init_from}: its model has a vocabulary of '
+                     f'{config.model.vocab_size}, fewer than the {tokenizer.vocab_size} tokens '
+                     f'of the {tokenizer.name} tokenizer config.data names; use the tokenizer '
+                     'it was trained with (leave config.data.tokenizer at its default to take '
+                     'its own)')
   elif config.model.vocab_size < tokenizer.vocab_size:
     raise ValueError(f'config.model.vocab_size={config.model.vocab_size} is smaller than the '
                      f'{tokenizer.name} tokenizer\'s {tokenizer.vocab_size} tokens; set it to 0 '

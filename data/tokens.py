@@ -37,17 +37,19 @@ MODES = ('auto', 'once', 'on_the_fly')
 BATCH = 256  # documents encoded at once while preparing
 
 
-def check(data_config) -> None:
-  """The data settings' own checks, reading no file."""
+def check(data_config, workdir=None) -> None:
+  """The data settings' own checks (of a run in `workdir`: chat.check)."""
   if data_config.tokenize not in MODES:
     raise ValueError(f'config.data.tokenize={data_config.tokenize!r} is not one of {MODES}')
   records.check(data_config)
-  chat.check(data_config)
+  chat.check(data_config, workdir)
 
 
-def encoder(corpus, tokenizer, data_config) -> Encoder:
-  """How the corpus's stored documents become token arrays."""
-  return Encoder(tokenizer, corpus.record, data_config.chat_template, data_config.train_on)
+def encoder(corpus, tokenizer, data_config, workdir=None) -> Encoder:
+  """How the corpus's stored documents become token arrays (with the chat template of the run in
+  `workdir`, chat.owned_template)."""
+  return Encoder(tokenizer, corpus.record, data_config.chat_template, data_config.train_on,
+                 workdir)
 
 
 @dataclasses.dataclass
@@ -178,10 +180,10 @@ def prepare(corpus, tokenizer, data_dir: str, encode: Encoder | None = None) -> 
   return final
 
 
-def load(corpus, tokenizer, data_config, data_dir: str) -> Documents:
+def load(corpus, tokenizer, data_config, data_dir: str, workdir=None) -> Documents:
   """The corpus's documents as config.data.tokenize says, preparing their ids if needed."""
-  check(data_config)
-  encode = encoder(corpus, tokenizer, data_config)
+  check(data_config, workdir)
+  encode = encoder(corpus, tokenizer, data_config, workdir)
   if data_config.tokenize == 'on_the_fly' or (data_config.tokenize == 'auto'
                                               and tokenizer.name == 'byte'):
     return Documents(OnTheFly(corpus.train, corpus.text_key, tokenizer, encode),

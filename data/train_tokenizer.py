@@ -35,7 +35,10 @@ def train(data_config, vocab_size: int, output: str, model_type: str = 'bpe',
   if vocab_size < 260:
     raise ValueError(f'--vocab_size={vocab_size} must be at least 260 (4 specials and 256 byte '
                      'pieces)')
-  writable_dir(str(pathlib.Path(output).expanduser().parent), '--output (its folder)')
+  prefix = pathlib.Path(output).expanduser()
+  _refuse_existing([prefix.with_name(f'{prefix.name}.model'),
+                    prefix.with_name(f'{prefix.name}.vocab')])
+  writable_dir(str(prefix.parent), '--output (its folder)')
   source = corpus_lib.load(data_config)
 
   def lines():
@@ -52,6 +55,15 @@ def train(data_config, vocab_size: int, output: str, model_type: str = 'bpe',
       shuffle_input_sentence=True, max_sentence_length=1 << 16, minloglevel=2,
       num_threads=4)
   return str(pathlib.Path(output).expanduser()) + '.model'
+
+
+def _refuse_existing(files) -> None:
+  """ValueError naming the first of `files` that exists: a tokenizer is never trained over
+  another, which a run (its embeddings, its prepared ids) may be using."""
+  for file in files:
+    if file.exists():
+      raise ValueError(f'--output: {file} exists, and a tokenizer is never written over another '
+                       '(a run trained on its ids keeps them); give a new --output')
 
 
 def train_hf(texts, vocab_size: int, directory, config: bool = True) -> str:
@@ -81,7 +93,9 @@ def train_hf_on_corpus(data_config, vocab_size: int, output: str) -> str:
   if vocab_size < 259:
     raise ValueError(f'--vocab_size={vocab_size} must be at least 259 (256 bytes and 3 '
                      'special tokens)')
-  writable_dir(str(pathlib.Path(output).expanduser().parent), '--output (its folder)')
+  directory = pathlib.Path(output).expanduser()
+  _refuse_existing([directory / 'tokenizer.json', directory / 'tokenizer_config.json'])
+  writable_dir(str(directory.parent), '--output (its folder)')
   source = corpus_lib.load(data_config)
   texts = (source.train[i][source.text_key].decode('utf-8') for i in range(len(source.train)))
   return train_hf(texts, vocab_size, output)

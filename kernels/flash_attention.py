@@ -37,12 +37,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30  # a finite "minus infinity": exp(NEG - NEG) never makes a NaN
+# fp32 operands take twice bf16's shared memory and registers a tile, head dim → tiles by the same
+# rule (benchmarks/results/kernel_resources_sweep_fp32-h100-deviceless.json: 64's; every tile
+# of that sweep spills at 128 and 256, so theirs are the largest of the smaller ones compiled,
+# kernel_resources_fp32_h{128,256}-h100-deviceless.json).
+FLOAT32_BLOCKS = {64: (128, 64, 8, 2), 128: (64, 16, 8, 1), 256: (16, 16, 8, 1)}
 
 
-def default_blocks(head_dim: int) -> tuple[int, int, int, int]:
-  """(block_q, block_k, num_warps, num_stages) for head_dim: the largest tiles with which none of
-  the three kernels spills registers on Hopper (benchmarks/kernel_resources.py shows how they
-  were chosen). num_warps and num_stages are Triton's; interpret mode uses only the tiles."""
+def default_blocks(head_dim: int, dtype='bfloat16') -> tuple[int, int, int, int]:
+  """(block_q, block_k, num_warps, num_stages) for head_dim and q, k, v's dtype: the largest
+  tiles with which none of the three kernels spills registers or passes the shared memory of
+  Hopper (benchmarks/kernel_resources.py --sweep shows how they were chosen). num_warps and
+  num_stages are Triton's; interpret mode uses only the tiles."""
+  if jnp.dtype(dtype).itemsize > 2:
+    return FLOAT32_BLOCKS[min((h for h in FLOAT32_BLOCKS if h >= head_dim), default=256)]
   if head_dim <= 64:
     return 128, 128, 8, 3
   if head_dim <= 128:
@@ -342,7 +350,7 @@ def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset
              block_q, block_k, num_warps, num_stages, interpret, out_dtype=None):
   """Checks, defaults, padding to whole blocks: (q, k, v, q_seg, kv_seg, q_pos, static)."""
   B, L, N, H = q_BLNH.shape
-  defaults = default_blocks(H)
+  defaults = default_blocks(H, q_BLNH.dtype)
   block_q, block_k = block_q or defaults[0], block_k or defaults[1]
   num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]

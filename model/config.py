@@ -139,6 +139,15 @@ class ModelConfig:
     if self.matmul_precision == 'fp8':
       raise ValueError("config.model.lora_rank > 0 keeps the base in the compute dtype; use "
                        "--config.model.matmul_precision=default with it")
+    attention, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+    sides = {'q': (self.d_model, attention), 'k': (self.d_model, kv), 'v': (self.d_model, kv),
+             'o': (attention, self.d_model), 'gate': (self.d_model, self.d_ff),
+             'up': (self.d_model, self.d_ff), 'down': (self.d_ff, self.d_model)}
+    target, width = min(((t, min(sides[t])) for t in self.lora_target_names), key=lambda x: x[1])
+    if self.lora_rank > width:
+      raise ValueError(f'config.model.lora_rank={self.lora_rank} is more than the {width} a '
+                       f'side of the {target!r} projection it adapts: an adapter of higher rank '
+                       f'holds nothing a rank-{width} one does not; give at most {width}')
 
   def _check_draft(self):
     if self.draft_heads < 0:
@@ -197,6 +206,11 @@ class ModelConfig:
     if missing := known - set(fields):
       raise ValueError(f'config.model lacks fields {sorted(missing)}; add them to configs/base.py')
     return cls(**fields)
+
+  def dropless(self) -> 'ModelConfig':
+    """This model with every token routed (no capacity or buffer drops): what sampling and
+    evaluation compute, so no token's output depends on the others in its batch."""
+    return dataclasses.replace(self, capacity_factor=0.0, expert_buffer=0.0)
 
   @property
   def expert_width(self) -> int:

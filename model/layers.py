@@ -54,6 +54,15 @@ class Draft(nnx.Param):
 ADDED = (LoRA, Draft)  # parameters a base model's checkpoint does not hold: they start afresh
 
 
+def is_added(name: str) -> bool:
+  """Whether a checkpoint's array 'params.blocks.attn.wq_lora.a.value' is of an adapter or a draft
+  head (the modules `adapter` and model/draft.py add), by its name alone: what a run started from
+  another's base leaves out of that run's checkpoint."""
+  parts = name.split('.')
+  parts = parts[1:] if parts[0] in ('params', 'opt_state') else parts
+  return parts[0] == 'draft' or any(part.endswith('_lora') for part in parts)
+
+
 class Adapter(nnx.Module):
   """LoRA on a projection W[in…, out…]: A[in…, lora] drawn as PEFT draws it (uniform within
   ±1/√fan_in), B[lora, out…] zero, so the adapted model starts as the base; the projection gains

@@ -217,9 +217,9 @@ FLASH_KERNELS = ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_d
 
 
 def flash_attention_kernels(device, head_dim: int, segments: bool, tiles, heads=(32, 8),
-                            seq_len=4096) -> dict:
+                            seq_len=4096, dtype='bfloat16') -> dict:
   """{'kernels': {name: Kernel fields}} of our flash attention's three kernels in one causal
-  fwd+bwd call (bf16, B = 1, L = S = seq_len, heads = (query, kv)) compiled for `device`, with
+  fwd+bwd call (`dtype`, B = 1, L = S = seq_len, heads = (query, kv)) compiled for `device`, with
   tiles (block_q, block_k, num_warps, num_stages); or {'error': the compiler's message} when it
   refuses them."""
   import jax
@@ -227,8 +227,8 @@ def flash_attention_kernels(device, head_dim: int, segments: bool, tiles, heads=
   from kernels.flash_attention import flash_attention
   (N, K), L = heads, seq_len
   place = jax.sharding.SingleDeviceSharding(device)
-  q = jax.ShapeDtypeStruct((1, L, N, head_dim), jnp.bfloat16, sharding=place)
-  kv = jax.ShapeDtypeStruct((1, L, K, head_dim), jnp.bfloat16, sharding=place)
+  q = jax.ShapeDtypeStruct((1, L, N, head_dim), jnp.dtype(dtype), sharding=place)
+  kv = jax.ShapeDtypeStruct((1, L, K, head_dim), jnp.dtype(dtype), sharding=place)
   seg = jax.ShapeDtypeStruct((1, L), jnp.int32, sharding=place)
   block_q, block_k, num_warps, num_stages = tiles
 

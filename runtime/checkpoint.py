@@ -33,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from configs import base, effects
 from runtime import faults
 
 
@@ -140,10 +141,11 @@ def _arrays(tree) -> dict[str, tuple]:
 
 
 def _differences(saved: dict, wanted: dict) -> list[str]:
-  """What differs, parameters first (the optimizer state mirrors them)."""
+  """What differs, parameters first (the optimizer state mirrors them). Values are (shape,
+  dtype), or (shape,) where dtypes are not compared."""
   wanted = dict(sorted(wanted.items(), key=lambda item: not item[0].startswith('params.')))
-  lines = [f'{name} is {saved[name][0]} {saved[name][1]} there but {want[0]} {want[1]} here'
-           for name, want in wanted.items() if name in saved and saved[name] != want]
+  lines = [f'{name} is {" ".join(map(str, saved[name]))} there but {" ".join(map(str, want))} '
+           'here' for name, want in wanted.items() if name in saved and saved[name] != want]
   lines += [f'{name} is missing there' for name in wanted if name not in saved]
   lines += [f'{name} is there but not here' for name in saved if name not in wanted]
   return lines
@@ -218,10 +220,12 @@ class Checkpointer:
       return {}
 
   def check(self, abstract_tree, step: int, *, setting: str, model_config,
-            any_dtype: bool = False) -> bool:
+            any_dtype: bool = True, unwanted=lambda name: False) -> bool:
     """Whether checkpoint `step` reads; CheckpointMismatch if it holds other arrays than
     `abstract_tree` (a TrainState, or a subtree such as {'params': ...}): other shapes, or with
-    `any_dtype` False other dtypes."""
+    `any_dtype` False other dtypes (restoring casts them otherwise). Saved arrays that
+    `unwanted(name)` says this run leaves out (a run's adapters or draft heads, for another run
+    started from its base) are not compared."""
     if not (self.directory / str(step) / 'state' / '_METADATA').is_file():
       return False  # without it orbax guesses a partial tree, which would look like another model
     try:
@@ -231,6 +235,7 @@ class Checkpointer:
     wanted = _arrays(abstract_tree)
     if isinstance(abstract_tree, dict):  # a subtree: the rest of the checkpoint is not wanted
       saved = {k: v for k, v in saved.items() if k.split('.')[0] in abstract_tree}
+    saved = {k: v for k, v in saved.items() if k in wanted or not unwanted(k)}
     if any_dtype:
       saved, wanted = ({k: v[:1] for k, v in arrays.items()} for arrays in (saved, wanted))
     differences = _differences(saved, wanted)
@@ -264,7 +269,9 @@ class Checkpointer:
       # Each process read its own shards. Only if all did are the checksums computed: a
       # collective, which every process must run or none.
       if _agree(error is None) and not (error := self._verify(step, restored.state)):
-        return step, restored.state, restored.data  # the checksums are global: all agree
+        # the checksums are global, so all agree; then the dtypes this run computes in (a
+        # resumed run may change model.param_dtype, or under LoRA compute_dtype, the base's)
+        return step, _cast(restored.state, abstract_state), restored.data
       where = ('left in place (read only)' if self.read_only else
                f'moved to {self._set_aside(step)}')
       warnings.warn(f'checkpoint {self.directory / str(step)} is damaged '
@@ -281,7 +288,7 @@ class Checkpointer:
   def check_fresh_start(self) -> None:
     """A Fault if no checkpoint is left but damaged ones were set aside: a run from step 0 here
     would replace the metrics of the steps they reached."""
-    if self.read_only or self.steps() or not self.aside.is_dir():
+    if self.steps() or not self.aside.is_dir():
       return
     if damaged := sorted(p.name for p in self.aside.iterdir()):
       raise faults.Fault(
@@ -307,10 +314,21 @@ class Checkpointer:
     return self._own_reader
 
   def _restore(self, step: int, abstract_state):
+    """The state as saved (its checksums are of those arrays) into `abstract_state`'s shardings,
+    and the data state."""
+    as_saved = self.as_saved(step, abstract_state)
     return self._reader().restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
-            abstract_state, ocp.checkpoint_utils.construct_restore_args(abstract_state)),
+            as_saved, ocp.checkpoint_utils.construct_restore_args(as_saved)),
         data=ocp.args.JsonRestore()))
+
+  def as_saved(self, step: int, abstract_tree):
+    """`abstract_tree` with the dtypes checkpoint `step` saved its arrays in."""
+    saved = _arrays(self.manager.item_metadata(step)['state'])
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: jax.ShapeDtypeStruct(
+            a.shape, saved[jax.tree_util.keystr(path, simple=True, separator='.')][1],
+            sharding=a.sharding), abstract_tree)
 
   def _verify(self, step: int, tree) -> str | None:
     """None if `tree` (a state, or a part of one such as {'params': ...}) has the checksums saved
@@ -369,34 +387,42 @@ def close_all() -> None:
       pass
 
 
-# What a resumed run must keep, checked against the config saved with its checkpoint: the data
-# stream (the iterator's saved state counts batch rows and offsets into documents) and the
-# model's function (its shapes are checked from the checkpoint's metadata). Everything else may
-# change on resume: steps, cadences, mesh and its partition, remat, attention implementation,
-# compute and gradient reduction dtypes, microbatches, workers, and the optimizer's settings,
-# which apply from the resumed step on.
-KEPT_ON_RESUME = ('seed', 'batch_size', 'seq_len', 'data.paths', 'data.name', 'data.text_key',
-                  'data.train_split', 'data.validation_fraction', 'data.tokenizer',
-                  'data.tokenizer_model', 'data.record', 'data.prompt_field',
-                  'data.completion_field', 'data.messages_field', 'data.chat_template',
-                  'data.train_on', 'model.rope_theta', 'model.rope_type',
-                  'model.rope_factor', 'model.rope_low_freq_factor', 'model.rope_high_freq_factor',
-                  'model.rope_original_length', 'model.norm_eps')
+TRAINED_ON = {  # what a run trains with beyond its settings: what it was, where it comes from
+    'tokenizer': ('tokenizer', 'config.data.tokenizer_model'),
+    'chat_template': ('chat template', 'config.data.chat_template'),
+    'corpus': ('corpus (a hash of its documents)', 'config.data.paths'),
+}
 
 
-def check_resume(saved_config: dict, config, checkpoint: pathlib.Path) -> None:
-  """ValueError naming the first setting of KEPT_ON_RESUME that differs from the saved config."""
-  for field in KEPT_ON_RESUME:
-    saved, here = saved_config, config
-    for key in field.split('.'):
-      saved = saved.get(key) if isinstance(saved, dict) else None
-      here = here[key]
-    if saved is not None and saved != here:
+def check_resume(saved_config: dict, config, checkpoint: pathlib.Path,
+                 trained_on: dict | None = None) -> None:
+  """ValueError naming the settings a resumed run keeps (configs/effects.py: KEPT_ON_RESUME, the
+  kinds configs/base.py declares them) that differ from the config `checkpoint` was saved with;
+  or, of `trained_on` (TRAINED_ON's: what the run reads now), what differs from what it read."""
+  changed = effects.changed(saved_config, config, effects.KEPT_ON_RESUME)
+  if changed:  # a setting first: the change the user made, named
+    _refuse_changed(changed, checkpoint)
+  saved_files = saved_config.get('trained_on') or {}
+  for key, now in (trained_on or {}).items():
+    if saved_files.get(key) and now != saved_files[key]:  # '': not known then
+      what, setting = TRAINED_ON[key]
       raise ValueError(
-          f'config.{field}={here!r}, but checkpoint {checkpoint} was trained with {saved!r}; a '
-          'resumed run keeps its data stream and model (runtime/checkpoint.py: KEPT_ON_RESUME). '
-          f'Set it back, or start another run with another --config.workdir (and '
-          f'--config.init_from={checkpoint.parent.parent} to start from its parameters)')
+          f'{setting}: the {what} is {now or "unknown"} now, but checkpoint {checkpoint} was '
+          f'trained on {saved_files[key]}; a resumed run reads on where its data stream stopped, '
+          'which only the same continues. Put the files back as they were, or start another run '
+          f'with another --config.workdir (and --config.init_from={checkpoint.parent.parent})')
+
+
+def _refuse_changed(changed, checkpoint: pathlib.Path):
+  kinds = sorted({base.EFFECTS[field] for field, _, _ in changed})
+  named = '; '.join(f'config.{field}={now!r}, but checkpoint {checkpoint} was trained with '
+                    f'{before!r}' if i == 0 else f'config.{field}={now!r} (was {before!r})'
+                    for i, (field, before, now) in enumerate(changed[:3]))
+  more = f' (and {len(changed) - 3} more)' if len(changed) > 3 else ''
+  raise ValueError(
+      f'{named}{more}; a resumed run keeps its {" and ".join(kinds)} settings (configs/base.py: '
+      'EFFECTS). Set it back, or start another run with another --config.workdir (and '
+      f'--config.init_from={checkpoint.parent.parent} to start from its parameters)')
 
 
 def saved_steps(workdir: str) -> list[int]:
@@ -428,23 +454,37 @@ def step_directory(path: str, setting: str = 'config.init_from',
                    'checkpoints/ dir, or one checkpoints/<step> dir')
 
 
-def _init_from(path: str, abstract_params, model_config, setting: str = 'config.init_from'):
-  """The read-only Checkpointer, step and wanted tree of `setting` (config.init_from), checked."""
+def saved_run(path: str, setting: str = 'config.init_from') -> tuple[dict, pathlib.Path]:
+  """(the config the checkpoint at `path` (step_directory's) was saved with, {} if it does not
+  read; its run's workdir)."""
+  directory, step = step_directory(path, setting)
+  checkpointer = Checkpointer(directory, read_only=True)
+  try:
+    return checkpointer.saved_config(step), directory.parent
+  finally:
+    checkpointer.close()
+
+
+def _init_from(path: str, abstract_params, model_config, setting: str = 'config.init_from',
+               unwanted=lambda name: False):
+  """The read-only Checkpointer, step and wanted tree of `setting` (config.init_from), checked
+  (`unwanted`: Checkpointer.check's)."""
   directory, step = step_directory(path, setting)
   checkpointer, wanted = Checkpointer(directory, read_only=True), {'params': abstract_params}
   if not checkpointer.check(wanted, step, setting=setting, model_config=model_config,
-                            any_dtype=True):
+                            unwanted=unwanted):
     checkpointer.close()
     raise ValueError(f'{setting}: checkpoint {directory / str(step)} is damaged (its metadata '
                      f'does not read); it is left as it is. {_others(checkpointer, step)}')
   # Read as saved (the checksums are of those arrays), cast after: a run may start from
   # another's parameters in another dtype (LoRA's base is frozen in the compute dtype).
-  saved = _arrays(checkpointer.manager.item_metadata(step)['state'])
-  as_saved = jax.tree_util.tree_map_with_path(
-      lambda path, a: jax.ShapeDtypeStruct(
-          a.shape, saved[jax.tree_util.keystr(path, simple=True, separator='.')][1],
-          sharding=a.sharding), wanted)
-  return checkpointer, step, as_saved
+  return checkpointer, step, checkpointer.as_saved(step, wanted)
+
+
+def _cast(tree, abstract_tree):
+  """`tree`'s arrays in `abstract_tree`'s dtypes (in place where they already are)."""
+  return jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), tree,
+                      abstract_tree)
 
 
 def _others(checkpointer: Checkpointer, step: int) -> str:
@@ -453,17 +493,18 @@ def _others(checkpointer: Checkpointer, step: int) -> str:
           if others else 'The run has no other checkpoint')
 
 
-def check_init_from(path: str, abstract_params, model_config) -> None:
+def check_init_from(path: str, abstract_params, model_config, unwanted=lambda name: False) -> None:
   """CheckpointMismatch (or ValueError) unless `path` holds parameters of this model."""
-  _init_from(path, abstract_params, model_config)[0].close()
+  _init_from(path, abstract_params, model_config, unwanted=unwanted)[0].close()
 
 
-def restore_params(path: str, abstract_params, model_config, setting: str = 'config.init_from'):
+def restore_params(path: str, abstract_params, model_config, setting: str = 'config.init_from',
+                   unwanted=lambda name: False):
   """The parameters alone of the checkpoint at `path` (see step_directory), into the shardings
   of `abstract_params`, and the step directory they came from: a new run's starting point, with
   a fresh optimizer and step 0, or what sample.py and export.py read. Parameters that differ from
   the checksums saved with them are refused, `setting` named, the checkpoint left as it is."""
-  checkpointer, step, wanted = _init_from(path, abstract_params, model_config, setting)
+  checkpointer, step, wanted = _init_from(path, abstract_params, model_config, setting, unwanted)
   try:
     try:
       restored = checkpointer._reader().restore(step, args=ocp.args.Composite(
@@ -479,8 +520,7 @@ def restore_params(path: str, abstract_params, model_config, setting: str = 'con
     if error:
       raise ValueError(f'{setting}: checkpoint {checkpointer.directory / str(step)} is damaged '
                        f'({error}); it is left as it is. {_others(checkpointer, step)}')
-    params = jax.tree.map(lambda x, a: x.astype(a.dtype), restored.state['params'],
-                          abstract_params)
+    params = _cast(restored.state['params'], abstract_params)
     return params, checkpointer.directory / str(step)
   finally:
     checkpointer.close()

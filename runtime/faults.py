@@ -40,6 +40,8 @@ def on_disk(error: BaseException, where: str | None = None) -> Fault | None:
     code = error.errno if isinstance(error, OSError) else None
     if found := re.search(r"os_error_code='(\d+)'|os error (\d+)", str(error)):
       code = int(found.group(1) or found.group(2))  # tensorstore's, safetensors'
+    elif code is None and (named := [c for c in DISK_FIXES if os.strerror(c) in str(error)]):
+      code = named[0]  # array_record's: the C library's words, without the number
     if code in DISK_FIXES:
       filename = getattr(error, 'filename', None)
       where = where or (f'writing {filename}' if filename else 'writing')

@@ -16,11 +16,13 @@ moved into place whole.
 import contextlib
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
 import pathlib
 import shutil
+import socket
 import tempfile
 
 import jax
@@ -226,7 +228,14 @@ def with_model_settings(config, defaults):
           'its config.json; drop the setting (the checkpoint decides it) or start from another '
           'checkpoint')
     config.model[field] = value
-  if config.data.tokenizer == 'byte' and (path / 'tokenizer.json').is_file():
+  if config.data.tokenizer == 'byte':
+    if not (path / 'tokenizer.json').is_file():
+      # Its embeddings were trained on its own tokenizer's ids: never on bytes, in silence.
+      raise ValueError(
+          f"{SETTING}={config.init_from}: {path} has no tokenizer.json, and config.data.tokenizer="
+          "'byte' would feed its embeddings byte ids; write one beside it (transformers: "
+          f"AutoTokenizer.from_pretrained('{path}').save_pretrained('{path}')), or name its "
+          'tokenizer: --config.data.tokenizer=hf --config.data.tokenizer_model=…/tokenizer.json')
     config.data.tokenizer, config.data.tokenizer_model = 'hf', str(path / 'tokenizer.json')
   return config
 
@@ -387,8 +396,9 @@ def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
       'num_attention_heads': cfg.n_heads, 'num_key_value_heads': cfg.n_kv_heads,
       'head_dim': cfg.head_dim, 'hidden_act': 'silu', 'rms_norm_eps': cfg.norm_eps,
       'rope_theta': cfg.rope_theta, 'rope_scaling': rope_scaling,
-      'max_position_embeddings': cfg.max_position_embeddings or max(
-          seq_len, int(cfg.rope_original_length * cfg.rope_factor) if rope_scaling else seq_len),
+      # the context it was trained for: an imported model's, or longer if fine-tuned past it
+      'max_position_embeddings': max(seq_len, cfg.max_position_embeddings or (
+          int(cfg.rope_original_length * cfg.rope_factor) if rope_scaling else seq_len)),
       'tie_word_embeddings': cfg.tie_embeddings, 'attention_bias': False, 'mlp_bias': False,
       'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id,
       'pad_token_id': tokenizer.pad_id, 'torch_dtype': dtype, 'dtype': dtype,
@@ -429,17 +439,18 @@ def _shards(tensors: list, max_bytes: int) -> list[list]:
 
 
 def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype: str,
-           max_shard_bytes: int, log=print) -> None:
+           max_shard_bytes: int, chat_template: str | None = None, log=print) -> None:
   """Writes `params` (meshlm's, as arrays) as a checkpoint transformers loads: config.json,
   safetensors in HF's names and layout, in `dtype` (sharded with an index above max_shard_bytes),
-  and the tokenizer's files where it has a HF form. Built in a directory beside `output` and
-  renamed to it at the end, so a failed export leaves no half checkpoint."""
+  and the tokenizer's files where it has a HF form, with the run's `chat_template` (save_tokenizer).
+  Built in a directory beside `output` and renamed to it at the end, so a failed export leaves no
+  half checkpoint."""
   check_exportable(cfg)
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
   tensors = []  # (position, HF name, bytes, read): embed_tokens, each layer's, norm and head
   for _, leaf, layout, lead in _parameters(params, cfg):
-    def read(leaf=leaf, layout=layout, at=()):  # one layer (at) at a time: host memory
-      return np.ascontiguousarray(layout.to_hf(np.asarray(leaf[at])).astype(np_dtype))
+    def read(leaf=leaf, layout=layout, at=(), name=layout.name):  # a layer (at) at a time
+      return np.ascontiguousarray(cast(layout.to_hf(np.asarray(leaf[at])), np_dtype, name))
 
     nbytes = math.prod(leaf.shape[lead:]) * np_dtype.itemsize
     if not lead:
@@ -448,7 +459,7 @@ def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype:
       continue
     for i, name in enumerate(_hf_names(layout, leaf, lead)):
       at = tuple(map(int, np.unravel_index(i, leaf.shape[:lead])))
-      tensors.append((i, name, nbytes, functools.partial(read, at=at)))
+      tensors.append((i, name, nbytes, functools.partial(read, at=at, name=name)))
   tensors = [t[1:] for t in sorted(tensors, key=lambda t: t[0])]  # stable: tree order within
   shards = _shards(tensors, max_shard_bytes)
 
@@ -467,11 +478,38 @@ def export(params, cfg, tokenizer, seq_len: int, output: pathlib.Path, *, dtype:
           indent=2) + '\n')
     (partial / 'config.json').write_text(
         json.dumps(hf_config(cfg, tokenizer, seq_len, dtype), indent=2) + '\n')
-    if hasattr(tokenizer, 'save_hf'):
-      tokenizer.save_hf(partial)
-    else:
-      log(f'the {tokenizer.name} tokenizer has no Hugging Face form here: pass its model file '
-          'along with the checkpoint')
+    save_tokenizer(tokenizer, partial, chat_template, log)
+
+
+def save_tokenizer(tokenizer, directory: pathlib.Path, chat_template: str | None = None,
+                   log=print) -> None:
+  """The tokenizer's files where it has a HF form, carrying `chat_template` (the one a run
+  rendered its records with) as transformers reads it: in tokenizer_config.json and as
+  chat_template.jinja, which transformers prefers, so apply_chat_template formats prompts as
+  the run was trained."""
+  if not hasattr(tokenizer, 'save_hf'):
+    log(f'the {tokenizer.name} tokenizer has no Hugging Face form here: pass its model file '
+        'along with the checkpoint')
+    return
+  tokenizer.save_hf(directory)
+  if chat_template is not None:
+    config = directory / 'tokenizer_config.json'
+    settings = json.loads(config.read_text()) if config.is_file() else {}
+    config.write_text(json.dumps({**settings, 'chat_template': chat_template}, indent=2) + '\n')
+    (directory / 'chat_template.jinja').write_text(chat_template)
+
+
+def cast(x: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+  """`x` in `dtype`; ValueError naming the tensor if a value is past the dtype's range (float16's
+  65504): the cast would write inf where the model has a weight."""
+  with np.errstate(over='ignore'):  # found below, and named
+    out = x.astype(dtype)
+  if not np.all(np.isfinite(out)) and np.all(np.isfinite(x)):
+    largest = float(np.max(np.abs(x.astype(np.float64))))
+    raise ValueError(f'--dtype={dtype.name}: tensor {name} holds {largest:.6g}, past the largest '
+                     f'{dtype.name} ({float(np.finfo(dtype).max):.6g}), which would be written as '
+                     'inf; export in bfloat16 or float32')
+  return out
 
 
 @contextlib.contextmanager
@@ -480,7 +518,9 @@ def written_whole(output: pathlib.Path):
   ends, with the modes any file the user writes has; a failure removes it, and a full or
   read-only disk is a Fault naming --output. `output` is new or empty (check_output)."""
   output.parent.mkdir(parents=True, exist_ok=True)
-  partial = pathlib.Path(tempfile.mkdtemp(prefix=f'.{output.name}.partial-', dir=output.parent))
+  _clear_stale_partials(output)
+  partial = pathlib.Path(tempfile.mkdtemp(prefix=_partial_prefix(output) + f'{os.getpid()}-',
+                                          dir=output.parent))
   try:
     yield partial
     if output.exists():
@@ -498,8 +538,35 @@ def written_whole(output: pathlib.Path):
     raise
 
 
+def _partial_prefix(output: pathlib.Path) -> str:
+  return f'.{output.name}.partial-{socket.gethostname()}-'
+
+
+def _clear_stale_partials(output: pathlib.Path) -> None:
+  """Removes what an export to `output` killed on this host (SIGKILL, a lost node) left beside
+  it: partial directories whose process is gone. Never another host's: its process may live."""
+  prefix = _partial_prefix(output)
+  for partial in output.parent.glob(f'{glob.escape(prefix)}*'):
+    pid = partial.name[len(prefix):].split('-')[0]
+    if pid.isdigit() and not _alive(int(pid)):
+      shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's
+    return True
+  return True
+
+
 def check_output(output: pathlib.Path) -> None:
   """ValueError unless --output is new or an empty directory: an export never overwrites."""
+  if file := next((p for p in output.parents if p.exists() and not p.is_dir()), None):
+    raise ValueError(f'--output={output}: {file} is a file, not a directory; give a new '
+                     'directory to write the export into')
   if output.exists() and (not output.is_dir() or any(output.iterdir())):
     raise ValueError(f'--output={output} exists and is not an empty directory; an export never '
                      'overwrites: pick a new directory')

@@ -21,7 +21,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from runtime.huggingface import LAYER, TENSORS, written_whole
+from runtime.huggingface import LAYER, TENSORS, cast, save_tokenizer, written_whole
 
 SUFFIX = '_lora'  # an adapter's attribute: its weight's name and this (model/layers.py)
 MODULES = {'q': 'q_proj', 'k': 'k_proj', 'v': 'v_proj', 'o': 'o_proj', 'gate': 'gate_proj',
@@ -90,9 +90,9 @@ def tensors(params, cfg, dtype) -> dict[str, np.ndarray]:
       a_i, b_i = a[at], b[at]
       name = PREFIX + (LAYER.format(i) if lead else '') + module
       out[f'{name}.lora_A.weight'] = np.ascontiguousarray(
-          a_i.reshape(-1, a_i.shape[-1]).T.astype(dtype))
+          cast(a_i.reshape(-1, a_i.shape[-1]).T, np.dtype(dtype), f'{name}.lora_A.weight'))
       out[f'{name}.lora_B.weight'] = np.ascontiguousarray(
-          b_i.reshape(b_i.shape[0], -1).T.astype(dtype))
+          cast(b_i.reshape(b_i.shape[0], -1).T, np.dtype(dtype), f'{name}.lora_B.weight'))
   return out
 
 
@@ -109,17 +109,18 @@ def adapter_config(cfg, base_model: str) -> dict:
 
 
 def write(params, cfg, output: pathlib.Path, *, dtype: str, base_model: str,
-          tokenizer=None, log=print) -> None:
-  """adapter_config.json and adapter_model.safetensors (and the tokenizer's files) in `output`,
-  built beside it and renamed to it whole, as runtime.huggingface.export does."""
+          tokenizer=None, chat_template: str | None = None, log=print) -> None:
+  """adapter_config.json and adapter_model.safetensors (and the tokenizer's files, with the
+  run's chat template) in `output`, built beside it and renamed to it whole, as
+  runtime.huggingface.export does."""
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
   with written_whole(output) as partial:
     arrays = tensors(params, cfg, np_dtype)
     save_file(arrays, partial / 'adapter_model.safetensors', metadata={'format': 'pt'})
     (partial / 'adapter_config.json').write_text(
         json.dumps(adapter_config(cfg, base_model), indent=2) + '\n')
-    if hasattr(tokenizer, 'save_hf'):
-      tokenizer.save_hf(partial)
+    if tokenizer is not None:
+      save_tokenizer(tokenizer, partial, chat_template, log=lambda *_: None)
     log(f'wrote adapter_model.safetensors ({len(arrays)} tensors, '
         f'{sum(a.nbytes for a in arrays.values()) / 2**20:,.2f} MiB) and adapter_config.json '
         f'(r={cfg.lora_rank}, lora_alpha={cfg.lora_alpha}, base {base_model or "unnamed"})')

@@ -14,6 +14,8 @@ import pathlib
 import socket
 import time
 
+from runtime import faults
+
 LOCK_FILE = '.meshlm-lock'
 
 
@@ -32,13 +34,31 @@ def writable_dir(path: str, setting: str) -> pathlib.Path:
   return directory
 
 
-def prepare(workdir: str) -> pathlib.Path:
-  """Create the workdir and prove it is writable, before anything expensive happens. An empty one
-  is refused: it would be the current directory, and a run's files would land among the user's."""
+def check(workdir: str) -> None:
+  """An empty workdir is refused: it would be the current directory, and a run's files would
+  land among the user's."""
   if not workdir.strip():
     raise ValueError('config.workdir is empty; give the run a directory of its own for its '
                      'checkpoints and metrics, e.g. --config.workdir=/tmp/meshlm-run')
+
+
+def prepare(workdir: str) -> pathlib.Path:
+  """Create the workdir and prove it is writable, before anything expensive happens."""
+  check(workdir)
   return writable_dir(workdir, 'config.workdir')
+
+
+def write_whole(path: pathlib.Path, text: str) -> None:
+  """`text` into `path`, whole or not at all (a partial file renamed); a full or read-only disk is
+  a Fault naming the file."""
+  partial = path.with_name(f'.{path.name}.partial-{os.getpid()}')
+  try:
+    partial.write_text(text)
+    partial.replace(path)
+  except OSError as e:
+    partial.unlink(missing_ok=True)
+    raise faults.on_disk(e, where=f'config.workdir: writing {path}') or faults.Fault(
+        f'config.workdir: writing {path} failed ({e})') from None
 
 
 @contextlib.contextmanager

@@ -666,9 +666,550 @@ def _(p):
   return verdict if shown == list(range(1, 10)) else ('BAD', f'TensorBoard shows {shown}')
 
 
+# Round three (issue 48): what a run trains with is its own, compared by what each setting
+# declares it changes (configs/base.py: EFFECTS), and nothing is trained from nothing.
+
+CHATML = REPO / 'tests' / 'data' / 'hf-chat' / 'chatml'  # a tokenizer.json with a chat template
+LLAMA3_CHAT = REPO / 'tests' / 'data' / 'hf-chat' / 'llama3'
+
+
+def chat_corpus(p, n=40, answer=lambda i: f'{i + 2}.') -> pathlib.Path:
+  return chat_records(p, [json.dumps({'messages': [
+      {'role': 'user', 'content': f'Two and {i}?'},
+      {'role': 'assistant', 'content': answer(i)}]}) for i in range(n)])
+
+
+def chat_train(p, workdir, path, steps=6, *more):
+  return p.train(workdir, steps, f'--config.data.paths={path}', '--config.data.record=messages',
+                 '--config.data.validation_fraction=0.2', '--config.seq_len=64', *more)
+
+
+def trained_with(p, name, *args, steps=6):
+  """A run of `args` (6 steps, checkpoints at 3 and 6), trained once and copied per case."""
+  template = p.root / f'template-{name}'
+  if not template.exists():
+    result = p.run(*p.train(template, steps), *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+  copy = p.path(name)
+  shutil.copytree(template, copy)
+  return copy
+
+
+LORA = ('--config.model.lora_rank=4', '--config.model.lora_alpha=32')
+MOE = ('--config.model.experts=4', '--config.model.expert_matmul=ragged_dot')
+
+
+def lora_run(p):
+  return trained_with(p, 'lora', f'--config.init_from={p.template}', *LORA)
+
+
+RESUMED_CHANGES = {  # name: (the run's arguments, the change, what the refusal names)
+    'LoRA alpha ×10': (LORA, '--config.model.lora_alpha=320', 'config.model.lora_alpha=320.0'),
+    'LoRA targets': (LORA, '--config.model.lora_targets=q,v', 'config.model.lora_targets'),
+    'MoE experts per token': (MOE, '--config.model.experts_per_token=4',
+                              'config.model.experts_per_token=4'),
+    'MoE router': (MOE, '--config.model.router=sigmoid', "config.model.router='sigmoid'"),
+    'MoE renormalisation': (MOE, '--config.model.router_renormalize=False',
+                            'config.model.router_renormalize=False'),
+    'MoE capacity factor': (MOE, '--config.model.capacity_factor=1.0',
+                            'config.model.capacity_factor=1.0'),
+    'RoPE scaling': ((), '--config.model.rope_type=llama3', "config.model.rope_type='llama3'"),
+    'chat template setting': ((), '--config.data.chat_template=fallback',
+                              "config.data.chat_template='fallback'"),
+    'init_from': ((), '--config.init_from={template}', "config.init_from='{template}'"),
+}
+
+
+def resumed_change_case(args, change, expected):
+  def probe(p):
+    run = (lora_run(p) if args == LORA else trained_with(p, 'moe', *MOE) if args == MOE
+           else p.trained())
+    before = (run / 'metrics.jsonl').read_text()
+    extra = ((f'--config.init_from={p.template}',) if args == LORA else ()) + args
+    verdict = refused(p.run(*p.train(run, 9), *extra, change.format(template=p.template)),
+                      expected.format(template=p.template))
+    return verdict if (run / 'metrics.jsonl').read_text() == before else ('BAD', 'metrics changed')
+  return probe
+
+
+for _name, (_args, _change, _expected) in RESUMED_CHANGES.items():
+  CASES[f'resume: {_name}'] = resumed_change_case(_args, _change, _expected)
+
+
+@case('resume: compute dtype under LoRA')
+def _(p):
+  run = lora_run(p)
+  result = p.run(*p.train(run, 9), f'--config.init_from={p.template}', *LORA,
+                 '--config.model.compute_dtype=float32')
+  verdict = survived(result, ['resuming from step 6'])
+  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+
+
+@case('resume: learning rate and mesh, allowed')
+def _(p):
+  run = p.trained()
+  result = p.run(*p.train(run, 9), '--config.optimizer.learning_rate=1e-3', '--config.mesh.fsdp=2',
+                 '--config.mesh.data=4', '--config.train_steps=9')
+  return survived(result, ['resuming from step 6'])
+
+
+@case('resume: records edited')
+def _(p):
+  path = chat_corpus(p)
+  run = p.path('run')
+  first = p.run(*chat_train(p, run, path))
+  if first.returncode:
+    return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
+  text = path.read_text().replace('Two and 7?', 'Two and seven?')
+  path.write_text(text)
+  return refused(p.run(*chat_train(p, run, path, 9)), 'config.data.paths: the corpus')
+
+
+@case('resume: records touched, not changed')
+def _(p):
+  path = chat_corpus(p)
+  run = p.path('run')
+  first = p.run(*chat_train(p, run, path))
+  if first.returncode:
+    return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
+  os.utime(path)  # a newer modification time: prepared afresh, the same documents
+  verdict = survived(p.run(*chat_train(p, run, path, 9)), ['resuming from step 6'])
+  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+
+
+def hf_tokenizer(p, source=CHATML) -> pathlib.Path:
+  directory = p.path('tok')
+  shutil.copytree(source, directory)
+  return directory / 'tokenizer.json'
+
+
+@case('resume: tokenizer replaced at its path')
+def _(p):
+  tok = hf_tokenizer(p)
+  run = p.path('run')
+  args = ('--config.data.tokenizer=hf', f'--config.data.tokenizer_model={tok}')
+  first = p.run(*p.train(run), *args)
+  if first.returncode:
+    return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
+  shutil.copyfile(LLAMA3_CHAT / 'tokenizer.json', tok)
+  shutil.copyfile(LLAMA3_CHAT / 'tokenizer_config.json', tok.with_name('tokenizer_config.json'))
+  verdict = refused(p.run(*p.train(run, 9), *args), 'but the run in')
+  return verdict if verdict[0] != 'GOOD' or 'hf-' in verdict[1] else ('UGLY', verdict[1])
+
+
+@case('resume: tokenizer moved away')
+def _(p):
+  tok = hf_tokenizer(p)
+  run = p.path('run')
+  args = ('--config.data.tokenizer=hf', f'--config.data.tokenizer_model={tok}')
+  first = p.run(*p.train(run), *args)
+  if first.returncode:
+    return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
+  shutil.rmtree(tok.parent)
+  verdict = survived(p.run(*p.train(run, 9), *args), ['resuming from step 6'])
+  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+
+
+@case('tokenizer: trained over an existing one')
+def _(p):
+  out = p.path('spm')
+  out.with_name(out.name + '.model').write_text('mine')
+  result = p.run('-m', 'data.train_tokenizer', '--config=configs/base.py',
+                 f'--config.data.paths={CORPUS}', '--vocab_size=300', f'--output={out}')
+  verdict = refused(result, 'is never written over another')
+  return verdict if out.with_name(out.name + '.model').read_text() == 'mine' else (
+      'BAD', 'overwritten')
+
+
+@case('data: stdlib_chat over another file')
+def _(p):
+  out = p.path('mine').with_suffix('.jsonl')
+  out.write_text('{"mine": 1}\n')
+  verdict = refused(p.run('-m', 'data.stdlib_chat', f'--output={out}', '--max_records=10'),
+                    'is never written over')
+  return verdict if out.read_text() == '{"mine": 1}\n' else ('BAD', 'overwritten')
+
+
+def template_file(p, text) -> pathlib.Path:
+  path = p.path('template').with_suffix('.jinja')
+  path.write_text(text)
+  return path
+
+
+CUSTOM = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+          "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+@case('export: a custom chat template goes with it')
+def _(p):
+  path, template = chat_corpus(p), template_file(p, CUSTOM)
+  run, out = p.path('run'), p.path('export')
+  first = p.run(*chat_train(p, run, path, 3, f'--config.data.chat_template={template}'))
+  if first.returncode:
+    return 'BAD', f'the run failed: {lines(first.stderr)[-1:]}'
+  verdict = survived(p.run('export.py', f'--workdir={run}', f'--output={out}'))
+  exported = json.loads((out / 'tokenizer_config.json').read_text()).get('chat_template')
+  return verdict if exported == CUSTOM else ('BAD', 'the export carries another template')
+
+
+@case('sample.py: --chat after the template file moved')
+def _(p):
+  path, template = chat_corpus(p), template_file(p, CUSTOM)
+  run = p.path('run')
+  first = p.run(*chat_train(p, run, path, 3, f'--config.data.chat_template={template}'))
+  if first.returncode:
+    return 'BAD', f'the run failed: {lines(first.stderr)[-1:]}'
+  template.unlink()
+  return survived(p.run('sample.py', f'--workdir={run}', '--chat', '--prompt=Two and 3?',
+                        '--max_new_tokens=4'))
+
+
+@case('resume: chat template file edited')
+def _(p):
+  path, template = chat_corpus(p), template_file(p, CUSTOM)
+  run = p.path('run')
+  args = (f'--config.data.chat_template={template}',)
+  first = p.run(*chat_train(p, run, path, 3, *args))
+  if first.returncode:
+    return 'BAD', f'the run failed: {lines(first.stderr)[-1:]}'
+  template.write_text(CUSTOM.replace('[', '<'))
+  return refused(p.run(*chat_train(p, run, path, 6, *args)), 'config.data.chat_template:')
+
+
+@case('hf: without tokenizer.json')
+def _(p):
+  hf = p.path('hf')
+  shutil.copytree(HF, hf)
+  (hf / 'tokenizer.json').unlink()
+  workdir = p.path('refused')
+  return refused(p.run(*p.train(workdir), f'--config.init_from=hf:{hf}'),
+                 'has no tokenizer.json', [workdir])
+
+
+@case('hf: another tokenizer than its own')
+def _(p):
+  workdir = p.path('refused')
+  tok = hf_tokenizer(p, LLAMA3_CHAT)
+  return refused(p.run(*p.train(workdir), f'--config.init_from=hf:{HF}',
+                       '--config.data.tokenizer=hf', f'--config.data.tokenizer_model={tok}'),
+                 "its embeddings are the first one's ids", [workdir])
+
+
+@case('hf: a tokenizer larger than its model')
+def _(p):
+  hf, tok = p.path('hf'), p.path('tok')
+  shutil.copytree(HF, hf)
+  (hf / 'tokenizer.json').unlink()  # none of its own: the one named is the one used
+  made = p.run('-m', 'data.train_tokenizer', '--config=configs/base.py', '--kind=hf',
+               f'--config.data.paths={CORPUS}', '--vocab_size=400', f'--output={tok}')
+  if made.returncode:
+    return 'BAD', f'the tokenizer was not made: {lines(made.stderr)[-1:]}'
+  workdir = p.path('refused')
+  return refused(p.run(*p.train(workdir), f'--config.init_from=hf:{hf}',
+                       '--config.data.tokenizer=hf',
+                       f'--config.data.tokenizer_model={tok}/tokenizer.json'),
+                 'use the tokenizer it was trained with', [workdir])
+
+
+@case('init_from: a run of another shape, named')
+def _(p):
+  workdir = p.path('refused')
+  return refused(p.run(*p.train(workdir), f'--config.init_from={p.template}',
+                       '--config.model.d_model=32'),
+                 f'config.model.d_model=32, but config.init_from={p.template} was trained with '
+                 '64', [workdir])
+
+
+@case('init_from: takes the model it starts from')
+def _(p):
+  small = trained_with(p, 'small', '--config.model.d_model=32', '--config.model.d_ff=96')
+  workdir = p.path('new')
+  result = p.run(*p.train(workdir, 3), f'--config.init_from={small}')
+  verdict = survived(result, ['starting from the parameters of'])
+  saved = json.loads((workdir / 'config.json').read_text())['model'] if verdict[0] == 'GOOD' else {}
+  return verdict if saved.get('d_model') == 32 else ('BAD', f'trained d_model {saved.get("d_model")}')
+
+
+@case('init_from: a run with draft heads')
+def _(p):
+  heads = trained_with(p, 'heads', '--config.model.draft_heads=2')
+  return survived(p.run(*p.train(p.path('new'), 3), f'--config.init_from={heads}'),
+                  ['starting from the parameters of'])
+
+
+@case('init_from: a run of another tokenizer')
+def _(p):
+  workdir = p.path('refused')
+  tok = hf_tokenizer(p)
+  return refused(p.run(*p.train(workdir), f'--config.init_from={p.template}',
+                       '--config.data.tokenizer=hf', f'--config.data.tokenizer_model={tok}'),
+                 'was trained with the byte tokenizer', [workdir])
+
+
+FROM_NOTHING = {
+    'LoRA without init_from': (LORA, 'config.init_from is empty'),
+    'draft heads alone without init_from': (('--config.model.draft_heads=2',
+                                             '--config.model.draft_only=True'),
+                                            'config.init_from is empty'),
+    'LoRA rank above the width': (('--config.model.lora_rank=80', f'--config.init_from=random'),
+                                  'config.model.lora_rank=80'),
+    'draft heads as long as the row': (('--config.model.draft_heads=8', '--config.seq_len=8'),
+                                       'config.model.draft_heads=8'),
+}
+
+
+def from_nothing_case(args, expected):
+  def probe(p):
+    workdir = p.path('refused')
+    return refused(p.run(*p.train(workdir), *args), expected, [workdir])
+  return probe
+
+
+for _name, (_args, _expected) in FROM_NOTHING.items():
+  CASES[f'setting: {_name}'] = from_nothing_case(_args, _expected)
+
+
+@case('setting: LoRA on a random base, said')
+def _(p):
+  return survived(p.run(*p.train(p.path('run'), 3), *LORA, '--config.init_from=random'))
+
+
+@case('data: chat records whose answers are all blank')
+def _(p):
+  path = chat_corpus(p, answer=lambda i: ' ')
+  workdir = p.path('x')
+  return refused(p.run(*chat_train(p, workdir, path, 1)), 'every assistant message is blank',
+                 [workdir])
+
+
+@case('data: repeated records stay on one side')
+def _(p):
+  rows = [good_chat(0)] * 60 + [good_chat(i) for i in range(1, 12)]
+  path = chat_records(p, rows)
+  data = p.path('tfds')
+  result = p.run(*chat_train(p, p.path('x'), path, 1, f'--config.data.data_dir={data}'))
+  if result.returncode:
+    return 'BAD', f'exit {result.returncode}: {lines(result.stderr)[-1:]}'
+  check = p.run('-c', 'import sys, json\nfrom configs import base\nfrom data import corpus\n'
+                'c = base.get_config().data\n'
+                f'c.paths, c.record, c.data_dir = {str(path)!r}, "messages", {str(data)!r}\n'
+                'c.validation_fraction = 0.2\n'
+                'k = corpus.load(c)\n'
+                'texts = [{k.train[i]["text"] for i in range(len(k.train))},'
+                ' {k.validation[i]["text"] for i in range(len(k.validation))}]\n'
+                'print(len(texts[0] & texts[1]), len(k.train), len(k.validation))')
+  shared, train, validation = map(int, check.stdout.splitlines()[-1].split())
+  return (('GOOD', f'{train} train / {validation} validation, none shared') if not shared else
+          ('BAD', f'{shared} documents on both sides'))
+
+
+@case('data: every record alike')
+def _(p):
+  path = chat_records(p, [good_chat(0)] * 20)
+  workdir = p.path('x')
+  return refused(p.run(*chat_train(p, workdir, path, 1)), 'distinct', [workdir])
+
+
+@case('data: a record the chat template refuses')
+def _(p):
+  template = template_file(p, "{% for m in messages %}{% if m['content'] == 'Two and 5?' %}"
+                              "{{ raise_exception('no fives') }}{% endif %}"
+                              "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                              "{% if add_generation_prompt %}[assistant] {% endif %}")
+  path = chat_corpus(p)
+  result = p.run(*chat_train(p, p.path('x'), path, 3, f'--config.data.chat_template={template}'))
+  warned = [line for line in lines(result.stderr) if 'skipped 1 of 40 records (line 6' in line]
+  verdict = survived(result)
+  return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
+
+
+@case('data: an empty records file')
+def _(p):
+  path = chat_records(p, [])
+  workdir = p.path('x')
+  return refused(p.run(*chat_train(p, workdir, path, 1)), 'hold no records', [workdir])
+
+
+@case('disk: full while preparing records')
+def _(p):
+  path = chat_records(p, [good_chat(i) * 1 for i in range(3000)])
+  workdir, data = p.path('x'), p.path('tfds')
+  result = p.run(*chat_train(p, workdir, path, 1, f'--config.data.data_dir={data}'),
+                 file_size_limit=100_000)
+  return refused(result, 'config.data.data_dir', [workdir])
+
+
+@case('data: two runs preparing one data dir')
+def _(p):
+  path = chat_records(p, [good_chat(i) for i in range(3000)])
+  data = p.path('tfds')
+  runs = [p.start(*chat_train(p, p.path('x'), path, 1, f'--config.data.data_dir={data}'))
+          for _ in range(2)]
+  outs = [r.communicate(timeout=600)[0] for r in runs]
+  bad = [(r.returncode, lines(o)[-1:]) for r, o in zip(runs, outs) if r.returncode]
+  return ('GOOD', 'both trained') if not bad else ('BAD', f'{bad}')
+
+
+@case('data: a read-only data dir, all prepared')
+def _(p):
+  data = tokens_dir_copy(p)
+  once = ('--config.data.tokenize=once', f'--config.data.data_dir={data}')
+  first = p.run(*p.train(p.path('x'), 1, *once))
+  if first.returncode:
+    return 'BAD', f'preparing failed: {lines(first.stderr)[-1:]}'
+  # Read-only as a mount makes it (root ignores a directory's modes), else by its modes.
+  mounted = os.geteuid() == 0 and not subprocess.run(
+      f'mount --bind {data} {data} && mount -o remount,ro,bind {data}', shell=True,
+      capture_output=True).returncode
+  if not mounted:
+    for path in [data, *data.rglob('*')]:
+      path.chmod(path.stat().st_mode & ~0o222)
+  try:
+    return survived(p.run(*p.train(p.path('y'), 1, *once)))
+  finally:
+    if mounted:
+      subprocess.run(['umount', str(data)], check=True)
+    else:
+      for path in [data, *data.rglob('*')]:
+        path.chmod(path.stat().st_mode | 0o200)
+
+
+@case('disk: full at the first write of a run')
+def _(p):
+  p.template  # noqa: B018  (the corpus prepared: the first file the run writes is its own)
+  workdir = p.path('full')
+  result = p.run(*p.train(workdir), file_size_limit=1000)  # its lock, not its config.json
+  verdict = refused(result, str(workdir / 'config.json'))
+  empty = [f for f in workdir.rglob('*') if f.is_file() and not f.stat().st_size
+           and f.name != '.meshlm-lock']
+  return verdict if not empty else ('BAD', f'left empty files {empty}')
+
+
+@case('export.py: float16 past its range')
+def _(p):
+  hf = p.path('hf')
+  shutil.copytree(HF, hf)
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(hf / 'model.safetensors')
+  name = next(n for n in tensors if 'mlp.up_proj' in n)
+  tensors[name] = tensors[name] * 1e6
+  save_file(tensors, hf / 'model.safetensors', metadata={'format': 'pt'})
+  run, out = p.path('run'), p.path('export')
+  first = p.run(*p.train(run, 1), f'--config.init_from=hf:{hf}',
+                '--config.optimizer.learning_rate=0')
+  if first.returncode:
+    return 'BAD', f'the run failed: {lines(first.stderr)[-1:]}'
+  return refused(p.run('export.py', f'--workdir={run}', f'--output={out}', '--dtype=float16'),
+                 'up_proj', [out])
+
+
+@case('sample.py: MoE with a capacity factor, identical prompts')
+def _(p):
+  run = trained_with(p, 'moe-capacity', *MOE, '--config.model.capacity_factor=1.0',
+                     '--config.model.compute_dtype=float32')
+  result = p.run('sample.py', f'--workdir={run}', '--temperature=0', '--max_new_tokens=12',
+                 *['--prompt=def '] * 6)
+  if result.returncode:
+    return 'BAD', f'exit {result.returncode}: {lines(result.stderr)[-1:]}'
+  texts = result.stdout.split('--- prompt')[1:]
+  return ('GOOD', 'six equal continuations') if len(set(texts)) == 1 and len(texts) == 6 else (
+      'BAD', f'{len(set(texts))} different continuations')
+
+
+@case('sample.py: top_k above the vocabulary')
+def _(p):
+  return refused(p.run('sample.py', f'--workdir={p.template}', '--top_k=100000',
+                       '--max_new_tokens=4'), '--top_k=100000')
+
+
+@case('sample.py: a prompt past the context')
+def _(p):
+  return refused(p.run('sample.py', f'--workdir={p.template}', '--prompt=' + 'x' * 200,
+                       '--max_new_tokens=4'), 'shorten it')
+
+
+@case('sample.py: --chat with a template that raises')
+def _(p):
+  path, template = chat_corpus(p), template_file(p, CUSTOM)
+  run = p.path('run')
+  first = p.run(*chat_train(p, run, path, 3, f'--config.data.chat_template={template}'))
+  if first.returncode:
+    return 'BAD', f'the run failed: {lines(first.stderr)[-1:]}'
+  (run / 'chat_template.jinja').write_text("{{ raise_exception('no questions') }}")
+  return refused(p.run('sample.py', f'--workdir={run}', '--chat', '--prompt=hi',
+                       '--max_new_tokens=4'), '--chat')
+
+
+@case('export.py: --output under a file')
+def _(p):
+  file = p.path('file')
+  file.write_text('mine')
+  verdict = refused(p.run('export.py', f'--workdir={p.template}', f'--output={file}/sub'),
+                    'is a file, not a directory')
+  return verdict if file.read_text() == 'mine' else ('BAD', 'the file was changed')
+
+
+@case('export.py: --output empty')
+def _(p):
+  return refused(p.run('export.py', f'--workdir={p.template}', '--output='), '--output is empty')
+
+
+@case('export.py: after one killed mid-write')
+def _(p):
+  out = p.path('export')
+  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+  dead.wait()
+  import socket
+  left = out.parent / f'.{out.name}.partial-{socket.gethostname()}-{dead.pid}-abc'
+  left.mkdir()
+  (left / 'model.safetensors').write_text('half')
+  verdict = survived(p.run('export.py', f'--workdir={p.template}', f'--output={out}'))
+  return verdict if not left.exists() else ('BAD', f'left {left}')
+
+
+@case('export.py: PEFT adapter of a run started from a meshlm run')
+def _(p):
+  run, out = lora_run(p), p.path('adapter')
+  result = p.run('export.py', f'--workdir={run}', f'--output={out}', '--lora=peft')
+  verdict = survived(result, ['export that first'])
+  base = json.loads((out / 'adapter_config.json').read_text())['base_model_name_or_path'] if (
+      verdict[0] == 'GOOD') else ''
+  return verdict if not base else ('BAD', f'names {base!r}, which PEFT cannot load')
+
+
+@case('hf: fine-tuned past its context')
+def _(p):
+  hf = p.path('hf')
+  shutil.copytree(HF, hf)
+  config = json.loads((hf / 'config.json').read_text())
+  (hf / 'config.json').write_text(json.dumps({**config, 'max_position_embeddings': 64}))
+  run, out = p.path('run'), p.path('export')
+  result = p.run(*p.train(run, 1), f'--config.init_from=hf:{hf}')
+  if 'past the 64 positions' not in result.stderr:
+    return 'BAD', 'no word of the context'
+  verdict = survived(p.run('export.py', f'--workdir={run}', f'--output={out}'))
+  declared = json.loads((out / 'config.json').read_text())['max_position_embeddings'] if (
+      verdict[0] == 'GOOD') else 0
+  return verdict if declared == 128 else ('BAD', f'the export declares {declared}')
+
+
+@case('plan: fp32 fine-tuning of a 1B head dim on an H100')
+def _(p):
+  result = p.run('train.py', '--config=configs/finetune.py', '--config.init_from=random',
+                 '--config.dry_run=True', '--config.plan.target=H100',
+                 '--config.model.head_dim=64', '--config.model.n_heads=32',
+                 '--config.model.n_kv_heads=8', '--config.model.d_model=2048',
+                 '--config.model.d_ff=8192', '--config.model.n_layers=2',
+                 '--config.model.attention=pallas', '--config.seq_len=2048')
+  if result.returncode == 0:
+    return survived(result)
+  return refused(result, 'config.model')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--only', default='', help='Cases whose name contains this.')
+  parser.add_argument('--only', default='', help='Cases whose name contains this (or any of '
+                      'these, separated by |).')
   parser.add_argument('--keep', default=None, help='Run in this directory and keep it.')
   args = parser.parse_args()
   root = pathlib.Path(args.keep or tempfile.mkdtemp(prefix='meshlm-fault-probe-'))
@@ -676,7 +1217,7 @@ def main():
   probe, rows = Probe(root), []
   try:
     for name, fn in CASES.items():
-      if args.only not in name:
+      if not any(part in name for part in args.only.split('|')):
         continue
       start = time.perf_counter()
       try:

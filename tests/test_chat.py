@@ -79,8 +79,8 @@ def test_chat_templates_render_and_tokenize_as_transformers_does(name):
     assert chat.render(tok.chat_template, messages[:-1], tok.special_tokens, True) == want['prompt']
     document, = encode([json.dumps({'messages': messages}).encode()])
     ids, weights = chat.ids_and_weights(document)
-    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
-    inner = slice(0 if want['ids'][0] == tok.bos_id else 1, len(ids) - 1)
+    assert ids[-1] == tok.eos_id  # the document's end; it starts as the template renders it
+    inner = slice(0, len(ids) - 1)  # (BOS or not) as transformers' apply_chat_template does
     assert ids[inner].tolist() == want['ids']
     if 'assistant_masks' in want:
       assert weights[inner].tolist() == want['assistant_masks']
@@ -191,9 +191,9 @@ def test_an_interrupted_record_preparation_leaves_nothing(tmp_path, monkeypatch)
   config = config_for(path, tmp_path / 'tfds')
   real, calls = records.read, []
 
-  def interrupted(file, fields):
+  def interrupted(file, fields, renders=None):
     calls.append(file)
-    for i, item in enumerate(real(file, fields)):
+    for i, item in enumerate(real(file, fields, renders)):
       if len(calls) == 2 and i == 5:  # the scan passes; preparing the train split stops
         raise KeyboardInterrupt
       yield item
@@ -247,8 +247,8 @@ def walkthrough_commands(tmp_path) -> list[str]:
 
 def test_the_walkthrough_fine_tunes_an_imported_model_and_exports_it(tmp_path):
   """The preset's docstring, run as a user would (fewer records and steps): LoRA on the imported
-  model; the merged export holds the tokenizer with its chat template and the imported context
-  limit; the PEFT export is the adapters; and where transformers and peft are installed, the
+  model; the merged export holds the tokenizer with its chat template and the context it was
+  trained at; the PEFT export is the adapters; and where transformers and peft are installed, the
   base with the PEFT adapter computes what the merged export does."""
   commands = walkthrough_commands(tmp_path)
   assert [c.split()[:2] for c in commands] == [
@@ -260,7 +260,9 @@ def test_the_walkthrough_fine_tunes_an_imported_model_and_exports_it(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   assert "--- prompt 'What does `json.dumps(obj)` do?'" in done.stdout
   exported = tmp_path / 'tiny-llama-tuned'
-  assert json.loads((exported / 'config.json').read_text())['max_position_embeddings'] == 128
+  # fine-tuned past the imported 128 positions: it declares the 256 it was trained at, and said so
+  assert json.loads((exported / 'config.json').read_text())['max_position_embeddings'] == 256
+  assert 'past the 128 positions the model was trained for' in done.stderr
   config = json.loads((exported / 'tokenizer_config.json').read_text())
   assert config['chat_template'] == json.loads(
       (CHAT / 'llama3' / 'tokenizer_config.json').read_text())['chat_template']
@@ -282,3 +284,28 @@ def test_the_walkthrough_fine_tunes_an_imported_model_and_exports_it(tmp_path):
   with torch.no_grad():
     np.testing.assert_allclose(adapted(tokens).logits.numpy(), merged(tokens).logits.numpy(),
                                atol=1e-4)
+
+
+def test_a_conversation_starts_as_its_template_renders_it_and_blank_answers_are_not_records(
+    tmp_path):
+  """No BOS before a template that writes none (the fallback's ChatML), as apply_chat_template
+  gives a served model; every assistant turn blank is a bad record; a run's own template is
+  kept and a changed one refused."""
+  byte = tokenizers.ByteTokenizer()
+  document, = chat.Encoder(byte, 'messages', 'fallback')([json.dumps({'messages': [
+      {'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'yo'}]}).encode()])
+  ids, _ = chat.ids_and_weights(document)
+  assert bytes(ids[:12].tolist()).decode() == '<|im_start|>' and ids[-1] == byte.eos_id
+  fields = records.Fields('messages', 'text', 'prompt', 'completion', 'messages')
+  with pytest.raises(records.BadRecord, match='every assistant message is blank'):
+    records.stored({'messages': [{'role': 'user', 'content': 'hi'},
+                                 {'role': 'assistant', 'content': ' \n'}]}, fields)
+  template = tmp_path / 'mine.jinja'
+  template.write_text(chat.FALLBACK)
+  chat.keep_template(chat.owned_template(byte, str(template), tmp_path)[0], tmp_path)
+  template.unlink()  # moved: the run has its own
+  assert chat.owned_template(byte, str(template), tmp_path)[0] == chat.FALLBACK
+  template.write_text(chat.FALLBACK + ' ')
+  with pytest.raises(ValueError, match=r'config.data.chat_template: .* is sha256:\w+ now, but '
+                                       r'the run .* rendered its records with sha256:'):
+    chat.owned_template(byte, str(template), tmp_path)

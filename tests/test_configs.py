@@ -15,7 +15,8 @@ from training import loop
 from training.state import build, param_count
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / 'configs'
-FILES = sorted(p.name for p in CONFIGS.glob('*.py') if p.name != '__init__.py')
+FILES = sorted(p.name for p in CONFIGS.glob('*.py')  # the config files, not their helpers
+               if p.name not in ('__init__.py', 'effects.py'))
 PRESETS = {'125m': (115e6, 130e6), '1b': (1.2e9, 1.28e9), '8b': (7.9e9, 8.1e9)}
 
 
@@ -114,3 +115,42 @@ def test_every_number_of_the_base_config_must_be_finite_and_in_range():
       with pytest.raises(ValueError, match=rf'config\.{re.escape(field)}\b'):
         settings.resolve(config)
   settings.resolve(load('base.py'))  # and its defaults pass
+
+
+def test_every_setting_declares_what_changing_it_does_and_the_docs_show_the_table():
+  """configs/base.py: EFFECTS names each setting once, with a kind configs/effects.py knows; the
+  resume check compares exactly the kept kinds; docs/checkpoints.md holds the generated table."""
+  from configs import base, effects
+  settings = effects.fields(base.get_config())
+  assert sorted(settings) == sorted(base.EFFECTS), (
+      f'undeclared: {sorted(set(settings) - set(base.EFFECTS))}; '
+      f'declared but no setting: {sorted(set(base.EFFECTS) - set(settings))}')
+  assert set(base.EFFECTS.values()) == set(effects.KINDS)
+  kept = effects.of_kinds(effects.KEPT_ON_RESUME)
+  assert {'model.lora_alpha', 'model.experts_per_token', 'model.router', 'seed',
+          'data.tokenizer_model'} <= set(kept)
+  assert not {'model.compute_dtype', 'model.param_dtype', 'optimizer.learning_rate',
+              'mesh.fsdp', 'train_steps'} & set(kept)
+  docs = (CONFIGS.parent / 'docs' / 'checkpoints.md').read_text()
+  assert effects.table() in docs, 'docs/checkpoints.md: paste `python -m configs.effects` in'
+
+
+def test_a_change_of_every_kept_setting_is_refused_on_resume_and_no_other():
+  """runtime/checkpoint.py: check_resume, against a saved config, for each setting in turn."""
+  from configs import base, effects
+  from runtime import checkpoint
+  saved = base.get_config().to_dict()
+  for field in effects.fields(base.get_config()):
+    config = base.get_config()
+    *parents, name = field.split('.')
+    node = config
+    for parent in parents:
+      node = node[parent]
+    value = node[name]
+    node[name] = (not value if isinstance(value, bool) else value + 1 if isinstance(
+        value, (int, float)) else value + 'x')
+    if base.EFFECTS[field] in effects.KEPT_ON_RESUME:
+      with pytest.raises(ValueError, match=rf'config\.{re.escape(field)}='):
+        checkpoint.check_resume(saved, config, pathlib.Path('/w/checkpoints/3'))
+    else:
+      checkpoint.check_resume(saved, config, pathlib.Path('/w/checkpoints/3'))

@@ -382,3 +382,65 @@ def test_a_truncated_prepared_split_is_one_line_naming_it_and_how_to_prepare_it_
                                           rf'{prepared} away'):
     corpus_lib.load(config.data)
   assert train_file.stat().st_size == 1000
+
+
+def test_repeated_documents_land_on_one_side_of_the_split():
+  """corpus.split_documents: documents of one score (a record's hashes its content) go together;
+  a corpus of one distinct document cannot be split."""
+  scores = {('a', i): 0.01 for i in range(50)}  # one record, 50 times, under the fraction
+  scores.update({('b', i): 0.5 + i / 100 for i in range(5)})
+  train, validation = corpus_lib.split_documents(scores, 0.02)
+  assert {k[0] for k in validation} == {'a'} and len(validation) == 50 and len(train) == 5
+  scores = {('a', i): 0.9 for i in range(50)} | {('b', 0): 0.95}  # none under: the lowest group
+  train, validation = corpus_lib.split_documents(scores, 0.02)
+  assert len(validation) == 50 and train == [('b', 0)]
+  with pytest.raises(ValueError, match='1 of them distinct'):
+    corpus_lib.split_documents({('a', i): 0.3 for i in range(9)}, 0.02)
+
+
+def test_a_corpus_hash_is_its_documents_not_their_order_or_files():
+  digests = {k: bytes([i]) * 32 for i, k in enumerate('abcd')}
+  same = corpus_lib.content_hash(digests, ['a', 'b'], ['c'])
+  assert same == corpus_lib.content_hash(digests, ['b', 'a'], ['c'])
+  assert same != corpus_lib.content_hash(digests, ['a', 'c'], ['b'])
+  assert same != corpus_lib.content_hash({**digests, 'a': b'x' * 32}, ['a', 'b'], ['c'])
+
+
+def test_a_run_keeps_its_tokenizer_and_refuses_one_replaced_at_its_path(tmp_path):
+  """tokenizers.owned: the workdir's copy once it has one, wherever the original went; an
+  original replaced at its path is refused, naming both fingerprints."""
+  chat = pathlib.Path(__file__).parent / 'data' / 'hf-chat'
+  source = tmp_path / 'tok'
+  source.mkdir()
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    (source / name).write_bytes((chat / 'chatml' / name).read_bytes())
+  config = tiny_config()
+  config.data.tokenizer, config.data.tokenizer_model = 'hf', str(source / 'tokenizer.json')
+  run = tmp_path / 'run'
+  run.mkdir()
+  first = tokenizers.owned(config.data, str(run))
+  fingerprint = first.fingerprint
+  tokenizers.keep(first, run)
+  (source / 'tokenizer.json').rename(source / 'moved.json')
+  assert tokenizers.owned(config.data, str(run)).fingerprint == fingerprint
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    (source / name).write_bytes((chat / 'llama3' / name).read_bytes())
+  other = tokenizers.load(config.data).fingerprint
+  with pytest.raises(ValueError, match=rf'is {other} now, but the run in .* trained with '
+                                       rf'{fingerprint}'):
+    tokenizers.owned(config.data, str(run))
+
+
+def test_a_tokenizer_or_chat_corpus_is_never_written_over(tmp_path):
+  from data import stdlib_chat
+  existing = tmp_path / 'spm.model'
+  existing.write_text('mine')
+  with pytest.raises(ValueError, match='never written over another'):
+    train_tokenizer.train(tiny_config().data, 300, str(tmp_path / 'spm'))
+  assert existing.read_text() == 'mine'
+  out = tmp_path / 'chat.jsonl'
+  assert stdlib_chat.write(out, 5) == 5
+  assert stdlib_chat.write(out, 5) == 5  # the same records: left as they are
+  with pytest.raises(ValueError, match='holds other records'):
+    stdlib_chat.write(out, 6)
+  assert len(out.read_text().splitlines()) == 5 and len(list(tmp_path.iterdir())) == 2

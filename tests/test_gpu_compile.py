@@ -51,6 +51,18 @@ def test_flash_attention_compiles_for_h100_with_no_spills(h100, head_dim, segmen
     assert 0 < k['shared_memory'] <= H100.shared_memory_per_block_optin, (name, k)
 
 
+@pytest.mark.parametrize('head_dim', [64, 128, 256])
+def test_flash_attention_in_float32_takes_tiles_that_fit_an_h100(h100, head_dim):
+  """fp32 operands take twice bf16's shared memory a tile: their own tiles (with segment ids,
+  the most registers) fit and do not spill (a fine-tuning run in fp32 compute once failed)."""
+  tiles = default_blocks(head_dim, 'float32')
+  result = gpu_compiler.flash_attention_kernels(h100, head_dim, True, tiles, dtype='float32')
+  assert 'error' not in result, result.get('error')
+  for name, k in result['kernels'].items():
+    assert k['spill_stores'] == k['spill_loads'] == 0, (name, k)
+    assert 0 < k['shared_memory'] <= H100.shared_memory_per_block_optin, (name, k)
+
+
 def test_a_tile_too_big_for_shared_memory_is_refused_by_the_compiler(h100):
   result = gpu_compiler.flash_attention_kernels(h100, 128, False, (128, 128, 8, 3))
   assert 'Shared memory size limit exceeded' in result['error']

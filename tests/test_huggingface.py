@@ -269,3 +269,22 @@ def test_a_failed_export_leaves_nothing_and_an_export_never_overwrites(tmp_path,
     huggingface.export(params, setup.model_cfg, None, 32, tmp_path / 'out', dtype='bfloat16',
                        max_shard_bytes=50_000, log=lambda *_: None)
   assert written and sorted(p.name for p in tmp_path.iterdir()) == ['taken']
+
+
+def test_an_export_refuses_an_overflowing_cast_a_file_for_a_folder_and_clears_a_dead_ones_leftovers(
+    tmp_path):
+  with pytest.raises(ValueError, match=r'--dtype=float16: tensor w holds 100000, past the largest '
+                                       r'float16 \(65504\)'):
+    huggingface.cast(np.array([1.0, -1e5], np.float32), np.dtype(np.float16), 'w')
+  assert huggingface.cast(np.array([1e5], np.float32), np.dtype(np.float32), 'w')[0] == 1e5
+  (tmp_path / 'file').write_text('mine')
+  with pytest.raises(ValueError, match=r'file is a file, not a directory'):
+    huggingface.check_output(tmp_path / 'file' / 'sub')
+  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+  dead.wait()
+  prefix = huggingface._partial_prefix(tmp_path / 'out')
+  left, live = tmp_path / f'{prefix}{dead.pid}-x', tmp_path / f'{prefix}{os.getpid()}-y'
+  left.mkdir(), live.mkdir()
+  with huggingface.written_whole(tmp_path / 'out') as partial:
+    (partial / 'a').write_text('a')
+  assert not left.exists() and live.exists() and (tmp_path / 'out' / 'a').is_file()

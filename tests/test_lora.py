@@ -135,7 +135,9 @@ def test_lora_settings_are_checked_before_anything_is_built():
   for changes, match in (({'lora_rank': -1}, 'lora_rank=-1'),
                          ({'lora_rank': 4, 'lora_targets': 'q,x'}, "lora_targets='q,x'"),
                          ({'lora_rank': 4, 'lora_alpha': 0.0}, 'lora_alpha=0.0'),
-                         ({'lora_rank': 4, 'experts': 4}, 'adapts dense models only')):
+                         ({'lora_rank': 4, 'experts': 4}, 'adapts dense models only'),
+                         ({'lora_rank': 33, 'lora_targets': 'k'}, "lora_rank=33 is more than "
+                          "the 32 a side of the 'k' projection")):
     c = base.get_config()
     c.model.update(changes)
     with pytest.raises(ValueError, match=match):

@@ -45,4 +45,4 @@ def test_finetune_notebook_runs():
   first, last = map(float, text.split('loss ')[-1].split(';')[0].split(' → '))
   assert last < first
   assert "'adapter_config.json', 'adapter_model.safetensors'" in text
-  assert 'context limit kept: 128' in text and '<|start_header_id|>assistant' in text
+  assert 'context limit declared: 256' in text and '<|start_header_id|>assistant' in text

@@ -104,7 +104,7 @@ def test_every_link_config_module_and_script_the_docs_name_exists():
       file = (doc.parent / path).resolve() if path else doc
       if not file.exists() or (fragment and fragment not in anchors(file)):
         missing.append(f'{doc.name}: link {target}')
-    for named in set(CONFIG.findall(text)):
+    for named in set(CONFIG.findall(text)) - {'configs/effects.py'}:  # a module, not a config
       try:
         configs.load(named.removeprefix('configs/'))
       except Exception as e:  # a file or preset that is not there

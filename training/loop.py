@@ -1,6 +1,7 @@
-"""The training loop: config resolved → [layout] → setup → data and workdir checked, workdir held →
-checkpoints checked → data → the step compiled and its plan checked → state restored or
-initialised → steps, each handed to the hooks of training/hooks.py (logs, evals, saves, …)."""
+"""The training loop: config resolved → [layout] → setup → data and checkpoints checked (a resumed
+run keeps what it trained with) → data prepared → workdir created and held → checkpoints checked
+again → the step compiled and its plan checked → state restored or initialised → steps, each
+handed to the hooks of training/hooks.py (logs, evals, saves, …)."""
 
 import json
 import pathlib
@@ -14,7 +15,8 @@ from jax.experimental import multihost_utils
 
 from data import corpus as corpus_lib
 from data import tokens
-from data import pipeline, tokenizers
+from data import chat, pipeline, tokenizers
+from model.layers import is_added
 from planning import gpu_compiler
 from planning import plan as plan_lib
 from reporting import metrics as metrics_lib
@@ -33,13 +35,14 @@ from training.step import compile_and_plan
 CHILD = 'training.loop'  # a dry run in a process that compiles for GPUs runs this module: main()
 
 
-def load_data(data_config, tokenizer) -> tuple[corpus_lib.Corpus, tokens.Documents]:
-  """The corpus, and its documents as token ids (data/tokens.py). Process 0 prepares both (first
-  use only) while the others wait, so processes sharing a data dir never write it twice; then
-  every process opens them."""
+def load_data(data_config, tokenizer, workdir=None) -> tuple[corpus_lib.Corpus, tokens.Documents]:
+  """The corpus, and its documents as token ids (data/tokens.py; records rendered with the chat
+  template of the run in `workdir`). Process 0 prepares both (first use only) while the others
+  wait, so processes sharing a data dir never write it twice; then every process opens them."""
   def load():
-    corpus = corpus_lib.load(data_config)
-    return corpus, tokens.load(corpus, tokenizer, data_config, corpus_lib.data_dir(data_config))
+    corpus = corpus_lib.load(data_config, chat.renders(tokenizer, data_config, workdir))
+    return corpus, tokens.load(corpus, tokenizer, data_config, corpus_lib.data_dir(data_config),
+                               workdir)
 
   if jax.process_count() > 1:
     if jax.process_index() == 0:
@@ -49,6 +52,12 @@ def load_data(data_config, tokenizer) -> tuple[corpus_lib.Corpus, tokens.Documen
 
 
 def warn_about_data(config, corpus: corpus_lib.Corpus) -> None:
+  context = config.model.max_position_embeddings
+  if context and config.seq_len > context:
+    warnings.warn(f'config.seq_len={config.seq_len} is past the {context} positions the model '
+                  'was trained for (config.model.max_position_embeddings, from config.init_from); '
+                  f'its export will declare {config.seq_len}', corpus_lib.DataWarning,
+                  stacklevel=2)
   longest = corpus.max_document_bytes
   if longest is not None and config.seq_len > longest + 1:
     warnings.warn(f'config.seq_len={config.seq_len} is longer than every document (the longest '
@@ -56,25 +65,39 @@ def warn_about_data(config, corpus: corpus_lib.Corpus) -> None:
                   corpus_lib.DataWarning, stacklevel=2)
 
 
+def trained_on(config, tokenizer) -> dict:
+  """What the run reads beyond its settings (checkpoint.TRAINED_ON), saved with each checkpoint:
+  its tokenizer's fingerprint, its chat template's digest, its corpus's content hash."""
+  template = ''
+  if config.data.record == 'messages':
+    template = chat.digest(chat.owned_template(tokenizer, config.data.chat_template,
+                                               config.workdir)[0])
+  return {'tokenizer': tokenizer.fingerprint, 'chat_template': template,
+          'corpus': corpus_lib.identity(config.data,
+                                        chat.renders(tokenizer, config.data, config.workdir))}
+
+
 def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
   """Before data or memory are touched: the workdir's checkpoints (else `config.init_from`'s, a
   meshlm run or a Hugging Face checkpoint) hold this config's model, and a resumed run keeps
-  what it must (checkpoint.KEPT_ON_RESUME); another vocabulary is named as a tokenizer mistake."""
+  what it must (its settings of the kinds configs/effects.py: KEPT_ON_RESUME, and what it reads:
+  trained_on); another vocabulary is named as a tokenizer mistake."""
   try:
     steps = checkpointer.steps() if checkpointer else []
     if checkpointer:
       checkpointer.check_fresh_start()
-    for step in steps:  # the newest whose metadata reads; older ones are fallbacks
+    for step in steps:  # the newest that reads; older ones are fallbacks
+      if saved := checkpointer.saved_config(step):  # the settings first: they name the change
+        checkpoint_lib.check_resume(saved, config, checkpointer.directory / str(step),
+                                    trained_on(config, tokenizer))
       if checkpointer.check(setup.abstract_state, step, setting='config.workdir',
                             model_config=config.model):
-        checkpoint_lib.check_resume(checkpointer.saved_config(step), config,
-                                    checkpointer.directory / str(step))
         return
     base = base_params(setup.model_cfg, setup.abstract_state.params)
     if (hf := huggingface.directory(config.init_from)) and not steps:
       huggingface.check(hf, base, setup.model_cfg)
-    elif config.init_from and not steps:
-      checkpoint_lib.check_init_from(config.init_from, base, config.model)
+    elif config.init_from not in ('', settings.RANDOM) and not steps:
+      checkpoint_lib.check_init_from(config.init_from, base, config.model, unwanted=is_added)
   except checkpoint_lib.CheckpointMismatch as e:
     if 'vocab_size' in e.saved_model:
       tokenizers.check_checkpoint_vocab(e.saved_model['vocab_size'], tokenizer,
@@ -95,8 +118,9 @@ def initial_state(setup, config, checkpointer, log):
     params = huggingface.load_params(hf, base, setup.model_cfg)
     log(f'starting from the Hugging Face checkpoint {hf} (fresh optimizer, step 0)')
     return 0, setup.init_state(params), None
-  if config.init_from:
-    params, path = checkpoint_lib.restore_params(config.init_from, base, config.model)
+  if config.init_from not in ('', settings.RANDOM):
+    params, path = checkpoint_lib.restore_params(config.init_from, base, config.model,
+                                                 unwanted=is_added)
     log(f'starting from the parameters of {path} (fresh optimizer, step 0)')
     return 0, setup.init_state(params), None
   return 0, setup.init_state(), None
@@ -107,7 +131,7 @@ def run(config, devices=None) -> list[dict]:
   distributed.initialize(config.distributed)  # before anything touches a device
   devices = jax.devices() if devices is None else list(devices)
   config, target = settings.resolve(config, devices)  # every setting checked before anything
-  tokenizer = tokenizers.load(config.data)             # is built
+  tokenizer = tokenizers.owned(config.data, config.workdir)  # is built: the run's own, resumed
   if target.in_child:
     return [gpu_compiler.plan_in_compiler_process(target.for_child(config), CHILD)]
   if config.dry_run or config.mesh.auto:  # compile for the GPUs planned for, if not these
@@ -118,10 +142,23 @@ def run(config, devices=None) -> list[dict]:
       _, the_plan = compile_and_plan(build(config, target.devices), config, target)
       plan_lib.report(the_plan)
       return [the_plan.as_dict()]
+  settings.check_start(config)
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
-  corpus_lib.check(config.data)  # and the data's, before the workdir is created
-  if not checkpoint_lib.saved_steps(config.workdir):  # a new run: where it starts from, checked
-    check_checkpoints(None, setup, config, tokenizer)  # (metadata and headers only) before then
+  workdir_lib.check(config.workdir)
+  corpus_lib.check(config.data, chat.renders(tokenizer, config.data, config.workdir))  # and the
+  # data's (every record rendered with the run's chat template)
+  # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
+  # only): checked before its data is prepared, and again once the workdir is held.
+  checkpoints = pathlib.Path(config.workdir).expanduser() / 'checkpoints'
+  reader = (checkpoint_lib.Checkpointer(checkpoints, read_only=True) if checkpoints.is_dir()
+            else None)
+  try:
+    check_checkpoints(reader, setup, config, tokenizer)
+  finally:
+    if reader:
+      reader.close()
+  # Prepared before the workdir is created or held: a failure there (a full disk) leaves none.
+  corpus, documents = load_data(config.data, tokenizer, config.workdir)
   workdir = workdir_lib.prepare(config.workdir)
   with workdir_lib.hold(workdir, enabled=jax.process_index() == 0):  # one run per workdir
     checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints',
@@ -130,20 +167,23 @@ def run(config, devices=None) -> list[dict]:
     try:
       check_checkpoints(checkpointer, setup, config, tokenizer)
       with StopSignals() as stop, distributed.explain_failures(config.distributed):
-        return _train(config, target, setup, workdir, tokenizer, checkpointer, stop)
+        return _train(config, target, setup, workdir, tokenizer, corpus, documents, checkpointer,
+                      stop)
     finally:
       if checkpointer:
         checkpointer.close()  # waits for the save in flight
 
 
-def _train(config, target, setup, workdir, tokenizer, checkpointer, stop) -> list[dict]:
-  corpus, documents = load_data(config.data, tokenizer)
-  warn_about_data(config, corpus)
+def _train(config, target, setup, workdir, tokenizer, corpus, documents, checkpointer,
+           stop) -> list[dict]:
   is_main = jax.process_index() == 0
-  if is_main:
-    (workdir / 'config.json').write_text(config.to_json_best_effort(indent=2))
-    if warning := tokenizers.keep(tokenizer, workdir):
-      warnings.warn(warning, corpus_lib.DataWarning, stacklevel=2)
+  if is_main:  # the run's own tokenizer, chat template and settings, read from here on (resumed,
+    tokenizers.keep(tokenizer, workdir)  # sampled, exported)
+    if config.data.record == 'messages':
+      chat.keep_template(chat.owned_template(tokenizer, config.data.chat_template, workdir)[0],
+                         workdir)
+    workdir_lib.write_whole(workdir / 'config.json', config.to_json_best_effort(indent=2))
+  warn_about_data(config, corpus)
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
   console = metrics_lib.Console(config.train_steps, enabled=is_main)
   log = console.log
@@ -174,7 +214,8 @@ def _train(config, target, setup, workdir, tokenizer, checkpointer, stop) -> lis
     report({'step': start_step, **evaluate(state.params)})
   log_metrics = hooks.LogMetrics(config.log_every, report, setup, config, start_step,
                                  sharding.local_device(setup.mesh.devices.flat).device_kind)
-  save = (hooks.Save(config.checkpoint_every, checkpointer, guard, batches, config.to_dict())
+  save = (hooks.Save(config.checkpoint_every, checkpointer, guard, batches,
+                     {**config.to_dict(), 'trained_on': trained_on(config, tokenizer)})
           if checkpointer else None)
   trace = StepTrace(workdir / 'profile', start_step + config.profile_start, config.profile_steps)
   around_steps = [hooks.Trace(trace), guard, hooks.Progress(console), log_metrics,

@@ -15,7 +15,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from configs import base
+from configs import base, effects
 from data import chat, tokenizers
 from model import ModelConfig, Transformer
 from model import kv_cache
@@ -26,6 +26,8 @@ import sharding
 from training import settings
 
 ONE_AXIS = {axis: 1 for axis in sharding.AXES}  # sampling splits parameters over fsdp at most
+SAVED = (*effects.MODEL, 'data', 'numerics')  # the kinds of setting a checkpoint's model takes
+_UNSAVED = object()
 MAX_LEN_FACTOR = 16  # --max_len past the trained seq_len, at most this many times it
 
 @dataclasses.dataclass
@@ -35,6 +37,7 @@ class Loaded:
   config: ml_collections.ConfigDict  # the run's resolved config, as saved
   checkpoint: str  # the step directory it came from
   init_from: str = ''  # where the run started (config.init_from as saved): an adapter's base
+  chat_template: str | None = None  # the template it rendered its records with, if it kept one
 
 
 def check_arguments(max_new_tokens: int, temperature: float, top_k: int, max_len: int,
@@ -63,14 +66,23 @@ def load(path: str, step: int | None = None) -> Loaded:
   if not saved:
     raise ValueError(f'checkpoint {directory / str(step)} holds no readable config; point at '
                      'another step')
-  config = base.get_config()  # the settings a checkpoint from an older meshlm may lack
-  config.update(_known(saved, config))  # and those it has that meshlm no longer has
+  # The run's model, data and numerics, as configs/base.py: EFFECTS declares them (what this
+  # machine runs, logs or plans is its own; a setting an older meshlm lacked keeps its default).
+  config = base.get_config()
+  for field in effects.of_kinds(SAVED):
+    if (value := effects.get(saved, field, _UNSAVED)) is not _UNSAVED:
+      section, _, key = field.rpartition('.')
+      (config[section] if section else config)[key] = value
   config.init_from = ''  # the run's model settings are saved: where it started is not needed
-  if kept := tokenizers.kept_model(directory.parent, config.data):  # the run's copy, wherever
-    config.data.tokenizer_model = kept  # the original went
+  if kept := tokenizers.kept_model(directory.parent, config.data):  # the run's copies, wherever
+    config.data.tokenizer_model = kept  # the originals went
+  if (kept := directory.parent / chat.KEPT).is_file():
+    config.data.chat_template = str(kept)
+  config.workdir = str(directory.parent)
   config = settings.resolve(config).config
   tokenizer = tokenizers.load(config.data)
-  model_cfg = ModelConfig.from_config(config.model)
+  model_cfg = ModelConfig.from_config(config.model).dropless()  # no token's output depends on
+  # the other rows of its batch
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
   devices = jax.local_devices()
   try:
@@ -84,28 +96,30 @@ def load(path: str, step: int | None = None) -> Loaded:
   params, step_dir = checkpoint_lib.restore_params(str(directory / str(step)), abstract,
                                                    config.model, setting='--workdir')
   return Loaded(nnx.merge(graphdef, params), tokenizer, config, str(step_dir),
-                saved.get('init_from', ''))
+                saved.get('init_from', ''), chat.kept_template(directory.parent))
 
 
 def chat_prompt(loaded: Loaded, message: str) -> str:
-  """`message` as a user's turn in the run's chat template (config.data.chat_template, the
-  tokenizer's own or the fallback), with the generation prompt: what a chat server sends."""
-  source, _ = chat.template_source(loaded.tokenizer, loaded.config.data.chat_template)
-  return chat.render(source, [{'role': 'user', 'content': message}],
-                     getattr(loaded.tokenizer, 'special_tokens', {}), add_generation_prompt=True)
-
-
-def _known(saved: dict, known) -> dict:
-  return {key: _known(value, known[key]) if isinstance(value, dict) else value
-          for key, value in saved.items() if key in known}
+  """`message` as a user's turn in the run's chat template (the one it kept, else
+  config.data.chat_template: the tokenizer's own or the fallback), with the generation prompt:
+  what a chat server sends."""
+  source, origin = chat.template_source(loaded.tokenizer, loaded.config.data.chat_template)
+  try:
+    return chat.render(source, [{'role': 'user', 'content': message}],
+                       getattr(loaded.tokenizer, 'special_tokens', {}),
+                       add_generation_prompt=True)
+  except chat.TemplateError as e:
+    raise ValueError(f'--chat: the run\'s chat template ({origin}) fails on the prompt '
+                     f'{message[:60]!r}: {e}; ask without --chat, or another prompt') from None
 
 
 def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.8,
              top_k: int = 40, seed: int = 0, max_len: int = 0, cache: str = 'full',
-             speculative: bool = False, report=None) -> list[str]:
+             speculative: bool = False, report=None, chat_prompts: bool = False) -> list[str]:
   """Each prompt's continuation (text after the prompt), up to the end of a document or
   `max_new_tokens` tokens. Every prompt starts as a document does, after BOS (a prompt whose
-  text begins with it, as a chat template's may, is not given a second).
+  text begins with it is not given a second); with `chat_prompts` (chat_prompt's) each starts
+  as its template rendered it, as the run's conversations did.
 
   Prompt and continuation together are at most `max_len` tokens (0: the seq_len the model was
   trained at, beyond which its positions are untried); a longer max_len must leave the cache
@@ -114,8 +128,11 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
   (model/speculate.py; the same text greedy, the same distribution sampled), if it has them;
   `report(line)` then gets a line of how far their guesses went."""
   tok = loaded.tokenizer
+  if top_k > tok.vocab_size:
+    raise ValueError(f'--top_k={top_k} is more than the {tok.vocab_size:,} tokens of the run\'s '
+                     f'{tok.name} tokenizer; give at most {tok.vocab_size} (0: all of them)')
   ids = [list(tok.encode(p.encode())) for p in prompts]
-  ids = [row if row[:1] == [tok.bos_id] else [tok.bos_id, *row] for row in ids]
+  ids = [row if chat_prompts or row[:1] == [tok.bos_id] else [tok.bos_id, *row] for row in ids]
   heads = loaded.model.cfg.draft_heads if speculative else 0
   check_length(loaded, len(ids), max(map(len, ids)) + max_new_tokens, max_new_tokens, max_len,
                cache, heads)
@@ -154,8 +171,12 @@ def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, ma
                      f'was trained at ({trained:,}): positions that far are ones it has never '
                      f'seen, and each token would attend over all {max_len:,} slots; give at most '
                      f'--max_len={MAX_LEN_FACTOR * trained}')
+  bound = f'--max_len={max_len}' if max_len else f'the seq_len it was trained at, {limit}'
+  if length - max_new_tokens >= limit:
+    raise ValueError(f'the longest prompt is {length - max_new_tokens:,} tokens, which leaves no '
+                     f'room for one more within {bound}; shorten it, or raise --max_len (at most '
+                     f'{MAX_LEN_FACTOR}× the trained seq_len)')
   if length > limit:
-    bound = f'--max_len={max_len}' if max_len else f'the seq_len it was trained at, {limit}'
     raise ValueError(f'--max_new_tokens={max_new_tokens}: the longest prompt and its continuation '
                      f'make {length:,} tokens, more than {bound}; lower --max_new_tokens, or '
                      'raise --max_len to sample past the trained length')

@@ -3,9 +3,11 @@ through `loop.run`, sample.py through `sampling.load`, the benchmarks, a noteboo
 
   config, target = settings.resolve(config)
 
-Resolving fills in what the config leaves open: `config.init_from='hf:DIR'` gives config.model (and
-the tokenizer) from a Hugging Face checkpoint's config.json; `config.model.vocab_size=0` becomes the
-tokenizer's size, padded; `config.model.attention='auto'` a kernel. It also gives the run's Target
+Resolving fills in what the config leaves open: `config.init_from` gives the base model's settings
+(and the tokenizer) from where it starts, a Hugging Face checkpoint's config.json or a meshlm run's
+saved config (`with_start`; another tokenizer than its own is refused); the tokenizer is a resumed
+run's own copy (data/tokenizers.py: owned); `config.model.vocab_size=0` becomes the tokenizer's
+size, padded; `config.model.attention='auto'` a kernel. It also gives the run's Target
 (planning/target.py): the devices its programs are compiled for and what they are, which everything
 after reads rather than looking the GPU up again. Checking (`check`) judges every setting that can
 be judged without devices or files, each bad one a ValueError naming `config.<field>` and the fix.
@@ -17,18 +19,19 @@ are opened, before anything is written.
 
 import difflib
 import math
+import pathlib
 from typing import NamedTuple
 
 import jax
 import ml_collections
 
-from configs import base
+from configs import base, effects
 from data import tokenizers, tokens
 from model import ModelConfig
 from planning import gpus, timing
 from planning import target as target_lib
 from planning.target import Target
-from runtime import distributed, huggingface
+from runtime import checkpoint, distributed, huggingface
 import sharding
 from sharding import hierarchical
 
@@ -81,8 +84,11 @@ def resolve(config, devices=None) -> Resolved:
 
     config, target = settings.resolve(config)
   """
-  config = huggingface.with_model_settings(config, base.get_config().model)
-  config = tokenizers.with_vocab_size(config, tokenizers.load(config.data))
+  start = started_from(config)
+  config = with_start(config, start)
+  tokenizer = tokenizers.owned(config.data, config.workdir)  # a resumed run's own copy
+  check_start_tokenizer(config, tokenizer, start)
+  config = tokenizers.with_vocab_size(config, tokenizer)
   check(config)
   target = target_lib.resolve(config.plan, config.dry_run,
                               jax.devices() if devices is None else devices)
@@ -90,6 +96,77 @@ def resolve(config, devices=None) -> Resolved:
     hierarchical.check_nodes(config.partition, sharding.mesh_shape(config.mesh, target.n_devices),
                              target.gpus_per_node)
   return Resolved(with_attention(config, target.kernels, cudnn=target.on_gpu), target)
+
+
+RANDOM = 'random'  # config.init_from: freshly drawn parameters, on purpose
+
+
+def started_from(config) -> tuple[dict, pathlib.Path] | None:
+  """(the saved config, the workdir) of the meshlm run `config.init_from` names; else None."""
+  if huggingface.directory(config.init_from) or config.init_from in ('', RANDOM):
+    return None
+  return checkpoint.saved_run(config.init_from)
+
+
+def with_start(config, start=None):
+  """A copy of `config` whose base model is the checkpoint's it starts from (`config.init_from`:
+  a Hugging Face model's config.json, or a meshlm run's saved config, whose settings of the
+  kinds configs/effects.py: FROM_CHECKPOINT it takes), with its tokenizer where the config leaves
+  the default. A setting given other than its default and the checkpoint's is an error naming
+  both: its parameters were trained for that model."""
+  defaults = base.get_config()
+  if start is None:
+    return huggingface.with_model_settings(config, defaults.model)
+  saved, run = start
+  if not saved:  # unreadable: the checkpoint's own check names it
+    return config
+  config = config.copy_and_resolve_references()
+  for field in effects.of_kinds(effects.FROM_CHECKPOINT):
+    value, given = effects.get(saved, field, _UNSAVED), effects.get(config, field)
+    if value is _UNSAVED or value == given:
+      continue
+    if given != effects.get(defaults, field):
+      raise ValueError(
+          f'config.{field}={given!r}, but config.init_from={config.init_from} was trained with '
+          f'{value!r}; drop the setting (the checkpoint decides it) or start from another '
+          'checkpoint')
+    section, key = field.rsplit('.', 1)
+    config[section][key] = value
+  kept = effects.get(saved, 'data.tokenizer', 'byte')
+  if config.data.tokenizer == 'byte' and kept != 'byte':  # the default: take the run's own
+    config.data.tokenizer = kept
+    config.data.tokenizer_model = tokenizers.kept_model(run, saved['data']) or saved['data'][
+        'tokenizer_model']
+  return config
+
+
+_UNSAVED = object()
+
+
+def check_start_tokenizer(config, tokenizer, start) -> None:
+  """ValueError if `config.init_from`, a Hugging Face model or a meshlm run (`start`:
+  started_from's), was trained with another tokenizer than `tokenizer` (its embeddings are those
+  ids'), naming both."""
+  hf = huggingface.directory(config.init_from)
+  if hf and (hf / 'tokenizer.json').is_file():
+    theirs = tokenizers.HFTokenizer(str(hf / 'tokenizer.json'))
+  elif start is None or 'data' not in start[0]:
+    return
+  else:
+    saved, run = start
+    data = ml_collections.ConfigDict(saved['data'])
+    if kept := tokenizers.kept_model(run, data):
+      data.tokenizer_model = kept
+    try:
+      theirs = tokenizers.load(data)
+    except ValueError:  # its files are gone: the vocabulary check is what is left
+      return
+  if theirs.fingerprint != tokenizer.fingerprint:
+    raise ValueError(
+        f'config.init_from={config.init_from} was trained with the {theirs.name} tokenizer '
+        f'{theirs.fingerprint}, and config.data names {tokenizer.name} {tokenizer.fingerprint}: '
+        'its embeddings are the first one\'s ids. Leave config.data.tokenizer at byte to take '
+        "the run's own, or name the same files")
 
 
 def with_attention(config, gpu: gpus.GPU | None, cudnn: bool = True):
@@ -128,13 +205,31 @@ def check(config) -> None:
       raise ValueError(f'config.{field}={value} is not a number a run can use; give a finite one')
     if field in RANGES and not RANGES[field][0](value):
       raise ValueError(f'config.{field}={value} must be {RANGES[field][1]}')
-  ModelConfig.from_config(config.model)
+  model = ModelConfig.from_config(config.model)
+  if model.draft_heads and model.draft_heads + 2 > config.seq_len:
+    raise ValueError(f'config.model.draft_heads={model.draft_heads}: head k guesses the token '
+                     f'k + 1 after each position, which needs rows of at least '
+                     f'{model.draft_heads + 2} tokens, and config.seq_len={config.seq_len}; '
+                     'lower draft_heads or raise seq_len')
   sharding.check_mesh_config(config.mesh)
   distributed.check(config.distributed)
   hierarchical.check(config.partition, config.mesh)
-  tokens.check(config.data)
+  tokens.check(config.data, config.workdir)
   if config.plan.target:
     gpus.get(config.plan.target)  # before anything slower, such as the GPU compiler's devices
+
+
+def check_start(config) -> None:
+  """A run that trains on a frozen base (LoRA, draft heads alone) starts from a model, or says it
+  means a random one: ValueError otherwise. (Training's alone: a plan needs no weights.)"""
+  model = config.model
+  if (model.lora_rank or model.draft_only) and not config.init_from:
+    what = ('config.model.draft_only=True trains draft heads on a frozen model' if
+            model.draft_only else f'config.model.lora_rank={model.lora_rank} trains adapters on '
+            'a frozen base')
+    raise ValueError(f'{what}, and config.init_from is empty: it would be random weights. Start '
+                     "from a model (--config.init_from=hf:DIR, or a run's workdir), or set "
+                     f'--config.init_from={RANDOM} to mean it')
 
 
 def numbers(config, prefix: str = ''):

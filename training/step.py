@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 import sharding
-from model import draft, moe, pipeline
+from model import Transformer, draft, moe, pipeline
 from model.layers import Draft, constrain, split_adapters
 from sharding import hierarchical
 from planning import plan as plan_lib
@@ -234,10 +234,14 @@ def make_eval_step(setup: Setup, token_bytes_V, microbatches: int = 1):
   `microbatches` matter only to pipeline stages (the batch runs whole otherwise)."""
   microbatches = microbatches if pipeline_stages(setup) > 1 else 1
   token_bytes_V = jnp.asarray(token_bytes_V, jnp.float32)
+  graphdef = setup.graphdef
+  if setup.model_cfg.experts:  # every token routed: a score never depends on the batch
+    graphdef = nnx.graphdef(nnx.eval_shape(
+        lambda: Transformer(setup.model_cfg.dropless(), rngs=nnx.Rngs(0))))
 
   def eval_step(params, batch):
     batch = context_layout(setup, batch)
-    nll_BL = _token_losses(setup.graphdef, params, batch, microbatches)[0]
+    nll_BL = _token_losses(graphdef, params, batch, microbatches)[0]
     weights_BL = batch['weights']
     return {'nats': (nll_BL * weights_BL).sum(), 'tokens': weights_BL.sum(),
             'bytes': (token_bytes_V[batch['targets']] * weights_BL).sum()}
