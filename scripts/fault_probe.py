@@ -6,7 +6,7 @@ as a user would, with real files, processes and signals, and judged:
   UGLY  the right outcome, but buried: a traceback, more than one line, another exit status
   BAD   work lost or corrupted, or a mistake accepted
 
-  python scripts/fault_probe.py            # every case (3 minutes on 2 cores)
+  python scripts/fault_probe.py            # every case (18 minutes on 2 cores)
   python scripts/fault_probe.py --only=sample
 
 On the CPU with 8 simulated devices: base.py's small model on the standard library's json and
@@ -306,7 +306,8 @@ def _(p):
 def _(p):
   run = p.trained()
   before = (run / 'metrics.jsonl').read_text()
-  verdict = refused(p.run(*p.train(run, 9), '--config.model.d_model=32'), 'another model')
+  verdict = refused(p.run(*p.train(run, 9), '--config.model.d_model=32'),
+                    'config.model.d_model=32, but checkpoint')
   return verdict if (run / 'metrics.jsonl').read_text() == before else ('BAD', 'metrics changed')
 
 

@@ -196,6 +196,12 @@ FAST = (
     'test_configs.py::test_llama_presets_have_their_real_sizes_and_shard_over_8_devices',
     'test_configs.py::test_unknown_preset_names_the_choices',
     'test_configs.py::test_every_number_of_the_base_config_must_be_finite_and_in_range',
+    'test_configs.py::test_every_setting_declares_what_changing_it_does_and_the_docs_show_the_'
+    'table',
+    'test_configs.py::test_a_change_of_every_kept_setting_is_refused_on_resume_and_no_other',
+    'test_data.py::test_repeated_documents_land_on_one_side_of_the_split',
+    'test_chat.py::test_a_conversation_starts_as_its_template_renders_it_and_blank_answers_are_'
+    'not_records',
     'test_configs.py::test_small_configs_run_one_step_on_8_devices[base.py]',
     'test_benchmarks.py::test_the_fault_probe_runs_its_cases_and_counts_them',
     'test_benchmarks.py::test_every_benchmark_runs_as_a_script_too',
