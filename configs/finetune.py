@@ -11,9 +11,9 @@ docstrings as answers:
   python export.py --workdir=/tmp/meshlm-finetune --output=/tmp/tiny-llama-adapter --lora=peft
   python sample.py --workdir=/tmp/meshlm-finetune --chat --temperature=0 --max_new_tokens=20 \
       --prompt='What does `json.dumps(obj)` do?'
-Should reach: the answers' loss falls from about 5.53 at step 10 to about 5.35 nats per token
-by step 150, eval 5.38, in about a minute on a 2-core CPU, the tokenizer's files kept in the
-workdir. Only the rank-16 adapters on the 7 projections train (32,768 parameters; the base's
+Should reach: the answers' loss falls from 5.53 at step 10 to 5.36 nats per token by step 150,
+eval 5.39, in about a minute on a 2-core CPU (every step in tests/data/curves/finetune.json, from
+scripts/loss_curves.py), the tokenizer's files and chat template kept in the workdir. Only the rank-16 adapters on the 7 projections train (32,768 parameters; the base's
 115,008 are frozen), and the tiny model's weights are random: its frozen head, of small random
 weights after a norm, caps how far any adapter moves the logits (full fine-tuning,
 --config.model.lora_rank=0, reaches 2.6). The first export is the model with its adapters merged,
@@ -21,6 +21,14 @@ the second the adapters alone in PEFT's format; sample.py asks the run a questio
 template. A real model: point init_from at its directory
 (its own tokenizer and template come with it), paths at your .jsonl or .parquet, and take a
 learning rate near 2e-4.
+
+The 1b (Llama-3.2-1B's shapes, LoRA rank 16 on one H100), planned on any machine:
+  python train.py --config=configs/finetune.py:1b --config.dry_run=True --config.plan.target=H100
+Should reach: it fits one H100, 28.74 GiB of the 59.74 JAX's allocator takes (the bf16 base and
+the adapters 2.34 GiB, Adam's moments of the adapters 86 MiB), predicted at 521.5 ms a step
+(MFU 36.9%). On a GPU, with the real model and your records:
+  python train.py --config=configs/finetune.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B \
+      --config.data.paths=/path/to/chats.jsonl
 
 The 8b (Meta-Llama-3-8B's shapes, LoRA rank 16 on one H100), planned on any machine:
   python train.py --config=configs/finetune.py:8b --config.dry_run=True --config.plan.target=H100
@@ -33,7 +41,7 @@ step (MFU 47.7%, counting no weight gradient for the base). Full fine-tuning
 from configs import base
 from configs import llama
 
-PRESETS = ('tiny', '8b')
+PRESETS = ('tiny', '1b', '8b')
 
 
 def get_config(preset: str = 'tiny'):
@@ -55,9 +63,9 @@ def get_config(preset: str = 'tiny'):
     c.model.compute_dtype = 'float32'  # the tiny model; a real one trains in bfloat16
     c.optimizer.learning_rate = 1e-2  # random tiny weights; a real model wants about 2e-4
     return c
-  c.model.update(llama.PRESETS['8b'])
   c.train_steps, c.log_every, c.eval_every = 1000, 10, 200
-  c.batch_size, c.seq_len, c.microbatches = 8, 4096, 4
-  c.model.remat_policy = 'dots'
   c.optimizer.learning_rate = 2e-4
+  c.model.update(llama.PRESETS[preset])
+  c.model.remat_policy = 'dots'
+  c.batch_size, c.seq_len, c.microbatches = 8, 4096, 1 if preset == '1b' else 4
   return c

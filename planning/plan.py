@@ -185,6 +185,15 @@ def compiled_for(plan: Plan) -> str:
   return plan.compiled_for
 
 
+def _stand_in(plan: Plan) -> str:
+  """What a verdict from a CPU stand-in's compile is worth, and how to get the GPU's own."""
+  if plan.deviceless or not gpus.find(plan.device) or (
+      plan.compiled_for == gpus.find(plan.device).device_kind):
+    return ''
+  return (f' (by a {plan.compiled_for} stand-in, whose temporaries are not the GPU\'s: '
+          f'`{gpu_compiler.INSTALL}` gives the {plan.device}\'s own)')
+
+
 def report(plan: Plan) -> None:
   """A table for people, then the plan as one JSON line."""
   xla_flops = ('' if plan.compiled_flops is None else
@@ -211,7 +220,7 @@ def report(plan: Plan) -> None:
           ('temporaries / device', readable_bytes(plan.temp_bytes)),
           ('total / device', f'{readable_bytes(plan.total_bytes)} of {readable_bytes(plan.memory_bytes)}: '
                              + {True: 'fits', False: 'does NOT fit', None: 'device memory unknown'}
-                             [plan.fits]),
+                             [plan.fits] + _stand_in(plan)),
           ('memory available', plan.memory_source),
           ('host memory / device', readable_bytes(plan.host_bytes)),
           ('FLOPs / device / step', f'{plan.flops:.3e}{xla_flops}'),

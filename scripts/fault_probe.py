@@ -737,6 +737,14 @@ for _name, (_args, _change, _expected) in RESUMED_CHANGES.items():
   CASES[f'resume: {_name}'] = resumed_change_case(_args, _change, _expected)
 
 
+@case('resume: a finished run')
+def _(p):
+  run = p.trained()
+  before = (run / 'metrics.jsonl').read_text()
+  verdict = survived(p.run(*p.train(run, 6)), ['is finished: checkpoint 6 is its last step'])
+  return verdict if (run / 'metrics.jsonl').read_text() == before else ('BAD', 'metrics changed')
+
+
 @case('resume: compute dtype under LoRA')
 def _(p):
   run = lora_run(p)

@@ -235,18 +235,18 @@ def test_prepared_chat_ids_carry_their_weights_and_a_run_evaluates_only_answers(
 
 
 def walkthrough_commands(tmp_path) -> list[str]:
-  """configs/finetune.py's commands as its docstring gives them, in tmp_path, shortened."""
+  """configs/finetune.py's commands as its docstring gives them, in tmp_path: its warmup's 10
+  steps, each logged."""
   doc = importlib.import_module('configs.finetune').__doc__
   block = doc.split('Run,')[1].split('Should reach')[0].split(':\n', 1)[1]
   commands = block.replace('\\\n', ' ').replace('/tmp/', f'{tmp_path}/').splitlines()
   commands = [' '.join(c.split()) for c in commands if c.strip()]
-  return [c.replace('--output=', '--max_records=300 --output=') if 'stdlib_chat' in c else
-          c + ' --config.train_steps=6 --config.eval_every=6 --config.checkpoint_every=6'
-          if 'train.py' in c else c for c in commands]
+  return [c + ' --config.train_steps=10 --config.eval_every=10 --config.checkpoint_every=10'
+          ' --config.log_every=1' if 'train.py' in c else c for c in commands]
 
 
 def test_the_walkthrough_fine_tunes_an_imported_model_and_exports_it(tmp_path):
-  """The preset's docstring, run as a user would (fewer records and steps): LoRA on the imported
+  """The preset's docstring, run as a user would (fewer steps): LoRA on the imported
   model; the merged export holds the tokenizer with its chat template and the context it was
   trained at; the PEFT export is the adapters; and where transformers and peft are installed, the
   base with the PEFT adapter computes what the merged export does."""
@@ -267,7 +267,12 @@ def test_the_walkthrough_fine_tunes_an_imported_model_and_exports_it(tmp_path):
   assert config['chat_template'] == json.loads(
       (CHAT / 'llama3' / 'tokenizer_config.json').read_text())['chat_template']
   metrics = [json.loads(line) for line in (tmp_path / 'meshlm-finetune' / 'metrics.jsonl').open()]
-  assert metrics[-1]['eval_tokens'] > 0 and metrics[-1]['step'] == 6
+  assert metrics[-1]['eval_tokens'] > 0 and metrics[-1]['step'] == 10
+  # Its steps are the warmup's (the same schedule as 150 steps': optimizer.make_schedule), so they
+  # are the first 10 of the preset's committed curve, made on one device (scripts/loss_curves.py).
+  curve = json.loads((REPO / 'tests' / 'data' / 'curves' / 'finetune.json').read_text())
+  np.testing.assert_allclose([r['loss'] for r in metrics if 'loss' in r], curve['loss'][:10],
+                             atol=1e-3, rtol=0)
   adapter = tmp_path / 'tiny-llama-adapter'
   assert json.loads((adapter / 'adapter_config.json').read_text())['r'] == 16
   assert (adapter / 'adapter_model.safetensors').is_file()

@@ -157,6 +157,12 @@ def run(config, devices=None) -> list[dict]:
   finally:
     if reader:
       reader.close()
+  if (saved := checkpoint_lib.saved_steps(config.workdir)) and max(saved) >= config.train_steps:
+    if jax.process_index() == 0:  # nothing to compile or train: say so, and where it is
+      print(f'the run in {config.workdir} is finished: checkpoint {max(saved)} is its last step '
+            f'(config.train_steps={config.train_steps}); raise config.train_steps to train on, '
+            'or sample.py / export.py it')
+    return []
   # Prepared before the workdir is created or held: a failure there (a full disk) leaves none.
   corpus, documents = load_data(config.data, tokenizer, config.workdir)
   workdir = workdir_lib.prepare(config.workdir)
