@@ -412,6 +412,14 @@ def _(p):
   return verdict if kept and steps_once(run, 9) else ('BAD', 'not set aside, or steps twice')
 
 
+@case('checkpoint: a finished run, its last one damaged')
+def _(p):
+  run = p.trained()
+  damage(run / 'checkpoints' / '6', 'bytes')
+  verdict = survived(p.run(*p.train(run, 6)), ['resuming from step 3', 'checksums'])
+  return verdict if steps_once(run, 6) else ('BAD', 'steps 4-6 not trained again')
+
+
 @case('checkpoint: newest with bytes changed')
 def _(p):
   run = p.trained()

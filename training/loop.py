@@ -157,12 +157,6 @@ def run(config, devices=None) -> list[dict]:
   finally:
     if reader:
       reader.close()
-  if (saved := checkpoint_lib.saved_steps(config.workdir)) and max(saved) >= config.train_steps:
-    if jax.process_index() == 0:  # nothing to compile or train: say so, and where it is
-      print(f'the run in {config.workdir} is finished: checkpoint {max(saved)} is its last step '
-            f'(config.train_steps={config.train_steps}); raise config.train_steps to train on, '
-            'or sample.py / export.py it')
-    return []
   # Prepared before the workdir is created or held: a failure there (a full disk) leaves none.
   corpus, documents = load_data(config.data, tokenizer, config.workdir)
   workdir = workdir_lib.prepare(config.workdir)
@@ -207,6 +201,13 @@ def _train(config, target, setup, workdir, tokenizer, corpus, documents, checkpo
   train_step, the_plan = compile_and_plan(setup, config, target)
   plan_lib.check_fits(the_plan)  # before the state is allocated
   start_step, state, data_state = initial_state(setup, config, checkpointer, log)
+  # Finished is known only once restored: a damaged newest checkpoint was set aside just now.
+  if start_step >= config.train_steps:
+    log(f'the run in {workdir} is finished: checkpoint {start_step} is its last step '
+        f'(config.train_steps={config.train_steps}); raise config.train_steps to train on, '
+        'or sample.py / export.py it')
+    writer.close()
+    return []
   writer.drop_after(start_step)  # the steps after the checkpoint (or all, from 0) are logged again
   batches = pipeline.train_batches(documents.train, tokenizer, config, batch_sharding,
                                    state=data_state)
