@@ -20,7 +20,6 @@ head's.
 """
 
 import functools
-import math
 
 import flax.core.spmd
 import jax
@@ -60,13 +59,11 @@ _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 def table_grad(table_VD, tokens_BL, g_BLD):
   """The gradient of the table for the tokens' gradients g_BLD, as the module docstring says."""
-  mesh = jax.sharding.get_abstract_mesh()
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
   token_axes, scatter, summed = sharding.token_gradient_axes('the embedding')
   vocab_axis = sharding.mesh_axis('vocab')
   V, D = table_VD.shape
-  rows = V // size([vocab_axis] if vocab_axis else [])
-  tokens = tokens_BL.size // size(token_axes)
+  rows = V // sharding.axes_size([vocab_axis] if vocab_axis else [])
+  tokens = tokens_BL.size // sharding.axes_size(token_axes)
   exchange = tokens * (D * g_BLD.dtype.itemsize + 4) < rows * D * table_VD.dtype.itemsize
 
   def local(tokens_BL, g_BLD):

@@ -225,8 +225,8 @@ def experts_ffn(settings, rules, x_BLD, experts_BLk, weights_BLk, wg, wu, wd):
   return _experts_fwd(settings, rules, x_BLD, experts_BLk, weights_BLk, wg, wu, wd)[0]
 
 
-# Per-device buffers travel out of shard_map as [b, rows/b, ·], so their global shapes shard as
-# the tokens do: the sorted assignments (A = b·l·k rows) and the expert side's (R rows).
+# Per-device buffers travel out of sharding.per_shard as [b, rows/b, ·], so their global shapes
+# shard as the tokens do: the sorted assignments (A = b·l·k rows) and the expert side's (R rows).
 SORTED = TOKENS + ('embed',)
 EXPERT_SIDE = TOKENS + ('mlp',)
 

@@ -22,7 +22,6 @@ remat policy saves, for every tick (GPipe's memory: M microbatches of its layers
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 
 def ticks(microbatches: int, stages: int, virtual_stages: int = 1) -> int:
@@ -46,24 +45,9 @@ def merge(x):
   return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def over_stages(forward, axis: str, staged_dim: int = 0):
-  """forward(staged, shared, *args) run by each stage of mesh axis `axis` on its own part: the
-  leaves of `staged` are split over `axis` along dimension `staged_dim`, everything else is whole
-  on every stage, and so is the result. Nothing outside the pipeline is left for XLA to split
-  over stages (it would move parameters between them to do so): each stage computes the rest
-  itself, and what no stage varies (the embedding and its gradient) needs no collective across
-  stages. The head and loss are split among the stages by microbatch (`shares`), so the head's
-  weight gradient is summed over them."""
-  mesh = jax.sharding.get_abstract_mesh()
-  staged = P(*(None,) * staged_dim, axis)
-  return lambda staged_tree, shared, *args: jax.shard_map(
-      forward, mesh=mesh, in_specs=(staged, P(), *(P() for _ in args)), out_specs=P(),
-      axis_names={axis}, check_vma=True)(staged_tree, shared, *args)
-
-
 def schedule(run_layers, layers, x_MbLD, extras_Mb, axis: str, loops: int = 1):
   """run_layers(layers, x_bLD, extras_b) → (y_bLD, stats) applied to every microbatch of x_MbLD
-  through all the stages' layers, inside `over_stages`; `stats` holds an array per layer of the
+  through all the stages' layers, inside `sharding.per_stage`; `stats` holds an array per layer of the
   chunk run (the MoE router's, model/moe.py; or nothing). `layers` is this stage's share: [n/P, …] for GPipe, or
   with `loops` = V > 1 virtual stages its chunks, [V, n/(V·P), …]; extras_Mb (a pytree of
   per-microbatch arrays, such as positions) go with each microbatch. Returns y_MbLD on the last

@@ -125,7 +125,7 @@ class Transformer(nnx.Module):
       return nnx.merge(graphdef, blocks, rest)._forward(*batch, microbatches, stage_axis)
 
     staged_dim = int(self.cfg.virtual_stages > 1)  # the 'layers' dimension
-    return pipeline.over_stages(forward, stage_axis, staged_dim)(
+    return sharding.per_stage(forward, stage_axis, staged_dim)(
         blocks, rest, tokens_BL, positions_BL, segment_ids_BL, targets_BL)
 
   def _forward(self, tokens_BL, positions_BL, segment_ids_BL, targets_BL=None, microbatches=1,

@@ -1,10 +1,14 @@
-"""Running a kernel that XLA cannot partition (a Pallas call) on each device's shard, and where
-XLA's partitioner fails inside a manual region (a pipeline stage's): the model names logical
-axes, and these decide what a mesh makes of them."""
+"""Running a kernel that XLA cannot partition (a Pallas call) on each device's shard, a pipeline
+stage's forward on its own layers, and where XLA's partitioner fails inside a manual region (a
+pipeline stage's): the model names logical axes, and these decide what a mesh makes of them; the
+model itself never holds a mesh or a PartitionSpec."""
+
+import math
 
 import flax.core.spmd
 import flax.linen as nn
 import jax
+from jax.sharding import PartitionSpec as P
 
 from sharding.rules import PARAM_RULES
 
@@ -28,6 +32,12 @@ def mesh_axes(name: str, params: bool = False) -> tuple[str, ...]:
     return ()
   axes = nn.logical_to_mesh_axes((name,), PARAM_RULES if params else None)[0]
   return tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape[a] > 1)
+
+
+def axes_size(axes) -> int:
+  """How many devices the mesh axes `axes` (names, as `mesh_axes` gives them) span together."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in axes)
 
 
 def token_gradient_axes(what: str, model_axis: str = 'embed', split: str | None = None
@@ -106,3 +116,18 @@ def partitioned(fn, in_names: tuple, out_names: tuple):
     return fn(*args)
   return run
 
+
+
+def per_stage(forward, axis: str, staged_dim: int = 0):
+  """forward(staged, shared, *args) run by each stage of mesh axis `axis` on its own part
+  (model/pipeline.py): the leaves of `staged` are split over `axis` along dimension `staged_dim`,
+  everything else is whole on every stage, and so is the result. Nothing outside the pipeline is
+  left for XLA to split over stages (it would move parameters between them to do so): each stage
+  computes the rest itself, and what no stage varies (the embedding and its gradient) needs no
+  collective across stages. The head and loss are split among the stages by microbatch
+  (`pipeline.shares`), so the head's weight gradient is summed over them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  staged = P(*(None,) * staged_dim, axis)
+  return lambda staged_tree, shared, *args: jax.shard_map(
+      forward, mesh=mesh, in_specs=(staged, P(), *(P() for _ in args)), out_specs=P(),
+      axis_names={axis}, check_vma=True)(staged_tree, shared, *args)

@@ -116,3 +116,19 @@ def test_every_link_config_module_and_script_the_docs_name_exists():
       if not (REPO / script).exists():
         missing.append(f'{doc.name}: python {script}')
   assert not missing, missing
+
+
+def test_the_model_never_holds_a_mesh():
+  """model/ names logical axes only: shard_map, PartitionSpec and the active mesh are sharding/'s
+  (per_shard, per_stage, mesh_axis), so a mesh shape never changes model code."""
+  held = [f'{name}: {node.attr if isinstance(node, ast.Attribute) else node.id}'
+          for name, path in modules().items() if name.split('.')[0] == 'model'
+          for node in ast.walk(ast.parse(path.read_text()))
+          if (isinstance(node, ast.Attribute) and node.attr in MESH_HOLDERS)
+          or (isinstance(node, ast.Name) and node.id in MESH_HOLDERS)
+          or (isinstance(node, ast.alias) and node.name.split('.')[-1] in MESH_HOLDERS)]
+  assert not held, held
+
+
+MESH_HOLDERS = {'shard_map', 'PartitionSpec', 'get_abstract_mesh', 'NamedSharding', 'Mesh',
+                'AbstractMesh', 'set_mesh', 'use_mesh'}
