@@ -1,4 +1,4 @@
-"""Export a run's checkpoint as a Hugging Face Llama checkpoint (runtime/huggingface.py).
+"""Export a run's checkpoint as a Hugging Face Llama checkpoint (interop/huggingface.py).
 
   python export.py --workdir=/tmp/meshlm-default --output=/tmp/meshlm-hf
   python export.py --workdir=/tmp/meshlm-default --step=100 --output=/tmp/meshlm-hf --dtype=bfloat16
@@ -6,7 +6,7 @@
 The directory holds config.json, model.safetensors (sharded with model.safetensors.index.json
 above --max_shard_gb) and the tokenizer's files, and loads with
 transformers.AutoModelForCausalLM.from_pretrained(DIR). A run with LoRA adapters is exported with
-them merged into its weights, or with --lora=peft as a PEFT adapter alone (runtime/peft.py):
+them merged into its weights, or with --lora=peft as a PEFT adapter alone (interop/peft.py):
   python export.py --workdir=/tmp/meshlm-lora --output=/tmp/meshlm-lora-adapter --lora=peft
 It is written beside --output and moved there whole; an existing non-empty --output is refused,
 and what an export killed on this host left beside it is cleared.
@@ -20,9 +20,10 @@ import pathlib
 from absl import app, flags
 from flax import nnx
 
+from inference import sampling
+from interop import huggingface, peft
 from model.layers import Draft, split_adapters
-from runtime import cli, huggingface, peft
-from training import sampling
+from runtime import cli
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "A run's workdir, checkpoints/ or "
                                'checkpoints/STEP.', required=True)

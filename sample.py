@@ -1,4 +1,4 @@
-"""Sample text from a trained run's checkpoint (KV-cached decoding: model/generate.py).
+"""Sample text from a trained run's checkpoint (KV-cached decoding: inference/generate.py).
 
   python sample.py --workdir=/tmp/meshlm-default --prompt='def ' --max_new_tokens=300
   python sample.py --workdir=/tmp/meshlm-default/checkpoints/100 --temperature=0 --prompt='import '
@@ -17,9 +17,9 @@ model ends the document:
 
 from absl import app, flags
 
+from inference import sampling
 from model import kv_cache
 from runtime import cli
-from training import sampling
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "A run's workdir, checkpoints/ or checkpoints/STEP.",
                                required=True)

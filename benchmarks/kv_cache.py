@@ -41,10 +41,11 @@ from flax import nnx
 
 from benchmarks import report
 from configs import llama
+from inference import generate as gen
+from inference import sampling
 from model import ModelConfig, Transformer, kv_cache
-from model import generate as gen
 from planning import gpu_compiler, gpus, timing
-from training import loop, sampling
+from training import loop
 
 LLAMA3_VOCAB = 128_256  # the presets leave vocab_size to the tokenizer
 

@@ -31,10 +31,10 @@ from flax import nnx
 
 from benchmarks import report
 from benchmarks.kv_cache import agreement, served, windows
-from model import generate as gen
-from model import speculate as spec
+from inference import generate as gen
+from inference import sampling
+from inference import speculate as spec
 from planning import timing
-from training import sampling
 
 
 def timed(fn):

@@ -1,5 +1,5 @@
 """Draft heads: K small heads on the base model's last hidden state that guess the K tokens after
-the one the base predicts, for speculative decoding (model/generate.py: speculate). The base
+the one the base predicts, for speculative decoding (inference/generate.py: speculate). The base
 verifies every guess in one forward, so a guess costs a head's few matmuls, not a forward.
 
 Two kinds (config.model.draft_kind), each head a residual SiLU block of width D on a state s:

@@ -85,8 +85,8 @@ class Block:
     if name.split('.')[0] in ('tensorflow_datasets', 'grain'):
       raise ImportError('not on the GPU image: ' + name)
 sys.meta_path.insert(0, Block())
-import model, sharding, kernels, model.generate, planning.flops, reporting.metrics
 import benchmarks.train_step
+import model, sharding, kernels, inference.generate, planning.flops, reporting.metrics
 '''
   result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           cwd=pathlib.Path(__file__).resolve().parents[1], timeout=120)

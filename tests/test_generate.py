@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import ModelConfig, Transformer
 from benchmarks import kv_cache as kv_cache_benchmark
-from model import generate as gen
+from inference import generate as gen
+from inference import sampling
+from model import ModelConfig, Transformer
 from model import kv_cache
 from tests.conftest import tiny_config
-from training import loop, sampling
+from training import loop
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints in and out (runtime/huggingface.py), against what transformers
+"""Hugging Face Llama checkpoints in and out (interop/huggingface.py), against what transformers
 computed for tiny random models (tests/data/make_hf_goldens.py made them: no torch here)."""
 
 import json
@@ -16,9 +16,10 @@ from safetensors.numpy import load_file
 
 from configs import base
 from data import tokenizers
-from model.generate import generate
+from inference.generate import generate
+from interop import huggingface
 from runtime import checkpoint as checkpoint_lib
-from runtime import faults, huggingface
+from runtime import faults
 from tests.conftest import SMALL_CORPUS, with_file_size_limit
 from training import loop, settings
 from training.state import build

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from inference import generate as gen
+from inference import sampling
 from model import ModelConfig, Transformer, kv_cache
-from model import generate as gen
 from model.layers import Adapter
 from tests.conftest import tiny_config
-from training import sampling
 
 PROMPTS = [[1, 5, 9, 200, 7, 31, 64], [1], [1, 42, 42]]
 

@@ -1,4 +1,4 @@
-"""LoRA (model/layers.py: Adapter; runtime/peft.py): the adapted model starts as the base; a PEFT
+"""LoRA (model/layers.py: Adapter; interop/peft.py): the adapted model starts as the base; a PEFT
 adapter reads in and writes out tensor for tensor, and the model it makes computes what PEFT's
 does (goldens made by tests/data/make_peft_goldens.py); merged, it is a plain Llama computing the
 same; only the adapters train, with the optimizer holding them alone, the base's weight
@@ -15,8 +15,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from configs import base
+from interop import huggingface, peft
 from model.layers import LoRA, split_adapters
-from runtime import huggingface, peft
 from tests.conftest import SMALL_CORPUS
 from training import settings
 from training.state import base_params, build

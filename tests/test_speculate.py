@@ -1,4 +1,4 @@
-"""Draft heads and speculative decoding (model/draft.py, model/speculate.py): greedy speculation
+"""Draft heads and speculative decoding (model/draft.py, inference/speculate.py): greedy speculation
 gives plain greedy decoding's tokens, ragged batches and end-of-document included; sampled, every
 token has the base model's distribution (a χ² test on a 4-token vocabulary); the heads learn
 on the corpus without changing how the model trains, and train alone on a frozen base."""
@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 from scipy import stats
 
+from inference import generate as gen
+from inference.speculate import speculate
 from model import ModelConfig, Transformer
-from model import generate as gen
 from model.layers import Draft
-from model.speculate import speculate
 from reporting.metrics import format_line
 from runtime import checkpoint as checkpoint_lib
 from tests.conftest import tiny_config

@@ -13,16 +13,17 @@ import jax
 import ml_collections
 from jax.experimental import multihost_utils
 
+from data import chat, pipeline, tokenizers
 from data import corpus as corpus_lib
 from data import tokens
-from data import chat, pipeline, tokenizers
+from interop import huggingface
 from model.layers import is_added
 from planning import gpu_compiler
 from planning import plan as plan_lib
 from reporting import metrics as metrics_lib
 from reporting.profiling import StepTrace
 from runtime import checkpoint as checkpoint_lib
-from runtime import distributed, huggingface
+from runtime import distributed
 from runtime import workdir as workdir_lib
 from runtime.preemption import StopSignals
 import sharding

@@ -27,13 +27,14 @@ import ml_collections
 
 from configs import base, effects
 from data import tokenizers, tokens
+from interop import huggingface
 from model import ModelConfig
 from planning import gpus, timing
 from planning import target as target_lib
 from planning.target import Target
-from runtime import checkpoint, distributed, huggingface
-import sharding
+from runtime import checkpoint, distributed
 from sharding import hierarchical
+import sharding
 
 
 def _at_least(low):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.generate import draw, mask_vocab, padded, row_keys, sample, tempered
+from inference.generate import draw, mask_vocab, padded, row_keys, sample, tempered
 
 
 def speculate(model, prompts, max_new_tokens: int, *, key=None, temperature: float = 0.0,

@@ -8,7 +8,7 @@ meshlm's adapter of W[in…, out…] (model/layers.py: Adapter) is A[in…, r] a
 (alpha/r) · (x A) B; PEFT's of a Linear whose weight is [out, in] is lora_A.weight [r, in] and
 lora_B.weight [out, r], adding (lora_alpha/r) · B_peft A_peft x. So lora_A is A flattened to
 [in, r] and transposed, lora_B is B flattened to [r, out] and transposed, and each layer's are
-named after the module its weight is in HF's Llama (runtime/huggingface.py: TENSORS).
+named after the module its weight is in HF's Llama (interop/huggingface.py: TENSORS).
 """
 
 import json
@@ -21,7 +21,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from runtime.huggingface import LAYER, TENSORS, cast, save_tokenizer, written_whole
+from interop.huggingface import LAYER, TENSORS, cast, save_tokenizer, written_whole
 
 SUFFIX = '_lora'  # an adapter's attribute: its weight's name and this (model/layers.py)
 MODULES = {'q': 'q_proj', 'k': 'k_proj', 'v': 'v_proj', 'o': 'o_proj', 'gate': 'gate_proj',
@@ -112,7 +112,7 @@ def write(params, cfg, output: pathlib.Path, *, dtype: str, base_model: str,
           tokenizer=None, chat_template: str | None = None, log=print) -> None:
   """adapter_config.json and adapter_model.safetensors (and the tokenizer's files, with the
   run's chat template) in `output`, built beside it and renamed to it whole, as
-  runtime.huggingface.export does."""
+  interop.huggingface.export does."""
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
   with written_whole(output) as partial:
     arrays = tensors(params, cfg, np_dtype)

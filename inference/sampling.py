@@ -1,6 +1,6 @@
 """Text from a trained run: `load(path)` restores a checkpoint's model and tokenizer (the config
 saved with the checkpoint says which; its files are read from the run's copy in the workdir), and
-`complete(...)` continues prompts with the KV-cached sampler in model/generate.py. sample.py is
+`complete(...)` continues prompts with the KV-cached sampler in inference/generate.py. sample.py is
 the command.
 
 The parameters are sharded FSDP-style over this process's devices when their dimensions divide,
@@ -17,10 +17,10 @@ from flax import nnx
 
 from configs import base, effects
 from data import chat, tokenizers
+from inference.generate import generate
+from inference.speculate import speculate
 from model import ModelConfig, Transformer
 from model import kv_cache
-from model.generate import generate
-from model.speculate import speculate
 from runtime import checkpoint as checkpoint_lib
 import sharding
 from training import settings
@@ -125,7 +125,7 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
   trained at, beyond which its positions are untried); a longer max_len must leave the cache
   room in memory. Both are checked before anything is allocated. `cache` is what decoding keeps
   of past tokens (model/kv_cache.py: KINDS). `speculative`: decode with the model's draft heads
-  (model/speculate.py; the same text greedy, the same distribution sampled), if it has them;
+  (inference/speculate.py; the same text greedy, the same distribution sampled), if it has them;
   `report(line)` then gets a line of how far their guesses went."""
   tok = loaded.tokenizer
   if top_k > tok.vocab_size:
