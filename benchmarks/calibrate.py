@@ -37,7 +37,7 @@ import kernels
 from kernels import matmul
 from planning import flops, gpus, timing
 from runtime import cli
-from training import step as step_lib
+from training import programs
 
 _PARTS = flags.DEFINE_list('parts', ['gemm', 'copy', 'attention', 'steps'], 'Parts to run.')
 _GEMMS = flags.DEFINE_list('gemms', ['2048x2048x2048', '4096x4096x4096', '8192x8192x8192',
@@ -83,7 +83,7 @@ def measured_and_predicted(fn, args, gpu, options=None) -> dict:
 
 
 def gemm_rows(gpu):
-  fp8_options = step_lib.FP8_COMPILER_OPTIONS if jax.devices()[0].platform == 'gpu' else {}
+  fp8_options = programs.FP8_COMPILER_OPTIONS if jax.devices()[0].platform == 'gpu' else {}
   for shape in _GEMMS.value:
     m, k, n = map(int, shape.split('x'))
     x, w = place((m, k), jnp.bfloat16), place((k, n), jnp.bfloat16, 1)

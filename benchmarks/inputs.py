@@ -9,7 +9,7 @@ import numpy as np
 
 import sharding
 from training import settings
-from training import step as step_lib
+from training import programs
 from training.state import Setup, TrainState, build
 
 
@@ -28,7 +28,7 @@ def prepare(config, packed: bool = False) -> Prepared:
   setup = build(config)
   t0 = time.perf_counter()
   state = setup.init_state()
-  train_step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
+  train_step = programs.compile_train_step(setup, config.batch_size, config.seq_len,
                                            config.loss.z_loss, packed=packed,
                                            microbatches=config.microbatches)
   return Prepared(config, setup, state, train_step, random_batch(config, setup.mesh, packed),
@@ -47,4 +47,4 @@ def random_batch(config, mesh, packed: bool = False) -> dict:
   if packed:
     host['segment_ids'] = np.ones(shape)
   s = sharding.batch_sharding(mesh)
-  return {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
+  return {k: jax.device_put(np.asarray(v, programs.BATCH_KEYS[k]), s) for k, v in host.items()}

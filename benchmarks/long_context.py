@@ -25,7 +25,7 @@ from runtime import cli
 import sharding
 from training import settings
 from training.state import build
-from training.step import compile_and_plan
+from training.programs import compile_and_plan
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:8b-128k', 'Config file.',
                                           lock_config=True)

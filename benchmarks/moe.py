@@ -51,7 +51,7 @@ from planning import communication, gpu_compiler, gpus
 from runtime import cli
 from training import settings
 from training.state import build
-from training.step import compile_and_plan
+from training.programs import compile_and_plan
 
 _TARGET = flags.DEFINE_string('target', 'H100', f'GPU to compile for: {sorted(gpus.GPUS)}.')
 _SHAPE = flags.DEFINE_string('shape', '8192,4096,1792,8', 'M,K,N,G: rows, width, out, experts.')

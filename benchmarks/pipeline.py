@@ -33,9 +33,9 @@ from runtime import cli
 import sharding
 from sharding import collectives
 from training import settings
-from training import step as step_lib
+from training import programs
 from training.state import build
-from training.step import compile_and_plan
+from training.programs import compile_and_plan
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:8b', 'Config file.',
                                           lock_config=True)
@@ -66,7 +66,7 @@ def bubble(gpu, stages: int, microbatches: int, virtual: int) -> dict:
   config.model.virtual_stages = virtual
   config.batch_size, config.microbatches = microbatches, microbatches
   setup = build(config, gpu_compiler.devices(gpu, stages))
-  hlo = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0,
+  hlo = programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0,
                                     microbatches=microbatches).as_text()
   ticks = stage_ticks(hlo, lambda device: device)
   return {'stages': stages, 'virtual_stages': virtual, 'microbatches': microbatches,

@@ -374,14 +374,15 @@ def test_a_non_finite_step_is_skipped_and_counted_and_the_run_goes_on(tmp_path, 
 @pytest.mark.parametrize('precision', ['default', 'fp8'])
 def test_skipped_step_leaves_parameters_and_optimizer_state_as_they_were(small_corpus,
                                                                           precision):
-  from training import step as step_lib
+  from training import programs
   config = tiny_config(fsdp=8)
   config.model.matmul_precision = precision  # fp8: a NaN gradient's scale is NaN, never inf
   setup = build(config)
   state = setup.init_state()
-  train_step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
+  train_step = programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
   batch = {k: jnp.zeros(x.shape, x.dtype, device=x.sharding)
-           for k, x in step_lib.abstract_batch(setup.mesh, config.batch_size, config.seq_len).items()}
+           for k, x in programs.abstract_batch(setup.mesh, config.batch_size,
+                                               config.seq_len).items()}
   batch['weights'] = jnp.full_like(batch['weights'], jnp.nan)
   before = jax.tree.map(np.asarray, (state.params, state.opt_state))
   after, metrics = train_step(state, batch)

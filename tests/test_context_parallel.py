@@ -16,7 +16,7 @@ from kernels import context_parallel
 from sharding import collectives
 from tests.conftest import tiny_config
 from tests.test_kernels import random_batch
-from training import step as step_lib
+from training import programs
 from training.state import build
 
 CHUNK = 16  # rows per device, one kernel block: the smallest that tests every path
@@ -130,7 +130,7 @@ def compiled_step(implementation='pallas', context_parallel='all_gather', **mesh
   config.model.attention, config.model.context_parallel = implementation, context_parallel
   devices = jax.devices() if mesh else jax.devices()[:1]
   setup = build(config, devices)
-  return setup, config, step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
+  return setup, config, programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
 
 
 def train_once(*args, **mesh):

@@ -20,7 +20,7 @@ from sharding import collectives
 from tests.conftest import f32_shapes
 from training import loop, settings
 from training.state import build
-from training.step import compile_and_plan
+from training.programs import compile_and_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 H100 = gpus.GPUS['H100']

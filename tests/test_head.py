@@ -14,7 +14,8 @@ from sharding import collectives
 from model import head
 from tests.conftest import f32_shapes, tiny_config
 from training.state import build
-from training.step import compile_train_step, weighted_losses
+from training.programs import compile_train_step
+from training.step import weighted_losses
 
 D, V = 16, 40
 

@@ -12,7 +12,7 @@ import pytest
 import sharding
 from kernels import flash_attention, xla_attention
 from tests.conftest import tiny_config
-from training import step as step_lib
+from training import programs
 from training.state import build
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # bf16: inputs rounded, fp32 softmax
@@ -100,7 +100,7 @@ def test_one_training_step_with_pallas_equals_xla():
     config = tiny_config()
     config.model.attention = implementation
     setup = build(config, jax.devices()[:1])
-    step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
+    step = programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
     state, metrics = step(setup.init_state(), random_batch(setup, config))
     runs[implementation] = (float(metrics['loss']), float(metrics['grad_norm']),
                             np.asarray(state.params['blocks']['attn']['wq'][...]))
@@ -118,7 +118,7 @@ def random_batch(setup, config):
           'positions': np.tile(np.arange(config.seq_len // 4), 4)[None].repeat(shape[0], 0),
           'segment_ids': segments, 'weights': np.ones(shape)}
   s = sharding.batch_sharding(setup.mesh)
-  return {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
+  return {k: jax.device_put(np.asarray(v, programs.BATCH_KEYS[k]), s) for k, v in host.items()}
 
 
 def test_sharded_over_batch_and_heads_equals_unsharded():

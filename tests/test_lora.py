@@ -20,7 +20,7 @@ from model.layers import LoRA, split_adapters
 from tests.conftest import SMALL_CORPUS
 from training import settings
 from training.state import base_params, build
-from training.step import compile_train_step
+from training.programs import compile_train_step
 
 DATA = pathlib.Path(__file__).resolve().parent / 'data'
 UNTIED = DATA / 'hf-llama-untied'

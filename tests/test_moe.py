@@ -17,7 +17,7 @@ from model import ModelConfig, moe
 from model.layers import MLP
 from model.transformer import Transformer
 from tests.conftest import tiny_config
-from training import step as step_lib
+from training import programs
 from training.hooks import scalars
 from training.state import build
 
@@ -206,10 +206,10 @@ def test_a_sigmoid_routers_bias_moves_toward_balance_and_not_by_its_gradient():
   config.model.update(router='sigmoid', router_bias_rate=0.01)
   setup = build(config, jax.devices()[:1])
   state = setup.init_state()
-  batch = {k: np.zeros((8, 32), v) for k, v in step_lib.BATCH_KEYS.items()}
+  batch = {k: np.zeros((8, 32), v) for k, v in programs.BATCH_KEYS.items()}
   batch['inputs'] = batch['targets'] = np.arange(256).reshape(8, 32) % 97
   batch['weights'][:] = 1
-  step = step_lib.compile_train_step(setup, 8, 32, 0.0)
+  step = programs.compile_train_step(setup, 8, 32, 0.0)
   new, metrics = step(state, batch)
   f = np.asarray(metrics['moe_tokens_per_expert'])
   assert f.sum() == pytest.approx(1.0) and len(set(np.round(f, 6))) > 1
@@ -235,7 +235,7 @@ def train(config, devices, corpus, steps: int, keep=()):
   """(curve [steps, metrics], {step: parameters as NumPy} for the steps in `keep`)."""
   setup = build(config, devices)
   state = setup.init_state()
-  step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
+  step = programs.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
                                      microbatches=config.microbatches)
   byte = tokenizers.ByteTokenizer()
   batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), byte, config,

@@ -14,7 +14,7 @@ from model import pipeline
 from runtime.checkpoint import Checkpointer, CheckpointMismatch
 from sharding import collectives
 from tests.conftest import tiny_config
-from training import step as step_lib
+from training import programs
 from training.state import build
 
 STEPS, M = 20, 4
@@ -38,7 +38,7 @@ def batches(setup, config, steps=STEPS):
     host = {'inputs': tokens, 'targets': tokens, 'weights': np.ones(shape),
             'positions': np.tile(np.arange(quarter), 4)[None].repeat(shape[0], 0),
             'segment_ids': np.repeat(np.arange(1, 5), quarter)[None].repeat(shape[0], 0)}
-    yield {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
+    yield {k: jax.device_put(np.asarray(v, programs.BATCH_KEYS[k]), s) for k, v in host.items()}
 
 
 @functools.cache
@@ -46,7 +46,7 @@ def compiled(remat='none', microbatches=M, dtype='float32', virtual=1, **mesh):
   config = pipeline_config(microbatches, dtype, virtual, **mesh)
   config.model.remat_policy = remat
   setup = build(config, jax.devices() if mesh else jax.devices()[:1])
-  return setup, config, step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
+  return setup, config, programs.compile_train_step(setup, config.batch_size, config.seq_len,
                                                     1e-4, microbatches=microbatches)
 
 

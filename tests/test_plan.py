@@ -12,7 +12,7 @@ from planning import gpus, plan
 from tests.conftest import tiny_config
 from training import loop, settings
 from training.state import build
-from training.step import compile_and_plan
+from training.programs import compile_and_plan
 
 
 def planned(mesh=None, devices=None, **changes):

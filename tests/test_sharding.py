@@ -8,7 +8,7 @@ import pytest
 
 import sharding
 from sharding import collectives
-from training import step as step_lib
+from training import programs
 from training.state import build
 from tests.conftest import tiny_config
 from data import pipeline, tokenizers, tokens
@@ -26,7 +26,7 @@ STEPS = 4
 def train_losses(config, devices, corpus):
   setup = build(config, devices)
   state = setup.init_state()
-  step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
+  step = programs.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
   byte = tokenizers.ByteTokenizer()
   batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), byte, config,
                                    sharding.batch_sharding(setup.mesh))
@@ -75,7 +75,7 @@ def compiled_hlo(mesh_axes, **model):
   config = tiny_config(**mesh_axes)
   config.model.update(model)
   setup = build(config)
-  compiled = step_lib.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
+  compiled = programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
   return compiled.as_text(), setup
 
 

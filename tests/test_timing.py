@@ -9,7 +9,7 @@ from sharding import collectives
 from training import settings
 from tests.conftest import tiny_config
 from training.state import build
-from training.step import compile_and_plan
+from training.programs import compile_and_plan
 
 H100 = gpus.GPUS['H100']
 HBM = H100.memory_bandwidth * gpus.HBM_EFFICIENCY

@@ -159,7 +159,7 @@ def test_flops_per_token_matches_a_hand_count():
 
 def test_unpacked_batches_train_like_packed_rows_of_one_document():
   import sharding
-  from training import step as step_lib
+  from training import programs
   config = tiny_config(fsdp=8)
   setup = build(config)
   rng = np.random.default_rng(0)
@@ -168,10 +168,10 @@ def test_unpacked_batches_train_like_packed_rows_of_one_document():
           'positions': np.broadcast_to(np.arange(shape[1]), shape), 'weights': np.ones(shape),
           'segment_ids': np.ones(shape)}
   s = sharding.batch_sharding(setup.mesh)
-  batch = {k: jax.device_put(np.asarray(v, step_lib.BATCH_KEYS[k]), s) for k, v in host.items()}
+  batch = {k: jax.device_put(np.asarray(v, programs.BATCH_KEYS[k]), s) for k, v in host.items()}
   losses = []
   for packed in (True, False):
-    step = step_lib.compile_train_step(setup, *shape, 0.0, packed=packed)
+    step = programs.compile_train_step(setup, *shape, 0.0, packed=packed)
     feed = batch if packed else {k: v for k, v in batch.items() if k != 'segment_ids'}
     losses.append(float(step(setup.init_state(), feed)[1]['loss']))
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
@@ -179,7 +179,7 @@ def test_unpacked_batches_train_like_packed_rows_of_one_document():
 
 def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpus):
   from data import pipeline, tokenizers, tokens
-  from training import step as step_lib
+  from training import programs
   import sharding
   results = []
   for microbatches in (1, 4):
@@ -189,7 +189,7 @@ def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpu
     tokenizer = tokenizers.load(config.data)
     batches = pipeline.train_batches(tokens.OnTheFly(small_corpus.train, 'text', tokenizer),
                                      tokenizer, config, sharding.batch_sharding(setup.mesh))
-    step = step_lib.compile_train_step(setup, config.batch_size, config.seq_len,
+    step = programs.compile_train_step(setup, config.batch_size, config.seq_len,
                                        config.loss.z_loss, microbatches=microbatches)
     local = batches.next_local()
     local['weights'][0, 5:] = 0  # uneven weights: the mean is over the batch's tokens

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from data import pipeline
-from training import step as step_lib
+from training import programs
 
 
 class Evaluator:
@@ -23,7 +23,7 @@ class Evaluator:
     self.shape = (config.batch_size, config.seq_len)
     self.n_batches = config.eval_batches or pipeline.pass_length(self.docs, *self.shape)
     self.sharding, self.pad_id = batch_sharding, tokenizer.pad_id
-    self.step = step_lib.compile_eval_step(setup, *self.shape, tokenizer.token_bytes(),
+    self.step = programs.compile_eval_step(setup, *self.shape, tokenizer.token_bytes(),
                                            config.microbatches)
 
   def __call__(self, params) -> dict:

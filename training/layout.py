@@ -38,7 +38,7 @@ from sharding import AXES, hierarchical
 import sharding
 from training import settings
 from training.state import build
-from training.step import compile_and_plan
+from training.programs import compile_and_plan
 
 POLICIES = ('full', 'dots', 'none')  # keeping the least first
 

@@ -30,7 +30,7 @@ import sharding
 from training import hooks, layout, settings
 from training.evaluation import Evaluator
 from training.state import base_params, build, param_count
-from training.step import compile_and_plan
+from training.programs import compile_and_plan
 
 
 CHILD = 'training.loop'  # a dry run in a process that compiles for GPUs runs this module: main()

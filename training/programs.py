@@ -1,0 +1,66 @@
+"""The train and eval steps compiled ahead of time (one jit each, explicit shardings, the train
+state donated), and the compiled step's plan: what the loop, the layout search and the dry run
+run and read. What a step computes is training/step.py's."""
+
+import jax
+import numpy as np
+
+from planning import plan as plan_lib
+import sharding
+from training.state import Setup
+from training.step import make_eval_step, make_train_step
+
+BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
+              'segment_ids': np.int32, 'weights': np.float32}
+UNPACKED_KEYS = {k: v for k, v in BATCH_KEYS.items() if k != 'segment_ids'}  # one document a row
+
+
+def abstract_batch(mesh, batch_size: int, seq_len: int, packed: bool = True) -> dict:
+  s = sharding.batch_sharding(mesh)
+  return {k: jax.ShapeDtypeStruct((batch_size, seq_len), dt, sharding=s)
+          for k, dt in (BATCH_KEYS if packed else UNPACKED_KEYS).items()}
+
+
+# fp8 projections become cuBLASLt fp8 GEMMs only where XLA neither hands their dots to Triton nor
+# merges dots sharing an operand (q, k, v; gate, up): a merged dot's concatenated operand holds
+# tensors of different scales. Both options are XLA's GPU compiler's; the found rule is checked
+# on the compiled HLO (tests/test_gpu_compile.py).
+FP8_COMPILER_OPTIONS = {'xla_gpu_enable_triton_gemm': False, 'xla_gpu_dot_merger_threshold_mb': 0}
+
+
+def compiler_options(setup: Setup) -> dict:
+  """XLA options for this setup's programs: FP8_COMPILER_OPTIONS for fp8 projections on GPUs."""
+  fp8 = setup.model_cfg.matmul_precision == 'fp8'
+  return FP8_COMPILER_OPTIONS if fp8 and setup.mesh.devices.flat[0].platform == 'gpu' else {}
+
+
+def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
+                       packed: bool = True, microbatches: int = 1):
+  """Ahead-of-time compiled train step: (state, batch) → (state, metrics); state is donated.
+  `packed=False` compiles for batches without segment ids (one document a row)."""
+  batch = abstract_batch(setup.mesh, batch_size, seq_len, packed)
+  jitted = jax.jit(make_train_step(setup, z_loss, microbatches),
+                   in_shardings=(setup.state_shardings, jax.tree.map(lambda x: x.sharding, batch)),
+                   out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
+                   donate_argnums=0)
+  with jax.set_mesh(setup.mesh):
+    return jitted.lower(setup.abstract_state, batch).compile(compiler_options(setup))
+
+
+def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V,
+                      microbatches: int = 1):
+  batch = abstract_batch(setup.mesh, batch_size, seq_len)
+  jitted = jax.jit(make_eval_step(setup, token_bytes_V, microbatches),
+                   in_shardings=(setup.state_shardings.params,
+                                 jax.tree.map(lambda x: x.sharding, batch)),
+                   out_shardings=sharding.replicated(setup.mesh))
+  with jax.set_mesh(setup.mesh):
+    return jitted.lower(setup.abstract_state.params, batch).compile(compiler_options(setup))
+
+
+def compile_and_plan(setup: Setup, config, target):
+  """(compiled train step, its planning.plan.Plan for `target`, planning.target.Target) for the
+  devices of setup's mesh: compiling needs only the abstract state."""
+  compiled = compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
+                                microbatches=config.microbatches)
+  return compiled, plan_lib.make_plan(compiled, setup, config, target)
