@@ -23,8 +23,12 @@ def main(argv):
   # ml_collections reports a config file it could not load at the config's first use: used
   # here, its mistakes are reported before jax, flax and the data stack are imported (1.5 s).
   config.keys()
-  from training import loop
-  loop.run(config)
+  if config.dry_run:  # plans, and trains nothing
+    from training import dry_run
+    dry_run.plan(config)
+  else:
+    from training import loop
+    loop.run(config)
 
 
 if __name__ == '__main__':

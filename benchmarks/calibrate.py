@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from absl import flags
 
 from benchmarks import inputs, report
-import kernels
 from kernels import matmul
+import kernels
 from planning import flops, gpus, timing
 from runtime import cli
 from training import programs

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 
 import sharding
-from training import settings
 from training import programs
+from training import settings
 from training.state import Setup, TrainState, build
 
 

@@ -50,8 +50,8 @@ from kernels.grouped_matmul import IMPLEMENTATIONS, Blocks, grouped_matmul
 from planning import communication, gpu_compiler, gpus
 from runtime import cli
 from training import settings
-from training.state import build
 from training.programs import compile_and_plan
+from training.state import build
 
 _TARGET = flags.DEFINE_string('target', 'H100', f'GPU to compile for: {sorted(gpus.GPUS)}.')
 _SHAPE = flags.DEFINE_string('shape', '8192,4096,1792,8', 'M,K,N,G: rows, width, out, experts.')

@@ -34,8 +34,8 @@ from planning import communication, gpu_compiler, gpus
 from runtime import cli
 import sharding
 from training import settings
-from training.state import build
 from training.programs import compile_and_plan
+from training.state import build
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:8b', 'Config file.',
                                           lock_config=True)

@@ -30,12 +30,12 @@ from model import pipeline
 from planning import gpu_compiler, gpus
 from planning import plan as plan_lib
 from runtime import cli
-import sharding
 from sharding import collectives
-from training import settings
+import sharding
 from training import programs
-from training.state import build
+from training import settings
 from training.programs import compile_and_plan
+from training.state import build
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/llama.py:8b', 'Config file.',
                                           lock_config=True)

@@ -132,7 +132,7 @@ def is_deviceless(device) -> bool:
 
 
 def plan_in_compiler_process(config, module: str) -> dict:
-  """A dry run of `config` as `python -m module config.json` (training.loop's) in a child process
+  """A dry run of `config` as `python -m module config.json` (training.dry_run's) in a child process
   that can compile for GPUs: its output appears here as it is printed; returns its plan, the last
   line. A ValueError in the child (a bad setting) is raised here as one."""
   with tempfile.TemporaryDirectory(prefix='meshlm-plan-') as tmp:

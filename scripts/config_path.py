@@ -64,13 +64,13 @@ def trace(run) -> tuple[list, list]:
 
 def main(argv) -> None:
   from configs import base
-  from training import loop
+  from training import dry_run, loop
   config = base.get_config()
   config.train_steps, config.eval_every, config.eval_batches = 2, 2, 1
   config.dry_run = '--dry_run' in argv
   with tempfile.TemporaryDirectory(prefix='meshlm-config-path-') as workdir:
     config.workdir = workdir
-    visits, climbs = trace(lambda: loop.run(config))
+    visits, climbs = trace(lambda: (dry_run.plan if config.dry_run else loop.run)(config))
   by_module = collections.Counter(callee for _, callee, _ in visits)
   print(f'{"module":<28}{"visits":>7}  functions')
   for module, count in by_module.most_common():

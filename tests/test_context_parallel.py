@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-import sharding
-from kernels import gathered_attention, ring_attention, xla_attention, zigzag_order
 from kernels import context_parallel
+from kernels import gathered_attention, ring_attention, xla_attention, zigzag_order
 from sharding import collectives
+import sharding
 from tests.conftest import tiny_config
 from tests.test_kernels import random_batch
 from training import programs

@@ -18,9 +18,9 @@ from kernels.flash_attention import default_blocks
 from planning import communication, gpu_compiler, gpus
 from sharding import collectives
 from tests.conftest import f32_shapes
-from training import loop, settings
-from training.state import build
+from training import dry_run, loop, settings
 from training.programs import compile_and_plan
+from training.state import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 H100 = gpus.GPUS['H100']
@@ -159,13 +159,13 @@ def test_without_the_gpu_compiler_the_plan_is_a_labelled_cpu_stand_in(monkeypatc
   config = tiny_config(fsdp=8)
   config.dry_run, config.plan.target, config.workdir = True, 'H100', str(tmp_path)
   config.model.compute_dtype = 'bfloat16'  # cuDNN's on an H100, but it cannot compile on CPUs
-  figures = loop.run(config)[0]
+  figures = dry_run.plan(config)
   assert figures['compiled_for'] == 'cpu' and figures['deviceless'] is False
   assert figures['attention'] == 'pallas'  # auto: the H100's next fastest, which compiles here
   assert 'a stand-in for H100' in capsys.readouterr().out
   config.plan.devices = 4  # another count than the devices here needs the GPU compiler
   with pytest.raises(ValueError, match='config.plan.devices=4 needs the GPU compiler'):
-    loop.run(config)
+    dry_run.plan(config)
 
 
 def test_plan_target_is_for_planning_only_and_must_be_known():
@@ -177,7 +177,7 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
     loop.run(config)
   config.plan.target, config.dry_run = 'H800', True
   with pytest.raises(ValueError, match=r"config.plan.target='H800' is not a GPU meshlm knows"):
-    loop.run(config)
+    dry_run.plan(config)
   config.plan.target, config.plan.devices, config.dry_run = '', 4, False
   with pytest.raises(ValueError, match=r'config.plan.devices=4, but a run that trains runs on '
                                        r'the 8 devices here'):

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import sharding
-from sharding import collectives
 from model import head
+from sharding import collectives
+import sharding
 from tests.conftest import f32_shapes, tiny_config
-from training.state import build
 from training.programs import compile_train_step
+from training.state import build
 from training.step import weighted_losses
 
 D, V = 16, 40

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sharding
 from kernels import flash_attention, xla_attention
+import sharding
 from tests.conftest import tiny_config
 from training import programs
 from training.state import build

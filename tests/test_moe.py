@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import sharding
-from sharding import collectives
 from data import pipeline, tokenizers, tokens
 from model import ModelConfig, moe
 from model.layers import MLP
 from model.transformer import Transformer
+from sharding import collectives
+import sharding
 from tests.conftest import tiny_config
 from training import programs
 from training.hooks import scalars

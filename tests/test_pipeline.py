@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-import sharding
 from model import pipeline
 from runtime.checkpoint import Checkpointer, CheckpointMismatch
 from sharding import collectives
+import sharding
 from tests.conftest import tiny_config
 from training import programs
 from training.state import build

@@ -10,9 +10,9 @@ import pytest
 
 from planning import gpus, plan
 from tests.conftest import tiny_config
-from training import loop, settings
-from training.state import build
+from training import dry_run, loop, settings
 from training.programs import compile_and_plan
+from training.state import build
 
 
 def planned(mesh=None, devices=None, **changes):
@@ -47,7 +47,10 @@ def test_dry_run_prints_the_compiled_figures_and_allocates_nothing(tmp_path, cap
   config = tiny_config(fsdp=8)
   config.dry_run, config.workdir = True, str(tmp_path / 'run')
   config.plan.target, config.plan.memory_gb = target, 0 if target else 1.0
-  loop.run(config)
+  with pytest.raises(ValueError, match=r'config.dry_run=True plans without training: run '
+                                       r'train.py with it, or call training.dry_run.plan'):
+    loop.run(config)  # training's loop trains, or says where plans are made
+  dry_run.plan(config)
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   config, resolved = settings.resolve(config)
   compiled, _ = compile_and_plan(build(config, resolved.devices), config, resolved)
@@ -288,4 +291,4 @@ def test_a_typo_is_named_not_swallowed_by_the_layout_search(tmp_path):
   config.mesh.auto, config.dry_run, config.plan.memory_gb = True, True, 1.0
   config.model.attention, config.workdir = 'flsh', str(tmp_path)
   with pytest.raises(ValueError, match=r"config.model.attention='flsh' is not one of"):
-    loop.run(config)
+    dry_run.plan(config)

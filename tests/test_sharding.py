@@ -6,12 +6,12 @@ import jax
 import numpy as np
 import pytest
 
-import sharding
+from data import pipeline, tokenizers, tokens
 from sharding import collectives
+import sharding
+from tests.conftest import tiny_config
 from training import programs
 from training.state import build
-from tests.conftest import tiny_config
-from data import pipeline, tokenizers, tokens
 
 MESHES = {
     'data=8': dict(data=8),

@@ -6,10 +6,10 @@ import pytest
 
 from planning import gpu_compiler, gpus, timing
 from sharding import collectives
-from training import settings
 from tests.conftest import tiny_config
-from training.state import build
+from training import settings
 from training.programs import compile_and_plan
+from training.state import build
 
 H100 = gpus.GPUS['H100']
 HBM = H100.memory_bandwidth * gpus.HBM_EFFICIENCY

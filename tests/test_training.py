@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels.cross_entropy import plain_token_losses
 from tests.conftest import FAST_COMPILE, tiny_config
 from training import loop, optimizer
 from training.state import build
-from kernels.cross_entropy import plain_token_losses
 from training.step import weighted_losses
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

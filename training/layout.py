@@ -37,8 +37,8 @@ from planning.target import Target
 from sharding import AXES, hierarchical
 import sharding
 from training import settings
-from training.state import build
 from training.programs import compile_and_plan
+from training.state import build
 
 POLICIES = ('full', 'dots', 'none')  # keeping the least first
 

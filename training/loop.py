@@ -1,16 +1,14 @@
-"""The training loop: config resolved → [layout] → setup → data and checkpoints checked (a resumed
-run keeps what it trained with) → data prepared → workdir created and held → checkpoints checked
-again → the step compiled and its plan checked → state restored or initialised → steps, each
-handed to the hooks of training/hooks.py (logs, evals, saves, …)."""
+"""The training loop: config resolved → [layout] → setup → data and checkpoints checked (a
+resumed run keeps what it trained with) → data prepared → workdir created and held → checkpoints
+checked again → the step compiled and its plan checked → state restored or initialised → steps,
+each handed to the hooks of training/hooks.py (logs, evals, saves, …). A dry run, which trains
+nothing, is training/dry_run.py's."""
 
-import json
 import pathlib
-import sys
 import time
 import warnings
 
 import jax
-import ml_collections
 from jax.experimental import multihost_utils
 
 from data import chat, pipeline, tokenizers
@@ -18,7 +16,6 @@ from data import corpus as corpus_lib
 from data import tokens
 from interop import huggingface
 from model.layers import is_added
-from planning import gpu_compiler
 from planning import plan as plan_lib
 from reporting import metrics as metrics_lib
 from reporting.profiling import StepTrace
@@ -29,11 +26,8 @@ from runtime.preemption import StopSignals
 import sharding
 from training import hooks, layout, settings
 from training.evaluation import Evaluator
-from training.state import base_params, build, param_count
 from training.programs import compile_and_plan
-
-
-CHILD = 'training.loop'  # a dry run in a process that compiles for GPUs runs this module: main()
+from training.state import base_params, build, param_count
 
 
 def load_data(data_config, tokenizer, workdir=None) -> tuple[corpus_lib.Corpus, tokens.Documents]:
@@ -129,20 +123,16 @@ def initial_state(setup, config, checkpointer, log):
 
 def run(config, devices=None) -> list[dict]:
   """Train per `config`; returns the logged records (also in workdir/metrics.jsonl)."""
+  if config.dry_run:
+    raise ValueError('config.dry_run=True plans without training: run train.py with it, or call '
+                     'training.dry_run.plan(config)')
   distributed.initialize(config.distributed)  # before anything touches a device
   devices = jax.devices() if devices is None else list(devices)
   config, target = settings.resolve(config, devices)  # every setting checked before anything
-  tokenizer = tokenizers.owned(config.data, config.workdir)  # is built: the run's own, resumed
-  if target.in_child:
-    return [gpu_compiler.plan_in_compiler_process(target.for_child(config), CHILD)]
-  if config.dry_run or config.mesh.auto:  # compile for the GPUs planned for, if not these
-    if config.mesh.auto:
-      config, _ = layout.choose(config, target,
-                                log=print if jax.process_index() == 0 else lambda *a: None)
-    if config.dry_run:
-      _, the_plan = compile_and_plan(build(config, target.devices), config, target)
-      plan_lib.report(the_plan)
-      return [the_plan.as_dict()]
+  tokenizer = tokenizers.owned(config.data, config.workdir)  # the run's own, resumed
+  if config.mesh.auto:  # the layout search: the mesh shape the time model ranks first
+    config, _ = layout.choose(config, target,
+                              log=print if jax.process_index() == 0 else lambda *a: None)
   settings.check_start(config)
   setup = build(config, devices)  # every model and mesh error surfaces here, before any work
   workdir_lib.check(config.workdir)
@@ -261,12 +251,3 @@ def stop_message(stop, done: int, save, guard) -> str:
          f'the last {guard.in_a_row} step(s) were not finite; the newest checkpoint is '
          f'{guard.newest_checkpoint()}')
   return f'{head}; nothing saved: {why}'
-
-
-def main(argv) -> None:
-  """A dry run's child process (gpu_compiler.plan_in_compiler_process): `run` of a JSON config."""
-  run(ml_collections.ConfigDict(json.loads(pathlib.Path(argv[1]).read_text())))
-
-
-if __name__ == '__main__':
-  main(sys.argv)

@@ -8,10 +8,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import kernels
-import sharding
 from model import Transformer, draft, moe, pipeline
 from model.layers import Draft, constrain, split_adapters
 from sharding import hierarchical
+import sharding
 from training.state import Setup, TrainState, trained
 
 def weighted_losses(nll_BL, logz_BL, weights_BL, z_loss: float, total=None):
