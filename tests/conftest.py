@@ -207,7 +207,7 @@ FAST = (
     'test_benchmarks.py::test_every_benchmark_runs_as_a_script_too',
     'test_benchmarks.py::test_calibrate_stops_a_part_past_its_budget',
     'test_hierarchical.py::test_int8_blocks_match_numpy_and_stay_within_half_a_step',
-    'test_hierarchical.py::test_a_replica_that_straddles_nodes_and_an_moe_are_refused',
+    'test_hierarchical.py::test_a_replica_that_straddles_nodes_moe_lora_and_fp8_are_refused',
     'test_chat.py::test_chat_templates_render_and_tokenize_as_transformers_does',
     'test_chat.py::test_answer_weights_survive_packing_cut_anywhere',
     'test_chat.py::test_record_settings_and_files_that_hold_nothing_are_one_clear_error',

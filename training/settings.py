@@ -215,9 +215,27 @@ def check(config) -> None:
   sharding.check_mesh_config(config.mesh)
   distributed.check(config.distributed)
   hierarchical.check(config.partition, config.mesh)
+  if config.partition.hierarchical:
+    check_hierarchical(model)
   tokens.check(config.data, config.workdir)
   if config.plan.target:
     gpus.get(config.plan.target)  # before anything slower, such as the GPU compiler's devices
+
+
+def check_hierarchical(model: ModelConfig) -> None:
+  """What config.partition.hierarchical=True does not run with, whatever the devices."""
+  if model.frozen_base:
+    raise ValueError('config.partition.hierarchical=True splits a trained state over nodes; under '
+                     'LoRA (config.model.lora_rank > 0) or config.model.draft_only only small '
+                     'added parameters train, and their gradients are small: set it to False')
+  if model.experts:
+    raise ValueError('config.partition.hierarchical=True does not run MoE models yet: their '
+                     "router's balancing loss is over the whole batch, which each data "
+                     'replica would see only its share of; set it to False')
+  if model.matmul_precision == 'fp8':
+    raise ValueError("config.partition.hierarchical=True does not run with config.model."
+                     "matmul_precision='fp8' yet: each data replica would scale its own share "
+                     "of a tensor; use one of them")
 
 
 def check_start(config) -> None:

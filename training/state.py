@@ -127,22 +127,9 @@ def build(config, devices=None) -> Setup:
   tx = optimizer.make_optimizer(config.optimizer, schedule, model_cfg.draft_heads > 0)
 
   param_shardings = sharding.param_shardings(abstract_params, mesh)
-  if model_cfg.frozen_base and config.partition.hierarchical:
-    raise ValueError('config.partition.hierarchical=True splits a trained state over nodes; under '
-                     'LoRA (config.model.lora_rank > 0) or config.model.draft_only only small '
-                     'added parameters train, and their gradients are small: set it to False')
-  if config.partition.hierarchical:
-    if model_cfg.experts:
-      raise ValueError('config.partition.hierarchical=True does not run MoE models yet: their '
-                       "router's balancing loss is over the whole batch, which each data "
-                       'replica would see only its share of; set it to False')
-    if mesh.shape['data'] == 1:
-      raise ValueError('config.partition.hierarchical=True splits the state over config.mesh.data, '
-                       'which is 1 here; set config.mesh.data to the number of nodes')
-    if model_cfg.matmul_precision == 'fp8':
-      raise ValueError("config.partition.hierarchical=True does not run with config.model."
-                       "matmul_precision='fp8' yet: each data replica would scale its own share "
-                       "of a tensor; use one of them")
+  if config.partition.hierarchical and mesh.shape['data'] == 1:  # config.mesh.data=-1 filled in
+    raise ValueError('config.partition.hierarchical=True splits the state over config.mesh.data, '
+                     'which is 1 here; set config.mesh.data to the number of nodes')
   hierarchy = None
   if mesh.shape['data'] > 1 and hierarchical.replicas_run_apart(
       model_cfg.experts, model_cfg.matmul_precision, model_cfg.frozen_base):
