@@ -79,8 +79,8 @@ def load(path: str, step: int | None = None) -> Loaded:
   if (kept := directory.parent / chat.KEPT).is_file():
     config.data.chat_template = str(kept)
   config.workdir = str(directory.parent)
-  config = settings.resolve(config).config
-  tokenizer = tokenizers.load(config.data)
+  resolved = settings.resolve(config)
+  config, tokenizer = resolved.config, resolved.tokenizer
   model_cfg = ModelConfig.from_config(config.model).dropless()  # no token's output depends on
   # the other rows of its batch
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))

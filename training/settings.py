@@ -17,10 +17,10 @@ mesh the model or batch cannot use; files (data, checkpoints, the workdir) are c
 are opened, before anything is written.
 """
 
+import dataclasses
 import difflib
 import math
 import pathlib
-from typing import NamedTuple
 
 import jax
 import ml_collections
@@ -74,9 +74,16 @@ RANGES = {
 }
 
 
-class Resolved(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  """What `resolve` settled, once: the entry points read the tokenizer from here rather than load
+  it again. Unpacks as (config, target)."""
   config: ml_collections.ConfigDict  # checked, with what it left open filled in
   target: Target  # what its programs are compiled for (planning/target.py)
+  tokenizer: tokenizers.Tokenizer  # the run's own (a resumed run's copy in its workdir)
+
+  def __iter__(self):
+    return iter((self.config, self.target))
 
 
 def resolve(config, devices=None) -> Resolved:
@@ -96,7 +103,7 @@ def resolve(config, devices=None) -> Resolved:
   if config.partition.hierarchical and not config.mesh.auto:  # the search checks its meshes
     hierarchical.check_nodes(config.partition, sharding.mesh_shape(config.mesh, target.n_devices),
                              target.gpus_per_node)
-  return Resolved(with_attention(config, target.kernels, cudnn=target.on_gpu), target)
+  return Resolved(with_attention(config, target.kernels, cudnn=target.on_gpu), target, tokenizer)
 
 
 RANDOM = 'random'  # config.init_from: freshly drawn parameters, on purpose
