@@ -126,6 +126,12 @@ def steps_once(workdir, n: int) -> bool:
   return logged == list(range(1, n + 1))
 
 
+def resumed(result, expected: list[str], workdir, n: int):
+  """A resumed run's verdict: `survived` with `expected`, and steps 1..n each logged once."""
+  verdict = survived(result, expected)
+  return verdict if steps_once(workdir, n) else ('BAD', 'steps logged twice or missing')
+
+
 def read_until(process, prefix: str) -> str:
   for line in process.stdout:
     if line.startswith(prefix):
@@ -315,8 +321,7 @@ def _(p):
 def _(p):
   run = p.trained()
   result = p.run(*p.train(run, 9), '--config.mesh.fsdp=4', '--config.mesh.tensor=2')
-  verdict = survived(result, ['resuming from step 6'])
-  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+  return resumed(result, ['resuming from step 6'], run, 9)
 
 
 @case('resume: stages and fp8')
@@ -324,8 +329,7 @@ def _(p):
   run = p.trained()
   result = p.run(*p.train(run, 9), '--config.mesh.stage=2', '--config.microbatches=4',
                  '--config.model.matmul_precision=fp8')
-  verdict = survived(result, ['resuming from step 6'])
-  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+  return resumed(result, ['resuming from step 6'], run, 9)
 
 
 def stopped_and_resumed(p, signum, at='step  4/'):
@@ -336,8 +340,7 @@ def stopped_and_resumed(p, signum, at='step  4/'):
   out, _ = process.communicate(timeout=300)
   if process.returncode != 0 or 'stopped by' not in out:
     return 'BAD', f'exit {process.returncode} without saving'
-  verdict = survived(p.run(*p.train(workdir, 12)), ['resuming from step'])
-  return verdict if steps_once(workdir, 12) else ('BAD', 'steps logged twice or missing')
+  return resumed(p.run(*p.train(workdir, 12)), ['resuming from step'], workdir, 12)
 
 
 @case('signal: SIGTERM mid-run, then resume')
@@ -362,8 +365,7 @@ def _(p):
   read_until(process, 'step  5/')
   process.send_signal(signal.SIGKILL)
   process.wait()
-  verdict = survived(p.run(*p.train(workdir, 12)), ['resuming from step 3'])
-  return verdict if steps_once(workdir, 12) else ('BAD', 'steps logged twice or missing')
+  return resumed(p.run(*p.train(workdir, 12)), ['resuming from step 3'], workdir, 12)
 
 
 @case('signal: SIGINT on an evaluation step')
@@ -424,8 +426,7 @@ def _(p):
 def _(p):
   run = p.trained()
   damage(run / 'checkpoints' / '6', 'bytes')
-  verdict = survived(p.run(*p.train(run, 9)), ['resuming from step 3', 'checksums'])
-  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+  return resumed(p.run(*p.train(run, 9)), ['resuming from step 3', 'checksums'], run, 9)
 
 
 @case('checkpoint: every one damaged, and the next run')
@@ -758,8 +759,7 @@ def _(p):
   run = lora_run(p)
   result = p.run(*p.train(run, 9), f'--config.init_from={p.template}', *LORA,
                  '--config.model.compute_dtype=float32')
-  verdict = survived(result, ['resuming from step 6'])
-  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+  return resumed(result, ['resuming from step 6'], run, 9)
 
 
 @case('resume: learning rate and mesh, allowed')
@@ -790,8 +790,7 @@ def _(p):
   if first.returncode:
     return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
   os.utime(path)  # a newer modification time: prepared afresh, the same documents
-  verdict = survived(p.run(*chat_train(p, run, path, 9)), ['resuming from step 6'])
-  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+  return resumed(p.run(*chat_train(p, run, path, 9)), ['resuming from step 6'], run, 9)
 
 
 def hf_tokenizer(p, source=CHATML) -> pathlib.Path:
@@ -823,8 +822,7 @@ def _(p):
   if first.returncode:
     return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
   shutil.rmtree(tok.parent)
-  verdict = survived(p.run(*p.train(run, 9), *args), ['resuming from step 6'])
-  return verdict if steps_once(run, 9) else ('BAD', 'steps logged twice or missing')
+  return resumed(p.run(*p.train(run, 9), *args), ['resuming from step 6'], run, 9)
 
 
 @case('tokenizer: trained over an existing one')
