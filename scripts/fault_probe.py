@@ -1221,6 +1221,14 @@ def _(p):
   return refused(result, 'config.model')
 
 
+@case('plan: a batch the mesh does not divide, on H100s not here')
+def _(p):
+  result = p.run('train.py', '--config=configs/llama.py:1b', '--config.dry_run=True',
+                 '--config.plan.target=H100', '--config.plan.devices=8', '--config.mesh.fsdp=8',
+                 '--config.batch_size=4')
+  return refused(result, 'config.batch_size=4 is not divisible')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='', help='Cases whose name contains this (or any of '

@@ -39,7 +39,10 @@ def plan(config, devices=None) -> dict:
 def main(argv) -> None:
   """The GPU compiler's child process (gpu_compiler.plan_in_compiler_process): `plan` of a JSON
   config."""
-  plan(ml_collections.ConfigDict(json.loads(pathlib.Path(argv[1]).read_text())))
+  try:
+    plan(ml_collections.ConfigDict(json.loads(pathlib.Path(argv[1]).read_text())))
+  except ValueError as e:  # a bad setting (a MeshMismatch too): the parent raises it as one line
+    sys.exit(f'ValueError: {e}')
 
 
 if __name__ == '__main__':
