@@ -81,10 +81,10 @@ def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
     steps = checkpointer.steps() if checkpointer else []
     if checkpointer:
       checkpointer.check_fresh_start()
+    read = trained_on(config, tokenizer) if steps else None  # once: it hashes the corpus
     for step in steps:  # the newest that reads; older ones are fallbacks
       if saved := checkpointer.saved_config(step):  # the settings first: they name the change
-        checkpoint_lib.check_resume(saved, config, checkpointer.directory / str(step),
-                                    trained_on(config, tokenizer))
+        checkpoint_lib.check_resume(saved, config, checkpointer.directory / str(step), read)
       if checkpointer.check(setup.abstract_state, step, setting='config.workdir',
                             model_config=config.model):
         return
