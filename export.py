@@ -76,7 +76,7 @@ def main(argv):
     cfg = dataclasses.replace(cfg, draft_heads=0)
   if cfg.lora_rank:
     params, cfg = peft.merged(params, cfg), dataclasses.replace(cfg, lora_rank=0)
-  huggingface.export(params, cfg, loaded.tokenizer, loaded.config.seq_len, output, dtype=dtype,
+  huggingface.export(params, cfg, loaded.tokenizer, loaded.run.seq_len, output, dtype=dtype,
                      max_shard_bytes=int(_MAX_SHARD_GB.value * 1e9),
                      chat_template=loaded.chat_template)
 

@@ -176,9 +176,9 @@ def step_row(gpu, path: str, attention: str, precision: str) -> dict:
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - start)
   measured = statistics.median(times[2:])
-  tokens = prepared.config.batch_size * prepared.config.seq_len
+  tokens = prepared.run.batch_size * prepared.run.seq_len
   n = prepared.setup.mesh.size
-  model_flops = flops.flops_per_token(prepared.setup.model_cfg, prepared.config.seq_len)
+  model_flops = flops.flops_per_token(prepared.setup.model_cfg, prepared.run.seq_len)
   return {'config': path, 'attention': attention, 'matmul_precision': precision,
           'measured_s': measured, 'predicted_s': predicted.seconds,
           'ratio': measured / predicted.seconds, 'tokens_per_s_per_device': tokens / measured / n,

@@ -55,7 +55,7 @@ def disk_bytes(path) -> int:
 def main(argv):
   del argv
   prepared = inputs.prepare(_CONFIG.value)
-  config, setup, state, batch = prepared.config, prepared.setup, prepared.state, prepared.batch
+  config, setup, state, batch = prepared.run, prepared.setup, prepared.state, prepared.batch
 
   def step(state):
     state, metrics = prepared.train_step(state, batch)
@@ -71,7 +71,7 @@ def main(argv):
 
   directory = _DIR.value or tempfile.mkdtemp(prefix='meshlm-checkpoint-bench-')
   checkpointer = Checkpointer(os.path.join(directory, 'checkpoints'), keep=2)
-  data_state, config_json = {'rows': list(range(config.batch_size))}, config.to_dict()
+  data_state, config_json = {'rows': list(range(config.batch_size))}, config.as_dict()
   save_s, blocked_s, overlap_s, restore_s = [], [], [], []
   number = 0
   for _ in range(_SAVES.value):

@@ -39,9 +39,9 @@ _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this fil
 def measure(config, mesh: dict) -> dict:
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh)
-  config, target = settings.resolve(config)
-  setup = build(config, target.devices)
-  plan = compile_and_plan(setup, config, target)[1]  # its collectives: sharding/collectives.py
+  config = settings.resolve(config)
+  setup = build(config)
+  plan = compile_and_plan(setup)[1]  # its collectives: sharding/collectives.py
   ideal = communication.ideal_bytes(
       setup.model_cfg, mesh, config.batch_size, config.seq_len, config.microbatches,
       config.model.remat_policy, setup.model_cfg.reduce_dtype.itemsize)

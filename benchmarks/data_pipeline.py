@@ -47,12 +47,12 @@ _MODES = flags.DEFINE_list('tokenize', ['on_the_fly', 'once'], 'config.data.toke
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
 
 
-def measure(train_documents, tokenizer, config, workers: int) -> dict:
+def measure(train_documents, run, workers: int) -> dict:
   one_host = NamedSharding(jax.make_mesh((1,), ('data',), devices=jax.devices()[:1]),
                            PartitionSpec('data'))
-  config.data.workers = workers
+  config, tokenizer = run.replace(data={'workers': workers}), run.tokenizer
   start = time.perf_counter()
-  batches = pipeline.train_batches(train_documents, tokenizer, config, one_host)
+  batches = pipeline.train_batches(train_documents, config, one_host)
   batches.next_local()
   first_s = time.perf_counter() - start
   for _ in range(_WARMUP.value):
@@ -75,7 +75,7 @@ def timed(fn, *args):
 
 def main(argv):
   del argv
-  config = settings.resolve(_CONFIG.value).config
+  config = settings.resolve(_CONFIG.value)
   corpus = corpus_lib.load(config.data)
   scratch = tempfile.mkdtemp()
   spm_model, spm_train_s = _SPM.value, None
@@ -90,13 +90,13 @@ def main(argv):
   for tokenizer in (tokenizers.ByteTokenizer(), tokenizers.SentencePieceTokenizer(spm_model),
                     tokenizers.HFTokenizer(hf_model)):
     for mode in _MODES.value:
-      config.data.tokenize = mode
+      config = config.replace(data={'tokenize': mode}, tokenizer=tokenizer)
       # Prepared afresh in a scratch data dir, so the time is the preparation's.
       documents, seconds = timed(data_tokens.load, corpus, tokenizer, config.data, scratch)
       if mode == 'once':
         prepare_s[tokenizer.name] = seconds
       for workers in map(int, _WORKERS.value):
-        results.append(measure(documents.train, tokenizer, config, workers))
+        results.append(measure(documents.train, config, workers))
         r = results[-1]
         print(f'  {r["tokenizer"]:<13} {mode:<10} workers={workers}: '
               f'{r["tokens_per_sec"]:,.0f} tokens/s', flush=True)

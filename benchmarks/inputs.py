@@ -10,12 +10,13 @@ import numpy as np
 import sharding
 from training import programs
 from training import settings
+from training.run import Run
 from training.state import Setup, TrainState, build
 
 
 @dataclasses.dataclass
 class Prepared:
-  config: object  # with the model's vocabulary resolved
+  run: Run  # settings.resolve's
   setup: Setup
   state: TrainState
   train_step: object  # compiled: (state, batch) → (state, metrics), state donated
@@ -24,14 +25,13 @@ class Prepared:
 
 
 def prepare(config, packed: bool = False) -> Prepared:
-  config = settings.resolve(config).config
-  setup = build(config)
+  run = settings.resolve(config)
+  setup = build(run)
   t0 = time.perf_counter()
   state = setup.init_state()
-  train_step = programs.compile_train_step(setup, config.batch_size, config.seq_len,
-                                           config.loss.z_loss, packed=packed,
-                                           microbatches=config.microbatches)
-  return Prepared(config, setup, state, train_step, random_batch(config, setup.mesh, packed),
+  train_step = programs.compile_train_step(setup, run.batch_size, run.seq_len, run.loss.z_loss,
+                                           packed=packed, microbatches=run.microbatches)
+  return Prepared(run, setup, state, train_step, random_batch(run, setup.mesh, packed),
                   time.perf_counter() - t0)
 
 

@@ -53,7 +53,7 @@ LLAMA3_VOCAB = 128_256  # the presets leave vocab_size to the tokenizer
 def windows(loaded, count: int, length: int) -> list[np.ndarray]:
   """Up to `count` rows of `length` tokens: the validation documents in order, each cut into
   consecutive windows (a document's first starts with its BOS), as packing cuts them."""
-  _, docs = loop.load_data(loaded.config.data, loaded.tokenizer)
+  _, docs = loop.load_data(loaded.run)
   out = []
   for i in range(len(docs.validation)):
     ids = np.asarray(docs.validation.get([i])[0])
@@ -175,7 +175,7 @@ def main(argv=None):
     return report.emit(plan(args.plan, args.batch, args.slots, args.target), None)
   loaded = sampling.load(args.workdir)
   cfg, tok = loaded.model.cfg, loaded.tokenizer
-  rows = windows(loaded, args.rows, loaded.config.seq_len)
+  rows = windows(loaded, args.rows, loaded.run.seq_len)
   prompts = [list(r[:args.prompt_tokens]) for r in rows[:args.prompts]]
   print(f'# {loaded.checkpoint}: {len(rows)} rows of validation text, {sum(map(len, rows)):,} '
         f'tokens; d_model {cfg.d_model}, {cfg.n_kv_heads} kv heads × {cfg.head_dim}, compute '

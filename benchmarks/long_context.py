@@ -43,9 +43,9 @@ def measure(config, length: int, mesh: dict, mode: str) -> dict:
   config.mesh.update(mesh)
   config.seq_len, config.batch_size = length, mesh['data'] * mesh['fsdp']
   config.model.context_parallel = mode
-  config, target = settings.resolve(config)
-  setup = build(config, target.devices)
-  plan = compile_and_plan(setup, config, target)[1]
+  config = settings.resolve(config)
+  setup = build(config)
+  plan = compile_and_plan(setup)[1]
   ideal = communication.ideal_bytes(
       setup.model_cfg, mesh, config.batch_size, config.seq_len, config.microbatches,
       config.model.remat_policy, setup.model_cfg.reduce_dtype.itemsize)

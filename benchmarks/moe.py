@@ -174,9 +174,9 @@ def plan(preset: str, layout: str) -> dict:
   config.mesh.update(report.parse_mesh(','.join(f'{k}={v}' for k, v in fields.items())))
   config.model.expert_buffer = buffer
   config.plan.target, config.plan.devices, config.dry_run = _TARGET.value, _DEVICES.value, True
-  config, target = settings.resolve(config)
-  setup = build(config, target.devices)
-  _, the_plan = compile_and_plan(setup, config, target)
+  config = settings.resolve(config)
+  setup = build(config)
+  _, the_plan = compile_and_plan(setup)
   ideal = communication.ideal_bytes(setup.model_cfg, dict(setup.mesh.shape), config.batch_size,
                                     config.seq_len, config.microbatches,
                                     config.model.remat_policy, setup.model_cfg.reduce_dtype.itemsize)

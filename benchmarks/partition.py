@@ -22,6 +22,7 @@ the ideal's (planning/communication.py: across_nodes) and against flat's, and th
 step and MFU (predicted, planning/timing.py; cross-node collectives at the node's bandwidth).
 """
 
+import dataclasses
 import sys
 
 import jax
@@ -60,15 +61,15 @@ def plan(devices: int, scheme: str, replica: int, gpus_per_node: int) -> dict:
   config.mesh.update(data=1 if flat else devices // replica, fsdp=devices if flat else replica)
   config.partition.update(PARTITIONS[scheme])
   config.plan.target, config.plan.devices, config.dry_run = _TARGET.value, devices, True
-  config, target = settings.resolve(config)
-  setup = build(config, target.devices)
-  _, the_plan = compile_and_plan(setup, config, target)
+  config = settings.resolve(config)
+  setup = build(config)
+  _, the_plan = compile_and_plan(setup)
   mesh = dict(setup.mesh.shape)
   ideal = communication.ideal_bytes(setup.model_cfg, mesh, config.batch_size, config.seq_len,
                                     config.microbatches, config.model.remat_policy,
                                     setup.model_cfg.reduce_dtype.itemsize, config.partition)
   return {'devices': devices, 'scheme': scheme, 'mesh': mesh,
-          'partition': config.partition.to_dict(), 'batch_size': config.batch_size,
+          'partition': dataclasses.asdict(config.partition), 'batch_size': config.batch_size,
           'microbatches': config.microbatches, 'memory_bytes': the_plan.total_bytes,
           'fits': the_plan.fits, 'sent_bytes': the_plan.collective_bytes,
           'across_nodes_bytes': the_plan.across_nodes_bytes,

@@ -65,7 +65,7 @@ def bubble(gpu, stages: int, microbatches: int, virtual: int) -> dict:
   config.model.n_layers, config.model.vocab_size = stages * virtual, 384
   config.model.virtual_stages = virtual
   config.batch_size, config.microbatches = microbatches, microbatches
-  setup = build(config, gpu_compiler.devices(gpu, stages))
+  setup = build(settings.resolve(config, gpu_compiler.devices(gpu, stages)))
   hlo = programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0,
                                     microbatches=microbatches).as_text()
   ticks = stage_ticks(hlo, lambda device: device)
@@ -78,9 +78,9 @@ def layout(config, mesh: dict, microbatches: int, virtual: int) -> dict:
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh)
   config.microbatches, config.model.virtual_stages = microbatches, virtual
-  config, target = settings.resolve(config)
-  setup = build(config, target.devices)
-  _, plan = compile_and_plan(setup, config, target)
+  config = settings.resolve(config)
+  setup = build(config)
+  _, plan = compile_and_plan(setup)
   return {'mesh': mesh, 'microbatches': microbatches, 'virtual_stages': virtual,
           'memory_bytes': plan.total_bytes,
           'argument_bytes': plan.argument_bytes, 'temp_bytes': plan.temp_bytes,

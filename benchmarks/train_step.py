@@ -42,7 +42,7 @@ _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this fil
 def main(argv):
   del argv
   prepared = inputs.prepare(_CONFIG.value, packed=_PACKED.value)
-  config, setup, state, step = prepared.config, prepared.setup, prepared.state, prepared.train_step
+  config, setup, state, step = prepared.run, prepared.setup, prepared.state, prepared.train_step
   batch, compile_s = prepared.batch, prepared.compile_s
   metrics = None  # --warmup=0 runs none
   for _ in range(_WARMUP.value):

@@ -220,11 +220,11 @@ def pass_length(docs: DocumentSequence, batch_size: int, seq_len: int) -> int:
   return int(-(-pairs.max() // seq_len))
 
 
-def train_batches(train_documents, tokenizer, config, batch_sharding, state=None) -> Batches:
-  """The endless, per-epoch reshuffled training batches config.data describes, of the training
-  split's documents (data/tokens.py)."""
-  docs = documents(train_documents, seed=config.seed)
-  return Batches(docs, batch_sharding=batch_sharding, batch_size=config.batch_size,
-                 seq_len=config.seq_len, pad_id=tokenizer.pad_id, workers=config.data.workers,
-                 prefetch=config.data.prefetch, state=state)
+def train_batches(train_documents, run, batch_sharding, state=None) -> Batches:
+  """The endless, per-epoch reshuffled training batches of the training split's documents
+  (data/tokens.py) that a run (training/run.py: its seed, batch, data and tokenizer) reads."""
+  docs = documents(train_documents, seed=run.seed)
+  return Batches(docs, batch_sharding=batch_sharding, batch_size=run.batch_size,
+                 seq_len=run.seq_len, pad_id=run.tokenizer.pad_id, workers=run.data.workers,
+                 prefetch=run.data.prefetch, state=state)
 

@@ -35,7 +35,7 @@ def check(data_config) -> None:
                      f'(config.data.name={data_config.name!r}) is read as text from '
                      'config.data.text_key: convert it to JSON Lines, or set record=text')
   for field in ('text_key', 'prompt_field', 'completion_field', 'messages_field'):
-    if not data_config[field]:
+    if not getattr(data_config, field):
       raise ValueError(f'config.data.{field} is empty; name the field records hold it in')
 
 

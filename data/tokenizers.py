@@ -246,27 +246,31 @@ _MODEL_FILES = {
 
 def load(data_config) -> Tokenizer:
   """The tokenizer `config.data` names; a missing or broken model file is a clear error."""
-  if data_config.tokenizer == 'byte':
+  return named(data_config.tokenizer, data_config.tokenizer_model)
+
+
+def named(kind: str, model: str) -> Tokenizer:
+  """The tokenizer of config.data.tokenizer=`kind` and tokenizer_model=`model`."""
+  if kind == 'byte':
     return ByteTokenizer()
-  if data_config.tokenizer not in _MODEL_FILES:
-    raise ValueError(f"config.data.tokenizer={data_config.tokenizer!r} is not 'byte', "
-                     "'sentencepiece' or 'hf'")
-  kind, what = _MODEL_FILES[data_config.tokenizer]
-  model_file = pathlib.Path(data_config.tokenizer_model).expanduser()
-  if not data_config.tokenizer_model or not model_file.is_file():
-    raise ValueError(f'config.data.tokenizer_model={data_config.tokenizer_model!r} is not a file;'
-                     f' {what}')
-  return kind(str(model_file))
+  if kind not in _MODEL_FILES:
+    raise ValueError(f"config.data.tokenizer={kind!r} is not 'byte', 'sentencepiece' or 'hf'")
+  make, what = _MODEL_FILES[kind]
+  model_file = pathlib.Path(model).expanduser()
+  if not model or not model_file.is_file():
+    raise ValueError(f'config.data.tokenizer_model={model!r} is not a file; {what}')
+  return make(str(model_file))
 
 
 KEPT = 'tokenizer'  # a run's copy of its tokenizer's files, in its workdir
 
 
-def kept_model(workdir: pathlib.Path, data_config) -> str | None:
-  """The run's own copy of config.data.tokenizer_model in its workdir, if it has one."""
-  if data_config.tokenizer == 'byte' or not data_config.tokenizer_model:
+def kept_model(workdir: pathlib.Path, kind: str, model: str) -> str | None:
+  """The run's own copy of its tokenizer_model `model` (of config.data.tokenizer=`kind`) in its
+  workdir, if it has one."""
+  if kind == 'byte' or not model:
     return None
-  copy = pathlib.Path(workdir).expanduser() / KEPT / pathlib.Path(data_config.tokenizer_model).name
+  copy = pathlib.Path(workdir).expanduser() / KEPT / pathlib.Path(model).name
   return str(copy) if copy.is_file() else None
 
 
@@ -275,7 +279,8 @@ def owned(data_config, workdir) -> Tokenizer:
   `keep` when it started) once it has one, wherever the original went; else config.data's. An
   original that is there but no longer the run's (replaced, retrained over) is refused, naming
   both fingerprints: the run's embeddings are its own tokenizer's ids."""
-  kept = kept_model(workdir, data_config) if workdir else None
+  kept = (kept_model(workdir, data_config.tokenizer, data_config.tokenizer_model) if workdir
+          else None)
   if kept is None:
     return load(data_config)
   mine = _MODEL_FILES[data_config.tokenizer][0](kept)
@@ -316,23 +321,22 @@ def padded_vocab_size(n: int) -> int:
   return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def with_vocab_size(config, tokenizer: Tokenizer):
-  """A copy of `config` whose model.vocab_size follows the tokenizer: 0 (the default) becomes the
-  tokenizer's size padded to a multiple of 128; an explicit size must hold every token."""
-  config = config.copy_and_resolve_references()  # the caller's config stays as given
-  if config.model.vocab_size == 0:
-    config.model.vocab_size = padded_vocab_size(tokenizer.vocab_size)
-  elif config.model.vocab_size < tokenizer.vocab_size and config.init_from not in ('', 'random'):
-    raise ValueError(f'config.init_from={config.init_from}: its model has a vocabulary of '
-                     f'{config.model.vocab_size}, fewer than the {tokenizer.vocab_size} tokens '
+def model_vocab_size(vocab_size: int, tokenizer: Tokenizer, init_from: str = '') -> int:
+  """config.model.vocab_size for this tokenizer: 0 (the default) becomes the tokenizer's size
+  padded to a multiple of 128; an explicit size must hold every token."""
+  if vocab_size == 0:
+    return padded_vocab_size(tokenizer.vocab_size)
+  if vocab_size < tokenizer.vocab_size and init_from not in ('', 'random'):
+    raise ValueError(f'config.init_from={init_from}: its model has a vocabulary of '
+                     f'{vocab_size}, fewer than the {tokenizer.vocab_size} tokens '
                      f'of the {tokenizer.name} tokenizer config.data names; use the tokenizer '
                      'it was trained with (leave config.data.tokenizer at its default to take '
                      'its own)')
-  elif config.model.vocab_size < tokenizer.vocab_size:
-    raise ValueError(f'config.model.vocab_size={config.model.vocab_size} is smaller than the '
+  if vocab_size < tokenizer.vocab_size:
+    raise ValueError(f'config.model.vocab_size={vocab_size} is smaller than the '
                      f'{tokenizer.name} tokenizer\'s {tokenizer.vocab_size} tokens; set it to 0 '
                      'to follow the tokenizer')
-  return config
+  return vocab_size
 
 
 def check_checkpoint_vocab(saved_vocab_size: int, tokenizer: Tokenizer, vocab_size: int) -> None:

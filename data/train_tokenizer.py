@@ -66,9 +66,9 @@ def _refuse_existing(files) -> None:
                        '(a run trained on its ids keeps them); give a new --output')
 
 
-def train_hf(texts, vocab_size: int, directory, config: bool = True) -> str:
+def train_hf(texts, vocab_size: int, directory, special: bool = True) -> str:
   """A byte-level BPE of `vocab_size` ids trained on `texts` (strings), saved as `directory`'s
-  tokenizer.json and (with `config`) the tokenizer_config.json naming its BOS and EOS, as
+  tokenizer.json and (with `special`) the tokenizer_config.json naming its BOS and EOS, as
   transformers saves them; returns the tokenizer.json's path."""
   import tokenizers as hf
   tok = hf.Tokenizer(hf.models.BPE())
@@ -80,7 +80,7 @@ def train_hf(texts, vocab_size: int, directory, config: bool = True) -> str:
   directory = pathlib.Path(directory).expanduser()
   directory.mkdir(parents=True, exist_ok=True)
   tok.save(str(directory / 'tokenizer.json'))
-  if config:
+  if special:
     (directory / 'tokenizer_config.json').write_text(json.dumps(
         {'bos_token': HF_SPECIAL[0], 'eos_token': {'content': HF_SPECIAL[1], 'special': True}}))
   return str(directory / 'tokenizer.json')

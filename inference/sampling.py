@@ -12,18 +12,18 @@ import math
 import os
 
 import jax
-import ml_collections
 from flax import nnx
 
 from configs import base, effects
 from data import chat, tokenizers
 from inference.generate import generate
 from inference.speculate import speculate
-from model import ModelConfig, Transformer
+from model import Transformer
 from model import kv_cache
 from runtime import checkpoint as checkpoint_lib
 import sharding
 from training import settings
+from training.run import Run
 
 ONE_AXIS = {axis: 1 for axis in sharding.AXES}  # sampling splits parameters over fsdp at most
 SAVED = (*effects.MODEL, 'data', 'numerics')  # the kinds of setting a checkpoint's model takes
@@ -34,7 +34,7 @@ MAX_LEN_FACTOR = 16  # --max_len past the trained seq_len, at most this many tim
 class Loaded:
   model: Transformer
   tokenizer: tokenizers.Tokenizer
-  config: ml_collections.ConfigDict  # the run's resolved config, as saved
+  run: Run  # the run's settings, as saved, resolved here
   checkpoint: str  # the step directory it came from
   init_from: str = ''  # where the run started (config.init_from as saved): an adapter's base
   chat_template: str | None = None  # the template it rendered its records with, if it kept one
@@ -74,14 +74,14 @@ def load(path: str, step: int | None = None) -> Loaded:
       section, _, key = field.rpartition('.')
       (config[section] if section else config)[key] = value
   config.init_from = ''  # the run's model settings are saved: where it started is not needed
-  if kept := tokenizers.kept_model(directory.parent, config.data):  # the run's copies, wherever
+  if kept := tokenizers.kept_model(directory.parent, config.data.tokenizer,
+                                   config.data.tokenizer_model):  # the run's copies, wherever
     config.data.tokenizer_model = kept  # the originals went
   if (kept := directory.parent / chat.KEPT).is_file():
     config.data.chat_template = str(kept)
   config.workdir = str(directory.parent)
-  resolved = settings.resolve(config)
-  config, tokenizer = resolved.config, resolved.tokenizer
-  model_cfg = ModelConfig.from_config(config.model).dropless()  # no token's output depends on
+  run = settings.resolve(config)
+  model_cfg = run.model.dropless()  # no token's output depends on
   # the other rows of its batch
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
   devices = jax.local_devices()
@@ -94,8 +94,8 @@ def load(path: str, step: int | None = None) -> Loaded:
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
   params, step_dir = checkpoint_lib.restore_params(str(directory / str(step)), abstract,
-                                                   config.model, setting='--workdir')
-  return Loaded(nnx.merge(graphdef, params), tokenizer, config, str(step_dir),
+                                                   run.model, setting='--workdir')
+  return Loaded(nnx.merge(graphdef, params), run.tokenizer, run, str(step_dir),
                 saved.get('init_from', ''), chat.kept_template(directory.parent))
 
 
@@ -103,7 +103,7 @@ def chat_prompt(loaded: Loaded, message: str) -> str:
   """`message` as a user's turn in the run's chat template (the one it kept, else
   config.data.chat_template: the tokenizer's own or the fallback), with the generation prompt:
   what a chat server sends."""
-  source, origin = chat.template_source(loaded.tokenizer, loaded.config.data.chat_template)
+  source, origin = chat.template_source(loaded.tokenizer, loaded.run.data.chat_template)
   try:
     return chat.render(source, [{'role': 'user', 'content': message}],
                        getattr(loaded.tokenizer, 'special_tokens', {}),
@@ -165,7 +165,7 @@ def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, ma
   """ValueError naming the flag, if `rows` sequences of `length` tokens go past max_len (0: the
   trained seq_len) or, for an explicit max_len, their cache of kind `cache` past the memory there
   is (with room for `draft_heads` guesses and the token before them, speculating)."""
-  limit, trained = max_len or loaded.config.seq_len, loaded.config.seq_len
+  limit, trained = max_len or loaded.run.seq_len, loaded.run.seq_len
   if max_len > MAX_LEN_FACTOR * trained:
     raise ValueError(f'--max_len={max_len:,} is more than {MAX_LEN_FACTOR}× the seq_len the model '
                      f'was trained at ({trained:,}): positions that far are ones it has never '

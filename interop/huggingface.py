@@ -3,10 +3,10 @@ transformers' `LlamaForCausalLM` for the same weights, so a checkpoint is a rena
 re-layout of tensors (`TENSORS`).
 
 Import, `--config.init_from=hf:DIR` (DIR holds config.json and model.safetensors, or the shards a
-model.safetensors.index.json names): `with_model_settings` takes config.model's fields from
-config.json (and the tokenizer.json beside it), `check` finds every tensor with its shape before
-anything is compiled, and `load_params` reads each device's share of each tensor straight into
-the run's shardings.
+model.safetensors.index.json names): `model_settings` gives config.model's fields from
+config.json (training/settings.py takes them, and the tokenizer.json beside it), `check` finds
+every tensor with its shape before anything is compiled, and `load_params` reads each device's
+share of each tensor straight into the run's shardings.
 
 Export, `python export.py --workdir=RUN --output=DIR` (`export`): config.json, safetensors in HF
 layout (sharded above a size, with an index) and the tokenizer's files, written beside DIR and
@@ -209,35 +209,9 @@ def model_settings(path: pathlib.Path) -> dict:
   return fields
 
 
-def with_model_settings(config, defaults):
-  """A copy of `config` whose config.model comes from `config.init_from='hf:DIR'`'s config.json,
-  and whose tokenizer, left at the default, is the tokenizer.json beside it. A field set to
-  something other than its default (`defaults`: configs/base.py's config.model) and other than
-  the checkpoint's is an error naming both."""
-  path = directory(config.init_from)
-  if path is None:
-    return config
-  config = config.copy_and_resolve_references()
-  for field, value in model_settings(path).items():
-    given = config.model[field]
-    if given != value and given != defaults[field]:
-      source = (f'{FIELDS[field]}={value!r}' if field in FIELDS else
-                f'{MOE_FIELDS[field]} giving {value!r}')
-      raise ValueError(
-          f'config.model.{field}={given!r}, but {SETTING}={config.init_from} has {source} in '
-          'its config.json; drop the setting (the checkpoint decides it) or start from another '
-          'checkpoint')
-    config.model[field] = value
-  if config.data.tokenizer == 'byte':
-    if not (path / 'tokenizer.json').is_file():
-      # Its embeddings were trained on its own tokenizer's ids: never on bytes, in silence.
-      raise ValueError(
-          f"{SETTING}={config.init_from}: {path} has no tokenizer.json, and config.data.tokenizer="
-          "'byte' would feed its embeddings byte ids; write one beside it (transformers: "
-          f"AutoTokenizer.from_pretrained('{path}').save_pretrained('{path}')), or name its "
-          'tokenizer: --config.data.tokenizer=hf --config.data.tokenizer_model=…/tokenizer.json')
-    config.data.tokenizer, config.data.tokenizer_model = 'hf', str(path / 'tokenizer.json')
-  return config
+def source(field: str, value) -> str:
+  """Where config.json gives config.model.`field`, for an error: 'hidden_size=2048'."""
+  return f'{FIELDS[field]}={value!r}' if field in FIELDS else f'{MOE_FIELDS[field]} giving {value!r}'
 
 
 def _parameters(abstract_params, cfg):

@@ -75,7 +75,7 @@ class ModelConfig:
   def __post_init__(self):
     if self.vocab_size == 0:
       raise ValueError('config.model.vocab_size=0 means "follow the tokenizer" and must be resolved '
-                       'first: data.tokenizers.with_vocab_size(config, tokenizer) (train.py does)')
+                       'first: training.settings.resolve(config) does')
     for name in ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
                  'virtual_stages'):
       if getattr(self, name) < 1:

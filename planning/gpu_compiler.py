@@ -131,13 +131,14 @@ def is_deviceless(device) -> bool:
     return True
 
 
-def plan_in_compiler_process(config, module: str) -> dict:
-  """A dry run of `config` as `python -m module config.json` (training.dry_run's) in a child process
-  that can compile for GPUs: its output appears here as it is printed; returns its plan, the last
-  line. A ValueError in the child (a bad setting) is raised here as one."""
+def plan_in_compiler_process(settings: dict, module: str) -> dict:
+  """A dry run of a run's `settings` (training.run.Run.as_dict) as `python -m module
+  config.json` (training.dry_run's) in a child process that can compile for GPUs: its output
+  appears here as it is printed; returns its plan, the last line. A ValueError in the child (a
+  bad setting) is raised here as one."""
   with tempfile.TemporaryDirectory(prefix='meshlm-plan-') as tmp:
     config_file, errors = pathlib.Path(tmp) / 'config.json', pathlib.Path(tmp) / 'stderr'
-    config_file.write_text(config.to_json())
+    config_file.write_text(json.dumps(settings))
     with errors.open('w') as stderr:
       child = subprocess.Popen([sys.executable, '-m', module, str(config_file)],
                                env=environment(), stdout=subprocess.PIPE,

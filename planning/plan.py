@@ -28,7 +28,6 @@ import jax
 
 from planning import flops as flops_lib
 from planning import gpu_compiler, gpus, timing
-from planning.target import Target
 from reporting import metrics
 from sharding import collectives
 import sharding
@@ -83,30 +82,31 @@ class Plan:
     return {**dataclasses.asdict(self), 'fits': self.fits}
 
 
-def make_plan(compiled, setup, config, target: Target) -> Plan:
-  """The Plan of `compiled`, the train step of `setup` (training.state.Setup) for `config` and
-  its `target`."""
+def make_plan(compiled, setup) -> Plan:
+  """The Plan of `compiled`, the train step of `setup` (training.state.Setup), for its run's
+  target."""
+  run, target = setup.run, setup.run.target
   devices = list(setup.mesh.devices.flat)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
   n = setup.mesh.size
-  tokens = config.batch_size * config.seq_len
+  tokens = run.batch_size * run.seq_len
   kind = sharding.local_device(devices).device_kind
   hlo = compiled.as_text()
-  flops = flops_lib.flops_per_token(setup.model_cfg, config.seq_len) * tokens / n
+  flops = flops_lib.flops_per_token(setup.model_cfg, run.seq_len) * tokens / n
   gpu = gpus.find(kind)  # the compiled program's, which the time model describes
   predicted = timing.predict(hlo, gpu or gpus.NOMINAL)
   return Plan(
       device=target.name, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
-      mesh=dict(setup.mesh.shape), remat_policy=config.model.remat_policy,
+      mesh=dict(setup.mesh.shape), remat_policy=run.model.remat_policy,
       attention=setup.model_cfg.attention,
       attention_ranking=timing.rank_attention(
-          setup.model_cfg.head_dim, setup.model_cfg.compute_dtype, config.seq_len,
+          setup.model_cfg.head_dim, setup.model_cfg.compute_dtype, run.seq_len,
           length_split=setup.mesh.shape['sequence'] > 1) if gpu else [],
-      context_parallel=config.model.context_parallel,
-      microbatches=config.microbatches, virtual_stages=config.model.virtual_stages,
+      context_parallel=run.model.context_parallel,
+      microbatches=run.microbatches, virtual_stages=run.model.virtual_stages,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
       total_bytes=(memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -114,14 +114,14 @@ def make_plan(compiled, setup, config, target: Target) -> Plan:
       host_bytes=(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
                   + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
       flops=flops,
-      attention_flops=flops_lib.attention_flops_per_token(setup.model_cfg, config.seq_len)
+      attention_flops=flops_lib.attention_flops_per_token(setup.model_cfg, run.seq_len)
       * tokens / n,
       matmul_flops=predicted.gemm_flops,
       compiled_flops=float(cost['flops']) if cost and 'flops' in cost else None,
       collectives=collectives.summary(hlo),
       across_nodes_bytes=collectives.crossing_bytes(
           hlo, lambda device: device // target.gpus_per_node),
-      gpus_per_node=target.gpus_per_node, partition=partition_name(config.partition),
+      gpus_per_node=target.gpus_per_node, partition=partition_name(run.partition),
       memory_bytes=target.memory_bytes, memory_source=target.memory_source,
       time=predicted_time(predicted, gpu, tokens / n, flops),
       param_bytes=_device_bytes(setup.abstract_state.params),

@@ -22,6 +22,18 @@ import sharding
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """config.plan: what the programs are compiled for and must fit in (module docstring)."""
+  target: str  # a GPU of planning/gpus.py; '': the devices here
+  devices: int  # how many of them; 0: as many as there are here
+  memory_gb: float  # per-device memory to fit; 0: the target's, or the backend's own
+
+  def __post_init__(self):
+    if self.target:
+      gpus.get(self.target)  # a ValueError naming config.plan.target
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
   name: str  # what plans are for: config.plan.target, or the device kind here
   gpu: gpus.GPU | None  # name's GPU in planning/gpus.py; None for a CPU or a GPU it lacks
@@ -43,12 +55,6 @@ class Target:
     """Whether the programs compile for GPUs (a CPU stand-in for config.plan.target does not:
     cuDNN's kernels cannot compile there)."""
     return self.in_child or sharding.local_device(self.devices).platform == 'gpu'
-
-  def for_child(self, config):
-    """`config` as the child process that plans it (in_child) takes it: for n_devices GPUs."""
-    config = config.copy_and_resolve_references()
-    config.plan.devices = self.n_devices
-    return config
 
   @property
   def gpus_per_node(self) -> int:

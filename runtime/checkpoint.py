@@ -152,6 +152,8 @@ def _differences(saved: dict, wanted: dict) -> list[str]:
 
 
 def _model_differences(saved_model: dict, model_config) -> str:
+  if dataclasses.is_dataclass(model_config):  # a run's ModelConfig
+    model_config = dataclasses.asdict(model_config)
   changed = [f'{k} {v!r} → {model_config[k]!r}' for k, v in sorted(saved_model.items())
              if k in model_config and model_config[k] != v]
   return f'; config.model differs: {", ".join(changed)}' if changed else ''
@@ -394,12 +396,13 @@ TRAINED_ON = {  # what a run trains with beyond its settings: what it was, where
 }
 
 
-def check_resume(saved_config: dict, config, checkpoint: pathlib.Path,
+def check_resume(saved_config: dict, settings: dict, checkpoint: pathlib.Path,
                  trained_on: dict | None = None) -> None:
   """ValueError naming the settings a resumed run keeps (configs/effects.py: KEPT_ON_RESUME, the
-  kinds configs/base.py declares them) that differ from the config `checkpoint` was saved with;
-  or, of `trained_on` (TRAINED_ON's: what the run reads now), what differs from what it read."""
-  changed = effects.changed(saved_config, config, effects.KEPT_ON_RESUME)
+  kinds configs/base.py declares them) that differ, in the run's `settings` (Run.as_dict), from
+  the config `checkpoint` was saved with; or, of `trained_on` (TRAINED_ON's: what the run reads
+  now), what differs from what it read."""
+  changed = effects.changed(saved_config, settings, effects.KEPT_ON_RESUME)
   if changed:  # a setting first: the change the user made, named
     _refuse_changed(changed, checkpoint)
   saved_files = saved_config.get('trained_on') or {}

@@ -19,6 +19,7 @@ collective fails before the service ends it prints "meshlm: process i of n faile
 """
 
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -35,6 +36,19 @@ def scheduler_process_count(environ=os.environ) -> tuple[str, int] | None:
   if 'OMPI_MCA_orte_hnp_uri' in environ:
     return 'Open MPI', int(environ.get('OMPI_COMM_WORLD_SIZE', '1'))
   return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """config.distributed (module docstring); checks itself (`check`)."""
+  coordinator_address: str
+  num_processes: int
+  process_id: int
+  initialization_timeout_s: int
+  heartbeat_timeout_s: int
+
+  def __post_init__(self):
+    check(self)
 
 
 def check(dist_config) -> None:
@@ -54,8 +68,9 @@ def check(dist_config) -> None:
       raise ValueError(f'config.distributed.num_processes={n} and process_id={i}: need '
                        'num_processes ≥ 1 and 0 ≤ process_id < num_processes')
   for field in ('initialization_timeout_s', 'heartbeat_timeout_s'):
-    if dist_config[field] < 1:
-      raise ValueError(f'config.distributed.{field}={dist_config[field]} must be at least 1')
+    if getattr(dist_config, field) < 1:
+      raise ValueError(f'config.distributed.{field}={getattr(dist_config, field)} must be at '
+                       'least 1')
 
 
 def initialize(dist_config) -> int:

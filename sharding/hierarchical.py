@@ -69,15 +69,27 @@ def replicas_run_apart(experts: int, matmul_precision: str, frozen_base: bool = 
   return not experts and matmul_precision != 'fp8' and not frozen_base
 
 
-def check(partition_config, mesh_config) -> None:
-  """config.partition against itself and config.mesh's data axis: ValueError naming the
-  setting."""
-  for field in ('weights', 'gradients'):
-    if (value := partition_config[field]) not in SCHEMES:
-      raise ValueError(f'config.partition.{field}={value!r} is not one of {SCHEMES}')
-    if value != 'exact' and not partition_config.hierarchical:
-      raise ValueError(f'config.partition.{field}={value!r} quantizes what crosses config.mesh.'
-                       'data, which only config.partition.hierarchical=True sends apart; set it')
+@dataclasses.dataclass(frozen=True)
+class PartitionConfig:
+  """config.partition: how the state crosses `data` (module docstring). Checks itself."""
+  hierarchical: bool
+  weights: str  # of SCHEMES
+  gradients: str
+
+  def __post_init__(self):
+    for field in ('weights', 'gradients'):
+      if (value := getattr(self, field)) not in SCHEMES:
+        raise ValueError(f'config.partition.{field}={value!r} is not one of {SCHEMES}')
+      if value != 'exact' and not self.hierarchical:
+        raise ValueError(f'config.partition.{field}={value!r} quantizes what crosses config.mesh.'
+                         'data, which only config.partition.hierarchical=True sends apart; set it')
+
+
+PLAIN = PartitionConfig(hierarchical=False, weights='exact', gradients='exact')  # replicas
+
+
+def check(partition_config: PartitionConfig, mesh_config) -> None:
+  """config.partition against config.mesh's data axis: ValueError naming the setting."""
   if partition_config.hierarchical and mesh_config.data == 1 and not mesh_config.auto:
     raise ValueError('config.partition.hierarchical=True splits the state over config.mesh.data, '
                      'the level across nodes, and it is 1; set it to the number of nodes '

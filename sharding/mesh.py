@@ -1,6 +1,8 @@
-"""The device mesh from `config.mesh`: axes data, stage, fsdp, expert, tensor, sequence. The
-first axes vary slowest over the devices, so data and stage are the ones that span nodes."""
+"""The device mesh from `config.mesh` (MeshConfig): axes data, stage, fsdp, expert, tensor,
+sequence. The first axes vary slowest over the devices, so data and stage are the ones that span
+nodes."""
 
+import dataclasses
 import math
 
 import jax
@@ -14,11 +16,29 @@ class MeshMismatch(ValueError):
   skips such shapes; any other ValueError is a mistake in the settings)."""
 
 
-def check_mesh_config(mesh_config) -> None:
-  """What config.mesh says about itself: known axes, sizes positive or -1, at most one -1."""
-  if unknown := set(mesh_config) - set(AXES) - {'auto'}:  # auto: training/layout.py
-    raise ValueError(f'config.mesh has unknown axes {sorted(unknown)}; the axes are {AXES}')
-  sizes = {axis: mesh_config[axis] for axis in AXES}
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """config.mesh: each axis's size (-1: the devices left over, at most one axis), and whether the
+  layout search picks them (training/layout.py). Checks itself: positive sizes or -1."""
+  data: int
+  stage: int
+  fsdp: int
+  expert: int
+  tensor: int
+  sequence: int
+  auto: bool
+
+  def __post_init__(self):
+    check_sizes(self.sizes)
+
+  @property
+  def sizes(self) -> dict[str, int]:
+    """{axis: size} as given (-1 not yet filled in: mesh_shape does)."""
+    return {axis: getattr(self, axis) for axis in AXES}
+
+
+def check_sizes(sizes: dict) -> None:
+  """Sizes positive or -1, at most one -1: ValueError naming config.mesh.<axis>."""
   if bad := [axis for axis, size in sizes.items() if size == 0 or size < -1]:
     raise ValueError(f'config.mesh.{bad[0]}={sizes[bad[0]]}: axis sizes are positive, or -1 for '
                      'the remaining devices')
@@ -26,10 +46,11 @@ def check_mesh_config(mesh_config) -> None:
     raise ValueError(f'config.mesh: only one axis may be -1, got {free}')
 
 
-def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
-  """{axis: size} from config.mesh, resolving at most one -1 to the devices left over."""
-  check_mesh_config(mesh_config)
-  sizes = {axis: int(mesh_config[axis]) for axis in AXES}
+def mesh_shape(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
+  """{axis: size} from config.mesh's (MeshConfig.sizes), at most one -1 resolved to the devices
+  left over."""
+  sizes = {axis: int(sizes[axis]) for axis in AXES}
+  check_sizes(sizes)
   free = [axis for axis, size in sizes.items() if size == -1]
   fixed = math.prod(size for size in sizes.values() if size != -1)
   if free:
@@ -46,11 +67,12 @@ def mesh_shape(mesh_config, n_devices: int) -> dict[str, int]:
   return sizes
 
 
-def make_mesh(mesh_config, devices=None) -> Mesh:
-  """A mesh over `devices` (default: all). Auto axes: XLA's partitioner propagates shardings
-  from the ones we pin (parameters, batch, activations at layer boundaries)."""
+def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+  """A mesh of these axis sizes (MeshConfig.sizes) over `devices` (default: all). Auto axes:
+  XLA's partitioner propagates shardings from the ones we pin (parameters, batch, activations at
+  layer boundaries)."""
   devices = jax.devices() if devices is None else list(devices)
-  sizes = mesh_shape(mesh_config, len(devices))
+  sizes = mesh_shape(sizes, len(devices))
   return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
                        devices=devices)
 

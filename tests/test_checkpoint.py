@@ -23,6 +23,7 @@ from runtime.checkpoint import (Checkpointer, CheckpointMismatch, CheckpointWarn
                                 restore_params)
 from tests.conftest import SMALL_CORPUS, tiny_config, with_file_size_limit
 from training import loop
+from training import settings
 from training.state import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -75,7 +76,7 @@ def base_config():
 
 def latest(workdir, config=None):
   config = config or base_config()
-  return Checkpointer(workdir / 'checkpoints').restore_latest(build(config).abstract_state,
+  return Checkpointer(workdir / 'checkpoints').restore_latest(build(settings.resolve(config)).abstract_state,
                                                              config.model)
 
 
@@ -140,7 +141,7 @@ def test_a_second_signal_exits_at_once_and_keeps_the_last_complete_checkpoint(tm
 
 def test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint(tmp_path):
   config = tiny_config(fsdp=8)
-  saved_setup = build(config)
+  saved_setup = build(settings.resolve(config))
   state = saved_setup.init_state()
   checkpointer = Checkpointer(tmp_path, keep=3)
   for step in (1, 2):
@@ -149,7 +150,7 @@ def test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint(tm
   expected = jax.tree.leaves(state.params)
 
   for mesh, devices in ((dict(fsdp=4, tensor=2), jax.devices()), ({}, jax.devices()[:1])):
-    target = build(tiny_config(**mesh), devices)
+    target = build(settings.resolve(tiny_config(**mesh), devices))
     step, restored, data = Checkpointer(tmp_path).restore_latest(target.abstract_state,
                                                                  config.model)
     assert step == 2 and data == {'rows': [2]}
@@ -198,7 +199,7 @@ def test_corrupted_bytes_fail_the_checksums_and_are_not_trained_from(tmp_path):
   data[len(data) // 2:len(data) // 2 + 64] = np.random.default_rng(0).bytes(64)
   biggest.write_bytes(bytes(data))
   config = tiny_run(tmp_path, train_steps=4)
-  setup = build(config)
+  setup = build(settings.resolve(config))
   with pytest.warns(CheckpointWarning, match=r'checkpoints/4 is damaged \(1 of \d+ arrays differ '
                                              r'from their checksums: '):
     step, _, _ = Checkpointer(tmp_path / 'checkpoints').restore_latest(setup.abstract_state,
@@ -220,7 +221,7 @@ def test_sample_export_and_init_from_refuse_parameters_that_fail_their_checksums
       for at in range(4096, len(data) - 64, 8192):
         data[at:at + 64] = noise.bytes(64)
       f.write_bytes(bytes(data))
-  setup = build(tiny_run(run))
+  setup = build(settings.resolve(tiny_run(run)))
   restored = Checkpointer(run / 'checkpoints', read_only=True)
   assert 'arrays differ from their checksums' in restored._verify(
       4, restored._restore(4, setup.abstract_state).state)
@@ -256,8 +257,8 @@ def test_sample_export_and_init_from_refuse_parameters_that_fail_their_checksums
 
 
 def test_checksums_do_not_depend_on_the_sharding():
-  state = build(tiny_config(fsdp=8)).init_state()
-  other = jax.device_put(state, build(tiny_config(fsdp=4, tensor=2)).state_shardings)
+  state = build(settings.resolve(tiny_config(fsdp=8))).init_state()
+  other = jax.device_put(state, build(settings.resolve(tiny_config(fsdp=4, tensor=2))).state_shardings)
   from runtime.checkpoint import checksums
   assert checksums(state) == checksums(other)
   flipped = state.replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0),
@@ -302,7 +303,7 @@ def test_another_models_checkpoint_is_a_clear_error_before_training(trained):
     loop.run(other)
   with pytest.raises(CheckpointMismatch, match=r'params.embed.value is \(384, 64\) there but '
                                                r'\(512, 64\) here'):  # the arrays, as named
-    Checkpointer(trained / 'checkpoints').check(build(other).abstract_state, 4,
+    Checkpointer(trained / 'checkpoints').check(build(settings.resolve(other)).abstract_state, 4,
                                                 setting='config.workdir', model_config=other.model)
   assert (trained / 'metrics.jsonl').read_text() == before  # nothing trained, nothing written
   assert Checkpointer(trained / 'checkpoints').steps() == [4, 2]
@@ -327,8 +328,8 @@ def test_a_resumed_run_that_changes_its_data_or_model_is_refused_before_compilin
 
 def test_init_from_takes_the_parameters_only(trained, tmp_path):
   config = tiny_run(tmp_path, init_from=str(trained))
-  setup = build(config)
-  step, state, data = loop.initial_state(setup, config, None, log=lambda *_: None)
+  setup = build(settings.resolve(config))
+  step, state, data = loop.initial_state(setup, None, log=lambda *_: None)
   _, saved, _ = Checkpointer(trained / 'checkpoints').restore_latest(setup.abstract_state,
                                                                    config.model)
   assert step == 0 and data is None and int(state.step) == 0 and int(saved.step) == 4
@@ -377,7 +378,7 @@ def test_skipped_step_leaves_parameters_and_optimizer_state_as_they_were(small_c
   from training import programs
   config = tiny_config(fsdp=8)
   config.model.matmul_precision = precision  # fp8: a NaN gradient's scale is NaN, never inf
-  setup = build(config)
+  setup = build(settings.resolve(config))
   state = setup.init_state()
   train_step = programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
   batch = {k: jnp.zeros(x.shape, x.dtype, device=x.sharding)

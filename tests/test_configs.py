@@ -11,7 +11,7 @@ import pytest
 
 import configs
 from planning import flops
-from training import loop
+from training import loop, settings
 from training.state import build, param_count
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / 'configs'
@@ -37,7 +37,7 @@ def test_every_config_file_loads_and_has_a_runnable_docstring(name):
 def test_llama_presets_have_their_real_sizes_and_shard_over_8_devices(preset):
   config = load('llama.py', preset)
   config.mesh.fsdp = -1
-  setup = build(config)  # abstract only: nothing of this size is allocated
+  setup = build(settings.resolve(config))  # abstract only: nothing of this size is allocated
   low, high = PRESETS[preset]
   assert low <= param_count(setup.abstract_state.params) <= high
 
@@ -47,7 +47,7 @@ def test_llama_presets_have_their_real_sizes_and_shard_over_8_devices(preset):
 def test_moe_presets_have_their_real_sizes_and_active_parameters(preset, total, active):
   config = load('moe.py', preset)
   config.mesh.fsdp = -1
-  setup = build(config)  # abstract only
+  setup = build(settings.resolve(config))  # abstract only
   assert abs(param_count(setup.abstract_state.params) - total) < 0.01 * total
   cfg = setup.model_cfg  # the embedding, attention, router, k experts a layer and the head
   taken = cfg.n_layers * flops.matmul_params_per_layer(cfg, experts=True)
@@ -56,7 +56,7 @@ def test_moe_presets_have_their_real_sizes_and_active_parameters(preset, total, 
 
 def test_the_long_context_preset_splits_its_row_over_8_devices_with_the_ring():
   config = load('llama.py', '8b-128k')
-  setup = build(config)  # abstract only
+  setup = build(settings.resolve(config))  # abstract only
   assert dict(setup.mesh.shape) == {'data': 1, 'stage': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1, 'sequence': 8}
   assert (config.seq_len, config.batch_size) == (131072, 1)
   assert (setup.model_cfg.attention, setup.model_cfg.context_parallel) == ('pallas', 'ring')

@@ -17,6 +17,7 @@ import sharding
 from tests.conftest import tiny_config
 from tests.test_kernels import random_batch
 from training import programs
+from training import settings
 from training.state import build
 
 CHUNK = 16  # rows per device, one kernel block: the smallest that tests every path
@@ -129,7 +130,7 @@ def compiled_step(implementation='pallas', context_parallel='all_gather', **mesh
   config = tiny_config(**mesh)
   config.model.attention, config.model.context_parallel = implementation, context_parallel
   devices = jax.devices() if mesh else jax.devices()[:1]
-  setup = build(config, devices)
+  setup = build(settings.resolve(config, devices))
   return setup, config, programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
 
 
@@ -172,8 +173,8 @@ def test_ring_needs_our_kernel_and_two_chunks_a_device():
   config = tiny_config(fsdp=2, sequence=4)
   config.model.attention, config.model.context_parallel = 'xla', 'ring'  # auto would take ours
   with pytest.raises(ValueError, match="context_parallel='ring'.*attention=pallas"):
-    build(config)
+    build(settings.resolve(config))
   config.model.attention, config.seq_len = 'pallas', 36
   with pytest.raises(sharding.MeshMismatch, match='config.seq_len=36 is not divisible by '
                      '2×config.mesh.sequence=8'):
-    build(config)
+    build(settings.resolve(config))

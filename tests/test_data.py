@@ -16,6 +16,7 @@ from data import pipeline, tokenizers, tokens, train_tokenizer
 from data.packing import ROW_KEYS
 from runtime import faults
 from training import loop
+from training import settings
 from training.state import build
 from tests.conftest import tiny_config
 
@@ -140,7 +141,7 @@ def test_resume_from_saved_state_continues_exactly(small_corpus, workers):
 def test_process_shares_are_disjoint_and_rebuild_the_global_batch(small_corpus, n_processes):
   """Processes own consecutive blocks of devices; each builds only the rows its devices hold."""
   config = tiny_config(data=2, fsdp=2, tensor=2)
-  batch_sharding = sharding.batch_sharding(build(config).mesh)
+  batch_sharding = sharding.batch_sharding(build(settings.resolve(config)).mesh)
   devices = list(batch_sharding.mesh.devices.flat)
   per = len(devices) // n_processes
   shares = [pipeline.process_rows(batch_sharding, config.batch_size, config.seq_len,
@@ -159,7 +160,7 @@ def test_process_shares_are_disjoint_and_rebuild_the_global_batch(small_corpus, 
 
 def test_global_array_shards_hold_the_rows_the_pipeline_built(small_corpus):
   config = tiny_config(data=2, fsdp=2, sequence=2)
-  batch_sharding = sharding.batch_sharding(build(config).mesh)
+  batch_sharding = sharding.batch_sharding(build(settings.resolve(config)).mesh)
   docs = pipeline.documents(tokens.OnTheFly(small_corpus.train, 'text', BYTES), seed=0)
   batches = pipeline.Batches(docs, batch_sharding=batch_sharding, batch_size=8, seq_len=32,
                              pad_id=BYTES.pad_id)
@@ -211,7 +212,7 @@ def test_sentencepiece_trains_on_the_corpus_and_round_trips_exactly(tmp_path):
     assert sp.token_bytes()[ids].sum() == len(text.encode())
   assert len(sp.encode(TEXTS['b.txt'].encode())) < len(TEXTS['b.txt']) / 2  # it compresses
   config.model.vocab_size = 0
-  assert tokenizers.with_vocab_size(config, sp).model.vocab_size == 512  # padded to 128s
+  assert tokenizers.model_vocab_size(0, sp) == 512  # padded to 128s
   assert_rows_decode_to_the_documents(config, sp)
 
 
@@ -337,10 +338,8 @@ def test_bad_data_settings_fail_before_training_naming_the_setting(tmp_path, ind
 
 
 def test_vocab_smaller_than_the_tokenizer_is_an_error():
-  config = tiny_config()
-  config.model.vocab_size = 200
-  with pytest.raises(ValueError, match='config.model.vocab_size'):
-    tokenizers.with_vocab_size(config, BYTES)
+  with pytest.raises(ValueError, match='config.model.vocab_size=200 is smaller'):
+    tokenizers.model_vocab_size(200, BYTES)
 
 
 def test_a_failed_preparation_leaves_nothing_a_later_run_would_read(tmp_path, monkeypatch):

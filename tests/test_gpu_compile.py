@@ -79,13 +79,11 @@ def preset(name: str, attention: str):
 
 def compiled(config):
   """(compiled train step, plan) of `config` for its config.plan.target."""
-  config, target = settings.resolve(config)
-  return compile_and_plan(build(config, target.devices), config, target)
+  return compile_and_plan(build(settings.resolve(config)))
 
 
 def built(config):
-  config, target = settings.resolve(config)
-  return build(config, target.devices)
+  return build(settings.resolve(config))
 
 
 @pytest.mark.parametrize('name,attention', [
@@ -202,9 +200,8 @@ def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel
     config.model.attention, config.model.context_parallel = 'pallas', context_parallel
   config.model.tie_embeddings = tied  # tied: the table serves the lookup and the head
   config.plan.target, config.plan.devices, config.dry_run = 'H100', 8, True
-  config, target = settings.resolve(config)
-  setup = build(config, target.devices)
-  program, _ = compile_and_plan(setup, config, target)
+  setup = build(settings.resolve(config))
+  program, _ = compile_and_plan(setup)
   return program.as_text(), setup, config
 
 
@@ -312,9 +309,8 @@ def test_each_partition_sends_across_nodes_what_its_ideal_says(h100, devices, na
   config.batch_size, config.microbatches = 2 * devices, 2
   config.partition.update(PARTITIONS[name])
   config.plan.target, config.plan.devices, config.dry_run = 'H100', devices, True
-  config, target = settings.resolve(config)
-  setup = build(config, target.devices)
-  program, _ = compile_and_plan(setup, config, target)
+  setup = build(settings.resolve(config))
+  program, _ = compile_and_plan(setup)
   node = lambda device: device // 8
   crossing = [c for c in collectives.executed(program.as_text()) if c.crosses(node)]
   sent = sum(c.sent_bytes * c.executions for c in crossing)

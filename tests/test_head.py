@@ -14,6 +14,7 @@ from sharding import collectives
 import sharding
 from tests.conftest import f32_shapes, tiny_config
 from training.programs import compile_train_step
+from training import settings
 from training.state import build
 from training.step import weighted_losses
 
@@ -86,7 +87,7 @@ def test_no_device_holds_more_than_a_chunk_of_logits():
   vocabulary dimension is a chunk's, never the device's tokens'."""
   config = tiny_config(fsdp=8)
   config.model.vocab_size, config.model.head_chunk = 4096, 16  # 32 tokens a device: 2 chunks
-  setup = build(config)
+  setup = build(settings.resolve(config))
   hlo = compile_train_step(setup, config.batch_size, config.seq_len, 0.0).as_text()
   # Arrays with a vocabulary dimension and no model dimension (the weight, its gradient and
   # moments have one): logits, probabilities, their gradients.

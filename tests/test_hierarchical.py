@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sharding import hierarchical
+from sharding.hierarchical import PartitionConfig
 from tests.conftest import tiny_config
 from tests.test_moe import train
 from training import settings
@@ -83,7 +84,7 @@ def test_hierarchical_partitioning_trains_as_plain_fsdp(plain_fsdp, small_corpus
   np.testing.assert_allclose(curve, ref_curve, rtol=2e-6, atol=1e-6)
   for a, b in zip(params[STEPS], ref_params[STEPS]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  setup = build(config)
+  setup = build(settings.resolve(config))
   state = setup.init_state()
   L, D, F = state.params['blocks']['mlp']['w_gate'].shape
   mu = state.opt_state[1][0].mu['blocks']['mlp']['w_gate']  # after clipping: adamw's moments
@@ -115,20 +116,20 @@ def test_partition_settings_that_cannot_work_are_refused_naming_the_setting(fiel
                                                                             message):
   config = partitioned(fields, **mesh)
   with pytest.raises(ValueError, match=message):
-    settings.check(config)
+    settings.resolve(config)
 
 
 def test_a_replica_that_straddles_nodes_moe_lora_and_fp8_are_refused():
-  partition = partitioned(dict(hierarchical=True)).partition
+  partition = PartitionConfig(hierarchical=True, weights='exact', gradients='exact')
   mesh = dict(data=2, stage=1, fsdp=12, expert=1, tensor=1, sequence=1)
   with pytest.raises(ValueError, match=r'12 devices.*config.mesh.data=6'):
     hierarchical.check_nodes(partition, mesh, gpus_per_node=8)
   hierarchical.check_nodes(partition, dict(mesh, data=1, fsdp=16), gpus_per_node=8)  # whole nodes
-  # What it does not run with is known without devices: settings.check says so.
+  # What it does not run with is known without devices: settings.resolve says so.
   for field, value, message in [('experts', 4, 'does not run MoE models yet'),
                                 ('lora_rank', 4, 'only small added parameters train'),
                                 ('matmul_precision', 'fp8', "matmul_precision='fp8' yet")]:
     config = partitioned(dict(hierarchical=True), data=2, fsdp=4)
     config.model[field] = value
     with pytest.raises(ValueError, match=message):
-      settings.check(config)
+      settings.resolve(config)

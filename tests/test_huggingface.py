@@ -65,7 +65,7 @@ def assert_computes_goldens(setup, params, path):
 
 @pytest.mark.parametrize('path', [UNTIED, TIED], ids=['untied-fp32', 'tied-bf16-llama3'])
 def test_an_imported_checkpoint_computes_what_transformers_computes(path):
-  config = settings.resolve(hf_config(path)).config
+  config = settings.resolve(hf_config(path))
   assert (config.model.d_model, config.model.n_layers, config.model.vocab_size) == (64, 2, 320)
   assert config.data.tokenizer_model == str(path / 'tokenizer.json')
   setup = build(config)
@@ -137,7 +137,7 @@ def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path
     assert lines[0].startswith(expected), (args, lines)
   assert sorted(p.name for p in tmp_path.iterdir()) == ['export', 'moved', 'run']
   # Re-imported, the export is the run's checkpoint, bit for bit.
-  setup = build(settings.resolve(hf_config(output)).config)
+  setup = build(settings.resolve(hf_config(output)))
   again = huggingface.load_params(output, setup.abstract_state.params, setup.model_cfg)
   restored, _ = checkpoint_lib.restore_params(str(workdir), setup.abstract_state.params,
                                               config.model)
@@ -160,14 +160,15 @@ def test_an_moe_computes_what_transformers_computes_and_exports_back_bit_exact(p
   """Its experts split over `fsdp` and `tensor`; the export holds every tensor transformers saved,
   bit for bit, and a config.json that reads as the original's settings."""
   experts, width, renormalised, balance, up_proj = MOES[path]
-  config = settings.resolve(hf_config(path)).config
+  # the kernel takes a tensor share of the width only in multiples of 16
+  config = hf_config(path)
+  config.mesh.update(dict(data=1, fsdp=4, tensor=2) if width // 2 % 16 == 0 else
+                     dict(data=2, fsdp=4, tensor=1))
+  config = settings.resolve(config)
   m = config.model
   assert (m.experts, m.experts_per_token, m.expert_d_ff, m.router, m.router_renormalize,
           m.qk_norm) == (experts, 2, width, 'softmax', renormalised, path == QWEN3_MOE)
   assert m.load_balance_loss == pytest.approx(balance)  # transformers' weighs k × ours
-  # the kernel takes a tensor share of the width only in multiples of 16
-  config.mesh.update(dict(data=1, fsdp=4, tensor=2) if width // 2 % 16 == 0 else
-                     dict(data=2, fsdp=4, tensor=1))
   setup = build(config)
   params = huggingface.load_params(path, setup.abstract_state.params, setup.model_cfg)
   hf = tensors(path)
@@ -203,9 +204,8 @@ def test_an_moe_that_mixtral_cannot_hold_is_refused_naming_the_setting():
 
 
 def test_virtual_stages_take_the_layers_in_their_chunks():
-  flat = settings.resolve(hf_config(UNTIED)).config
-  chunked = settings.resolve(hf_config(UNTIED)).config
-  chunked.model.virtual_stages = 2
+  flat = settings.resolve(hf_config(UNTIED))
+  chunked = flat.replace(model={'virtual_stages': 2})
   by_layer = [huggingface.load_params(UNTIED, s.abstract_state.params, s.model_cfg)
               for s in (build(flat), build(chunked))]
   for a, b in zip(*map(jax.tree.leaves, by_layer)):
@@ -238,17 +238,17 @@ def test_the_checkpoint_decides_the_model_and_says_what_it_cannot_import(tmp_pat
   shutil.copytree(UNTIED, broken)
   described = json.loads((broken / 'config.json').read_text())
   (broken / 'config.json').write_text(json.dumps({**described, 'num_hidden_layers': 3}))
-  setup = build(settings.resolve(hf_config(broken)).config)
+  setup = build(settings.resolve(hf_config(broken)))
   with pytest.raises(ValueError, match=r'lacks tensor model\.layers\.2\.'):
     huggingface.check(broken, setup.abstract_state.params, setup.model_cfg)
   (broken / 'config.json').write_text(json.dumps({**described, 'intermediate_size': 64}))
-  setup = build(settings.resolve(hf_config(broken)).config)
+  setup = build(settings.resolve(hf_config(broken)))
   with pytest.raises(ValueError, match=r'mlp.down_proj.weight is F32 \[64, 128\], not \[64, 64\]'):
     huggingface.check(broken, setup.abstract_state.params, setup.model_cfg)
 
 
 def test_a_failed_export_leaves_nothing_and_an_export_never_overwrites(tmp_path, monkeypatch):
-  config = settings.resolve(hf_config(TIED)).config
+  config = settings.resolve(hf_config(TIED))
   setup = build(config)
   params = huggingface.load_params(TIED, setup.abstract_state.params, setup.model_cfg)
   (tmp_path / 'taken').mkdir()

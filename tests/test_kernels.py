@@ -13,6 +13,7 @@ from kernels import flash_attention, xla_attention
 import sharding
 from tests.conftest import tiny_config
 from training import programs
+from training import settings
 from training.state import build
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # bf16: inputs rounded, fp32 softmax
@@ -99,7 +100,7 @@ def test_one_training_step_with_pallas_equals_xla():
   for implementation in ('xla', 'pallas'):
     config = tiny_config()
     config.model.attention = implementation
-    setup = build(config, jax.devices()[:1])
+    setup = build(settings.resolve(config, jax.devices()[:1]))
     step = programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
     state, metrics = step(setup.init_state(), random_batch(setup, config))
     runs[implementation] = (float(metrics['loss']), float(metrics['grad_norm']),
@@ -154,4 +155,4 @@ def test_bad_block_size_names_the_field():
   config = tiny_config()
   config.model.attention_block_q = 48
   with pytest.raises(ValueError, match='config.model.attention_block_q'):
-    build(config)
+    build(settings.resolve(config))

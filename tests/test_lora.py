@@ -37,12 +37,12 @@ def lora_config(rank=4, **mesh):
   c.mesh.update(mesh)
   c.data.paths, c.data.validation_fraction = SMALL_CORPUS, 0.1
   c.optimizer.learning_rate, c.optimizer.warmup_steps = 1e-2, 0
-  return settings.resolve(c).config
+  return c
 
 
 def started(config, devices=None):
   """The setup and its state from the imported base, adapters fresh."""
-  setup = build(config, devices)
+  setup = build(settings.resolve(config, devices))
   base = base_params(setup.model_cfg, setup.abstract_state.params)
   return setup, setup.init_state(huggingface.load_params(UNTIED, base, setup.model_cfg))
 
@@ -56,7 +56,7 @@ def logits(setup, params, tokens):
 def test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does():
   tokens = np.load(UNTIED / 'goldens.npz')['tokens']
   setup, state = started(lora_config())
-  plain = build(settings.resolve(lora_config(rank=0)).config)
+  plain = build(settings.resolve(lora_config(rank=0)))
   plain_params = huggingface.load_params(UNTIED, plain.abstract_state.params, plain.model_cfg)
   # B starts at zero: the adapted model is the base, exactly.
   np.testing.assert_array_equal(logits(setup, state.params, tokens),
@@ -125,7 +125,7 @@ def test_only_the_adapters_train_on_fsdp_and_tensor_as_on_one_device_and_the_bas
   assert attn['wq_lora']['b'][...].addressable_shards[0].data.shape == (2, 4, 4 // 2, 16)
   # No weight gradient of the base is computed: a full step's FLOPs are about 3 times the
   # forward's, the adapted one's about 2 (the activations' gradients still flow through it).
-  full = build(settings.resolve(lora_config(rank=0, **mesh)).config)
+  full = build(settings.resolve(lora_config(rank=0, **mesh)))
   full_step = compile_train_step(full, 16, 32, 1e-4, microbatches=2)
   ratio = compiled.cost_analysis()['flops'] / full_step.cost_analysis()['flops']
   assert 0.55 < ratio < 0.75, ratio
@@ -141,9 +141,9 @@ def test_lora_settings_are_checked_before_anything_is_built():
     c = base.get_config()
     c.model.update(changes)
     with pytest.raises(ValueError, match=match):
-      build(settings.resolve(c).config)
+      build(settings.resolve(c))
   c = lora_config(data=2, fsdp=4)
   c.partition.hierarchical = True
   with pytest.raises(ValueError, match='config.partition.hierarchical=True .* LoRA'):
-    build(c)
+    build(settings.resolve(c))
   assert issubclass(LoRA, nnx.Param)

@@ -19,6 +19,7 @@ import sharding
 from tests.conftest import tiny_config
 from training import programs
 from training.hooks import scalars
+from training import settings
 from training.state import build
 
 E, K = 4, 2
@@ -204,7 +205,7 @@ def test_the_router_losses_are_their_formulas():
 def test_a_sigmoid_routers_bias_moves_toward_balance_and_not_by_its_gradient():
   config = moe_config()
   config.model.update(router='sigmoid', router_bias_rate=0.01)
-  setup = build(config, jax.devices()[:1])
+  setup = build(settings.resolve(config, jax.devices()[:1]))
   state = setup.init_state()
   batch = {k: np.zeros((8, 32), v) for k, v in programs.BATCH_KEYS.items()}
   batch['inputs'] = batch['targets'] = np.arange(256).reshape(8, 32) % 97
@@ -233,12 +234,13 @@ SHORT = 4
 
 def train(config, devices, corpus, steps: int, keep=()):
   """(curve [steps, metrics], {step: parameters as NumPy} for the steps in `keep`)."""
-  setup = build(config, devices)
+  run = settings.resolve(config, devices)
+  setup = build(run)
   state = setup.init_state()
   step = programs.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
                                      microbatches=config.microbatches)
   byte = tokenizers.ByteTokenizer()
-  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), byte, config,
+  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), run,
                                    sharding.batch_sharding(setup.mesh))
   curve, kept = [], {}
   for i in range(1, steps + 1):
@@ -282,7 +284,7 @@ def test_our_kernel_in_pipeline_stages_off_gpus_is_refused_naming_the_fix():
   config = moe_config(stage=2, fsdp=4)
   config.microbatches = 2
   with pytest.raises(ValueError, match='use --config.model.expert_matmul=ragged_dot here'):
-    build(config)
+    build(settings.resolve(config))
 
 
 @pytest.mark.parametrize('fields, message', [

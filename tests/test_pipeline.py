@@ -15,6 +15,7 @@ from sharding import collectives
 import sharding
 from tests.conftest import tiny_config
 from training import programs
+from training import settings
 from training.state import build
 
 STEPS, M = 20, 4
@@ -45,7 +46,7 @@ def batches(setup, config, steps=STEPS):
 def compiled(remat='none', microbatches=M, dtype='float32', virtual=1, **mesh):
   config = pipeline_config(microbatches, dtype, virtual, **mesh)
   config.model.remat_policy = remat
-  setup = build(config, jax.devices() if mesh else jax.devices()[:1])
+  setup = build(settings.resolve(config, jax.devices() if mesh else jax.devices()[:1]))
   return setup, config, programs.compile_train_step(setup, config.batch_size, config.seq_len,
                                                     1e-4, microbatches=microbatches)
 
@@ -149,13 +150,13 @@ def test_a_checkpoint_moves_between_stage_counts(tmp_path, virtual):
   stages."""
   layout = dict(virtual=virtual, n_layers=4 * virtual)
   config = pipeline_config(stage=4, fsdp=2, **layout)
-  state = build(config).init_state()
+  state = build(settings.resolve(config)).init_state()
   checkpointer = Checkpointer(tmp_path, keep=1)
   checkpointer.save(1, state, {}, {'model': config.model.to_dict()})
   checkpointer.close()
   for mesh, devices in ((dict(stage=2, fsdp=4), jax.devices()), ({}, jax.devices()[:1])):
     config = pipeline_config(**layout, **mesh)
-    target = build(config, devices)
+    target = build(settings.resolve(config, devices))
     _, restored, _ = Checkpointer(tmp_path).restore_latest(target.abstract_state, config.model)
     for got, want, where in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params),
                                 jax.tree.leaves(target.state_shardings.params)):
@@ -164,7 +165,7 @@ def test_a_checkpoint_moves_between_stage_counts(tmp_path, virtual):
   # The chunks are a dimension of the stacked parameters: another count is another model.
   config = pipeline_config(virtual=3 - virtual, n_layers=4 * virtual, stage=2, fsdp=4)
   with pytest.raises(CheckpointMismatch, match=f'virtual_stages {virtual} → {3 - virtual}'):
-    Checkpointer(tmp_path).restore_latest(build(config).abstract_state, config.model)
+    Checkpointer(tmp_path).restore_latest(build(settings.resolve(config)).abstract_state, config.model)
 
 
 @pytest.mark.parametrize('change, message', [
@@ -182,7 +183,7 @@ def test_pipeline_settings_that_cannot_work_are_named(change, message):
   config.model.update({k: change.pop(k) for k in model_fields})
   config.update(change)
   with pytest.raises(ValueError, match=message):
-    build(config)
+    build(settings.resolve(config))
 
 
 
@@ -193,5 +194,5 @@ def test_our_kernel_under_stages_and_a_split_sequence_is_refused_naming_both():
   config.model.attention = 'pallas'
   with pytest.raises(ValueError, match=r"attention='pallas' cannot yet run with both "
                                        r'config.mesh.stage=2 and config.mesh.sequence=4'):
-    build(config)
+    build(settings.resolve(config))
 

@@ -10,8 +10,9 @@ import pytest
 
 from planning import gpus, plan
 from tests.conftest import tiny_config
-from training import dry_run, loop, settings
+from training import dry_run, layout, loop, settings
 from training.programs import compile_and_plan
+from sharding.hierarchical import PartitionConfig
 from training.state import build
 
 
@@ -24,8 +25,7 @@ def planned(mesh=None, devices=None, **changes):
   for key, value in changes.items():
     target, name = (config.model, key[6:]) if key.startswith('model_') else (config, key)
     target[name] = value
-  config, target = settings.resolve(config, devices)
-  return compile_and_plan(build(config, target.devices), config, target)
+  return compile_and_plan(build(settings.resolve(config, devices)))
 
 
 def test_temporaries_decrease_none_dots_full():
@@ -52,8 +52,7 @@ def test_dry_run_prints_the_compiled_figures_and_allocates_nothing(tmp_path, cap
     loop.run(config)  # training's loop trains, or says where plans are made
   dry_run.plan(config)
   figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  config, resolved = settings.resolve(config)
-  compiled, _ = compile_and_plan(build(config, resolved.devices), config, resolved)
+  compiled, _ = compile_and_plan(build(settings.resolve(config)))
   memory = compiled.memory_analysis()
   assert figures['argument_bytes'] == memory.argument_size_in_bytes
   assert figures['temp_bytes'] == memory.temp_size_in_bytes
@@ -94,15 +93,14 @@ def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corp
   for offload in (False, True):
     config = tiny_config(fsdp=8)
     config.optimizer.offload_state = offload
-    setup = build(config)
+    run = settings.resolve(config)
+    setup = build(run)
     state = setup.init_state()
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim}
     assert kinds == ({'pinned_host'} if offload else {'device'})
-    compiled, _ = compile_and_plan(setup, config, settings.resolve(config).target)
-    tokenizer = tokenizers.load(config.data)
-    batches = pipeline.train_batches(tokens.OnTheFly(small_corpus.train, 'text', tokenizer),
-                                     tokenizer, config,
-                                     sharding.batch_sharding(setup.mesh))
+    compiled, _ = compile_and_plan(setup)
+    batches = pipeline.train_batches(tokens.OnTheFly(small_corpus.train, 'text', run.tokenizer),
+                                     run, sharding.batch_sharding(setup.mesh))
     state, _ = compiled(state, next(batches))
     batches.close()
     assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim} == kinds
@@ -120,7 +118,7 @@ def test_auto_layout_drops_a_mesh_whose_state_cannot_fit_before_compiling_it(mon
   monkeypatch.setattr(layout, 'meshes', lambda n: iter([{**one, 'data': n}, {**one, 'fsdp': n}]))
   compiled = []
 
-  def compile_and_plan(setup, config, target):  # records the mesh; fits nothing
+  def compile_and_plan(setup):  # records the mesh; fits nothing
     compiled.append(dict(setup.mesh.shape))
     return None, SimpleNamespace(fits=False, argument_bytes=1, total_bytes=1, memory_bytes=0)
 
@@ -128,9 +126,9 @@ def test_auto_layout_drops_a_mesh_whose_state_cannot_fit_before_compiling_it(mon
   config = tiny_config()
   devices = jax.devices()[:2]
   state = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(
-      build(config, devices[:1]).abstract_state))
+      build(settings.resolve(config, devices[:1])).abstract_state))
   config.plan.memory_gb = 0.75 * state / 2**30
-  assert layout.search(config, settings.resolve(config, devices).target, log=lambda *_: None) == []
+  assert layout.search(settings.resolve(config, devices), log=lambda *_: None) == []
   assert compiled == [{**one, 'fsdp': 2}]
 
 
@@ -148,16 +146,16 @@ def test_auto_layout_stops_doubling_microbatches_where_none_can_fit(monkeypatch)
   for memory, expected in ((70, [1, 2]), (85, [1, 2, 4])):
     compiled = []
 
-    def compile_and_plan(setup, config, target):
-      compiled.append(config.microbatches)
-      total = 80 + 20 / config.microbatches
+    def compile_and_plan(setup):
+      compiled.append(setup.run.microbatches)
+      total = 80 + 20 / setup.run.microbatches
       return (SimpleNamespace(as_text=str), SimpleNamespace(
           fits=total <= memory, argument_bytes=1, total_bytes=total, memory_bytes=memory))
 
     monkeypatch.setattr(layout, 'compile_and_plan', compile_and_plan)
     config = tiny_config()
     config.plan.memory_gb = 1.0
-    layout.search(config, settings.resolve(config, jax.devices()[:1]).target, log=lambda *_: None)
+    layout.search(settings.resolve(config, jax.devices()[:1]), log=lambda *_: None)
     assert compiled == expected
 
 
@@ -172,18 +170,18 @@ def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_model(mon
   config = tiny_config()
   config.plan.memory_gb = 0.003  # some layouts fit as they are, some split, some not at all
   devices = jax.devices()[:2]
-  target = settings.resolve(config, devices).target
-  chosen, ranked = layout.choose(config, target, log=lambda *_: None)
+  run = settings.resolve(config, devices)
+  chosen, ranked = layout.choose(run, log=lambda *_: None)
   assert ranked and all(c.plan.fits for c in ranked)
   assert [c.step_s for c in ranked] == sorted(c.step_s for c in ranked)
   assert all(c.gpu is gpus.NOMINAL and c.plan.time is None for c in ranked)
   assert 'for ranking only' in capsys.readouterr().out
   split = next(c for c in ranked if c.microbatches > 1)  # this memory makes some layouts split
-  fewer = layout.with_layout(config, target, split.mesh, split.context_parallel,
+  fewer = layout.with_layout(run, split.mesh, split.context_parallel,
                              split.remat_policy, split.microbatches // 2)
-  assert not compile_and_plan(build(fewer, devices), fewer, target)[1].fits
+  assert not compile_and_plan(build(fewer))[1].fits
   best = ranked[0]
-  assert dict(chosen.mesh) == {**best.mesh, 'auto': False}
+  assert chosen.mesh.sizes == best.mesh and not chosen.mesh.auto
   assert (chosen.model.remat_policy, chosen.microbatches) == (best.remat_policy, best.microbatches)
 
 
@@ -200,61 +198,64 @@ def test_auto_layout_ranks_plain_replicas_against_the_configs_hierarchical_parti
   monkeypatch.setattr(layout, '_state_fits', lambda *_: True)
   compiled = []
 
-  def compile_and_plan(setup, config, target):
-    compiled.append((setup.mesh.shape['data'], config.partition.weights))
-    return SimpleNamespace(as_text=lambda: config.partition.weights), SimpleNamespace(
+  def compile_and_plan(setup):
+    weights = setup.run.partition.weights
+    compiled.append((setup.mesh.shape['data'], weights))
+    return SimpleNamespace(as_text=lambda: weights), SimpleNamespace(
         fits=True, argument_bytes=1, total_bytes=1, memory_bytes=2)
 
   monkeypatch.setattr(layout, 'compile_and_plan', compile_and_plan)
   monkeypatch.setattr(layout.timing, 'predict', lambda hlo, gpu: SimpleNamespace(
       seconds={'int8': 1.0, 'exact': 2.0}[hlo]))
-  config = tiny_config()
-  config.mesh.auto, config.plan.memory_gb = True, 1.0
+  config = tiny_config(data=2, fsdp=2)
+  config.plan.memory_gb = 1.0
   config.partition.update(hierarchical=True, weights='int8')
-  ranked = layout.search(config, settings.resolve(config, jax.devices()[:4]).target,
-                         log=lambda *_: None)
+  run = settings.resolve(config, jax.devices()[:4]).replace(mesh={'auto': True})
+  ranked = layout.search(run, log=lambda *_: None)
   assert sorted(compiled) == [(1, 'exact'), (2, 'exact'), (2, 'int8')]
-  assert ranked[0].partition == dict(hierarchical=True, weights='int8', gradients='exact')
+  assert ranked[0].partition == PartitionConfig(hierarchical=True, weights='int8',
+                                                gradients='exact')
   assert ranked[0].mesh['data'] == 2
-  chosen = layout.with_layout(config, settings.resolve(config, jax.devices()[:4]).target,
-                              ranked[0].mesh, ranked[0].context_parallel,
+  chosen = layout.with_layout(run, ranked[0].mesh, ranked[0].context_parallel,
                               ranked[0].remat_policy, ranked[0].microbatches, ranked[0].partition)
   assert chosen.partition.hierarchical and chosen.partition.weights == 'int8'
 
 
 def test_layout_tries_both_context_choices_where_the_kernel_meets_a_sequence_split():
   from training import layout
-  config = tiny_config()
-  split, whole = dict(config.mesh, sequence=2), dict(config.mesh)
-  assert layout.context_choices(config, split) == ('all_gather', 'ring')  # auto: ours there
-  config.model.attention = 'xla'
-  assert layout.context_choices(config, split) == ('all_gather',)  # GSPMD's
-  config.model.attention = 'pallas'
-  assert layout.context_choices(config, split) == ('all_gather', 'ring')
-  assert layout.context_choices(config, whole) == ('all_gather',)
+  run = settings.resolve(tiny_config()).replace(model={'attention': 'auto'})
+  split, whole = dict(run.mesh.sizes, sequence=2), run.mesh.sizes
+  assert layout.context_choices(run, split) == ('all_gather', 'ring')  # auto: ours there
+  xla, pallas = (run.replace(model={'attention': kernel}) for kernel in ('xla', 'pallas'))
+  assert layout.context_choices(xla, split) == ('all_gather',)  # GSPMD's
+  assert layout.context_choices(pallas, split) == ('all_gather', 'ring')
+  assert layout.context_choices(pallas, whole) == ('all_gather',)
 
 
 def test_auto_attention_is_xla_on_cpus_and_the_time_models_fastest_that_runs_on_gpus():
   config = tiny_config()
   assert config.model.attention == 'auto'  # the default
-  assert settings.resolve(config).config.model.attention == 'xla'  # these CPU devices
+  assert settings.resolve(config).model.attention == 'xla'  # these CPU devices
   ring = config.copy_and_resolve_references()
   ring.model.context_parallel = 'ring'
-  assert settings.resolve(ring).config.model.attention == 'pallas'  # ours alone runs the ring
+  assert settings.resolve(ring).model.attention == 'pallas'  # ours alone runs the ring
   config.plan.target, config.dry_run = 'H100', True
   config.model.compute_dtype = 'bfloat16'  # tiny_config's float32 is ours alone
-  assert settings.resolve(config).config.model.attention == 'cudnn'
-  assert settings.attention_choice(config, gpus.GPUS['H100'])[1][0] == 'pallas'
+  assert settings.resolve(config).model.attention == 'cudnn'
+  assert layout.attention_choice(settings.resolve(config), gpus.GPUS['H100'])[1][0] == 'pallas'
   for field, value in [('mesh.sequence', 2), ('model.context_parallel', 'ring'),
                        ('model.compute_dtype', 'float32'), ('model.head_dim', 256)]:
     changed = config.copy_and_resolve_references()
     section, name = field.split('.')
     changed[section][name] = value
-    assert settings.resolve(changed).config.model.attention == 'pallas', field  # cuDNN cannot
+    assert settings.resolve(changed).model.attention == 'pallas', field  # cuDNN cannot
   config.model.attention = 'xla'  # named: kept
-  assert settings.resolve(config).config.model.attention == 'xla'
-  config.model.attention, config.mesh.auto = 'auto', True  # chosen per candidate by the search
-  assert settings.resolve(config).config.model.attention == 'auto'
+  run = settings.resolve(config)
+  assert run.model.attention == 'xla'
+  searched = run.replace(model={'attention': 'auto'}, mesh={'auto': True})
+  assert layout.with_attention(searched).model.attention == 'auto'  # chosen per candidate
+  laid_out = layout.with_layout(searched, run.mesh.sizes, 'all_gather', 'full', 1)
+  assert laid_out.model.attention == 'cudnn' and not laid_out.mesh.auto
 
 
 @pytest.mark.parametrize('policy', ['none', 'full'])
@@ -268,9 +269,9 @@ def test_compiled_matmul_flops_are_the_formula_plus_what_remat_recomputes(policy
   from planning import flops
   config = tiny_config()
   config.model.remat_policy = policy
-  config, target = settings.resolve(config, jax.devices()[:1])
-  setup = build(config, target.devices)
-  the_plan = compile_and_plan(setup, config, target)[1]
+  config = settings.resolve(config, jax.devices()[:1])
+  setup = build(config)
+  the_plan = compile_and_plan(setup)[1]
   cfg, tokens = setup.model_cfg, config.batch_size * config.seq_len
   without_remat = flops.flops_per_token(cfg, config.seq_len, causal=False) * tokens
   forward_again = (2 * (flops.matmul_params_per_layer(cfg) - cfg.d_model * cfg.d_ff)

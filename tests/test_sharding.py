@@ -11,6 +11,7 @@ from sharding import collectives
 import sharding
 from tests.conftest import tiny_config
 from training import programs
+from training import settings
 from training.state import build
 
 MESHES = {
@@ -24,11 +25,12 @@ STEPS = 4
 
 
 def train_losses(config, devices, corpus):
-  setup = build(config, devices)
+  run = settings.resolve(config, devices)
+  setup = build(run)
   state = setup.init_state()
   step = programs.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
   byte = tokenizers.ByteTokenizer()
-  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), byte, config,
+  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), run,
                                    sharding.batch_sharding(setup.mesh))
   losses = []
   for _ in range(STEPS):
@@ -54,7 +56,7 @@ def test_same_loss_curve_as_one_device(name, single_device, small_corpus):
 
 
 def test_fsdp_splits_every_large_parameter_and_its_adam_moments_8_ways():
-  setup = build(tiny_config(fsdp=8))
+  setup = build(settings.resolve(tiny_config(fsdp=8)))
   state = setup.init_state()
   mu, nu = state.opt_state[1][0].mu, state.opt_state[1][0].nu  # chain(clip, adamw) → adam state
   checked = 0
@@ -74,7 +76,7 @@ def test_fsdp_splits_every_large_parameter_and_its_adam_moments_8_ways():
 def compiled_hlo(mesh_axes, **model):
   config = tiny_config(**mesh_axes)
   config.model.update(model)
-  setup = build(config)
+  setup = build(settings.resolve(config))
   compiled = programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
   return compiled.as_text(), setup
 
@@ -124,7 +126,7 @@ def test_fsdp_hlo_gathers_each_layers_weights_inside_the_scan():
 
 def test_batch_is_split_over_data_and_fsdp_and_length_over_sequence():
   from tests.test_data import Arrays
-  setup = build(tiny_config(data=2, fsdp=2, sequence=2))
+  setup = build(settings.resolve(tiny_config(data=2, fsdp=2, sequence=2)))
   docs = pipeline.documents(Arrays([np.arange(1000, dtype=np.int32)]), seed=None)
   batches = pipeline.Batches(docs, batch_sharding=sharding.batch_sharding(setup.mesh),
                              batch_size=8, seq_len=32, pad_id=-1)

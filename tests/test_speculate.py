@@ -20,6 +20,7 @@ from reporting.metrics import format_line
 from runtime import checkpoint as checkpoint_lib
 from tests.conftest import tiny_config
 from training import loop
+from training import settings
 from training.state import build
 
 PROMPTS = [[1, 5, 3, 2, 7, 6], [1], [1, 4, 4]]
@@ -106,7 +107,7 @@ def test_heads_learn_without_changing_the_model_and_train_alone_on_a_frozen_base
   # Heads trained alone on that base, started from its checkpoint: the optimizer holds the heads
   # alone, and the base's parameters leave as they came.
   config, _ = run('alone', 5, draft_heads=2, draft_only=True, init_from=str(tmp_path / 'plain'))
-  setup = build(config, jax.devices()[:2])
+  setup = build(settings.resolve(config, jax.devices()[:2]))
   moments = [a for a in jax.tree.leaves(setup.abstract_state.opt_state) if a.ndim >= 1]
   heads = [a for a in jax.tree.leaves(nnx.state(setup.abstract_state.params, Draft))]
   assert sum(a.size for a in moments) == 2 * sum(a.size for a in heads)  # Adam's mu and nu

@@ -50,14 +50,32 @@ def test_every_package_imports_only_the_floors_below_it():
   assert not upward, upward
 
 
+# Where a raw config (ml-collections, or its dict) is a parameter: the entry points, and
+# settings.resolve, which makes it the Run (training/run.py) that everything below takes.
+TAKE_THE_CONFIG = {'training.loop.run', 'training.dry_run.plan', 'training.settings.resolve'}
+
+
+def test_only_the_entry_points_take_the_config():
+  """No function below the entry points has a `config` parameter: each takes the Run, or the
+  typed section of it that it needs (DEVELOPERS.md: Layout)."""
+  takers = {f'{name}.{node.name}' for name, path in modules().items()
+            if not name.startswith('configs') for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef)
+            and 'config' in [a.arg for a in node.args.args + node.args.kwonlyargs]}
+  assert takers == TAKE_THE_CONFIG, takers
+
+
 def test_the_gpu_target_is_resolved_in_one_place():
-  """config.plan is read where the run's Target is resolved (planning/target.py, checked by
-  training/settings.py); below the configs that set it, the rest reads the Target."""
+  """config.plan (`run.plan`, a PlanConfig) is read where the run's Target is resolved
+  (planning/target.py, for training/settings.py); below the configs that set it, the rest reads
+  the Target."""
+  def reads_plan(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr in configs.base.get_config().plan and (
+        isinstance(node.value, ast.Attribute) and node.value.attr == 'plan'
+        or isinstance(node.value, ast.Name) and node.value.id == 'plan_config')
   readers = {name for name, path in modules().items() if not name.startswith('configs')
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-             and node.value.attr == 'plan' and node.attr in configs.base.get_config().plan}
-  assert readers == {'planning.target', 'training.settings'}, readers
+             for node in ast.walk(ast.parse(path.read_text())) if reads_plan(node)}
+  assert readers == {'planning.target'}, readers
 
 
 def test_no_module_imports_itself_back_through_others():

@@ -224,8 +224,7 @@ def compiled_for_h100(**changes):
   config.seq_len = 1024
   config.plan.target, config.plan.devices, config.dry_run = 'H100', 1, True
   config.model.update(changes)
-  config, target = settings.resolve(config)
-  compiled, plan = compile_and_plan(build(config, target.devices), config, target)
+  compiled, plan = compile_and_plan(build(settings.resolve(config)))
   return compiled.as_text(), plan
 
 

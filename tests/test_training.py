@@ -14,6 +14,7 @@ import pytest
 from kernels.cross_entropy import plain_token_losses
 from tests.conftest import FAST_COMPILE, tiny_config
 from training import loop, optimizer
+from training import settings
 from training.state import build
 from training.step import weighted_losses
 
@@ -33,7 +34,7 @@ def test_cross_entropy_is_the_weighted_mean_nll_and_z_loss_penalises_log_z():
 
 
 def test_weight_decay_skips_norm_scales_only():
-  setup = build(tiny_config(fsdp=8))
+  setup = build(settings.resolve(tiny_config(fsdp=8)))
   mask = optimizer.decay_mask(setup.abstract_state.params)
   flat = {jax.tree_util.keystr(p): bool(v) for p, v in jax.tree_util.tree_leaves_with_path(mask)}
   assert {k for k, v in flat.items() if not v} == {
@@ -161,7 +162,7 @@ def test_unpacked_batches_train_like_packed_rows_of_one_document():
   import sharding
   from training import programs
   config = tiny_config(fsdp=8)
-  setup = build(config)
+  setup = build(settings.resolve(config))
   rng = np.random.default_rng(0)
   shape = (config.batch_size, config.seq_len)
   host = {'inputs': rng.integers(0, 256, shape), 'targets': rng.integers(0, 256, shape),
@@ -185,10 +186,10 @@ def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpu
   for microbatches in (1, 4):
     config = tiny_config(fsdp=2, tensor=2, data=2)
     config.microbatches, config.batch_size = microbatches, 16
-    setup = build(config)
-    tokenizer = tokenizers.load(config.data)
-    batches = pipeline.train_batches(tokens.OnTheFly(small_corpus.train, 'text', tokenizer),
-                                     tokenizer, config, sharding.batch_sharding(setup.mesh))
+    run = settings.resolve(config)
+    setup = build(run)
+    batches = pipeline.train_batches(tokens.OnTheFly(small_corpus.train, 'text', run.tokenizer),
+                                     run, sharding.batch_sharding(setup.mesh))
     step = programs.compile_train_step(setup, config.batch_size, config.seq_len,
                                        config.loss.z_loss, microbatches=microbatches)
     local = batches.next_local()

@@ -8,13 +8,11 @@ import json
 import pathlib
 import sys
 
-import jax
 import ml_collections
 
 from planning import gpu_compiler
 from planning import plan as plan_lib
-from runtime import distributed
-from training import layout, settings
+from training import settings
 from training.programs import compile_and_plan
 from training.state import build
 
@@ -23,15 +21,11 @@ CHILD = 'training.dry_run'  # the module the GPU compiler's process runs: main()
 
 def plan(config, devices=None) -> dict:
   """Plans `config` (dry_run set) and prints the plan; returns its figures (Plan.as_dict)."""
-  distributed.initialize(config.distributed)
-  devices = jax.devices() if devices is None else list(devices)
-  config, target = settings.resolve(config, devices)  # the tokenizer checked, as training would
-  if target.in_child:
-    return gpu_compiler.plan_in_compiler_process(target.for_child(config), CHILD)
-  if config.mesh.auto:
-    config, _ = layout.choose(config, target,
-                              log=print if jax.process_index() == 0 else lambda *a: None)
-  _, the_plan = compile_and_plan(build(config, target.devices), config, target)
+  run = settings.resolve(config, devices)  # the tokenizer checked, as training would
+  if run.target.in_child:  # its settings, for as many GPUs as planned here
+    settings_dict = run.replace(plan={'devices': run.target.n_devices}).as_dict()
+    return gpu_compiler.plan_in_compiler_process(settings_dict, CHILD)
+  _, the_plan = compile_and_plan(build(run))
   plan_lib.report(the_plan)
   return the_plan.as_dict()
 

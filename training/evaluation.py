@@ -17,14 +17,16 @@ class Evaluator:
   """`evaluator(params)` → {'eval_loss', 'eval_bits_per_byte', 'eval_tokens'}; every call reads
   the same batches: the first config.eval_batches of the split, or all of it when that is 0."""
 
-  def __init__(self, setup, config, validation, tokenizer, batch_sharding):
-    """`validation`: the split's documents as token ids (data/tokens.py)."""
+  def __init__(self, setup, validation, batch_sharding):
+    """`validation`: the split's documents as token ids (data/tokens.py), read with the tokenizer
+    of setup's run."""
+    run, tokenizer = setup.run, setup.run.tokenizer
     self.docs = pipeline.documents(validation, seed=None)
-    self.shape = (config.batch_size, config.seq_len)
-    self.n_batches = config.eval_batches or pipeline.pass_length(self.docs, *self.shape)
+    self.shape = (run.batch_size, run.seq_len)
+    self.n_batches = run.eval_batches or pipeline.pass_length(self.docs, *self.shape)
     self.sharding, self.pad_id = batch_sharding, tokenizer.pad_id
     self.step = programs.compile_eval_step(setup, *self.shape, tokenizer.token_bytes(),
-                                           config.microbatches)
+                                           run.microbatches)
 
   def __call__(self, params) -> dict:
     # A pass is short: it runs in this process, since starting workers would cost more.

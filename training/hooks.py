@@ -156,11 +156,12 @@ class LogMetrics(Hook):
   """Every log_every steps: the step's metrics, with tokens/s, step time and TFLOP/s (MFU on
   known GPUs) over the steps since the last log, and peak memory where reported."""
 
-  def __init__(self, every: int, report: Report, setup, config, start_step: int, device_kind):
+  def __init__(self, every: int, report: Report, setup, start_step: int, device_kind):
     self.every, self.report, self.setup = every, report, setup
-    self.tokens_per_step = config.batch_size * config.seq_len
+    run = setup.run
+    self.tokens_per_step = run.batch_size * run.seq_len
     self.speed = lambda tokens_per_sec: flops.throughput(
-        setup.model_cfg, config.seq_len, tokens_per_sec, setup.mesh.size, device_kind)
+        setup.model_cfg, run.seq_len, tokens_per_sec, setup.mesh.size, device_kind)
     self.since, self.since_step = time.perf_counter(), start_step
 
   def after(self, step):

@@ -26,18 +26,17 @@ round figures, and the ranking says it is for ranking only.
 import dataclasses
 import itertools
 import math
-from types import SimpleNamespace
 
 import jax
 
 from model.config import CONTEXT_PARALLEL
 from planning import gpus, timing
 from planning import plan as plan_lib
-from planning.target import Target
 from sharding import AXES, hierarchical
+from sharding.hierarchical import PLAIN, PartitionConfig
 import sharding
-from training import settings
 from training.programs import compile_and_plan
+from training.run import Run
 from training.state import build
 
 POLICIES = ('full', 'dots', 'none')  # keeping the least first
@@ -46,7 +45,7 @@ POLICIES = ('full', 'dots', 'none')  # keeping the least first
 @dataclasses.dataclass
 class Candidate:
   mesh: dict
-  partition: dict  # config.partition's fields
+  partition: PartitionConfig
   context_parallel: str
   remat_policy: str
   microbatches: int
@@ -71,67 +70,86 @@ def meshes(n_devices: int):
       yield dict(zip(AXES, sizes))
 
 
-def with_layout(config, target: Target, mesh: dict, context_parallel: str, policy: str,
-                microbatches: int, partition: dict | None = None):
-  """`config` laid out so (auto turned off), its attention 'auto' made concrete for `target`;
-  `partition`, config.partition's fields (default: plain replicas over data)."""
-  config = config.copy_and_resolve_references()
-  config.mesh.update(mesh)
-  config.mesh.auto = False
-  config.partition.update(partition or PLAIN)
-  config.model.context_parallel = context_parallel
-  config.model.remat_policy, config.microbatches = policy, microbatches
-  return settings.with_attention(config, target.kernels, cudnn=target.on_gpu)
+def with_layout(run: Run, mesh: dict, context_parallel: str, policy: str, microbatches: int,
+                partition: PartitionConfig = PLAIN) -> Run:
+  """`run` laid out so (auto turned off), its attention 'auto' made concrete for its target."""
+  run = run.replace(mesh={**mesh, 'auto': False}, partition=partition,
+                    model={'context_parallel': context_parallel, 'remat_policy': policy},
+                    microbatches=microbatches)
+  return with_attention(run)
 
 
-def context_choices(config, mesh: dict) -> tuple:
+def with_attention(run: Run) -> Run:
+  """`config.model.attention='auto'` made concrete for programs ranked for the kernels of the
+  run's target (planning.target.Target.kernels; a CPU's for None), where cuDNN's compile (not in a
+  CPU stand-in for a GPU). On a CPU `xla` (our kernel only interprets there; it runs only the
+  ring, context_parallel='ring'); on a GPU the fused kernel that runs this model and mesh
+  (kernels.fused_for) which the time model predicts fastest (timing.rank_attention: cuDNN on an
+  H100 at head dims 64 and 128, its backward reaching 2.6× ours). A config that names one keeps
+  it, and so does one whose mesh the layout search picks (config.mesh.auto): it chooses for each
+  candidate (with_layout)."""
+  if run.model.attention != 'auto' or run.mesh.auto:
+    return run
+  cudnn = run.target.on_gpu
+  return run.replace(model={'attention': next(
+      kernel for kernel, _ in attention_choice(run, run.target.kernels)
+      if cudnn or kernel != 'cudnn')})
+
+
+def attention_choice(run: Run, gpu: gpus.GPU | None) -> list[tuple[str, float]]:
+  """[(implementation, its predicted time ÷ the fastest's)] that `with_attention` chooses from,
+  fastest first. Without a GPU, xla; but ring attention is our kernel's alone, anywhere."""
+  m = run.model
+  if gpu is None:
+    return [('pallas' if m.context_parallel == 'ring' else 'xla', 1.0)]
+  return timing.rank_attention(m.head_dim, m.compute_dtype, run.seq_len, length_split=(
+      run.mesh.sequence != 1 or m.context_parallel == 'ring'))
+
+
+def context_choices(run: Run, mesh: dict) -> tuple:
   """Both ways of attending over a sequence split, with our kernel (auto's choice there); else
-  the config's own."""
-  if mesh['sequence'] > 1 and config.model.attention in ('pallas', 'auto'):
+  the run's own."""
+  if mesh['sequence'] > 1 and run.model.attention in ('pallas', 'auto'):
     return CONTEXT_PARALLEL
-  return (config.model.context_parallel,)
+  return (run.model.context_parallel,)
 
 
-PLAIN = dict(hierarchical=False, weights='exact', gradients='exact')
-
-
-def partition_choices(config, target: Target, mesh: dict) -> tuple[dict, ...]:
-  """Plain replicas over data; and with config.partition.hierarchical, the config's partition
+def partition_choices(run: Run, mesh: dict) -> tuple[PartitionConfig, ...]:
+  """Plain replicas over data; and with config.partition.hierarchical, the run's partition
   too, where the mesh has data replicas of a dense model that lie within nodes or fill them."""
-  choices = (PLAIN,)
-  mine = config.partition.to_dict()
-  if (not mine['hierarchical'] or mesh['data'] == 1 or not hierarchical.replicas_run_apart(
-      config.model.experts, config.model.matmul_precision,
-      bool(config.model.lora_rank or config.model.draft_only))):
+  choices, mine = (PLAIN,), run.partition
+  if (not mine.hierarchical or mesh['data'] == 1 or not hierarchical.replicas_run_apart(
+      run.model.experts, run.model.matmul_precision, run.model.frozen_base)):
     return choices
   try:
-    hierarchical.check_nodes(config.partition, mesh, target.gpus_per_node)
+    hierarchical.check_nodes(mine, mesh, run.target.gpus_per_node)
   except ValueError:
     return choices
   return choices + (mine,)
 
 
-def search(config, target: Target, log=print) -> list[Candidate]:
-  """The candidates that fit on `target`'s devices, fastest predicted first."""
+def search(run: Run, log=print) -> list[Candidate]:
+  """The candidates that fit on the run's target's devices, fastest predicted first."""
+  target = run.target
   if target.memory_bytes is None:
     raise ValueError('config.mesh.auto=True needs the memory to fit: set config.plan.target '
                      f'(one of {sorted(gpus.GPUS)}) or config.plan.memory_gb')
   found = []
   gpu = gpus.find(sharding.local_device(target.devices).device_kind) or gpus.NOMINAL
   for mesh in meshes(len(target.devices)):
-    state_fits = _state_fits(config, target, mesh)
-    for context, partition in itertools.product(context_choices(config, mesh),
-                                                partition_choices(config, target, mesh)):
+    state_fits = _state_fits(run, mesh)
+    for context, partition in itertools.product(context_choices(run, mesh),
+                                                partition_choices(run, mesh)):
       fewest = mesh['stage']  # a pipeline needs a microbatch for every stage
       for policy in POLICIES:
         microbatches, fitted, previous = fewest, None, None
         while state_fits and fitted is None:
-          candidate = with_layout(config, target, mesh, context, policy, microbatches, partition)
+          candidate = with_layout(run, mesh, context, policy, microbatches, partition)
           try:
-            setup = build(candidate, target.devices)
+            setup = build(candidate)
           except sharding.MeshMismatch:  # the model or batch does not divide this way
             break
-          compiled, the_plan = compile_and_plan(setup, candidate, target)
+          compiled, the_plan = compile_and_plan(setup)
           if the_plan.fits:
             found.append(Candidate(mesh, partition, context, policy, microbatches, the_plan,
                                    timing.predict(compiled.as_text(), gpu), gpu))
@@ -155,17 +173,17 @@ def _floor(at_m: int, at_2m: int) -> float:
   return 2 * at_2m - at_m
 
 
-def _state_fits(config, target: Target, mesh: dict) -> bool:
-  """Whether one device's shards of the train state fit `target`'s memory (False where the model
-  or batch does not divide over the mesh: build refuses it later anyway)."""
+def _state_fits(run: Run, mesh: dict) -> bool:
+  """Whether one device's shards of the train state fit the target's memory (True where the
+  model or batch does not divide over the mesh: the candidates' own build says why)."""
   try:
-    setup = build(with_layout(config, target, mesh, config.model.context_parallel, 'none',
-                              max(1, mesh['stage'])), target.devices)
+    setup = build(with_layout(run, mesh, run.model.context_parallel, 'none',
+                              max(1, mesh['stage'])))
   except sharding.MeshMismatch:
     return True  # the candidates' own build says why
   state = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
               for s in jax.tree.leaves(setup.abstract_state))
-  return state <= target.memory_bytes
+  return state <= run.target.memory_bytes
 
 
 def report(ranked: list[Candidate], limit: int = 10) -> None:
@@ -176,7 +194,7 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
   print(f'predicted by the time model for {gpu.name}' + (
       ' (round figures for a device not in planning/gpus.py: for ranking only)'
       if gpu is gpus.NOMINAL else ', not measured'))
-  partitions = any(c.partition['hierarchical'] for c in ranked)
+  partitions = any(c.partition.hierarchical for c in ranked)
   print(f'{"rank":>4}  {"×".join(AXES):<41}{"context":<11}'
         + (f'{"partition":<42}' if partitions else '') + f'{"remat":<6}{"micro":>6}'
         f'{"GiB/device":>11}{"step s":>8}{"MFU":>7}{"GEMM s":>8}{"attn s":>8}{"other s":>8}'
@@ -186,7 +204,7 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
     context = c.context_parallel if c.mesh['sequence'] > 1 else '-'
     parts = c.predicted.breakdown
     other = parts['fusion'] + parts['other'] + parts['launch']
-    partition = (f'{plan_lib.partition_name(SimpleNamespace(**c.partition)):<42}'
+    partition = (f'{plan_lib.partition_name(c.partition):<42}'
                  if partitions else '')
     print(f'{i:>4}  {mesh:<41}{context:<11}{partition}{c.remat_policy:<6}{c.microbatches:>6}'
           f'{c.plan.total_bytes / 2**30:>11.3g}{c.step_s:>8.3g}'
@@ -197,15 +215,15 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
     print(f'… and {len(ranked) - limit} more that fit')
 
 
-def choose(config, target: Target, log=print):
-  """`config` with the best layout's mesh, remat policy and microbatches for `target`
-  (planning.target.Target) (auto turned off)."""
-  ranked = search(config, target, log)
+def choose(run: Run, log=print) -> tuple[Run, list[Candidate]]:
+  """(`run` with the best layout's mesh, remat policy and microbatches for its target, auto
+  turned off; the ranking)."""
+  ranked = search(run, log)
   if not ranked:
     raise ValueError('config.mesh.auto: no mesh shape × remat policy × microbatches fits; '
                      'use more devices, a smaller config.batch_size or config.seq_len, or '
                      'config.optimizer.offload_state=True')
   report(ranked)
   best = ranked[0]
-  return with_layout(config, target, best.mesh, best.context_parallel, best.remat_policy,
+  return with_layout(run, best.mesh, best.context_parallel, best.remat_policy,
                      best.microbatches, best.partition), ranked

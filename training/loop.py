@@ -1,9 +1,10 @@
-"""The training loop: config resolved → [layout] → setup → data and checkpoints checked (a
-resumed run keeps what it trained with) → data prepared → workdir created and held → checkpoints
-checked again → the step compiled and its plan checked → state restored or initialised → steps,
-each handed to the hooks of training/hooks.py (logs, evals, saves, …). A dry run, which trains
-nothing, is training/dry_run.py's."""
+"""The training loop: config resolved into a Run (training/settings.py, its layout chosen) →
+setup → data and checkpoints checked (a resumed run keeps what it trained with) → data prepared →
+workdir created and held → checkpoints checked again → the step compiled and its plan checked →
+state restored or initialised → steps, each handed to the hooks of training/hooks.py (logs,
+evals, saves, …). A dry run, which trains nothing, is training/dry_run.py's."""
 
+import json
 import pathlib
 import time
 import warnings
@@ -24,20 +25,21 @@ from runtime import distributed
 from runtime import workdir as workdir_lib
 from runtime.preemption import StopSignals
 import sharding
-from training import hooks, layout, settings
+from training import hooks, settings
 from training.evaluation import Evaluator
 from training.programs import compile_and_plan
+from training.run import HF, RUN, Run
 from training.state import base_params, build, param_count
 
 
-def load_data(data_config, tokenizer, workdir=None) -> tuple[corpus_lib.Corpus, tokens.Documents]:
-  """The corpus, and its documents as token ids (data/tokens.py; records rendered with the chat
-  template of the run in `workdir`). Process 0 prepares both (first use only) while the others
-  wait, so processes sharing a data dir never write it twice; then every process opens them."""
+def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
+  """The corpus, and its documents as token ids (data/tokens.py; records rendered with the run's
+  chat template). Process 0 prepares both (first use only) while the others wait, so processes
+  sharing a data dir never write it twice; then every process opens them."""
   def load():
-    corpus = corpus_lib.load(data_config, chat.renders(tokenizer, data_config, workdir))
-    return corpus, tokens.load(corpus, tokenizer, data_config, corpus_lib.data_dir(data_config),
-                               workdir)
+    corpus = corpus_lib.load(run.data, renders(run))
+    return corpus, tokens.load(corpus, run.tokenizer, run.data, corpus_lib.data_dir(run.data),
+                               run.workdir)
 
   if jax.process_count() > 1:
     if jax.process_index() == 0:
@@ -46,75 +48,82 @@ def load_data(data_config, tokenizer, workdir=None) -> tuple[corpus_lib.Corpus, 
   return load()
 
 
-def warn_about_data(config, corpus: corpus_lib.Corpus) -> None:
-  context = config.model.max_position_embeddings
-  if context and config.seq_len > context:
-    warnings.warn(f'config.seq_len={config.seq_len} is past the {context} positions the model '
+def renders(run: Run):
+  """How the run renders records as text (data/chat.py: its own chat template), if they need it."""
+  return chat.renders(run.tokenizer, run.data, run.workdir)
+
+
+def warn_about_data(run: Run, corpus: corpus_lib.Corpus) -> None:
+  context = run.model.max_position_embeddings
+  if context and run.seq_len > context:
+    warnings.warn(f'config.seq_len={run.seq_len} is past the {context} positions the model '
                   'was trained for (config.model.max_position_embeddings, from config.init_from); '
-                  f'its export will declare {config.seq_len}', corpus_lib.DataWarning,
+                  f'its export will declare {run.seq_len}', corpus_lib.DataWarning,
                   stacklevel=2)
   longest = corpus.max_document_bytes
-  if longest is not None and config.seq_len > longest + 1:
-    warnings.warn(f'config.seq_len={config.seq_len} is longer than every document (the longest '
+  if longest is not None and run.seq_len > longest + 1:
+    warnings.warn(f'config.seq_len={run.seq_len} is longer than every document (the longest '
                   f'has {longest:,} bytes): each row packs several documents',
                   corpus_lib.DataWarning, stacklevel=2)
 
 
-def trained_on(config, tokenizer) -> dict:
+def trained_on(run: Run) -> dict:
   """What the run reads beyond its settings (checkpoint.TRAINED_ON), saved with each checkpoint:
   its tokenizer's fingerprint, its chat template's digest, its corpus's content hash."""
   template = ''
-  if config.data.record == 'messages':
-    template = chat.digest(chat.owned_template(tokenizer, config.data.chat_template,
-                                               config.workdir)[0])
-  return {'tokenizer': tokenizer.fingerprint, 'chat_template': template,
-          'corpus': corpus_lib.identity(config.data,
-                                        chat.renders(tokenizer, config.data, config.workdir))}
+  if run.data.record == 'messages':
+    template = chat.digest(chat.owned_template(run.tokenizer, run.data.chat_template,
+                                               run.workdir)[0])
+  return {'tokenizer': run.tokenizer.fingerprint, 'chat_template': template,
+          'corpus': corpus_lib.identity(run.data, renders(run))}
 
 
-def check_checkpoints(checkpointer, setup, config, tokenizer) -> None:
-  """Before data or memory are touched: the workdir's checkpoints (else `config.init_from`'s, a
-  meshlm run or a Hugging Face checkpoint) hold this config's model, and a resumed run keeps
+def check_checkpoints(checkpointer, setup) -> None:
+  """Before data or memory are touched: the workdir's checkpoints (else those the run starts
+  from, a meshlm run or a Hugging Face checkpoint) hold the run's model, and a resumed run keeps
   what it must (its settings of the kinds configs/effects.py: KEPT_ON_RESUME, and what it reads:
   trained_on); another vocabulary is named as a tokenizer mistake."""
+  run = setup.run
   try:
     steps = checkpointer.steps() if checkpointer else []
     if checkpointer:
       checkpointer.check_fresh_start()
-    read = trained_on(config, tokenizer) if steps else None  # once: it hashes the corpus
+    read = trained_on(run) if steps else None  # once: it hashes the corpus
+    settings_now = run.as_dict() if steps else None
     for step in steps:  # the newest that reads; older ones are fallbacks
       if saved := checkpointer.saved_config(step):  # the settings first: they name the change
-        checkpoint_lib.check_resume(saved, config, checkpointer.directory / str(step), read)
+        checkpoint_lib.check_resume(saved, settings_now, checkpointer.directory / str(step), read)
       if checkpointer.check(setup.abstract_state, step, setting='config.workdir',
-                            model_config=config.model):
+                            model_config=run.model):
         return
     base = base_params(setup.model_cfg, setup.abstract_state.params)
-    if (hf := huggingface.directory(config.init_from)) and not steps:
-      huggingface.check(hf, base, setup.model_cfg)
-    elif config.init_from not in ('', settings.RANDOM) and not steps:
-      checkpoint_lib.check_init_from(config.init_from, base, config.model, unwanted=is_added)
+    if run.start.kind == HF and not steps:
+      huggingface.check(run.start.path, base, setup.model_cfg)
+    elif run.start.kind == RUN and not steps:
+      checkpoint_lib.check_init_from(run.init_from, base, run.model, unwanted=is_added)
   except checkpoint_lib.CheckpointMismatch as e:
     if 'vocab_size' in e.saved_model:
-      tokenizers.check_checkpoint_vocab(e.saved_model['vocab_size'], tokenizer,
-                                        config.model.vocab_size)
+      tokenizers.check_checkpoint_vocab(e.saved_model['vocab_size'], run.tokenizer,
+                                        run.model.vocab_size)
     raise
 
 
-def initial_state(setup, config, checkpointer, log):
+def initial_state(setup, checkpointer, log):
   """(step, state, data state): resumed from the workdir's newest checkpoint that restores, else
-  a new run from `config.init_from`'s parameters or from scratch."""
-  restored = (checkpointer.restore_latest(setup.abstract_state, config.model)
+  a new run from the parameters it starts from (run.start), or from scratch."""
+  run = setup.run
+  restored = (checkpointer.restore_latest(setup.abstract_state, run.model)
               if checkpointer else None)
   if restored:
     log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')
     return restored
   base = base_params(setup.model_cfg, setup.abstract_state.params)  # under LoRA, not adapters
-  if hf := huggingface.directory(config.init_from):
-    params = huggingface.load_params(hf, base, setup.model_cfg)
-    log(f'starting from the Hugging Face checkpoint {hf} (fresh optimizer, step 0)')
+  if run.start.kind == HF:
+    params = huggingface.load_params(run.start.path, base, setup.model_cfg)
+    log(f'starting from the Hugging Face checkpoint {run.start.path} (fresh optimizer, step 0)')
     return 0, setup.init_state(params), None
-  if config.init_from not in ('', settings.RANDOM):
-    params, path = checkpoint_lib.restore_params(config.init_from, base, config.model,
+  if run.start.kind == RUN:
+    params, path = checkpoint_lib.restore_params(run.init_from, base, run.model,
                                                  unwanted=is_added)
     log(f'starting from the parameters of {path} (fresh optimizer, step 0)')
     return 0, setup.init_state(params), None
@@ -122,112 +131,108 @@ def initial_state(setup, config, checkpointer, log):
 
 
 def run(config, devices=None) -> list[dict]:
-  """Train per `config`; returns the logged records (also in workdir/metrics.jsonl)."""
+  """Train per `config` (on `devices`, default this process's); returns the logged records
+  (also in workdir/metrics.jsonl)."""
   if config.dry_run:
     raise ValueError('config.dry_run=True plans without training: run train.py with it, or call '
                      'training.dry_run.plan(config)')
-  distributed.initialize(config.distributed)  # before anything touches a device
-  devices = jax.devices() if devices is None else list(devices)
-  # Every setting checked before anything is built; the tokenizer the run's own (resumed: its copy).
-  resolved = settings.resolve(config, devices)
-  config, target, tokenizer = resolved.config, resolved.target, resolved.tokenizer
-  if config.mesh.auto:  # the layout search: the mesh shape the time model ranks first
-    config, _ = layout.choose(config, target,
-                              log=print if jax.process_index() == 0 else lambda *a: None)
-  settings.check_start(config)
-  setup = build(config, devices)  # every model and mesh error surfaces here, before any work
-  workdir_lib.check(config.workdir)
-  corpus_lib.check(config.data, chat.renders(tokenizer, config.data, config.workdir))  # and the
-  # data's (every record rendered with the run's chat template)
+  return train(settings.resolve(config, devices))  # every setting checked, nothing built yet
+
+
+def train(run: Run) -> list[dict]:
+  """Train `run` (settings.resolve's); returns the logged records."""
+  settings.check_start(run)
+  setup = build(run)  # every model and mesh error surfaces here, before any work
+  workdir_lib.check(run.workdir)
+  corpus_lib.check(run.data, renders(run))  # and the data's (every record rendered with the
+  # run's chat template)
   # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
   # only): checked before its data is prepared, and again once the workdir is held.
-  checkpoints = pathlib.Path(config.workdir).expanduser() / 'checkpoints'
+  checkpoints = pathlib.Path(run.workdir).expanduser() / 'checkpoints'
   reader = (checkpoint_lib.Checkpointer(checkpoints, read_only=True) if checkpoints.is_dir()
             else None)
   try:
-    check_checkpoints(reader, setup, config, tokenizer)
+    check_checkpoints(reader, setup)
   finally:
     if reader:
       reader.close()
   # Prepared before the workdir is created or held: a failure there (a full disk) leaves none.
-  corpus, documents = load_data(config.data, tokenizer, config.workdir)
-  workdir = workdir_lib.prepare(config.workdir)
+  corpus, documents = load_data(run)
+  workdir = workdir_lib.prepare(run.workdir)
   with workdir_lib.hold(workdir, enabled=jax.process_index() == 0):  # one run per workdir
     checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints',
-                                                keep=config.keep_checkpoints)
-                    if config.checkpoint_every else None)
+                                                keep=run.keep_checkpoints)
+                    if run.checkpoint_every else None)
     try:
-      check_checkpoints(checkpointer, setup, config, tokenizer)
-      with StopSignals() as stop, distributed.explain_failures(config.distributed):
-        return _train(config, target, setup, workdir, tokenizer, corpus, documents, checkpointer,
-                      stop)
+      check_checkpoints(checkpointer, setup)
+      with StopSignals() as stop, distributed.explain_failures(run.distributed):
+        return _train(setup, workdir, corpus, documents, checkpointer, stop)
     finally:
       if checkpointer:
         checkpointer.close()  # waits for the save in flight
 
 
-def _train(config, target, setup, workdir, tokenizer, corpus, documents, checkpointer,
-           stop) -> list[dict]:
+def _train(setup, workdir, corpus, documents, checkpointer, stop) -> list[dict]:
+  run, tokenizer = setup.run, setup.run.tokenizer
   is_main = jax.process_index() == 0
   if is_main:  # the run's own tokenizer, chat template and settings, read from here on (resumed,
     tokenizers.keep(tokenizer, workdir)  # sampled, exported)
-    if config.data.record == 'messages':
-      chat.keep_template(chat.owned_template(tokenizer, config.data.chat_template, workdir)[0],
+    if run.data.record == 'messages':
+      chat.keep_template(chat.owned_template(tokenizer, run.data.chat_template, workdir)[0],
                          workdir)
-    workdir_lib.write_whole(workdir / 'config.json', config.to_json_best_effort(indent=2))
-  warn_about_data(config, corpus)
+    workdir_lib.write_whole(workdir / 'config.json', json.dumps(run.as_dict(), indent=2))
+  warn_about_data(run, corpus)
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
-  console = metrics_lib.Console(config.train_steps, enabled=is_main)
+  console = metrics_lib.Console(run.train_steps, enabled=is_main)
   log = console.log
 
   batch_sharding = sharding.batch_sharding(setup.mesh)
-  pipeline.check_workers(config.data.workers, len(pipeline.process_rows(
-      batch_sharding, config.batch_size, config.seq_len)))
+  pipeline.check_workers(run.data.workers, len(pipeline.process_rows(
+      batch_sharding, run.batch_size, run.seq_len)))
   log(f'meshlm: {param_count(setup.abstract_state.params) / 1e6:.2f}M parameters on '
       f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh '
       f'{sharding.describe(setup.mesh.shape)}; workdir {workdir}')
   log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
-      f'model vocab {config.model.vocab_size}), {documents.description}, '
-      f'{config.data.workers} worker(s)')
+      f'model vocab {run.model.vocab_size}), {documents.description}, '
+      f'{run.data.workers} worker(s)')
   t0 = time.perf_counter()
-  train_step, the_plan = compile_and_plan(setup, config, target)
+  train_step, the_plan = compile_and_plan(setup)
   plan_lib.check_fits(the_plan)  # before the state is allocated
-  start_step, state, data_state = initial_state(setup, config, checkpointer, log)
+  start_step, state, data_state = initial_state(setup, checkpointer, log)
   # Finished is known only once restored: a damaged newest checkpoint was set aside just now.
-  if start_step >= config.train_steps:
+  if start_step >= run.train_steps:
     log(f'the run in {workdir} is finished: checkpoint {start_step} is its last step '
-        f'(config.train_steps={config.train_steps}); raise config.train_steps to train on, '
+        f'(config.train_steps={run.train_steps}); raise config.train_steps to train on, '
         'or sample.py / export.py it')
     writer.close()
     return []
   writer.drop_after(start_step)  # the steps after the checkpoint (or all, from 0) are logged again
-  batches = pipeline.train_batches(documents.train, tokenizer, config, batch_sharding,
-                                   state=data_state)
-  evaluate = (Evaluator(setup, config, documents.validation, tokenizer, batch_sharding)
-              if config.eval_every else None)
+  batches = pipeline.train_batches(documents.train, run, batch_sharding, state=data_state)
+  evaluate = (Evaluator(setup, documents.validation, batch_sharding)
+              if run.eval_every else None)
   log(f'initialised and compiled in {time.perf_counter() - t0:.1f}s')
 
-  guard = hooks.NonFinite(config.max_bad_steps, checkpointer)
-  report = hooks.Report(writer, console, config.train_steps)
+  guard = hooks.NonFinite(run.max_bad_steps, checkpointer)
+  report = hooks.Report(writer, console, run.train_steps)
   if evaluate and (data_state or {}).get(hooks.EVALUATE_FIRST):  # a stop skipped it
     report({'step': start_step, **evaluate(state.params)})
-  log_metrics = hooks.LogMetrics(config.log_every, report, setup, config, start_step,
+  log_metrics = hooks.LogMetrics(run.log_every, report, setup, start_step,
                                  sharding.local_device(setup.mesh.devices.flat).device_kind)
-  save = (hooks.Save(config.checkpoint_every, checkpointer, guard, batches,
-                     {**config.to_dict(), 'trained_on': trained_on(config, tokenizer)})
+  save = (hooks.Save(run.checkpoint_every, checkpointer, guard, batches,
+                     {**run.as_dict(), 'trained_on': trained_on(run)})
           if checkpointer else None)
-  trace = StepTrace(workdir / 'profile', start_step + config.profile_start, config.profile_steps)
+  trace = StepTrace(workdir / 'profile', start_step + run.profile_start, run.profile_steps)
   around_steps = [hooks.Trace(trace), guard, hooks.Progress(console), log_metrics,
-                  *([hooks.Evaluate(config.eval_every, evaluate, report, log_metrics)]
+                  *([hooks.Evaluate(run.eval_every, evaluate, report, log_metrics)]
                     if evaluate else []),
                   *([save] if save else [])]
   try:
-    for step_index in range(start_step, config.train_steps):
+    for step_index in range(start_step, run.train_steps):
       for hook in around_steps:
         hook.before(step_index)
       state, metrics = train_step(state, next(batches))
       step = hooks.Step(done=step_index + 1, state=state, metrics=metrics,
-                        last=step_index + 1 == config.train_steps,
+                        last=step_index + 1 == run.train_steps,
                         stopping=stop.requested(step_index + 1))
       for hook in around_steps:
         hook.after(step)

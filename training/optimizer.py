@@ -1,12 +1,28 @@
 """AdamW with linear warmup + cosine decay and global-norm clipping (draft heads clipped apart
 from the model they draft for, so that they never change how it trains)."""
 
+import dataclasses
+
 import jax
 import optax
 from flax import nnx
 
 from model.layers import Draft
 from model.moe import RouterBias
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """config.optimizer (configs/base.py says what each does)."""
+  learning_rate: float
+  warmup_steps: int
+  min_lr_ratio: float
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  grad_clip: float
+  offload_state: bool
 
 
 def make_schedule(opt_config, train_steps: int) -> optax.Schedule:

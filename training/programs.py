@@ -58,9 +58,10 @@ def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V
     return jitted.lower(setup.abstract_state.params, batch).compile(compiler_options(setup))
 
 
-def compile_and_plan(setup: Setup, config, target):
-  """(compiled train step, its planning.plan.Plan for `target`, planning.target.Target) for the
-  devices of setup's mesh: compiling needs only the abstract state."""
-  compiled = compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
-                                microbatches=config.microbatches)
-  return compiled, plan_lib.make_plan(compiled, setup, config, target)
+def compile_and_plan(setup: Setup):
+  """(compiled train step, its planning.plan.Plan for the run's target) for the devices of
+  setup's mesh: compiling needs only the abstract state."""
+  run = setup.run
+  compiled = compile_train_step(setup, run.batch_size, run.seq_len, run.loss.z_loss,
+                                microbatches=run.microbatches)
+  return compiled, plan_lib.make_plan(compiled, setup)

@@ -1,6 +1,7 @@
-"""From config to a sharded train state, in the one-way order config → mesh → abstract state →
-shardings → initialised state. Everything that can be wrong with a config is found here, before
-anything is compiled or allocated."""
+"""From a run to a sharded train state, in the one-way order run → mesh → abstract state →
+shardings → initialised state. What is wrong with a run on its devices (the mesh against the
+model and batch, kernels and memories the devices lack) is found here, once, before anything is
+compiled or allocated; everything else was found by training/settings.py."""
 
 import dataclasses
 
@@ -17,7 +18,8 @@ from planning import gpus
 from planning import target as target_lib
 import sharding
 from sharding import hierarchical
-from training import optimizer, settings
+from training import optimizer
+from training.run import Run
 
 
 @flax.struct.dataclass
@@ -47,7 +49,8 @@ def base_params(cfg: ModelConfig, params):
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """What a run derives from its config before touching data or devices' memory."""
+  """What a run derives from its settings before touching data or devices' memory."""
+  run: Run  # what it was built from
   model_cfg: ModelConfig
   mesh: Mesh
   graphdef: nnx.GraphDef
@@ -81,17 +84,13 @@ class Setup:
       return jax.jit(init, out_shardings=self.state_shardings)(params)
 
 
-def build(config, devices=None) -> Setup:
-  """Check `config` against `devices` (settings.check, then the mesh: MeshMismatch) and derive
-  the mesh, model, optimizer and state shardings (all abstract)."""
-  devices = jax.devices() if devices is None else list(devices)
-  # 'auto' for the kernels of these devices, in a config that did not come through settings.resolve
-  config = settings.with_attention(config, target_lib.compiled_for(devices))
-  settings.check(config)  # again, for a config that did not come through settings.resolve
-  model_cfg = ModelConfig.from_config(config.model)
-  sizes = sharding.mesh_shape(config.mesh, len(devices))
-  sharding.check_fits_mesh(model_cfg, config.batch_size, config.seq_len, sizes,
-                           config.microbatches)
+def build(run: Run) -> Setup:
+  """Check `run` against its target's devices (the mesh: MeshMismatch; kernels and memories they
+  lack: ValueError) and derive the mesh, model, optimizer and state shardings (all abstract)."""
+  devices = list(run.target.devices)
+  model_cfg = run.model
+  sizes = sharding.mesh_shape(run.mesh.sizes, len(devices))
+  sharding.check_fits_mesh(model_cfg, run.batch_size, run.seq_len, sizes, run.microbatches)
   if (model_cfg.experts and model_cfg.expert_matmul == 'pallas' and sizes['stage'] > 1
       and target_lib.compiled_for(devices) is None):
     raise ValueError("config.model.expert_matmul='pallas' runs in interpret mode off GPUs, which "
@@ -110,7 +109,7 @@ def build(config, devices=None) -> Setup:
     raise ValueError(f'config.model.remat_policy={model_cfg.remat_policy!r} offloads to pinned '
                      f'host memory, which this {devices[0].platform} backend does not offer; use '
                      'a policy without offload_, such as full or dots')
-  mesh = sharding.make_mesh(config.mesh, devices)
+  mesh = sharding.make_mesh(sizes, devices)
   if model_cfg.draft_heads and mesh.shape['stage'] > 1:
     raise ValueError('config.model.draft_heads > 0 trains on the last stage\'s hidden states, '
                      'which pipeline stages do not gather yet; set config.mesh.stage=1, or train '
@@ -121,19 +120,19 @@ def build(config, devices=None) -> Setup:
                      "which ring attention's zigzag order over config.mesh.sequence scatters; set "
                      "config.model.context_parallel='all_gather' for them")
 
-  abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
+  abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(run.seed)))
   graphdef, abstract_params = nnx.split(abstract_model)
-  schedule = optimizer.make_schedule(config.optimizer, config.train_steps)
-  tx = optimizer.make_optimizer(config.optimizer, schedule, model_cfg.draft_heads > 0)
+  schedule = optimizer.make_schedule(run.optimizer, run.train_steps)
+  tx = optimizer.make_optimizer(run.optimizer, schedule, model_cfg.draft_heads > 0)
 
   param_shardings = sharding.param_shardings(abstract_params, mesh)
-  if config.partition.hierarchical and mesh.shape['data'] == 1:  # config.mesh.data=-1 filled in
+  if run.partition.hierarchical and mesh.shape['data'] == 1:  # config.mesh.data=-1 filled in
     raise ValueError('config.partition.hierarchical=True splits the state over config.mesh.data, '
                      'which is 1 here; set config.mesh.data to the number of nodes')
   hierarchy = None
   if mesh.shape['data'] > 1 and hierarchical.replicas_run_apart(
       model_cfg.experts, model_cfg.matmul_precision, model_cfg.frozen_base):
-    hierarchy = hierarchical.hierarchy(config.partition, abstract_params, param_shardings, mesh)
+    hierarchy = hierarchical.hierarchy(run.partition, abstract_params, param_shardings, mesh)
     param_shardings = hierarchical.master_shardings(param_shardings, hierarchy.dims)
   abstract_opt = jax.eval_shape(tx.init, trained(model_cfg, abstract_params)[0])
   # Adam's moments mirror the trained parameters and take their shardings; counters are
@@ -143,7 +142,7 @@ def build(config, devices=None) -> Setup:
       transform_non_params=lambda _: sharding.replicated(mesh))
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   opt_compute_shardings = None
-  if config.optimizer.offload_state:  # ZeRO-Offload style: moments in pinned host memory
+  if run.optimizer.offload_state:  # ZeRO-Offload style: moments in pinned host memory
     if not has_host_memory(sharding.local_device(devices)):
       raise ValueError(f'config.optimizer.offload_state=True needs pinned host memory, which '
                        f'this {devices[0].platform} backend does not offer; set it to False')
@@ -155,9 +154,9 @@ def build(config, devices=None) -> Setup:
                               bad_steps=scalar)
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract_state, state_shardings)
-  return Setup(model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
+  return Setup(run=run, model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
                abstract_state=abstract_state, state_shardings=state_shardings,
-               opt_compute_shardings=opt_compute_shardings, seed=config.seed,
+               opt_compute_shardings=opt_compute_shardings, seed=run.seed,
                hierarchy=hierarchy)
 
 

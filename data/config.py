@@ -1,0 +1,27 @@
+"""config.data, typed: where the text comes from, what a record is, and how it becomes tokens
+(configs/base.py says what each setting does). Its checks are data/tokens.py's `check`, which
+needs the run's workdir (a run keeps its own chat template)."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  paths: str
+  name: str
+  text_key: str
+  record: str
+  prompt_field: str
+  completion_field: str
+  messages_field: str
+  chat_template: str
+  train_on: str
+  train_split: str
+  eval_split: str
+  validation_fraction: float
+  data_dir: str
+  tokenizer: str
+  tokenizer_model: str
+  tokenize: str
+  workers: int
+  prefetch: int

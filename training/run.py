@@ -1,0 +1,106 @@
+"""A run, resolved once: every setting of the config, typed and checked, with what the config left
+open filled in (the base model and tokenizer it starts from, the vocabulary, the attention kernel,
+the layout), and what resolving found (the tokenizer, where the run starts, the Target its
+programs are compiled for). `training.settings.resolve` makes the one Run an entry point hands
+down; nothing below the entry points reads the raw config, and nothing rewrites a Run but
+`dataclasses.replace` (training/layout.py lays out candidates so).
+
+  run = settings.resolve(config)
+  run.model.d_model, run.mesh.fsdp, run.data.tokenizer, run.target.name, run.tokenizer.name
+
+Each section is the typed form its own module defines and checks (model.ModelConfig,
+sharding.MeshConfig, …); `Run.as_dict` is the config as a run saves it (workdir/config.json, each
+checkpoint), the form a resumed run and sample.py read back.
+"""
+
+import dataclasses
+import pathlib
+import typing
+
+from data.config import DataConfig
+from model import ModelConfig
+from planning.target import PlanConfig, Target
+from runtime.distributed import DistributedConfig
+from sharding.hierarchical import PartitionConfig
+from sharding.mesh import MeshConfig
+from training.optimizer import OptimizerConfig
+
+HF, RUN = 'hf', 'run'  # Start.kind: a Hugging Face checkpoint, a meshlm run's
+RANDOM = 'random'  # config.init_from: freshly drawn parameters, on purpose
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  z_loss: float  # weight of log(Z)², which keeps the softmax normaliser near 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """Where a run's parameters come from (config.init_from), found once by settings.resolve."""
+  init_from: str  # as given: '', random, hf:DIR, or a run's workdir or checkpoint
+  kind: str = ''  # HF, RUN, or '' (fresh parameters)
+  path: pathlib.Path | None = None  # HF: the checkpoint's directory; RUN: the run's workdir
+  saved: dict | None = dataclasses.field(default=None, compare=False)  # RUN: its saved config
+
+  @property
+  def fresh(self) -> bool:
+    return not self.kind
+
+
+# The config's sections and the typed form each becomes.
+SECTIONS = {'model': ModelConfig, 'mesh': MeshConfig, 'partition': PartitionConfig,
+            'optimizer': OptimizerConfig, 'loss': LossConfig, 'distributed': DistributedConfig,
+            'plan': PlanConfig, 'data': DataConfig}
+RESOLVED = ('tokenizer', 'start', 'target')  # what resolving found: not settings, never saved
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  workdir: str
+  seed: int
+  train_steps: int
+  log_every: int
+  eval_every: int
+  eval_batches: int
+  checkpoint_every: int
+  keep_checkpoints: int
+  init_from: str
+  dry_run: bool
+  max_bad_steps: int
+  profile_steps: int
+  profile_start: int
+  batch_size: int
+  microbatches: int
+  seq_len: int
+  model: ModelConfig
+  mesh: MeshConfig
+  partition: PartitionConfig
+  optimizer: OptimizerConfig
+  loss: LossConfig
+  distributed: DistributedConfig
+  plan: PlanConfig
+  data: DataConfig
+  tokenizer: typing.Any = dataclasses.field(default=None, compare=False)  # data.tokenizers'
+  start: Start | None = None
+  target: Target | None = dataclasses.field(default=None, compare=False)
+
+  @classmethod
+  def of(cls, values: dict, **resolved) -> 'Run':
+    """A Run from a config's values (nested dicts, every setting; settings.resolve fills them),
+    each section built, so checked, by its own type."""
+    sections = {name: kind(**values[name]) for name, kind in SECTIONS.items()}
+    return cls(**{**values, **sections, **resolved})
+
+  def as_dict(self) -> dict:
+    """The settings as nested dicts, as configs/base.py lays them out (what a run saves)."""
+    values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+              if field.name not in RESOLVED}
+    return {name: dataclasses.asdict(value) if name in SECTIONS else value
+            for name, value in values.items()}
+
+  def replace(self, **sections) -> 'Run':
+    """This run with some settings changed: `section={field: value}` for a section's fields,
+    `name=value` for a top-level one. Each section rebuilt is checked again."""
+    changes = {name: (dataclasses.replace(getattr(self, name), **value) if name in SECTIONS
+                      and isinstance(value, dict) else value) for name, value in sections.items()}
+    return dataclasses.replace(self, **changes)
