@@ -145,16 +145,6 @@ def own_share(x_Mb, axis: str):
   return jax.lax.dynamic_slice_in_dim(x_Mb, jax.lax.axis_index(axis) * m, m)
 
 
-def from_shares(x_mb, axis: str, microbatches: int):
-  """`shares`' inverse for results small enough to sum (per-token losses): every stage's share,
-  [M, …] on every stage."""
-  stages = jax.lax.axis_size(axis)
-  x_Pmb = jnp.zeros((stages * x_mb.shape[0], *x_mb.shape[1:]), jnp.float32)
-  x_Pmb = jax.lax.dynamic_update_slice_in_dim(x_Pmb, x_mb.astype(jnp.float32),
-                                              jax.lax.axis_index(axis) * x_mb.shape[0], 0)
-  return jax.lax.psum(x_Pmb, axis)[:microbatches].astype(x_mb.dtype)
-
-
 def pick(w, chunk, layer):
   """w[chunk, layer] of a stage's stacked [V, n/(V·P), …] weights, in the primitives that
   `recompute_picks` does not save."""

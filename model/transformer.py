@@ -1,5 +1,7 @@
 """The decoder: embedding → scanned stack of blocks → final norm → output head."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -73,6 +75,30 @@ def _stack(make, n: int, loops: int, rngs: nnx.Rngs):
   return make(rngs.split(n if loops == 1 else (loops, n // loops)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Output:
+  """A forward's last hidden states, and how the model turns them into predictions: what a loss
+  reads (training/step.py computes it), handed over where the states are (under pipeline stages,
+  each stage's share of the microbatches)."""
+  model: 'Transformer'
+  x_BLD: jax.Array  # the last block's output, before the final norm
+  tables: tuple  # the embedding table as the lookup used it: (parameter, gathered compute copy)
+  stage_axis: str | None  # inside a pipeline stage: the head's weight gradient crosses stages
+
+  def token_losses(self, targets_BL):
+    """(−log p(target), log Z), fp32 [B, L]: final norm, head and loss as one operation that
+    never holds the whole logits (model/head.py)."""
+    nll_BL, logz_BL = self.model._losses(self.x_BLD, *self.tables, targets_BL, self.stage_axis)
+    if self.stage_axis is None:
+      return constrain(nll_BL, ('batch', 'length')), constrain(logz_BL, ('batch', 'length'))
+    return nll_BL, logz_BL
+
+  def draft_losses(self, targets_BL):
+    """The draft heads' (nll, gap) [K, B, L] (draft.Heads.losses), through the base's embedding
+    and head, neither of which their gradients reach."""
+    return self.model._draft_losses(self.x_BLD, *self.tables, targets_BL)
+
+
 class Transformer(nnx.Module):
   """Llama-style decoder. Parameters (logical axes → mesh via sharding/rules.py):
 
@@ -103,33 +129,35 @@ class Transformer(nnx.Module):
       self.draft = draft.Heads(cfg, rngs)
 
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, microbatches: int = 1,
-               targets_BL=None):
-    """Logits[B, L, V] in fp32; or, given the targets, their losses instead: (−log p(target),
-    log Z), fp32 [B, L], from the head and loss as one operation that never holds the whole
-    logits (model/head.py), and the MoE layers' router statistics (model/moe.py:
-    balance_stats, each [moe_layers, ...] in execution order; {} for a dense model), with the
-    draft heads' (nll, gap) [K, B, L] under 'draft' (draft.Heads.losses) if the model has them.
-    Positions default to 0..L-1; with segment ids (packed rows) a token
-    attends only within its own segment, so documents never see each other. Under ring attention
-    over a sequence split, rows come in the zigzag order (training.step.context_layout lays a
-    batch out so; positions then must be given). With the layers split into pipeline stages, the
-    batch flows through them as `microbatches` slices (model/pipeline.py)."""
+               *, then=None, rows=None):
+    """Logits[B, L, V] in fp32; or, with `then`, what then(Output, rows) makes of the last hidden
+    states (a loss's sums: training/step.py), `rows` a pytree of [B, L] arrays (the targets, the
+    weights) laid out as the states are, with the MoE layers' router statistics (model/moe.py:
+    balance_stats, each [moe_layers, ...] in execution order; {} for a dense model). Under
+    pipeline stages each stage runs `then` on its share of the microbatches, and the stages'
+    results are summed: they must be sums. Positions default to 0..L-1; with segment ids (packed
+    rows) a token attends only within its own segment, so documents never see each other. Under
+    ring attention over a sequence split, rows come in the zigzag order
+    (training.step.context_layout lays a batch out so; positions then must be given). With the
+    layers split into pipeline stages, the batch flows through them as `microbatches` slices
+    (model/pipeline.py)."""
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     if (stage_axis := sharding.mesh_axis('layers')) is None:
-      return self._forward(tokens_BL, positions_BL, segment_ids_BL, targets_BL)
+      return self._forward(tokens_BL, positions_BL, segment_ids_BL, then, rows)
     # Pipeline stages: every stage runs the whole forward on its own share of the layers.
     graphdef, blocks, rest = nnx.split(self, nnx.PathContains('blocks'), ...)
 
-    def forward(blocks, rest, *batch):
-      return nnx.merge(graphdef, blocks, rest)._forward(*batch, microbatches, stage_axis)
+    def forward(blocks, rest, tokens_BL, positions_BL, segment_ids_BL, rows):
+      return nnx.merge(graphdef, blocks, rest)._forward(
+          tokens_BL, positions_BL, segment_ids_BL, then, rows, microbatches, stage_axis)
 
     staged_dim = int(self.cfg.virtual_stages > 1)  # the 'layers' dimension
     return sharding.per_stage(forward, stage_axis, staged_dim)(
-        blocks, rest, tokens_BL, positions_BL, segment_ids_BL, targets_BL)
+        blocks, rest, tokens_BL, positions_BL, segment_ids_BL, rows)
 
-  def _forward(self, tokens_BL, positions_BL, segment_ids_BL, targets_BL=None, microbatches=1,
-               stage_axis=None):
+  def _forward(self, tokens_BL, positions_BL, segment_ids_BL, then=None, rows=None,
+               microbatches=1, stage_axis=None):
     cfg = self.cfg
     # The table is gathered (FSDP) once, in the compute dtype: for the lookup, and for a tied
     # head, which keeps it for its backward.
@@ -142,17 +170,15 @@ class Transformer(nnx.Module):
     else:
       y_MbLD, stats = self._run_stages(x_BLD, positions_BL, segment_ids_BL, microbatches,
                                        stage_axis)
-      if targets_BL is not None:
-        return (*self._staged_losses(y_MbLD, table_VD, table_c_VD, targets_BL, stage_axis),
-                stats)
+      if then is not None:  # each stage its share of the microbatches, none the whole batch
+        x_bLD, rows = self._shares(y_MbLD, rows, stage_axis)
+        out = then(Output(self, x_bLD, (table_VD, table_c_VD), stage_axis), rows)
+        return jax.lax.psum(out, stage_axis), stats
       x_BLD = pipeline.merge(pipeline.to_every_stage(y_MbLD, stage_axis))
       x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
-    if targets_BL is None:
+    if then is None:
       return constrain(self._head(x_BLD, table_VD, table_c_VD), ('batch', 'length', 'vocab'))
-    if self.cfg.draft_heads:
-      stats = dict(stats, draft=self._draft_losses(x_BLD, table_VD, table_c_VD, targets_BL))
-    return (*(constrain(a_BL, ('batch', 'length'))
-              for a_BL in self._losses(x_BLD, table_VD, table_c_VD, targets_BL)), stats)
+    return then(Output(self, x_BLD, (table_VD, table_c_VD), None), rows), stats
 
   def _draft_losses(self, x_BLD, table_VD, table_c_VD, targets_BL):
     """The draft heads' (nll, gap) [K, B, L] on the base's last hidden states, through the base's
@@ -169,22 +195,17 @@ class Transformer(nnx.Module):
     return self.draft.losses(x_BLD, targets_BL, lambda t_BL: jnp.take(table_c_VD, t_BL, axis=0),
                              token_losses)
 
-  def _staged_losses(self, y_MbLD, table_VD, table_c_VD, targets_BL, stage_axis):
-    """The head and loss after pipeline stages, split among them: each stage takes its share of
-    the microbatches (pipeline.shares), so none runs the head on the whole batch; the head's
-    weight gradient is then summed over the stages, the one thing of a parameter's to cross
-    them."""
+  def _shares(self, y_MbLD, rows, stage_axis):
+    """This stage's share of the pipeline's result and of `rows` (pipeline.shares: stage s the
+    microbatches s·m … s·m + m − 1), as [b, L, …]: the work after the stages (the head and loss)
+    split among them, so none runs it on the whole batch; the head's weight gradient is then
+    summed over the stages, the one thing of a parameter's to cross them."""
     M = y_MbLD.shape[0]
-    names = (None, 'batch', 'length')
-    x_mbLD = constrain(pipeline.shares(y_MbLD, stage_axis), names + ('embed',))
-    targets_mbL = pipeline.own_share(pipeline.split(targets_BL, M), stage_axis)
-    m = x_mbLD.shape[0]
-    losses = self._losses(pipeline.merge(x_mbLD), table_VD, table_c_VD,
-                          pipeline.merge(targets_mbL), stage_axis)
-    return tuple(
-        constrain(pipeline.merge(pipeline.from_shares(
-            constrain(pipeline.split(a_bL, m), names), stage_axis, M)), ('batch', 'length'))
-        for a_bL in losses)
+    x_mbLD = constrain(pipeline.shares(y_MbLD, stage_axis), (None, 'batch', 'length', 'embed'))
+    rows = jax.tree.map(
+        lambda a_BL: pipeline.merge(pipeline.own_share(pipeline.split(a_BL, M), stage_axis)),
+        rows)
+    return pipeline.merge(x_mbLD), rows
 
   def _head_weight(self, table_VD, table_c_VD, stage_axis=None):
     """The output projection as (parameter, gathered in the compute dtype): the tied table, or

@@ -12,7 +12,7 @@ microbatch and reduce-scatters its gradients there once. With `hierarchical`:
     W[D_fsdp, F_tensor] again; the forward and backward then gather only inside the replica.
   - Each replica runs its own rows' microbatches and keeps its gradient in its shards (their
     in-replica reduce-scatters are the model's own); the replicas' sum is reduce-scattered across
-    `data` once a step, to the master's shards (training/step.py: across_data).
+    `data` once a step, to the master's shards (`apart`, called by training/step.py).
 What that costs: the copy and the gradient, each P/inner elements a device in the gradient
 reduction dtype (config.model.grad_reduce_dtype; inner = the devices of a replica), held through
 the step, and with microbatches the gradient's accumulator too.
@@ -239,3 +239,43 @@ def reduce(g_d, spec, dim: int, scheme: str, block: int):
   q, scale = _pin(q, received), _pin(scale, received)  # the all-to-all
   summed = dequantize(q, scale).sum(axis=0).reshape(shape)
   return _pin(summed, _with_data(spec, ndim, dim))
+
+
+def apart(h: Hierarchy, mesh, gradients, master, batch, dtype, reduce_dtype):
+  """gradients(compute, batch_shard, total) → ((loss, (ce, z-loss, router stats, draft sums)),
+  grads), run by the data replicas apart: with `h.split` the compute copy is gathered across data
+  from the master's shards once (in `dtype`, the compute dtype, where quantized); each replica
+  runs its own rows in a region manual over data, its gradients kept in its shards; their sum is
+  reduce-scattered to the master's shards once (or, the parameters replicated over data,
+  all-reduced once). The losses are the whole batch's: `total`, the weight they divide by, is.
+
+  The region is untyped (check_vma=False): the copy is the same on every replica, and typed so,
+  autodiff would sum each use's gradient over the replicas there and then, every microbatch.
+
+  A hierarchical copy and its gradients are held in `reduce_dtype`, the gradient reduction dtype
+  (norm scales in their own): the values the model computes with are the master's in the compute
+  dtype either way."""
+  def compute_copy(w, spec, dim, block, matrix):
+    if not h.split:  # replicated over data: the parameters themselves
+      return w
+    scheme, cast = (h.weights, dtype) if matrix else ('exact', w.dtype)
+    return to_compute(w, spec, dim, scheme, cast, block).astype(
+        reduce_dtype if matrix else w.dtype)
+
+  def region(compute, batch):
+    total = jnp.maximum(jax.lax.psum(batch['weights'].sum(), AXIS), 1.0)
+    (loss, (ce, zl, router, drafted)), grads = gradients(compute, batch, total)
+    # Summed across data in the reduction dtype, as inside the replica (norm scales in fp32).
+    grads = jax.tree.map(lambda g, matrix: (g.astype(reduce_dtype) if matrix else g)[None],
+                         grads, h.matrix)
+    return jax.lax.psum((loss, ce, zl, drafted), AXIS), router, grads
+
+  compute = jax.tree.map(compute_copy, master, h.specs, h.dims, h.blocks, h.matrix)
+  (loss, ce, zl, drafted), router, grads_d = jax.shard_map(
+      region, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P(), P(AXIS)),
+      axis_names={AXIS}, check_vma=False)(compute, batch)
+  grads = jax.tree.map(
+      lambda w, g_d, spec, dim, block, matrix: reduce(
+          g_d, spec, dim, h.gradients if matrix else 'exact', block).astype(w.dtype),
+      master, grads_d, h.specs, h.dims, h.blocks, h.matrix)
+  return (loss, (ce, zl, router, drafted)), grads

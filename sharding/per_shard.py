@@ -125,7 +125,8 @@ def per_stage(forward, axis: str, staged_dim: int = 0):
   left for XLA to split over stages (it would move parameters between them to do so): each stage
   computes the rest itself, and what no stage varies (the embedding and its gradient) needs no
   collective across stages. The head and loss are split among the stages by microbatch
-  (`pipeline.shares`), so the head's weight gradient is summed over them."""
+  (`pipeline.shares`), so the head's weight gradient is summed over them, and so are the loss's
+  sums."""
   mesh = jax.sharding.get_abstract_mesh()
   staged = P(*(None,) * staged_dim, axis)
   return lambda staged_tree, shared, *args: jax.shard_map(

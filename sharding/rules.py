@@ -73,7 +73,7 @@ ACTIVATION_RULES = (
 
 def activation_rules() -> tuple:
   """ACTIVATION_RULES less the mesh axes the current trace is manual over (a region that runs
-  each data replica apart, training/step.py's across_data): constraints name only the rest."""
+  each data replica apart, sharding/hierarchical.py's apart): constraints name only the rest."""
   manual = jax.sharding.get_abstract_mesh().manual_axes
   if not manual:
     return ACTIVATION_RULES

@@ -94,7 +94,7 @@ def weight_shapes(setup):
 def test_tensor_parallel_hlo_has_row_parallel_all_reduce_and_no_full_weight_collective():
   """data=4 × tensor=2: Megatron layout. Activations are all-reduced after the row-parallel Wo
   and Wdown; weights are never gathered, and their gradients are reduced over `data` in their
-  tensor-split shapes, never as full matrices (once a step: training/step.py's across_data). (MHA, so no full weight has a split one's shape.)"""
+  tensor-split shapes, never as full matrices (once a step: sharding/hierarchical.py's apart). (MHA, so no full weight has a split one's shape.)"""
   hlo, setup = compiled_hlo(dict(data=4, tensor=2), n_kv_heads=4)
   config = tiny_config()
   local_activation = (config.batch_size // 4, config.seq_len, config.model.d_model)

@@ -16,21 +16,25 @@ from tests.conftest import FAST_COMPILE, tiny_config
 from training import loop, optimizer
 from training import settings
 from training.state import build
-from training.step import weighted_losses
+from training.step import loss_sums
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_cross_entropy_is_the_weighted_mean_nll_and_z_loss_penalises_log_z():
+def test_the_losses_sums_are_the_weighted_nll_and_log_z_squared():
+  """What the step divides by the batch's weight: the cross-entropy's and the z-loss's sums."""
+  from types import SimpleNamespace
   logits = jax.random.normal(jax.random.key(0), (2, 3, 5))
   targets = jnp.array([[0, 1, 2], [3, 4, 0]])
   weights = jnp.array([[1, 1, 0], [1, 0, 1]], jnp.float32)
-  ce, zl = weighted_losses(*plain_token_losses(logits, targets), weights, z_loss=0.1)
+  out = SimpleNamespace(token_losses=lambda t: plain_token_losses(logits, t),
+                        model=SimpleNamespace(cfg=SimpleNamespace(draft_heads=0)))
+  sums = loss_sums(out, {'targets': targets, 'weights': weights})
   logp = jax.nn.log_softmax(logits)
   nll = -np.take_along_axis(np.asarray(logp), np.asarray(targets)[..., None], -1)[..., 0]
-  np.testing.assert_allclose(ce, (nll * weights).sum() / 4, rtol=1e-6)
+  np.testing.assert_allclose(sums['nats'], (nll * weights).sum(), rtol=1e-6)
   logz = jax.nn.logsumexp(logits, -1)
-  np.testing.assert_allclose(zl, 0.1 * (logz ** 2 * weights).sum() / 4, rtol=1e-6)
+  np.testing.assert_allclose(sums['log_z2'], (logz ** 2 * weights).sum(), rtol=1e-6)
 
 
 def test_weight_decay_skips_norm_scales_only():
