@@ -2,7 +2,7 @@
 
 Run (a tiny model for a few steps, a smoke test of the whole stack):
   python train.py --config=configs/base.py --config.workdir=/tmp/meshlm-base
-Should reach: loss 2.40 and eval loss 2.83 (4.08 bits/byte; from 6.28 at step 1, ln(384) ≈ 5.95
+Should reach: loss 2.41 and eval loss 2.78 (4.01 bits/byte; from 6.25 at step 1, ln(384) ≈ 5.95
 being a uniform guess) after its 100 steps, in about 15 seconds on a 2-core CPU. Every step's loss
 is in tests/data/curves/base.json (scripts/loss_curves.py), which a test holds a fresh run to.
 """

@@ -11,8 +11,8 @@ docstrings as answers:
   python export.py --workdir=/tmp/meshlm-finetune --output=/tmp/tiny-llama-adapter --lora=peft
   python sample.py --workdir=/tmp/meshlm-finetune --chat --temperature=0 --max_new_tokens=20 \
       --prompt='What does `json.dumps(obj)` do?'
-Should reach: the answers' loss falls from 5.53 at step 10 to 5.36 nats per token by step 150,
-eval 5.39, in about a minute on a 2-core CPU (every step in tests/data/curves/finetune.json, from
+Should reach: the answers' loss falls from 5.53 at step 10 to 5.48 nats per token by step 150,
+eval 5.48, in about a minute on a 2-core CPU (every step in tests/data/curves/finetune.json, from
 scripts/loss_curves.py), the tokenizer's files and chat template kept in the workdir. Only the rank-16 adapters on the 7 projections train (32,768 parameters; the base's
 115,008 are frozen), and the tiny model's weights are random: its frozen head, of small random
 weights after a norm, caps how far any adapter moves the logits (full fine-tuning,

@@ -42,7 +42,26 @@ def lookup(table_VD, table_c_VD, tokens_BL):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _lookup(rules, table_VD, table_c_VD, tokens_BL):
   del rules, table_VD
-  return jnp.take(table_c_VD, tokens_BL, axis=0)
+  return take(table_c_VD, tokens_BL)
+
+
+def take(table_c_VD, tokens_BL):
+  """The tokens' rows of table_c. With the vocabulary split (over `tensor`), each device takes
+  those in its own shard and the shards' results are summed, exactly (one is not zero): the
+  gather is not left to XLA's partitioner, whose jax 0.12 release aborts on it inside a pipeline
+  stage (a CHECK in ExpandDeviceGroupsWithIota), and which does the same where it does not."""
+  vocab_axis = sharding.mesh_axis('vocab')
+  if vocab_axis is None:
+    return jnp.take(table_c_VD, tokens_BL, axis=0)
+
+  def local(table_VD, tokens_BL):
+    rows = table_VD.shape[0]
+    row_BL = tokens_BL - jax.lax.axis_index(vocab_axis) * rows
+    here_BL = (row_BL >= 0) & (row_BL < rows)
+    x_BLD = jnp.take(table_VD, jnp.where(here_BL, row_BL, 0), axis=0)
+    return jax.lax.psum(jnp.where(here_BL[..., None], x_BLD, 0), vocab_axis)
+
+  return sharding.per_shard(local, (TABLE, TOKENS), TOKENS + ('embed',))(table_c_VD, tokens_BL)
 
 
 def _lookup_fwd(rules, table_VD, table_c_VD, tokens_BL):

@@ -19,7 +19,8 @@ checks for a CUDA driver at each start of JAX and logs a traceback when there is
 for a GPU target (`plan_in_compiler_process`) and benchmarks/kernel_resources.py run in such a
 process; the tests put it on their own path (tests/conftest.py, `put_on_path`).
 
-The folder is `<environment>/meshlm-gpu-compiler` unless MESHLM_GPU_COMPILER names another. On a
+The folder is `<environment>/meshlm-gpu-compiler/<jaxlib version>` (the plugin must match jaxlib
+exactly, and pip leaves an older one's metadata behind) unless MESHLM_GPU_COMPILER names another. On a
 GPU machine (pip install -e '.[gpu]') the environment's own CUDA plugin serves instead.
 """
 
@@ -42,7 +43,7 @@ INSTALL = 'python -m planning.gpu_compiler install'
 
 def folder() -> pathlib.Path:
   return pathlib.Path(os.environ.get('MESHLM_GPU_COMPILER') or
-                      pathlib.Path(sys.prefix) / 'meshlm-gpu-compiler')
+                      pathlib.Path(sys.prefix) / 'meshlm-gpu-compiler' / _jaxlib_version())
 
 
 def _jaxlib_version() -> str:
@@ -198,7 +199,9 @@ def kernels(lowered) -> list[Kernel]:
   as ptxas assembles the PTX XLA emitted (ptxas -v, the same assembler XLA uses)."""
   with tempfile.TemporaryDirectory(prefix='meshlm-kernels-') as dump:
     # At XLA's own optimisation level, whatever XLA_FLAGS says: registers and spills depend on it.
-    lowered.compile(compiler_options={'xla_dump_to': dump, 'xla_backend_optimization_level': 2})
+    # XLA dumps a kernel's PTX only for the emitters xla_dump_emitter_re names.
+    lowered.compile(compiler_options={'xla_dump_to': dump, 'xla_backend_optimization_level': 2,
+                                      'xla_dump_emitter_re': '.*'})
     files = sorted(pathlib.Path(dump).iterdir())
     launches = {}
     for f in files:
@@ -240,7 +243,8 @@ def flash_attention_kernels(device, head_dim: int, segments: bool, tiles, heads=
     return out.astype(jnp.float32).sum()
 
   try:
-    found = kernels(jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv, seg))
+    with jax.default_device(device):  # Pallas asks the default device which GPU it lowers for
+      found = kernels(jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv, seg))
   except Exception as e:  # the compiler's refusal is a result: report it
     return {'error': f'{type(e).__name__}: {str(e).splitlines()[0][:300]}'}
   return {'kernels': {k.name: {f: getattr(k, f) for f in ('grid', 'threads', 'shared_memory',

@@ -121,8 +121,11 @@ def in_computation(lines: list[str], devices: int, executions: int = 1):
                          for between in instructions[begin + 1:i])
       groups = _device_groups(lines[begin], devices)
       size = devices if op == 'collective-permute' else len(groups[0])
-      # An async start's type lists its operands, the input first, then its result.
+      # An async start's type lists its operands, the input first, then its result; a
+      # synchronous one's input is the instruction that makes its first operand.
       operand = instructions[begin].arrays[:1] if begin != i else ()
+      if not operand and (source := position.get(inst.operands[0])) is not None:
+        operand = instructions[source].arrays[:1]
       found.append((begin, i, Collective(op, inst.arrays, size, executions, overlapped, groups,
                                          operand)))
   return found
