@@ -24,10 +24,11 @@ the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
 Should reach: the loss falls as the default run's does (without init_from they train
 byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 tokenizer.json gives
 them their real vocabulary). Compiled for H100 (cudnn attention), a step needs 8.7 GiB (125m,
-dots), 44.4 GiB (1b, dots) and 45.4 GiB a GPU (8b, dots over 4 microbatches, FSDP over 8;
-25.4 GiB for 8b-128k, full), within the 59.7 GiB JAX's allocator takes of each. The time model
-predicts (the dry run prints it) 79.5 ms, 559 ms and 3.00 s a step: MFU 33%, 49% and 57%
-(docs/memory.md, docs/time-model.md). The 70b, FSDP over 32 H100s (remat full), needs 53.9 GiB a
+dots), 43.5 GiB (1b, dots) and 46.7 GiB a GPU (8b, dots over 4 microbatches, FSDP over 8),
+within the 59.7 GiB JAX's allocator takes of each. The time model predicts (the dry run prints
+it) 75.7 ms, 542 ms and 3.05 s a step: MFU 35%, 50% and 56% (jaxlib 0.11.2; docs/testing.md has
+what moved from 0.10.2; docs/memory.md, docs/time-model.md). On jaxlib 0.10.2 the 8b-128k
+(full) needed 25.4 GiB. The 70b, FSDP over 32 H100s (remat full), needs 53.9 GiB a
 GPU and is predicted at 14.8 s a step (MFU 25%), most of it waiting on the links between nodes:
 docs/parallelism.md has it under each partition across nodes.
 On GPU, compare the benchmark's measured MFU with those and with the peers' 33–50% (MaxText,
