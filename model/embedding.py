@@ -49,7 +49,7 @@ def take(table_c_VD, tokens_BL):
   """The tokens' rows of table_c. With the vocabulary split (over `tensor`), each device takes
   those in its own shard and the shards' results are summed, exactly (one is not zero): the
   gather is not left to XLA's partitioner, whose jax 0.12 release aborts on it inside a pipeline
-  stage (a CHECK in ExpandDeviceGroupsWithIota), and which does the same where it does not."""
+  stage (a CHECK in ExpandDeviceGroupsWithIota)."""
   vocab_axis = sharding.mesh_axis('vocab')
   if vocab_axis is None:
     return jnp.take(table_c_VD, tokens_BL, axis=0)
