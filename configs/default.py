@@ -4,7 +4,7 @@ Run:
   python train.py --config=configs/default.py --config.workdir=/tmp/meshlm-default
 Should reach: train loss ≈ 1.5 and eval loss ≈ 1.9 nats per byte token (≈ 2.8 bits per byte)
 after its 200 steps (from ln(384) ≈ 5.95 at step 0; ln(256) ≈ 5.55 is a uniform guess over bytes),
-in about 5 minutes on a 2-core CPU (≈ 1.5 s/step, 3.3M parameters, 4,096 tokens a step). The
+in about 3 minutes on a quiet 2-core CPU (≈ 0.75 s/step, 3.3M parameters, 4,096 tokens a step). The
 first run also prepares the corpus (the stdlib's .py files, about a second). Then
   python sample.py --workdir=/tmp/meshlm-default --prompt='def '
 writes Python-looking text (docs/sampling.md).
