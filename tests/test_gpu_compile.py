@@ -182,13 +182,22 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
     loop.run(config)
 
 
-@functools.cache  # each mesh compiled once for the tests that read it
 def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel=None,
                         microbatches=1, virtual_stages=1, model=(), **mesh):
   """The tiny model's train step in bf16, compiled for 8 H100s: (HLO text, setup, config).
   Attention is xla; with context_parallel, our kernel, with that choice; with virtual_stages, the
-  model has two layers for each; `model`, (field, value) pairs of config.model to change."""
+  model has two layers for each; `model`, (field, value) pairs of config.model to change. Each
+  step is compiled once for the tests that read it, however they spell its arguments (a GPU
+  compile of even this model takes some 12 s)."""
+  return _tiny_step_for_h100s(grad_reduce_dtype, tied, context_parallel, microbatches,
+                              virtual_stages, tuple(model), tuple(sorted(mesh.items())))
+
+
+@functools.cache
+def _tiny_step_for_h100s(grad_reduce_dtype, tied, context_parallel, microbatches, virtual_stages,
+                         model, mesh):
   from tests.conftest import tiny_config
+  mesh = dict(mesh)
   config = tiny_config(**mesh)
   config.model.update(dict(model))
   config.microbatches = microbatches
