@@ -217,16 +217,17 @@ FAST = (
 )
 
 
-LONGEST = {'test_gpu_compile.py': 353, 'test_checkpoint.py': 256, 'test_distributed.py': 109,
-           'test_benchmarks.py': 90, 'test_context_parallel.py': 88, 'test_notebook.py': 80,
-           'test_plan.py': 79, 'test_pipeline.py': 73, 'test_moe.py': 70, 'test_kernels.py': 57,
-           'test_generate.py': 56, 'test_speculate.py': 46, 'test_training.py': 45,
-           'test_sharding.py': 39, 'test_chat.py': 39, 'test_kv_cache.py': 38,
-           'test_huggingface.py': 36, 'test_configs.py': 33, 'test_data.py': 33,
-           'test_model.py': 31, 'test_hierarchical.py': 27, 'test_lora.py': 23,
-           'test_tokens.py': 23, 'test_cli.py': 22, 'test_workdir.py': 19, 'test_fp8.py': 15,
-           'test_head.py': 14, 'test_timing.py': 13, 'test_grouped_matmul.py': 13,
-           'test_preemption.py': 11, 'test_instruments.py': 6, 'test_embedding.py': 4}
+LONGEST = {'test_gpu_compile.py': 471, 'test_checkpoint.py': 218, 'test_distributed.py': 121,
+           'test_benchmarks.py': 87, 'test_plan.py': 82, 'test_notebook.py': 77,
+           'test_context_parallel.py': 71, 'test_moe.py': 71, 'test_pipeline.py': 65,
+           'test_generate.py': 54, 'test_training.py': 49, 'test_kernels.py': 41,
+           'test_speculate.py': 38, 'test_chat.py': 36, 'test_sharding.py': 36, 'test_lora.py': 35,
+           'test_huggingface.py': 34, 'test_kv_cache.py': 34, 'test_data.py': 29,
+           'test_configs.py': 25, 'test_tokens.py': 25, 'test_cli.py': 24, 'test_model.py': 24,
+           'test_hierarchical.py': 22, 'test_timing.py': 21, 'test_fp8.py': 13,
+           'test_grouped_matmul.py': 11, 'test_preemption.py': 11, 'test_workdir.py': 11,
+           'test_head.py': 9, 'test_structure.py': 6, 'test_instruments.py': 4,
+           'test_embedding.py': 3}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by it
