@@ -94,7 +94,7 @@ def with_file_size_limit(limit: int, args: list[str]) -> list[str]:
           'os.execv(sys.executable, [sys.executable, *sys.argv[1:]])', *args[1:]]
 
 
-# The inner loop's subset, `pytest -m fast` (≤ 4 minutes on 2 cores): tests that exercise every
+# The inner loop's subset, `pytest -m fast` (≤ 2 minutes on 2 cores): tests that exercise every
 # package, each cheap. Entries are node ids under tests/, or a test's name for all its parameters.
 FAST = (
     'test_model.py::test_a_document_is_blind_to_what_is_packed_before_it',
