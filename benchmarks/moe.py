@@ -96,8 +96,7 @@ def abstract(device, M, K, N, G):
 def resources(device, implementation: str, blocks: Blocks = Blocks()) -> dict:
   """{temp_bytes, kernels: {name: resources}} of one compiled step, or {error}."""
   try:
-    with jax.default_device(device):  # Pallas asks the default device which GPU it lowers for
-      lowered = step(implementation, blocks).lower(*abstract(device, *shape()))
+    lowered = gpu_compiler.lower(device, step(implementation, blocks), *abstract(device, *shape()))
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
     found = {k.name: dataclasses.asdict(k) for k in gpu_compiler.kernels(lowered)
              if k.name in KERNELS}

@@ -20,8 +20,8 @@ for a GPU target (`plan_in_compiler_process`) and benchmarks/kernel_resources.py
 process; the tests put it on their own path (tests/conftest.py, `put_on_path`).
 
 The folder is `<environment>/meshlm-gpu-compiler/<jaxlib version>` (the plugin must match jaxlib
-exactly, and pip leaves an older one's metadata behind) unless MESHLM_GPU_COMPILER names another. On a
-GPU machine (pip install -e '.[gpu]') the environment's own CUDA plugin serves instead.
+exactly, and pip leaves an older one's metadata behind) unless MESHLM_GPU_COMPILER names another.
+On a GPU machine (pip install -e '.[gpu]') the environment's own CUDA plugin serves instead.
 """
 
 import dataclasses
@@ -193,6 +193,14 @@ _FRAME = re.compile(r'(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _USED = re.compile(r'Used (\d+) registers')
 
 
+def lower(device, jitted, *args):
+  """`jitted.lower(*args)` for `device`, a GPU of this compiler: a Pallas kernel asks the default
+  device which GPU it lowers for, which here is a CPU unless set."""
+  import jax
+  with jax.default_device(device):
+    return jitted.lower(*args)
+
+
 def kernels(lowered) -> list[Kernel]:
   """Compiles `lowered` (a jax Lowered for GPU devices) and reports each kernel it launches:
   grid, threads and shared memory as XLA launches it (its thunk sequence), registers and spills
@@ -244,8 +252,7 @@ def flash_attention_kernels(device, head_dim: int, segments: bool, tiles, heads=
     return out.astype(jnp.float32).sum()
 
   try:
-    with jax.default_device(device):  # Pallas asks the default device which GPU it lowers for
-      found = kernels(jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv, seg))
+    found = kernels(lower(device, jax.jit(jax.grad(loss, (0, 1, 2))), q, kv, kv, seg))
   except Exception as e:  # the compiler's refusal is a result: report it
     return {'error': f'{type(e).__name__}: {str(e).splitlines()[0][:300]}'}
   return {'kernels': {k.name: {f: getattr(k, f) for f in ('grid', 'threads', 'shared_memory',
