@@ -118,6 +118,14 @@ class ModelConfig:
     _check_choice('param_dtype', self.param_dtype, DTYPES)
     _check_choice('compute_dtype', self.compute_dtype, DTYPES)
     _check_choice('grad_reduce_dtype', self.grad_reduce_dtype, DTYPES)
+    if self.grad_reduce_dtype not in ('float32', self.compute_dtype):
+      # A weight reaches its matmul through a copy in the reduction dtype (model/layers.py:
+      # weight), whose gradient is what crosses devices: a narrower one rounds the forward too.
+      raise ValueError(f'config.model.grad_reduce_dtype={self.grad_reduce_dtype!r} with '
+                       f'compute_dtype={self.compute_dtype!r}: each weight reaches its matmul '
+                       f'as a {self.grad_reduce_dtype} copy, so the forward would run on rounded '
+                       "weights; reduce in 'float32', or compute in "
+                       f'{self.grad_reduce_dtype!r}')
     _check_choice('matmul_precision', self.matmul_precision, MATMUL_PRECISIONS)
     if self.experts:
       self._check_experts()

@@ -189,6 +189,10 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
                                    'config.data.chat_template'),
     'draft heads alone, none asked': (['--config.model.draft_only=True'],
                                       'config.model.draft_heads'),
+    'bf16 gradients under fp32 compute': (['--config.model.compute_dtype=float32',
+                                           '--config.model.grad_reduce_dtype=bfloat16'],
+                                          "config.model.grad_reduce_dtype='bfloat16' with "
+                                          "compute_dtype='float32'"),
 }
 
 

@@ -150,3 +150,18 @@ def test_bad_model_settings_name_the_field(field, value, match):
   c.model[field] = value
   with pytest.raises(ValueError, match=match):
     ModelConfig.from_config(c.model)
+
+
+def test_a_reduction_dtype_that_would_round_the_forward_is_refused():
+  """Each weight reaches its matmul through its copy in the reduction dtype: bf16 reduction under
+  fp32 compute would run the forward on bf16-rounded weights (it moved a tiny model's logits by
+  0.017), so it is refused; under bf16 compute the copy is the one the matmul takes anyway."""
+  c = tiny_config()
+  c.model.compute_dtype, c.model.grad_reduce_dtype = 'float32', 'bfloat16'
+  with pytest.raises(ValueError, match=r"grad_reduce_dtype='bfloat16' with compute_dtype="
+                                       r"'float32'.*rounded weights"):
+    ModelConfig.from_config(c.model)
+  for compute, reduce in (('bfloat16', 'bfloat16'), ('bfloat16', 'float32'),
+                          ('float32', 'float32')):
+    c.model.compute_dtype, c.model.grad_reduce_dtype = compute, reduce
+    assert ModelConfig.from_config(c.model).reduce_dtype.name == reduce
