@@ -20,7 +20,6 @@ from ml_collections import config_flags
 
 from benchmarks import report
 from planning import communication, gpu_compiler, gpus
-from planning import plan as plan_lib
 from runtime import cli
 import sharding
 from training import settings

@@ -28,7 +28,6 @@ from benchmarks import report
 from configs import base
 from model import pipeline
 from planning import gpu_compiler, gpus
-from planning import plan as plan_lib
 from runtime import cli
 from sharding import collectives
 import sharding

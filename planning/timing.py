@@ -381,7 +381,7 @@ def _ints(text: str) -> list[int]:
 
 def _dot(lhs, rhs, out, dims) -> tuple[int, int, int, int, str]:
   """(batch, m, n, k, lhs dtype) of a dot from its operands' and result's (dtype, shape)."""
-  (dtype, lhs_shape), (_, rhs_shape) = lhs, rhs
+  (dtype, lhs_shape), _ = lhs, rhs
   batch_dims = dims.get(('lhs', 'batch'), [])
   contracting = dims.get(('lhs', 'contracting'), [])
   batch = math.prod(lhs_shape[d] for d in batch_dims)
