@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 from benchmarks import report
 from configs import llama
+from model import ModelConfig
 from planning import communication, gpu_compiler, gpus
 from runtime import cli
 import sharding
@@ -85,7 +86,7 @@ def main(argv):
   m = _CONFIG.value.model
   print(f'{_TARGET.value} (deviceless), nodes of {gpu.gpus_per_node}, data replicas of {replica} '
         f'GPUs; d_model {m.d_model}, {m.n_layers} layers, remat {m.remat_policy}, gradients '
-        f'reduced in {m.grad_reduce_dtype}; per device per step, GiB; step and MFU predicted by '
+        f'reduced in {ModelConfig.from_config(m).reduce_dtype.name}; per device per step, GiB; step and MFU predicted by '
         'the time model')
   print(f'{"GPUs":>5}  {"scheme":<15}{"GiB":>7}{"fits":>6}{"sent":>9}{"across":>9}{"ideal":>9}'
         f'{"÷ flat":>8}{"step s":>8}{"MFU":>7}{"comm s":>8}')

@@ -5,6 +5,7 @@ model's prediction, never a measurement; memory is each compiler's own plan.
 
   python -m benchmarks.peers                                  # every preset of PRESETS
   python -m benchmarks.peers --presets=8b --out=benchmarks/results/peers-h100-deviceless.json
+  python -m benchmarks.peers --presets=8b,70b --meshlm=model.grad_reduce_dtype=bfloat16
 
 MaxText (PyPI's maxtext==MAXTEXT) lives in an environment of its own, made on first use beside this
 one (<environment>/meshlm-peers/maxtext-<version>-jax-<jaxlib>, about 2 GB of downloads; not part
@@ -83,6 +84,8 @@ REMAT = {'dots': 'minimal', 'full': 'full'}  # meshlm's policy: MaxText's that s
 _PRESETS = flags.DEFINE_string('presets', ','.join(PRESETS), 'Comma-separated, of PRESETS.')
 _ENV = flags.DEFINE_string('maxtext_env', None, "MaxText's environment; default beside this one.")
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
+_MESHLM = flags.DEFINE_multi_string('meshlm', [], "A setting of meshlm's side, as section.field="
+                                    'value (model.grad_reduce_dtype=bfloat16); repeatable.')
 _PROGRAMS = flags.DEFINE_string('programs', None, "Also keep each optimized program there, as "
                                 "<preset>-<system>.hlo.txt.gz (what the time model read).")
 
@@ -146,6 +149,14 @@ def meshlm_program(preset: Preset) -> tuple[dict, str]:
   """(meshlm's compiled memory and shapes, its optimized program), compiled as a dry run does."""
   config = preset.config
   config.model.attention = 'cudnn'
+  for setting in _MESHLM.value:
+    field, _, value = setting.partition('=')
+    section, _, key = field.rpartition('.')
+    holder = config[section] if section else config
+    if key not in holder:
+      raise SystemExit(f'--meshlm={setting}: {field} is not a setting of configs/base.py')
+    holder[key] = type(holder[key])(value) if not isinstance(holder[key], bool) else (
+        value.lower() in ('1', 'true'))
   config.plan.target, config.plan.devices, config.dry_run = 'H100', preset.gpus, True
   setup = build(settings.resolve(config, log=lambda *_: None))
   compiled, plan = compile_and_plan(setup)
@@ -248,7 +259,8 @@ def main(argv):
                     'step_ratio': ratio, 'memory_ratio': memory, **rows})
   report.emit({'benchmark': 'peers', 'compiled_for': 'H100', 'deviceless': True,
                'source': 'model', 'jax': jax.__version__, 'maxtext': MAXTEXT,
-               'flax': importlib.metadata.version('flax'), 'presets': results,
+               'flax': importlib.metadata.version('flax'), 'meshlm_settings': _MESHLM.value,
+               'presets': results,
                'command': report.command()}, _OUT.value)
 
 

@@ -4,6 +4,14 @@
   python -m benchmarks.precision --config=configs/default.py \
       --out=benchmarks/results/precision-cpu.json
 
+With --compare=grad_reduce it trains the config on the devices here (fsdp over all of them) with
+its gradients reduced in float32 and in bfloat16 (config.model.grad_reduce_dtype), and keeps both
+curves whole:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.precision \
+      --compare=grad_reduce --config=configs/default.py \
+      --out=benchmarks/results/precision_grad_reduce-cpu.json
+
 With --compare=partition it trains the config on the devices here (8 simulated CPU devices, or
 GPUs) under each partition of config.partition against plain FSDP over all of them: data=2
 replicas, hierarchical, then with int8 weights, then int8 gradients too (sharding/hierarchical.py):
@@ -33,8 +41,9 @@ from training import loop
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
-_COMPARE = flags.DEFINE_enum('compare', 'fp8', ['fp8', 'partition'],
-                             'fp8 projections, or the partitions over data, against the default.')
+_COMPARE = flags.DEFINE_enum('compare', 'fp8', ['fp8', 'partition', 'grad_reduce'],
+                             'fp8 projections, the partitions over data, or bf16 gradient '
+                             'reduction, against the default.')
 
 PARTITIONS = {  # name: (config.mesh.data, config.partition)
     'flat': (1, {}), 'hierarchical': (2, dict(hierarchical=True)),
@@ -42,11 +51,15 @@ PARTITIONS = {  # name: (config.mesh.data, config.partition)
     '+int8 grads': (2, dict(hierarchical=True, weights='int8', gradients='int8'))}
 
 
-def curve(config, precision: str, partition: str = 'flat') -> tuple[np.ndarray, float | None]:
+def curve(config, precision: str, partition: str = 'flat',
+          grad_reduce: str | None = None) -> tuple[np.ndarray, float | None]:
   """Every step's training loss, and the last eval loss, of `config` at `precision` under
-  `partition` (PARTITIONS: data replicas, the rest of the devices fsdp)."""
+  `partition` (PARTITIONS: data replicas, the rest of the devices fsdp), its gradients reduced in
+  `grad_reduce` (default: the config's)."""
   config = config.copy_and_resolve_references()
   config.model.matmul_precision, config.log_every, config.checkpoint_every = precision, 1, 0
+  if grad_reduce:
+    config.model.grad_reduce_dtype = grad_reduce
   data, fields = PARTITIONS[partition]
   config.mesh.data, config.mesh.fsdp = data, -1
   config.partition.update(fields)
@@ -87,11 +100,39 @@ def partitions(config) -> None:
       _OUT.value)
 
 
+def grad_reduce(config) -> None:
+  """--compare=grad_reduce: bf16 against fp32 gradient reduction, both curves whole."""
+  runs = {dtype: curve(config, 'default', grad_reduce=dtype) for dtype in ('float32', 'bfloat16')}
+  (fp32, fp32_eval), (bf16, bf16_eval) = runs['float32'], runs['bfloat16']
+  half = len(fp32) // 2
+  gap = np.abs(bf16 - fp32) / fp32
+  steps = sorted({1, len(fp32) // 4, half, len(fp32)})
+  rows = [(f'loss at step {s}', f'{fp32[s - 1]:.4f} fp32, {bf16[s - 1]:.4f} bf16') for s in steps]
+  rows += [('relative gap, 2nd half', f'max {gap[half:].max():.2%}, mean {gap[half:].mean():.2%}'),
+           ('largest step gap', f'{np.abs(bf16 - fp32).max():.4f} (step '
+            f'{int(np.abs(bf16 - fp32).argmax()) + 1})'),
+           ('eval loss', f'{fp32_eval} fp32, {bf16_eval} bf16')]
+  print_table(rows)
+  report.emit({
+      'benchmark': 'precision_grad_reduce',
+      'config': config_flags.get_config_filename(flags.FLAGS['config']),
+      'device': jax.devices()[0].device_kind, 'devices': jax.device_count(),
+      'jax': jax.__version__, 'compute_dtype': config.model.compute_dtype, 'steps': len(fp32),
+      'max_relative_gap_second_half': float(gap[half:].max()),
+      'mean_relative_gap_second_half': float(gap[half:].mean()),
+      'max_abs_gap': float(np.abs(bf16 - fp32).max()),
+      'eval_loss': {'float32': fp32_eval, 'bfloat16': bf16_eval},
+      'loss': {'float32': [float(x) for x in fp32], 'bfloat16': [float(x) for x in bf16]},
+      'command': report.command()}, _OUT.value)
+
+
 def main(argv):
   del argv
   config = _CONFIG.value
   if _COMPARE.value == 'partition':
     return partitions(config)
+  if _COMPARE.value == 'grad_reduce':
+    return grad_reduce(config)
   (default, default_eval), (fp8, fp8_eval) = (curve(config, p) for p in ('default', 'fp8'))
   half = len(default) // 2
   gap = np.abs(fp8 - default) / default

@@ -51,7 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = False
   m.param_dtype = 'float32'
   m.compute_dtype = 'bfloat16'
-  m.grad_reduce_dtype = 'float32'  # gradients are summed across devices in this (docs/precision.md)
+  m.grad_reduce_dtype = 'auto'  # gradients are summed across devices in this; auto: the compute
+                               # dtype (docs/precision.md)
   m.matmul_precision = 'default'  # default | fp8: the layers' projections on scaled fp8 (docs/precision.md)
   m.attention = 'auto'  # auto | xla | cudnn | pallas (ours); auto: xla on CPU, on GPU the fused one
                        # the time model predicts fastest (training/settings.py: with_attention)

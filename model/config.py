@@ -117,8 +117,8 @@ class ModelConfig:
     _check_choice('remat_policy', self.remat_policy, REMAT_POLICIES)
     _check_choice('param_dtype', self.param_dtype, DTYPES)
     _check_choice('compute_dtype', self.compute_dtype, DTYPES)
-    _check_choice('grad_reduce_dtype', self.grad_reduce_dtype, DTYPES)
-    if self.grad_reduce_dtype not in ('float32', self.compute_dtype):
+    _check_choice('grad_reduce_dtype', self.grad_reduce_dtype, ('auto',) + DTYPES)
+    if self.grad_reduce_dtype not in ('auto', 'float32', self.compute_dtype):
       # A weight reaches its matmul through a copy in the reduction dtype (model/layers.py:
       # weight), whose gradient is what crosses devices: a narrower one rounds the forward too.
       raise ValueError(f'config.model.grad_reduce_dtype={self.grad_reduce_dtype!r} with '
@@ -235,7 +235,10 @@ class ModelConfig:
 
   @property
   def reduce_dtype(self):
-    return jnp.dtype(self.grad_reduce_dtype)
+    """What gradients are summed across devices in: grad_reduce_dtype, 'auto' the compute dtype
+    (docs/precision.md)."""
+    return jnp.dtype(self.compute_dtype if self.grad_reduce_dtype == 'auto'
+                     else self.grad_reduce_dtype)
 
   @property
   def weight_dtype(self):

@@ -265,7 +265,7 @@ class Attention(nnx.Module):
       attend = functools.partial(kernels.flash_attention, causal=True, **blocks)
     elif cfg.context_parallel == 'ring':
       attend = functools.partial(kernels.ring_attention, causal=True, axis_name=axis,
-                                 reduce_dtype=cfg.grad_reduce_dtype, **blocks)
+                                 reduce_dtype=cfg.reduce_dtype.name, **blocks)
     else:
       attend = functools.partial(kernels.gathered_attention, causal=True, axis_name=axis, **blocks)
     # XLA cannot partition a Pallas call: each device runs it on its rows, heads and, under a

@@ -13,8 +13,8 @@ them by its `tensor` share of its experts' weights, and puts them back in token 
 `expert` mesh axis of P devices each holds E/P experts: the sorted rows go to their experts'
 devices by all-to-all and come back the same way (kernels/all_to_all.py), forward and backward.
 The forward and backward are one custom VJP, so the weights' gradients leave as the dense
-layers' do: partial sums in fp32 (config.model.grad_reduce_dtype), reduce-scattered over the
-FSDP axes; over `expert` each gradient is already whole, as its tokens came to it.
+layers' do: partial sums in the reduction dtype (config.model.grad_reduce_dtype), reduce-scattered
+over the FSDP axes; over `expert` each gradient is already whole, as its tokens came to it.
 
   x[B_(data,fsdp,expert), L_sequence, D] → rows[A, D] → (all-to-all over expert) → [R, D]
       · W_gate[E_expert, D_(fsdp,sequence), F_tensor] → h[R, F_tensor]
@@ -221,7 +221,7 @@ def _gathered_weights(ws, dtype):
 def experts_ffn(settings, rules, x_BLD, experts_BLk, weights_BLk, wg, wu, wd):
   """(Σ_j weights[.., j] · expert_{experts[.., j]}(x) [B, L, D] in x's dtype, and which
   assignments were dropped bool[B, L, k]) (module docstring); wg, wu, wd are the parameters
-  (config.model.grad_reduce_dtype, where they live)."""
+  (in the reduction dtype, config.model.grad_reduce_dtype, where they live)."""
   return _experts_fwd(settings, rules, x_BLD, experts_BLk, weights_BLk, wg, wu, wd)[0]
 
 

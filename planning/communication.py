@@ -11,7 +11,7 @@ over e by expert); M microbatches, b = B/(d·f·e·M) rows per device and microb
 length; T = V·M + P − 1 ticks of the pipeline schedule with V virtual stages (T = M without
 stages: each tick a stage runs one chunk, n_layers/(V·P) layers, on one microbatch, bubble ticks
 included, model/pipeline.py);
-c bytes of the compute dtype, r of the gradient reduction (config.optimizer.grad_reduce_dtype);
+c bytes of the compute dtype, r of the gradient reduction (config.model.grad_reduce_dtype);
 P_L the layers' matmul parameters outside the experts (routers and shared experts included),
 P_X the routed experts' (E·3·D·F_X in each of the n_X MoE layers), k experts a token, P_E the
 embedding table V·D, P_U the untied head D·V (0 when tied), P_N the norm scales (replicated).
@@ -80,12 +80,13 @@ AXES_OF = {'layers': ('fsdp', 'sequence', 'expert'), 'experts': ('fsdp', 'sequen
 
 def ideal_bytes(cfg: ModelConfig, mesh: dict, batch_size: int, seq_len: int,
                 microbatches: int = 1, remat_policy: str = 'none',
-                grad_reduce_bytes: int = 4, partition=None) -> dict[str, float]:
+                grad_reduce_bytes: int | None = None, partition=None) -> dict[str, float]:
   """{component: bytes each device sends per step} per the module docstring; `partition`,
-  config.partition (None: plain FSDP)."""
+  config.partition (None: plain FSDP); `grad_reduce_bytes`, r (None: cfg's reduction dtype's)."""
   d, P, f, e, t, s = (mesh.get(axis, 1)
                       for axis in ('data', 'stage', 'fsdp', 'expert', 'tensor', 'sequence'))
-  g, g_x, M, c, r = f * s * e, f * s, microbatches, cfg.dtype.itemsize, grad_reduce_bytes
+  g, g_x, M, c = f * s * e, f * s, microbatches, cfg.dtype.itemsize
+  r = cfg.reduce_dtype.itemsize if grad_reduce_bytes is None else grad_reduce_bytes
   b = batch_size / (d * f * e * M)
   V = cfg.virtual_stages if P > 1 else 1
   T = V * M + P - 1

@@ -161,7 +161,10 @@ def test_a_reduction_dtype_that_would_round_the_forward_is_refused():
   with pytest.raises(ValueError, match=r"grad_reduce_dtype='bfloat16' with compute_dtype="
                                        r"'float32'.*rounded weights"):
     ModelConfig.from_config(c.model)
-  for compute, reduce in (('bfloat16', 'bfloat16'), ('bfloat16', 'float32'),
-                          ('float32', 'float32')):
+  for compute, reduce, reduced in (('bfloat16', 'bfloat16', 'bfloat16'),
+                                   ('bfloat16', 'float32', 'float32'),
+                                   ('float32', 'float32', 'float32'),
+                                   ('bfloat16', 'auto', 'bfloat16'),  # the default: MaxText's
+                                   ('float32', 'auto', 'float32')):
     c.model.compute_dtype, c.model.grad_reduce_dtype = compute, reduce
-    assert ModelConfig.from_config(c.model).reduce_dtype.name == reduce
+    assert ModelConfig.from_config(c.model).reduce_dtype.name == reduced
