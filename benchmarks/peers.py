@@ -45,7 +45,7 @@ from benchmarks import report
 from configs import llama, moe
 from planning import gpu_compiler, gpus, timing
 from runtime import cli
-from sharding import collectives, hlo as hlo_lib
+from sharding import collectives
 from training import settings
 from training.programs import compile_and_plan
 from training.state import build
@@ -184,18 +184,9 @@ def figures(memory: dict, hlo: str, preset: Preset, flops: float) -> dict:
           'gemm_s': parts['gemm'], 'attention_s': parts['attention'],
           'fusion_s': parts['fusion'], 'rest_s': parts['other'] + parts['launch'],
           'exposed_communication_s': parts['communication'], 'gemm_flops': step.gemm_flops,
-          'loops_of_unknown_trips': unknown_loops(hlo),
+          'loops_charged_once': step.loops_charged_once,
           'collectives': {op: {'bytes': s['bytes'], 'by_dtype': s['by_dtype']}
                           for op, s in sent.items()}}
-
-
-def unknown_loops(hlo: str) -> int:
-  """While loops of the program whose trip count XLA does not state (it depends on the data):
-  the time model charges each body once, so a program with them is undercounted."""
-  computations, _, _ = hlo_lib.parse(hlo)
-  return sum(1 for lines in computations.values() for line in lines
-             if (inst := hlo_lib.instruction(line)) and inst.opcode == 'while'
-             and 'known_trip_count' not in line)
 
 
 def sent(row: dict, op: str) -> str:
@@ -249,8 +240,8 @@ def main(argv):
     memory = rows['meshlm']['total_bytes'] / rows['MaxText']['total_bytes']
     print(f'{"":<14}meshlm ÷ MaxText: step {ratio:.3f}, memory {memory:.3f}')
     for system, r in rows.items():
-      if r['loops_of_unknown_trips']:
-        print(f'{"":<14}{system}: {r["loops_of_unknown_trips"]} loop(s) whose trip count depends '
+      if r['loops_charged_once']:
+        print(f'{"":<14}{system}: {r["loops_charged_once"]} loop(s) whose trip count depends '
               'on the data, each charged once: its step is undercounted, not comparable')
     results.append({'preset': name, 'gpus': preset.gpus, 'mesh': ours['mesh'],
                     'batch_size': ours['batch_size'], 'seq_len': ours['seq_len'],

@@ -35,8 +35,9 @@ decides what hides them: each computation runs its instructions in order on a co
 async collective runs on a communication stream from its -start, one at a time in the order
 started, and its -done waits for it. So a collective is hidden as far as the kernels scheduled
 between its start and done last, and exposed for the rest; a synchronous one is exposed whole. A
-loop body's schedule runs trip-count times; a -done whose -start an earlier iteration issued
-(XLA's collective pipelining) counts from the start of the body.
+loop body's schedule runs trip-count times (once where XLA states none, a trip count that depends
+on the data: StepTime.loops_charged_once counts such loops); a -done whose -start an earlier
+iteration issued (XLA's collective pipelining) counts from the start of the body.
 
 Why not XLA's own GPU cost model: the one its latency-hiding scheduler can use
 (--xla_gpu_enable_analytical_latency_estimator) is not in what a compile returns
@@ -89,6 +90,8 @@ class StepTime:
   kernels: list[Kernel]  # every kernel that runs, costliest (seconds × runs) first
   communication_s: float  # every collective's time, hidden or not
   launches: int
+  loops_charged_once: int = 0  # while loops whose trip count XLA does not state (it depends on
+                               # the data): each body is charged one run, so the step is undercounted
 
   @property
   def gemm_flops(self) -> float:
@@ -118,7 +121,10 @@ def predict(hlo_text: str, gpu: gpus.GPU) -> StepTime:
     breakdown[k.part] += k.seconds * k.runs
   breakdown['launch'] = model.launches * gpus.KERNEL_LAUNCH_S
   breakdown['communication'] = max(0.0, seconds - sum(breakdown.values()))
-  return StepTime(seconds, breakdown, kernels, model.communication_s, model.launches)
+  unknown = sum(1 for lines in computations.values() for line in lines
+                if (inst := hlo.instruction(line)) and inst.opcode == 'while'
+                and 'known_trip_count' not in line)
+  return StepTime(seconds, breakdown, kernels, model.communication_s, model.launches, unknown)
 
 
 def attention_efficiency(kernel: str, backward: bool, head_dim: int, keys: int) -> float:

@@ -137,8 +137,13 @@ def test_a_loop_body_counts_once_per_trip():
                extra=body)
   predicted = timing.predict(hlo, H100)
   add, = predicted.kernels
-  assert add.runs == 6
+  assert add.runs == 6 and predicted.loops_charged_once == 0
   assert predicted.seconds == pytest.approx(6 * (3 * 2 * MiB / HBM + LAUNCH), rel=1e-12)
+  # A loop whose trip count depends on the data (XLA states none): one run charged, and said so
+  # (benchmarks/peers.py marks such a program not comparable).
+  unknown = timing.predict(hlo.replace(', backend_config={"known_trip_count":{"n":"6"}}', ''),
+                           H100)
+  assert unknown.kernels[0].runs == 1 and unknown.loops_charged_once == 1
 
 
 GATHER = ('%ag = (bf16[512,4096]{{1,0}}, bf16[4096,4096]{{1,0}}) all-gather-start(%s), channel_id=1, '
