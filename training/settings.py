@@ -14,7 +14,8 @@ its typed form, which checks itself (model.ModelConfig, sharding.MeshConfig, …
 judges what crosses sections. It joins the job's other processes (runtime/distributed.py), finds
 the run's Target (planning/target.py: the devices its programs are compiled for), and lays the
 run out: `config.model.attention='auto'` becomes a kernel, and `config.mesh.auto` runs the layout
-search (training/layout.py). Every bad setting is a ValueError naming `config.<field>` and the
+search (training/layout.py); `config.model.grad_reduce_dtype='auto'` becomes a dtype
+(`with_reduce_dtype`). Every bad setting is a ValueError naming `config.<field>` and the
 fix. What depends on the devices' shapes (the mesh against the model's dimensions, cuDNN on a
 GPU, pinned host memory) is `training.state.build`'s, which raises `sharding.MeshMismatch` for a
 mesh the model or batch cannot use; files (data, checkpoints, the workdir) are checked where they
@@ -98,6 +99,7 @@ def resolve(config, devices=None, log=None) -> Run:
   distributed.initialize(run.distributed)  # before anything touches a device
   devices = jax.devices() if devices is None else list(devices)
   run = run.replace(target=target_lib.resolve(run.plan, run.dry_run, devices))
+  run = with_reduce_dtype(run)
   if run.partition.hierarchical and not run.mesh.auto:  # the search checks its meshes
     hierarchical.check_nodes(run.partition, sharding.mesh_shape(run.mesh.sizes,
                                                                 run.target.n_devices),
@@ -107,6 +109,17 @@ def resolve(config, devices=None, log=None) -> Run:
   if log is None:
     log = print if jax.process_index() == 0 else lambda *_: None
   return layout.choose(run, log)[0]  # the mesh shape the time model ranks first
+
+
+def with_reduce_dtype(run: Run) -> Run:
+  """`config.model.grad_reduce_dtype='auto'` made concrete: the compute dtype, as MaxText's
+  gradients are (docs/precision.md); float32 where the job's processes sum gradients on CPUs,
+  whose collectives across processes (Gloo) time out on bf16 reduce-scatters."""
+  if run.model.grad_reduce_dtype != 'auto':
+    return run
+  across_cpus = jax.process_count() > 1 and not run.target.on_gpu
+  return run.replace(model={'grad_reduce_dtype': 'float32' if across_cpus
+                            else run.model.compute_dtype})
 
 
 def filled(values: dict) -> dict:
