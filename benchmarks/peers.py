@@ -184,7 +184,7 @@ def figures(memory: dict, hlo: str, preset: Preset, flops: float) -> dict:
           'gemm_s': parts['gemm'], 'attention_s': parts['attention'],
           'fusion_s': parts['fusion'], 'rest_s': parts['other'] + parts['launch'],
           'exposed_communication_s': parts['communication'], 'gemm_flops': step.gemm_flops,
-          'loops_charged_once': step.loops_charged_once,
+          'loops_of_unknown_trips': step.loops_charged_once,
           'collectives': {op: {'bytes': s['bytes'], 'by_dtype': s['by_dtype']}
                           for op, s in sent.items()}}
 
@@ -240,8 +240,8 @@ def main(argv):
     memory = rows['meshlm']['total_bytes'] / rows['MaxText']['total_bytes']
     print(f'{"":<14}meshlm ÷ MaxText: step {ratio:.3f}, memory {memory:.3f}')
     for system, r in rows.items():
-      if r['loops_charged_once']:
-        print(f'{"":<14}{system}: {r["loops_charged_once"]} loop(s) whose trip count depends '
+      if r['loops_of_unknown_trips']:
+        print(f'{"":<14}{system}: {r["loops_of_unknown_trips"]} loop(s) whose trip count depends '
               'on the data, each charged once: its step is undercounted, not comparable')
     results.append({'preset': name, 'gpus': preset.gpus, 'mesh': ours['mesh'],
                     'batch_size': ours['batch_size'], 'seq_len': ours['seq_len'],

@@ -112,14 +112,14 @@ def resolve(config, devices=None, log=None) -> Run:
 
 
 def with_reduce_dtype(run: Run) -> Run:
-  """`config.model.grad_reduce_dtype='auto'` made concrete: the compute dtype, as MaxText's
-  gradients are (docs/precision.md); float32 where the job's processes sum gradients on CPUs,
-  whose collectives across processes (Gloo) time out on bf16 reduce-scatters."""
+  """`config.model.grad_reduce_dtype='auto'` made concrete: where the programs compile for GPUs,
+  the compute dtype, as MaxText's gradients are (docs/precision.md); on CPUs float32: XLA's CPU
+  collectives sum bf16 in fp32 anyway, so a bf16 reduction there only rounds and converts, and
+  across processes (Gloo) its bf16 reduce-scatters time out."""
   if run.model.grad_reduce_dtype != 'auto':
     return run
-  across_cpus = jax.process_count() > 1 and not run.target.on_gpu
-  return run.replace(model={'grad_reduce_dtype': 'float32' if across_cpus
-                            else run.model.compute_dtype})
+  return run.replace(model={'grad_reduce_dtype': run.model.compute_dtype if run.target.on_gpu
+                            else 'float32'})
 
 
 def filled(values: dict) -> dict:
