@@ -84,9 +84,10 @@ def main(argv):
   gpu = gpus.get(_TARGET.value)
   replica = _REPLICA_GPUS.value or gpu.gpus_per_node
   m = _CONFIG.value.model
+  reduced = ModelConfig.from_config(m).reduce_dtype.name  # 'auto' on these GPUs: the compute's
   print(f'{_TARGET.value} (deviceless), nodes of {gpu.gpus_per_node}, data replicas of {replica} '
         f'GPUs; d_model {m.d_model}, {m.n_layers} layers, remat {m.remat_policy}, gradients '
-        f'reduced in {ModelConfig.from_config(m).reduce_dtype.name}; per device per step, GiB; step and MFU predicted by '
+        f'reduced in {reduced}; per device per step, GiB; step and MFU predicted by '
         'the time model')
   print(f'{"GPUs":>5}  {"scheme":<15}{"GiB":>7}{"fits":>6}{"sent":>9}{"across":>9}{"ideal":>9}'
         f'{"÷ flat":>8}{"step s":>8}{"MFU":>7}{"comm s":>8}')

@@ -1,5 +1,5 @@
-"""meshlm beside MaxText on the same work and the same compiler: each preset's train step compiled by
-both systems for the same compile-only H100s by the same XLA (this environment's jaxlib), and both
+"""meshlm beside MaxText on the same work and the same compiler: each preset's train step compiled
+by both systems for the same compile-only H100s by the same XLA (this environment's jaxlib), and both
 optimized programs read by meshlm's time model (planning/timing.py). Every time below is that
 model's prediction, never a measurement; memory is each compiler's own plan.
 
@@ -226,9 +226,10 @@ def main(argv):
     rows = {'meshlm': figures(ours, our_hlo, preset, flops),
             'MaxText': figures(theirs, their_hlo, preset, flops)}
     if _PROGRAMS.value:
+      kept = pathlib.Path(_PROGRAMS.value)
+      kept.mkdir(parents=True, exist_ok=True)
       for system, hlo in (('meshlm', our_hlo), ('maxtext', their_hlo)):
-        pathlib.Path(_PROGRAMS.value).mkdir(parents=True, exist_ok=True)
-        with gzip.open(pathlib.Path(_PROGRAMS.value) / f'{name}-{system}.hlo.txt.gz', 'wt') as f:
+        with gzip.open(kept / f'{name}-{system}.hlo.txt.gz', 'wt') as f:
           f.write(hlo)
     for system, r in rows.items():
       print(f'{name:<14}{system:<9}{r["total_bytes"] / 2**30:>7.2f}{r["step_s"]:>8.3f}'

@@ -235,8 +235,9 @@ class ModelConfig:
 
   @property
   def reduce_dtype(self):
-    """What gradients are summed across devices in: grad_reduce_dtype, 'auto' the compute dtype
-    (docs/precision.md)."""
+    """What gradients are summed across devices in: grad_reduce_dtype. A resolved run's is a
+    dtype (training/settings.py: with_reduce_dtype decides 'auto'); an unresolved 'auto' is
+    taken as the compute dtype, its value on GPUs (docs/precision.md)."""
     return jnp.dtype(self.compute_dtype if self.grad_reduce_dtype == 'auto'
                      else self.grad_reduce_dtype)
 
