@@ -11,8 +11,11 @@ top-1 guess: what accuracy counts); weights and the z-loss are the caller's, in 
 of fp32 logits, and as much again for their gradient) become 4,096 × 128,256 (2 GiB) at the
 default chunk.
 
-The backward recomputes each chunk's logits from x and W (one head matmul more than a backward
-that kept them) and forms dlogits = (g_nll + g_logz)·softmax − g_nll·onehot(target) in fp32, cast
+The backward of token_losses recomputes each chunk's logits from x and W (one head matmul more
+than a backward that kept them). A loss that sums weighted tokens needs no backward of its own:
+weighted_sums_and_grads makes its gradient in the forward's pass over the chunks, from the
+logits the loss was computed from (the train step's loss, model/head.py: loss_sums). Either forms
+dlogits = (g_nll + g_logz)·softmax − g_nll·onehot(target) in fp32, cast
 to the compute dtype for dx = dlogits·Wᵀ (summed over the vocabulary's shards) and dW += xᵀ·dlogits
 (fp32 across chunks). dW then leaves summed over the token axes and split as the weight is
 (`scatter_axes`: a reduce-scatter into its FSDP shards, `sum_axes`: the rest), in the weight's
@@ -52,21 +55,51 @@ def _over_vocab(reduce, x, vocab_axis):
   return reduce(x, vocab_axis) if vocab_axis else x
 
 
+def _chunk_losses(x_CD, w_c, targets_C, spec, vocab_axis):
+  """A chunk's fp32 logits [C, V/shards], and per token its log Z, largest logit and target's
+  logit (the vocabulary's shards combined)."""
+  logits_CV = jnp.einsum(spec, x_CD, w_c, preferred_element_type=jnp.float32)
+  max_C = _over_vocab(jax.lax.pmax, logits_CV.max(axis=-1), vocab_axis)
+  sum_C = _over_vocab(jax.lax.psum, jnp.exp(logits_CV - max_C[:, None]).sum(axis=-1), vocab_axis)
+  local_C, here_C = _local_targets(targets_C, w_c, spec, vocab_axis)
+  index_C1 = jnp.clip(local_C, 0, logits_CV.shape[1] - 1)[:, None]
+  picked_C = jnp.take_along_axis(logits_CV, index_C1, axis=-1)[:, 0]
+  target_logit_C = _over_vocab(jax.lax.psum, jnp.where(here_C, picked_C, 0.0), vocab_axis)
+  return logits_CV, max_C + jnp.log(sum_C), max_C, target_logit_C
+
+
+def _chunk_grads(x_CD, w_c, logits_CV, logz_C, targets_C, g_nll_C, g_logz_C, spec, vocab_axis):
+  """A chunk's dx (summed over the vocabulary's shards) and its fp32 term of dW, for the
+  cotangents g_nll_C, g_logz_C: dlogits = (g_nll + g_logz)·softmax − g_nll·onehot(target)."""
+  w_spec = spec.split('->')[0].split(',')[1]
+  probs_CV = jnp.exp(logits_CV - logz_C[:, None])
+  local_C, here_C = _local_targets(targets_C, w_c, spec, vocab_axis)
+  onehot_CV = (jnp.arange(logits_CV.shape[1]) == local_C[:, None]) & here_C[:, None]
+  d_logits_CV = ((g_nll_C + g_logz_C)[:, None] * probs_CV
+                 - jnp.where(onehot_CV, g_nll_C[:, None], 0.0)).astype(x_CD.dtype)
+  dx_CD = jnp.einsum(f'cv,{w_spec}->cd', d_logits_CV, w_c, preferred_element_type=x_CD.dtype)
+  dw_f32 = jnp.einsum(f'cd,cv->{w_spec}', x_CD, d_logits_CV, preferred_element_type=jnp.float32)
+  return _over_vocab(jax.lax.psum, dx_CD, vocab_axis), dw_f32
+
+
+def _weight_gradient(dw_f32, spec, w_dtype, scatter_axes, sum_axes):
+  """dW in `w_dtype`, reduce-scattered over `scatter_axes` along W's model dimension and summed
+  over `sum_axes`."""
+  dw = dw_f32.astype(w_dtype)
+  if scatter_axes:
+    dw = jax.lax.psum_scatter(dw, scatter_axes, scatter_dimension=_dims(spec)[1], tiled=True)
+  if sum_axes:
+    dw = jax.lax.psum(dw, sum_axes)
+  return dw
+
+
 def token_losses(x_TD, w_c, targets_T, *, spec: str, chunk: int, vocab_axis: str | None = None):
   """(−log p(target), log Z, max logit − target's logit), fp32 [T] each, of tokens x_TD under the
   head w_c (the compute dtype; this device's vocabulary shard along `vocab_axis`, if split),
   `chunk` tokens at a time."""
   def one_chunk(_, xs):
     x_CD, targets_C = xs
-    logits_CV = jnp.einsum(spec, x_CD, w_c, preferred_element_type=jnp.float32)
-    max_C = _over_vocab(jax.lax.pmax, logits_CV.max(axis=-1), vocab_axis)
-    sum_C = _over_vocab(jax.lax.psum, jnp.exp(logits_CV - max_C[:, None]).sum(axis=-1),
-                        vocab_axis)
-    logz_C = max_C + jnp.log(sum_C)
-    local_C, here_C = _local_targets(targets_C, w_c, spec, vocab_axis)
-    index_C1 = jnp.clip(local_C, 0, logits_CV.shape[1] - 1)[:, None]
-    picked_C = jnp.take_along_axis(logits_CV, index_C1, axis=-1)[:, 0]
-    target_logit_C = _over_vocab(jax.lax.psum, jnp.where(here_C, picked_C, 0.0), vocab_axis)
+    _, logz_C, max_C, target_logit_C = _chunk_losses(x_CD, w_c, targets_C, spec, vocab_axis)
     return None, (logz_C - target_logit_C, logz_C, max_C - target_logit_C)
 
   T = x_TD.shape[0]
@@ -80,33 +113,47 @@ def token_losses_grads(x_TD, w_c, targets_T, logz_T, g_nll_T, g_logz_T, *, spec:
   """(dx_TD, dW) of token_losses for the cotangents g_nll_T, g_logz_T: dx in x's dtype, dW in
   `w_dtype`, summed over `sum_axes` and reduce-scattered over `scatter_axes` along W's model
   dimension (module docstring)."""
-  model_dim = _dims(spec)[1]
-  w_spec = spec.split('->')[0].split(',')[1]
-  dx_spec, dw_spec = f'cv,{w_spec}->cd', f'cd,cv->{w_spec}'
-
   def one_chunk(dw_f32, xs):
     x_CD, targets_C, logz_C, g_nll_C, g_logz_C = xs
     logits_CV = jnp.einsum(spec, x_CD, w_c, preferred_element_type=jnp.float32)
-    probs_CV = jnp.exp(logits_CV - logz_C[:, None])
-    local_C, here_C = _local_targets(targets_C, w_c, spec, vocab_axis)
-    onehot_CV = (jnp.arange(logits_CV.shape[1]) == local_C[:, None]) & here_C[:, None]
-    d_logits_CV = ((g_nll_C + g_logz_C)[:, None] * probs_CV
-                   - jnp.where(onehot_CV, g_nll_C[:, None], 0.0)).astype(x_CD.dtype)
-    dx_CD = jnp.einsum(dx_spec, d_logits_CV, w_c, preferred_element_type=x_CD.dtype)
-    dw_f32 = dw_f32 + jnp.einsum(dw_spec, x_CD, d_logits_CV, preferred_element_type=jnp.float32)
-    return dw_f32, _over_vocab(jax.lax.psum, dx_CD, vocab_axis)
+    dx_CD, dw_C = _chunk_grads(x_CD, w_c, logits_CV, logz_C, targets_C, g_nll_C, g_logz_C, spec,
+                               vocab_axis)
+    return dw_f32 + dw_C, dx_CD
 
   T = x_TD.shape[0]
   # Zeros like W vary over a manual region's axes (a pipeline stage's) as W does, and so as the
   # chunks' terms do (the stages pass W in as their own, model/transformer.py).
   dw_f32, dx_nCD = jax.lax.scan(one_chunk, jnp.zeros_like(w_c, jnp.float32),
                                 _in_chunks(chunk, x_TD, targets_T, logz_T, g_nll_T, g_logz_T))
-  dw = dw_f32.astype(w_dtype)
-  if scatter_axes:
-    dw = jax.lax.psum_scatter(dw, scatter_axes, scatter_dimension=model_dim, tiled=True)
-  if sum_axes:
-    dw = jax.lax.psum(dw, sum_axes)
-  return dx_nCD.reshape(-1, x_TD.shape[1])[:T], dw
+  return (dx_nCD.reshape(-1, x_TD.shape[1])[:T],
+          _weight_gradient(dw_f32, spec, w_dtype, scatter_axes, sum_axes))
+
+
+def weighted_sums_and_grads(x_TD, w_c, targets_T, weights_T, *, z_loss: float, spec: str,
+                            chunk: int, w_dtype, vocab_axis: str | None = None,
+                            scatter_axes: tuple = (), sum_axes: tuple = ()):
+  """A loss that sums weighted tokens, with its gradient made in the same pass over the chunks:
+  ((Σ w·nll, Σ w·log Z²) over these tokens in fp32, dx_TD, dW) for the loss Σ w·(nll + z_loss·
+  log Z²), dx and dW as token_losses_grads leaves them. Each chunk's logits serve the loss and
+  its gradient at once, so no head matmul is computed twice (token_losses then
+  token_losses_grads compute the logits twice), and nothing of the chunk outlives it."""
+  def one_chunk(carry, xs):
+    dw_f32, nats, log_z2 = carry
+    x_CD, targets_C, weights_C = xs
+    logits_CV, logz_C, _, target_logit_C = _chunk_losses(x_CD, w_c, targets_C, spec, vocab_axis)
+    dx_CD, dw_C = _chunk_grads(x_CD, w_c, logits_CV, logz_C, targets_C, weights_C,
+                               2 * z_loss * weights_C * logz_C, spec, vocab_axis)
+    sums = (nats + (weights_C * (logz_C - target_logit_C)).sum(),
+            log_z2 + (weights_C * jnp.square(logz_C)).sum())
+    return (dw_f32 + dw_C, *sums), dx_CD
+
+  T = x_TD.shape[0]
+  zero = jnp.zeros((), jnp.float32)
+  (dw_f32, nats, log_z2), dx_nCD = jax.lax.scan(
+      one_chunk, (jnp.zeros_like(w_c, jnp.float32), zero, zero),
+      _in_chunks(chunk, x_TD, targets_T, weights_T.astype(jnp.float32)))
+  return ((nats, log_z2), dx_nCD.reshape(-1, x_TD.shape[1])[:T],
+          _weight_gradient(dw_f32, spec, w_dtype, scatter_axes, sum_axes))
 
 
 def plain_token_losses(logits_TV, targets_T, gap: bool = False):

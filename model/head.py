@@ -4,6 +4,11 @@ logits are never whole; 0 computes them whole (the plain path).
 
   x[B_(data,fsdp), L_sequence, D] · W[D_(fsdp,sequence), V_tensor] → nll, log Z [B, L] in fp32
 
+The train step takes its loss from `loss_sums`: the weighted sums over the tokens, whose gradient
+the chunked path makes in the same pass over the chunks as the loss (no logits computed twice);
+`token_losses` gives the per-token figures (evaluation, the draft heads), its backward recomputing
+the logits.
+
 The weight arrives twice, as kernels/matmul.py takes it: `w` as the parameter (its gradient is
 returned in its dtype and sharding, reduce-scattered by the backward itself) and `w_c` gathered
 in the compute dtype (used, and kept for the backward).
@@ -33,6 +38,58 @@ def token_losses(x_BLD, w, w_c, targets_BL, *, tied: bool, chunk: int, gap: bool
   rules = tuple(flax.core.spmd.get_logical_axis_rules())
   losses = _chunked(cross_entropy.SPECS[tied], chunk, rules, x_BLD, w, w_c, targets_BL)
   return losses if gap else losses[:2]
+
+
+def loss_sums(x_BLD, w, w_c, targets_BL, weights_BL, *, tied: bool, chunk: int, z_loss: float):
+  """(Σ w·(nll + z_loss·log Z²), Σ w·nll, Σ w·log Z²) over the tokens, fp32 scalars: the first is
+  the loss the gradient is taken of, the other two (no gradient) its parts for the metrics.
+  Chunked, the gradient is made in the forward's pass over the chunks and the backward only
+  scales it (kernels/cross_entropy.py: weighted_sums_and_grads); 0 differentiates the plain path."""
+  if chunk == 0:
+    nll_BL, logz_BL = token_losses(x_BLD, w, w_c, targets_BL, tied=tied, chunk=0)
+    nats, log_z2 = (nll_BL * weights_BL).sum(), (jnp.square(logz_BL) * weights_BL).sum()
+    return nats + z_loss * log_z2, jax.lax.stop_gradient(nats), jax.lax.stop_gradient(log_z2)
+  loss, nats, log_z2 = _summed(cross_entropy.SPECS[tied], chunk, z_loss, x_BLD, w, w_c,
+                               targets_BL, weights_BL)
+  return loss, jax.lax.stop_gradient(nats), jax.lax.stop_gradient(log_z2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _summed(spec, chunk, z_loss, x_BLD, w, w_c, targets_BL, weights_BL):
+  return _summed_fwd(spec, chunk, z_loss, x_BLD, w, w_c, targets_BL, weights_BL)[0]
+
+
+def _summed_fwd(spec, chunk, z_loss, x_BLD, w, w_c, targets_BL, weights_BL):
+  tokens, scatter, summed = sharding.token_gradient_axes('the head weight')
+
+  def local(x_BLD, w_c, targets_BL, weights_BL):
+    B, L, D = x_BLD.shape
+    (nats, log_z2), dx_TD, dw = cross_entropy.weighted_sums_and_grads(
+        x_BLD.reshape(B * L, D), w_c, targets_BL.reshape(-1), weights_BL.reshape(-1),
+        z_loss=z_loss, spec=spec, chunk=chunk, w_dtype=w.dtype,
+        vocab_axis=sharding.mesh_axis('vocab'), scatter_axes=scatter, sum_axes=summed)
+    sums = jnp.stack([nats, log_z2])
+    return jax.lax.psum(sums, tokens) if tokens else sums, dx_TD.reshape(B, L, D), dw
+
+  x_names = TOKENS + ('embed',)
+  sums, dx_BLD, dw = sharding.per_shard(
+      local, (x_names, _names(spec), TOKENS, TOKENS),
+      [(), x_names, sharding.Params(_names(spec))])(x_BLD, w_c, targets_BL, weights_BL)
+  nats, log_z2 = sums[0], sums[1]
+  gradients = sharding.varying_like(dx_BLD, x_BLD), sharding.varying_like(dw, w)
+  return (nats + z_loss * log_z2, nats, log_z2), gradients
+
+
+def _summed_bwd(spec, chunk, z_loss, gradients, cotangents):
+  """The forward's gradients, scaled by the loss's cotangent (the others' are the metrics',
+  stopped by loss_sums)."""
+  g = cotangents[0]
+  scaled = lambda a: (g * a.astype(jnp.float32)).astype(a.dtype)
+  dx_BLD, dw = gradients
+  return scaled(dx_BLD), scaled(dw), None, None, None
+
+
+_summed.defvjp(_summed_fwd, _summed_bwd)
 
 
 def _names(spec: str) -> tuple:

@@ -93,6 +93,13 @@ class Output:
       return constrain(nll_BL, ('batch', 'length')), constrain(logz_BL, ('batch', 'length'))
     return nll_BL, logz_BL
 
+  def loss_sums(self, targets_BL, weights_BL, z_loss: float):
+    """(Σ w·(nll + z_loss·log Z²), Σ w·nll, Σ w·log Z²) over the weighted tokens, fp32: final
+    norm, head and loss as one operation, whose gradient the chunked head makes in the same pass
+    (model/head.py: loss_sums). The first is the loss; the other two its parts, for metrics."""
+    return self.model._loss_sums(self.x_BLD, *self.tables, targets_BL, weights_BL, z_loss,
+                                 self.stage_axis)
+
   def draft_losses(self, targets_BL):
     """The draft heads' (nll, gap) [K, B, L] (draft.Heads.losses), through the base's embedding
     and head, neither of which their gradients reach."""
@@ -228,6 +235,14 @@ class Transformer(nnx.Module):
     return head.token_losses(self.final_norm(x_BLD),
                              *self._head_weight(table_VD, table_c_VD, stage_axis), targets_BL,
                              tied=self.cfg.tie_embeddings, chunk=self.cfg.head_chunk)
+
+  def _loss_sums(self, x_BLD, table_VD, table_c_VD, targets_BL, weights_BL, z_loss: float,
+                 stage_axis=None):
+    """Final norm, then the head and the loss's sums as one operation (model/head.py)."""
+    return head.loss_sums(self.final_norm(x_BLD),
+                          *self._head_weight(table_VD, table_c_VD, stage_axis), targets_BL,
+                          weights_BL, tied=self.cfg.tie_embeddings, chunk=self.cfg.head_chunk,
+                          z_loss=z_loss)
 
   def _head(self, x_BLD, table_VD, table_c_VD, normed: bool = False):
     """Final norm (unless `normed`: a draft head's own norm came first) and output projection:

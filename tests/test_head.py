@@ -30,14 +30,19 @@ def inputs(tied: bool, B=3, L=10):
   return x_BLD, w, targets_BL, weights_BL
 
 
-def loss(chunk: int, tied: bool, rules=()):
-  """The weighted loss and z-loss from the head's per-token losses; `rules` active in the
-  forward only, as training.step has them (the backward is traced after it returns)."""
+def loss(chunk: int, tied: bool, rules=(), summed=False):
+  """The weighted loss and z-loss from the head's per-token losses, or with `summed` from its
+  sums (head.loss_sums, the train step's: the gradient made in the forward); `rules` active in
+  the forward only, as training.step has them (the backward is traced after it returns)."""
   def total(x_BLD, w, targets_BL, weights_BL):
+    total = jnp.maximum(weights_BL.sum(), 1.0)  # as training/step.py weighs them
     with nnx.logical_axis_rules(rules):
+      if summed:
+        value, nats, log_z2 = head.loss_sums(x_BLD, w, w.astype(x_BLD.dtype), targets_BL,
+                                             weights_BL, tied=tied, chunk=chunk, z_loss=1e-2)
+        return value / total, (nats / total, 1e-2 * log_z2 / total)
       nll_BL, logz_BL = head.token_losses(x_BLD, w, w.astype(x_BLD.dtype), targets_BL,
                                           tied=tied, chunk=chunk)
-    total = jnp.maximum(weights_BL.sum(), 1.0)  # as training/step.py weighs them
     ce = (nll_BL * weights_BL).sum() / total
     zl = 1e-2 * (jnp.square(logz_BL) * weights_BL).sum() / total
     return ce + zl, (ce, zl)
@@ -46,25 +51,30 @@ def loss(chunk: int, tied: bool, rules=()):
 
 @pytest.mark.parametrize('tied', [False, True])
 def test_losses_and_gradients_equal_the_plain_paths(tied):
+  """Per-token losses chunked (their backward recomputing the logits), and the loss's sums
+  chunked (their gradient made in the forward) or plain: the plain path's loss and gradients."""
   x_BLD, w, targets_BL, weights_BL = inputs(tied)
-  grads = {chunk: jax.value_and_grad(loss(chunk, tied), argnums=(0, 1), has_aux=True)(
-      x_BLD, w, targets_BL, weights_BL) for chunk in (0, 7, 64)}
-  (plain_loss, (plain_ce, plain_zl)), plain_grads = grads[0]
+  grads = {(chunk, summed): jax.value_and_grad(loss(chunk, tied, summed=summed), argnums=(0, 1),
+                                               has_aux=True)(x_BLD, w, targets_BL, weights_BL)
+           for chunk in (0, 7, 64) for summed in (False, True)}
+  (plain_loss, (plain_ce, plain_zl)), plain_grads = grads[0, False]
   assert plain_zl > 0
-  for chunk in (7, 64):  # a ragged last chunk, and one chunk larger than the tokens
-    (value, (ce, zl)), (dx, dw) = grads[chunk]
+  for key in [(0, True), (7, False), (64, False), (7, True), (64, True)]:  # ragged last chunk
+    (value, (ce, zl)), (dx, dw) = grads[key]  # and one chunk larger than the tokens
     np.testing.assert_allclose([value, ce, zl], [plain_loss, plain_ce, plain_zl], rtol=1e-5)
     np.testing.assert_allclose(dx, plain_grads[0], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(dw, plain_grads[1], rtol=1e-5, atol=1e-7)
 
 
-def test_sharded_over_tokens_and_vocabulary_equals_one_device():
+@pytest.mark.parametrize('summed', [False, True])
+def test_sharded_over_tokens_and_vocabulary_equals_one_device(summed):
   """Tokens over data × fsdp and sequence, the vocabulary over tensor: the same losses and
-  gradients, the weight's gradient landing in the parameter's own sharding."""
+  gradients, the weight's gradient landing in the parameter's own sharding; per-token losses,
+  and the sums whose gradient the forward makes."""
   x_BLD, w, targets_BL, weights_BL = inputs(tied=False, B=2, L=14)  # 7 tokens a device
   expected = jax.value_and_grad(loss(5, tied=False), argnums=(0, 1), has_aux=True)(
       x_BLD, w, targets_BL, weights_BL)
-  f = jax.value_and_grad(loss(5, False, sharding.ACTIVATION_RULES), argnums=(0, 1),
+  f = jax.value_and_grad(loss(5, False, sharding.ACTIVATION_RULES, summed=summed), argnums=(0, 1),
                          has_aux=True)
   mesh = sharding.make_mesh(tiny_config(fsdp=2, sequence=2, tensor=2).mesh)
   with jax.set_mesh(mesh):

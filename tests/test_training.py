@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.cross_entropy import plain_token_losses
+from model import head
 from tests.conftest import FAST_COMPILE, tiny_config
 from training import loop, optimizer
 from training import settings
@@ -22,19 +22,24 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_the_losses_sums_are_the_weighted_nll_and_log_z_squared():
-  """What the step divides by the batch's weight: the cross-entropy's and the z-loss's sums."""
+  """What the step divides by the batch's weight: the loss (the cross-entropy's and the
+  z-loss's sums) and its parts, from the head's logits, chunked (the last chunk ragged)."""
   from types import SimpleNamespace
-  logits = jax.random.normal(jax.random.key(0), (2, 3, 5))
+  x = jax.random.normal(jax.random.key(0), (2, 3, 4))
+  w = jax.random.normal(jax.random.key(1), (4, 5))
   targets = jnp.array([[0, 1, 2], [3, 4, 0]])
   weights = jnp.array([[1, 1, 0], [1, 0, 1]], jnp.float32)
-  out = SimpleNamespace(token_losses=lambda t: plain_token_losses(logits, t),
-                        model=SimpleNamespace(cfg=SimpleNamespace(draft_heads=0)))
-  sums = loss_sums(out, {'targets': targets, 'weights': weights})
+  out = SimpleNamespace(
+      loss_sums=lambda t, wt, z: head.loss_sums(x, w, w, t, wt, tied=False, chunk=4, z_loss=z),
+      model=SimpleNamespace(cfg=SimpleNamespace(draft_heads=0)))
+  sums = loss_sums(out, {'targets': targets, 'weights': weights}, z_loss=0.5)
+  logits = np.einsum('bld,dv->blv', x, w)
   logp = jax.nn.log_softmax(logits)
   nll = -np.take_along_axis(np.asarray(logp), np.asarray(targets)[..., None], -1)[..., 0]
   np.testing.assert_allclose(sums['nats'], (nll * weights).sum(), rtol=1e-6)
   logz = jax.nn.logsumexp(logits, -1)
   np.testing.assert_allclose(sums['log_z2'], (logz ** 2 * weights).sum(), rtol=1e-6)
+  np.testing.assert_allclose(sums['loss'], sums['nats'] + 0.5 * sums['log_z2'], rtol=1e-6)
 
 
 def test_weight_decay_skips_norm_scales_only():

@@ -4,6 +4,8 @@ the loss (computed here from the model's output), its gradients (microbatches ac
 data replicas run apart), the update, and the guard against non-finite steps. What a feature
 adds enters by the small named parts below it. training/programs.py compiles the steps ahead."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -29,13 +31,15 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
     with nnx.logical_axis_rules(sharding.activation_rules()):  # activations pinned while traced
       model = nnx.merge(graphdef, params, frozen)
       sums, stats = model(batch['inputs'], batch['positions'], batch.get('segment_ids'),
-                          microbatches if scanned == 1 else 1, then=loss_sums, rows=batch)
+                          microbatches if scanned == 1 else 1,
+                          then=functools.partial(loss_sums, z_loss=z_loss), rows=batch)
     ce = sums['nats'] / total  # next-token cross-entropy, per weighted token
     zl = z_loss * sums['log_z2'] / total  # keeps the softmax normaliser near 1
     aux = share * moe.aux_loss(stats, cfg)  # the routers' balancing losses (0: dense)
     drafted = sums.get('draft', {})  # the draft heads' sums: their loss reaches only them
     heads = drafted['nats'].sum() / total if drafted else 0.0
-    return ce + zl + aux + heads, (ce, zl, jax.tree.map(lambda a: a * share, stats), drafted)
+    loss = sums['loss'] / total + aux + heads  # sums['loss']: ce's and zl's, with the gradient
+    return loss, (ce, zl, jax.tree.map(lambda a: a * share, stats), drafted)
 
   def gradients(params, frozen, batch, total=None):
     """((loss, parts), gradients) of the batch, accumulated over `scanned` microbatches by a
@@ -86,13 +90,13 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   return train_step
 
 
-def loss_sums(out, rows) -> dict:
-  """The loss's sums over a batch's weighted tokens, in fp32, from the model's Output: nats
-  (−log p(target)) and log Z², with the draft heads' (draft_sums) if the model has them. Sums:
-  microbatches, pipeline stages and data replicas add theirs."""
-  nll_BL, logz_BL = out.token_losses(rows['targets'])
-  weights_BL = rows['weights']
-  sums = {'nats': (nll_BL * weights_BL).sum(), 'log_z2': (jnp.square(logz_BL) * weights_BL).sum()}
+def loss_sums(out, rows, z_loss: float) -> dict:
+  """The loss's sums over a batch's weighted tokens, in fp32, from the model's Output: the loss
+  nats + z_loss · log Z² (the one differentiated: the head makes its gradient with it), and its
+  parts nats (−log p(target)) and log Z², with the draft heads' (draft_sums) if the model has
+  them. Sums: microbatches, pipeline stages and data replicas add theirs."""
+  loss, nats, log_z2 = out.loss_sums(rows['targets'], rows['weights'], z_loss)
+  sums = {'loss': loss, 'nats': nats, 'log_z2': log_z2}
   if out.model.cfg.draft_heads:
     sums['draft'] = draft_sums(out.draft_losses(rows['targets']), rows)
   return sums
