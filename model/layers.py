@@ -173,10 +173,14 @@ def rotary(x_BLNH, positions_BL, inv_freq_h: np.ndarray):
   """Rotary position embedding (Llama's rotate-half layout), in fp32, at the frequencies of
   `rope_frequencies`."""
   angle_BLh = positions_BL[..., None].astype(jnp.float32) * inv_freq_h
-  sin_BL1h, cos_BL1h = jnp.sin(angle_BLh)[:, :, None], jnp.cos(angle_BLh)[:, :, None]
-  x1, x2 = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos_BL1h - x2 * sin_BL1h, x2 * cos_BL1h + x1 * sin_BL1h], axis=-1)
-  return out.astype(x_BLNH.dtype)
+  sin_BL11h, cos_BL11h = (f(angle_BLh)[:, :, None, None] for f in (jnp.sin, jnp.cos))
+  # The halves (x1, x2) as one [2, h] axis: x·cos + (−x2, x1)·sin in one element-wise pass, the
+  # same arithmetic as splitting and concatenating them, which XLA runs as two passes.
+  B, L, N, H = x_BLNH.shape
+  x_BLN2h = x_BLNH.astype(jnp.float32).reshape(B, L, N, 2, H // 2)
+  sign_21 = np.array([[-1.0], [1.0]], np.float32)
+  out = x_BLN2h * cos_BL11h + jnp.flip(x_BLN2h, axis=-2) * sign_21 * sin_BL11h
+  return out.reshape(B, L, N, H).astype(x_BLNH.dtype)
 
 
 class Attention(nnx.Module):
