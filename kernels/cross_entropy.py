@@ -55,12 +55,28 @@ def _over_vocab(reduce, x, vocab_axis):
   return reduce(x, vocab_axis) if vocab_axis else x
 
 
+def _max_and_sum_exp(logits_CV):
+  """Each row's largest logit m and Σ exp(logit − m), in one pass over the logits (a running
+  pair, rescaled as the maximum grows): a max and then a sum of exponentials read them twice."""
+  def combine(a, b):
+    (m_a, s_a), (m_b, s_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    return m, s_a * jnp.exp(m_a - m) + s_b * jnp.exp(m_b - m)
+  # The identity starts at the lowest finite float, not −inf: two untouched partial pairs
+  # combine to (lowest, 0), where −inf would give 0·exp(nan).
+  lowest = jnp.finfo(logits_CV.dtype).min
+  return jax.lax.reduce((logits_CV, jnp.ones_like(logits_CV)),
+                        (jnp.asarray(lowest, logits_CV.dtype), jnp.zeros((), logits_CV.dtype)),
+                        combine, (1,))
+
+
 def _chunk_losses(x_CD, w_c, targets_C, spec, vocab_axis):
   """A chunk's fp32 logits [C, V/shards], and per token its log Z, largest logit and target's
   logit (the vocabulary's shards combined)."""
   logits_CV = jnp.einsum(spec, x_CD, w_c, preferred_element_type=jnp.float32)
-  max_C = _over_vocab(jax.lax.pmax, logits_CV.max(axis=-1), vocab_axis)
-  sum_C = _over_vocab(jax.lax.psum, jnp.exp(logits_CV - max_C[:, None]).sum(axis=-1), vocab_axis)
+  shard_max_C, shard_sum_C = _max_and_sum_exp(logits_CV)
+  max_C = _over_vocab(jax.lax.pmax, shard_max_C, vocab_axis)
+  sum_C = _over_vocab(jax.lax.psum, shard_sum_C * jnp.exp(shard_max_C - max_C), vocab_axis)
   local_C, here_C = _local_targets(targets_C, w_c, spec, vocab_axis)
   index_C1 = jnp.clip(local_C, 0, logits_CV.shape[1] - 1)[:, None]
   picked_C = jnp.take_along_axis(logits_CV, index_C1, axis=-1)[:, 0]
