@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.param_dtype = 'float32'
   m.compute_dtype = 'bfloat16'
   m.grad_reduce_dtype = 'auto'  # gradients are summed across devices in this; auto: the compute
-                               # dtype on GPUs, float32 on CPUs (docs/precision.md)
+                               # dtype on several GPUs, float32 on one and on CPUs (docs/precision.md)
   m.matmul_precision = 'default'  # default | fp8: the layers' projections on scaled fp8 (docs/precision.md)
   m.attention = 'auto'  # auto | xla | cudnn | pallas (ours); auto: xla on CPU, on GPU the fused one
                        # the time model predicts fastest (training/settings.py: with_attention)

@@ -171,9 +171,10 @@ def test_a_reduction_dtype_that_would_round_the_forward_is_refused():
 
 
 def test_auto_reduction_is_the_compute_dtype_on_gpus_and_float32_on_cpus():
-  """settings.resolve makes grad_reduce_dtype='auto' a dtype the run saves: for GPUs (here the GPU
-  compiler's H100s) the compute dtype; on CPUs float32, whose collectives sum bf16 in fp32 anyway
-  (and across processes, Gloo's bf16 reduce-scatters time out: tests/test_distributed.py hung)."""
+  """settings.resolve makes grad_reduce_dtype='auto' a dtype the run saves: for several GPUs (here
+  the GPU compiler's H100s) the compute dtype; for one, where nothing crosses a device, float32;
+  on CPUs float32, whose collectives sum bf16 in fp32 anyway (and across processes, Gloo's bf16
+  reduce-scatters time out: tests/test_distributed.py hung)."""
   from training import settings
   c = tiny_config(fsdp=8)
   assert c.model.grad_reduce_dtype == 'auto'  # the default
@@ -183,5 +184,8 @@ def test_auto_reduction_is_the_compute_dtype_on_gpus_and_float32_on_cpus():
       'grad_reduce_dtype'] == 'float32'
   c.plan.target, c.plan.devices, c.dry_run = 'H100', 8, True
   assert settings.resolve(c).model.grad_reduce_dtype == 'bfloat16'
+  c.plan.devices, c.mesh.fsdp = 1, 1
+  assert settings.resolve(c).model.grad_reduce_dtype == 'float32'
+  c.plan.devices, c.mesh.fsdp = 8, 8
   c.model.compute_dtype = 'float32'
   assert settings.resolve(c).model.grad_reduce_dtype == 'float32'
