@@ -22,13 +22,13 @@ the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
   python train.py --config=configs/llama.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B
 Should reach: the loss falls as the default run's does (without init_from they train
 byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 tokenizer.json gives
-them their real vocabulary). Compiled for H100 (cudnn attention, gradients reduced in bf16), a
-step needs 8.9 GiB (125m, dots), 45.2 GiB (1b, dots) and 45.7 GiB a GPU (8b, dots over 4
+them their real vocabulary). Compiled for H100 (cudnn attention, gradients reduced in bf16 across
+GPUs), a step needs 8.7 GiB (125m, dots), 43.5 GiB (1b, dots) and 45.7 GiB a GPU (8b, dots over 4
 microbatches, FSDP over 8), within the 59.7 GiB JAX's allocator takes of each. The time model
-predicts (the dry run prints it) 75.8 ms, 545 ms and 2.97 s a step: MFU 35%, 50% and 57%
+predicts (the dry run prints it) 70.3 ms, 516 ms and 2.92 s a step: MFU 38%, 53% and 58%
 (jaxlib 0.11.2; docs/testing.md has what moved from 0.10.2; docs/memory.md, docs/time-model.md).
 On jaxlib 0.10.2 the 8b-128k (full) needed 25.4 GiB. The 70b, FSDP over 32 H100s (remat full),
-needs 54.1 GiB a GPU and is predicted at 12.7 s a step (MFU 29%), half of it waiting on the links
+needs 51.4 GiB a GPU and is predicted at 12.7 s a step (MFU 29%), half of it waiting on the links
 between nodes: docs/parallelism.md has it under each partition across nodes. MaxText's steps,
 compiled beside them by the same XLA: benchmarks/peers.py (docs/time-model.md).
 On GPU, compare the benchmark's measured MFU with those and with the peers' 33–50% (MaxText,
