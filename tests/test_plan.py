@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from planning import gpus, plan
+from planning import gpus
 from tests.conftest import tiny_config
 from training import dry_run, layout, loop, settings
 from training.programs import compile_and_plan
@@ -90,8 +90,7 @@ def test_offload_remat_policies_compile_and_move_activations_to_host():
 
 
 def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corpus):
-  from data import pipeline, tokenizers, tokens
-  import numpy as np
+  from data import pipeline, tokens
   import sharding
   results = []
   for offload in (False, True):

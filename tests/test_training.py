@@ -188,7 +188,7 @@ def test_unpacked_batches_train_like_packed_rows_of_one_document():
 
 
 def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpus):
-  from data import pipeline, tokenizers, tokens
+  from data import pipeline, tokens
   from training import programs
   import sharding
   results = []
