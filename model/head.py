@@ -48,9 +48,10 @@ def loss_sums(x_BLD, w, w_c, targets_BL, weights_BL, *, tied: bool, chunk: int, 
   if chunk == 0:
     nll_BL, logz_BL = token_losses(x_BLD, w, w_c, targets_BL, tied=tied, chunk=0)
     nats, log_z2 = (nll_BL * weights_BL).sum(), (jnp.square(logz_BL) * weights_BL).sum()
-    return nats + z_loss * log_z2, jax.lax.stop_gradient(nats), jax.lax.stop_gradient(log_z2)
-  loss, nats, log_z2 = _summed(cross_entropy.SPECS[tied], chunk, z_loss, x_BLD, w, w_c,
-                               targets_BL, weights_BL)
+    loss = nats + z_loss * log_z2
+  else:
+    loss, nats, log_z2 = _summed(cross_entropy.SPECS[tied], chunk, z_loss, x_BLD, w, w_c,
+                                 targets_BL, weights_BL)
   return loss, jax.lax.stop_gradient(nats), jax.lax.stop_gradient(log_z2)
 
 
