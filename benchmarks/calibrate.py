@@ -4,29 +4,42 @@ program that ran (planning/timing.py on its compiled HLO), as measured / predict
 
   python -m benchmarks.calibrate                        # every part: 5, ≤ 7 min each
   python -m benchmarks.calibrate --parts=gemm,copy      # some of them
+  python -m benchmarks.calibrate --check                # re-predict the banked programs (no GPU)
 
-Parts, each stopping once past --part_budget_s (6 min; the shapes left are listed as skipped), so
-each fits a borrowed GPU's 10-minute command and all five fit 35 minutes:
+Parts, in the order they run (what a GPU shows of a whole step first), each stopping once past
+--part_budget_s (6 min; the shapes left are listed as skipped), so each fits a borrowed GPU's
+10-minute command and all five fit 35 minutes:
+  steps      the train steps of --step_configs (125m, 1b): bf16 with pallas and cudnn, then fp8;
+             a part for each config (steps_125m, steps_1b)
+  attention  forward, and forward+backward, of pallas, cudnn and xla; head dims 64 and 128; keys
+             2k, 4k and 8k; causal; GQA 32/8 heads; --tokens a call
   gemm       bf16 and fp8 matmuls: squares 2k–8k and the presets' projection shapes
   copy       an element-wise pass over 64 MiB – 2 GiB (HBM bandwidth), and a chain of --chain small
              dependent matmuls (the launch gap between kernels)
-  attention  forward, and forward+backward, of pallas, cudnn and xla; head dims 64 and 128; keys
-             2k, 4k and 8k; causal; GQA 32/8 heads; --tokens a call
-  steps      the train steps of --step_configs (125m, 1b), bf16 and fp8, pallas and cudnn: a part
-             for each config (steps_125m, steps_1b)
 Time: a kernel program is called --iters times back to back and waited for once (the GPU never
 idles between calls), the median of three such rounds; a train step, the median of --step_iters
-steps each waited for, as benchmarks/train_step.py. Each part writes
---out_dir/calibrate_<part>-<device>.json (device, jax version, command, its rows and `refit`,
-the constants its measurements imply: docs/time-model.md says how to carry them into
-planning/gpus.py). Off a GPU (the CPU test runs tiny shapes) the model is gpus.NOMINAL's and the
+steps each waited for, as benchmarks/train_step.py. Each part writes,
+after every row (a machine taken away mid-part leaves the rows it finished):
+  --out_dir/calibrate_<part>-<device>.json            device, jax version, command, its rows and
+                                                      `refit`, the constants they imply
+                                                      (docs/time-model.md: into planning/gpus.py)
+  --out_dir/calibrate_<part>-<device>.programs.json.gz  each row's program as the GPU compiled it
+                                                      (optimized HLO) and the kernels the device ran
+                                                      in --profile_calls more calls (JAX's profiler)
+The bank makes the time model testable without a GPU: --check re-predicts its programs. Off a GPU (the CPU test runs tiny shapes) the model is gpus.NOMINAL's and the
 ratios mean nothing.
 """
 
+import collections
+import glob
+import gzip
 import importlib
 import json
+import os
 import statistics
+import tempfile
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +52,7 @@ from planning import flops, gpus, timing
 from runtime import cli
 from training import programs
 
-_PARTS = flags.DEFINE_list('parts', ['gemm', 'copy', 'attention', 'steps'], 'Parts to run.')
+_PARTS = flags.DEFINE_list('parts', ['steps', 'attention', 'gemm', 'copy'], 'Parts to run.')
 _GEMMS = flags.DEFINE_list('gemms', ['2048x2048x2048', '4096x4096x4096', '8192x8192x8192',
                                      '32768x2048x8192', '32768x8192x2048', '32768x4096x14336'],
                            'GEMMs m×k×n: squares, then 1b and 8b projections.')
@@ -57,6 +70,7 @@ _STEP_PRECISION = flags.DEFINE_list('step_precision', ['default', 'fp8'],
                                     'Their config.model.matmul_precision.')
 _ITERS = flags.DEFINE_integer('iters', 20, 'Calls of a kernel program a round.')
 _STEP_ITERS = flags.DEFINE_integer('step_iters', 6, 'Timed train steps.')
+_PROFILE_CALLS = flags.DEFINE_integer('profile_calls', 3, 'Calls of each program profiled.')
 _BUDGET = flags.DEFINE_float('part_budget_s', 360, 'A part adds no shape after this long.')
 _OUT_DIR = flags.DEFINE_string('out_dir', 'benchmarks/results', 'Where the JSON files go.')
 
@@ -79,7 +93,46 @@ def measured_and_predicted(fn, args, gpu, options=None) -> dict:
     rounds.append((time.perf_counter() - start) / _ITERS.value)
   measured = statistics.median(rounds)
   return {'measured_s': measured, 'predicted_s': predicted.seconds,
-          'ratio': measured / predicted.seconds, 'launches': predicted.launches}
+          'ratio': measured / predicted.seconds, 'launches': predicted.launches,
+          PROGRAM: program(compiled, lambda: compiled(*args))}
+
+
+PROGRAM = '_program'  # a row's program and profile: main moves it from the row into the bank
+
+
+def program(compiled, call) -> dict:
+  return {'hlo': compiled.as_text(), 'profile': kernel_profile(call, _PROFILE_CALLS.value)}
+
+
+def kernel_profile(call, calls: int) -> dict:
+  """What the devices ran in `calls` calls of `call`, from JAX's profiler trace: {'calls',
+  'events': [{plane, line, name, hlo_op, count, us}]}, longest first. On a GPU, the device plane's
+  lines: its streams' kernels (hlo_op names the instruction of the program) and XLA's own lines of
+  modules and ops. On a CPU, the host's events that name an hlo_op. {'error'} if tracing failed:
+  the measured row still counts."""
+  try:
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        for _ in range(calls):
+          jax.block_until_ready(call())
+      (path,) = glob.glob(f'{trace_dir}/**/*.xplane.pb', recursive=True)
+      data = jax.profiler.ProfileData.from_file(path)
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    warnings.simplefilter('ignore', DeprecationWarning)  # the stats' type, on Python 3.12
+    for plane in data.planes:
+      on_device = plane.name.startswith('/device:')
+      for line in plane.lines:
+        for event in line.events:
+          hlo_op = str(dict(event.stats).get('hlo_op', ''))
+          if on_device or hlo_op:
+            total = totals[plane.name, line.name, event.name, hlo_op]
+            total[0] += 1
+            total[1] += event.duration_ns / 1e3
+  except Exception as e:  # a profiler that fails on some machine must not lose the measurement
+    return {'error': f'{type(e).__name__}: {str(e)[:300]}'}
+  events = [{'plane': plane, 'line': line, 'name': name, 'hlo_op': hlo_op, 'count': count,
+             'us': round(us, 3)} for (plane, line, name, hlo_op), (count, us) in totals.items()]
+  return {'calls': calls, 'events': sorted(events, key=lambda e: -e['us'])}
 
 
 def gemm_rows(gpu):
@@ -153,10 +206,10 @@ def load_config(path: str):
 
 
 def step_rows(gpu, path):
-  for attention in _STEP_ATTENTION.value:
-    if attention == 'cudnn' and jax.devices()[0].platform != 'gpu':
-      continue
-    for precision in _STEP_PRECISION.value:
+  for precision in _STEP_PRECISION.value:
+    for attention in _STEP_ATTENTION.value:
+      if attention == 'cudnn' and jax.devices()[0].platform != 'gpu':
+        continue
       what = f'{path} {attention} {precision}'
       try:
         yield {'what': what, **step_row(gpu, path, attention, precision)}
@@ -176,6 +229,12 @@ def step_row(gpu, path: str, attention: str, precision: str) -> dict:
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - start)
   measured = statistics.median(times[2:])
+
+  def step():
+    nonlocal state
+    state, metrics = prepared.train_step(state, prepared.batch)
+    return metrics
+  banked = program(prepared.train_step, step)
   tokens = prepared.run.batch_size * prepared.run.seq_len
   n = prepared.setup.mesh.size
   model_flops = flops.flops_per_token(prepared.setup.model_cfg, prepared.run.seq_len)
@@ -184,7 +243,8 @@ def step_row(gpu, path: str, attention: str, precision: str) -> dict:
           'ratio': measured / predicted.seconds, 'tokens_per_s_per_device': tokens / measured / n,
           'mfu': model_flops * tokens / n / measured / gpu.peak_bf16_flops,
           'predicted_mfu': model_flops * tokens / n / predicted.seconds / gpu.peak_bf16_flops,
-          'predicted_breakdown': predicted.breakdown, 'compile_s': prepared.compile_s}
+          'predicted_breakdown': predicted.breakdown, 'compile_s': prepared.compile_s,
+          PROGRAM: banked}
 
 
 PARTS = {'gemm': gemm_rows, 'copy': copy_rows, 'attention': attention_rows, 'steps': step_rows}
@@ -237,6 +297,25 @@ def refit(part: str, rows: list) -> dict:
   return {}
 
 
+def take_programs(row: dict, what: str, bank: dict) -> None:
+  """Moves the row's programs (its own and those of rows nested in it) into bank[what …]."""
+  if PROGRAM in row:
+    bank[what] = row.pop(PROGRAM)
+  for key, value in row.items():
+    if isinstance(value, dict):
+      take_programs(value, f'{what} {key}', bank)
+
+
+def write(out_dir: str, part: str, name: str, figures: dict, bank: dict) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  with open(f'{out_dir}/calibrate_{part}-{name}.json', 'w') as f:
+    f.write(json.dumps(figures, indent=2) + '\n')
+  # mtime 0: the same programs give the same bytes, so git sees no change where there is none
+  with gzip.GzipFile(f'{out_dir}/calibrate_{part}-{name}.programs.json.gz', 'wb', mtime=0) as f:
+    f.write(json.dumps({'device': figures['device'], 'jax': figures['jax'],
+                        'programs': bank}).encode())
+
+
 def main(argv):
   del argv
   device = jax.devices()[0]
@@ -245,28 +324,30 @@ def main(argv):
   gpu = gpu or gpus.NOMINAL
   results = {}
   for part, rows_of in parts().items():
-    started, rows = time.perf_counter(), []
+    started, rows, bank = time.perf_counter(), [], {}
     print(f'\n{part}: measured on {device.device_kind}, predicted by the time model for {gpu.name}')
     print(f'{"":<44}{"measured":>12}{"predicted":>12}{"ratio":>8}')
+    figures = {'benchmark': f'calibrate_{part}', 'device': device.device_kind,
+               'platform': device.platform, 'jax': jax.__version__, 'model_for': gpu.name,
+               'rows': rows, 'refit': {}, 'seconds': 0.0, 'command': report.command()}
     for row in rows_of(gpu):
+      take_programs(row, row['what'], bank)
       rows.append(row)
       if 'error' in row:
         print(f'{row["what"]:<44}failed: {row["error"][:80]}', flush=True)
       else:
         print(f'{row["what"]:<44}{row["measured_s"] * 1e3:>10.3f}ms'
               f'{row["predicted_s"] * 1e3:>10.3f}ms{row["ratio"]:>8.2f}', flush=True)
-      if time.perf_counter() - started > _BUDGET.value:
+      past_budget = time.perf_counter() - started > _BUDGET.value
+      if past_budget:
         rows.append({'what': 'the rest of this part', 'skipped': f'past --part_budget_s='
                                                                   f'{_BUDGET.value:g}'})
         print(f'{part}: past {_BUDGET.value:g} s, the rest skipped')
+      figures.update(refit=refit(part, rows), seconds=time.perf_counter() - started)
+      write(_OUT_DIR.value, part, name, figures, bank)  # banked as it goes
+      if past_budget:
         break
-    figures = {'benchmark': f'calibrate_{part}', 'device': device.device_kind,
-               'platform': device.platform, 'jax': jax.__version__, 'model_for': gpu.name,
-               'rows': rows, 'refit': refit(part, rows), 'seconds': time.perf_counter() - started,
-               'command': report.command()}
     print(f'{part} refit: {figures["refit"]}')
-    with open(f'{_OUT_DIR.value}/calibrate_{part}-{name}.json', 'w') as f:
-      f.write(json.dumps(figures, indent=2) + '\n')
     results[part] = figures
   report.emit({'benchmark': 'calibrate', 'device': device.device_kind, 'jax': jax.__version__,
                'parts': results, 'command': report.command()}, None)

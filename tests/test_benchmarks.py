@@ -1,6 +1,7 @@
 """The step, precision, checkpoint, MoE and calibrate benchmarks, and the fault probe, run end to end (on
 the tiny base config, or tiny shapes) and end with one JSON line of figures that add up."""
 
+import gzip
 import json
 import pathlib
 import subprocess
@@ -85,13 +86,24 @@ def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):
               '--head_dims=64', '--seq_lens=128', '--tokens=256', '--impls=pallas,xla',
               '--step_configs=configs/base.py', '--step_attention=xla', '--iters=2',
               '--step_iters=1', f'--out_dir={tmp_path}', config=())
-  assert sorted(f['parts']) == ['attention', 'copy', 'gemm', 'steps_base']
+  assert list(f['parts']) == ['steps_base', 'attention', 'gemm', 'copy']  # a whole step first
   for part, figures_of in f['parts'].items():
     written = json.loads((tmp_path / f'calibrate_{part}-cpu.json').read_text())
     assert written == figures_of and written['jax'] and 'benchmarks.calibrate' in written['command']
+    with gzip.open(tmp_path / f'calibrate_{part}-cpu.programs.json.gz') as bank_file:
+      bank = json.load(bank_file)['programs']
     for row in written['rows']:
       assert row['measured_s'] > 0 and row['predicted_s'] > 0
       assert row['ratio'] == row['measured_s'] / row['predicted_s']
+      # its program as compiled, and the kernels its profiled calls ran: the jitted module's own
+      names = [row['what']] + ([f'{row["what"]} fwd_bwd'] if 'fwd_bwd' in row else [])
+      for name in names:
+        assert bank[name]['hlo'].startswith('HloModule')
+        profile = bank[name]['profile']
+        assert profile['calls'] == 3 and profile['events'][0]['us'] > 0
+        hlo_ops = {e['hlo_op'] for e in profile['events']}
+        assert hlo_ops and all(f'{op} = ' in bank[name]['hlo'] for op in hlo_ops), name
+    assert len(bank) == len(written['rows']) + sum('fwd_bwd' in r for r in written['rows'])
   parts = f['parts']
   assert [r['precision'] for r in parts['gemm']['rows']] == ['bf16', 'fp8'] * 2
   assert set(parts['gemm']['refit']) == {'GEMM_EFFICIENCY', 'FP8_GEMM_EFFICIENCY'}

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The first command on a lent GPU (docs/time-model.md): benchmarks/calibrate.py's parts in the order
+# that matters most, whole train steps first, each banked as it goes, all inside one 10-minute
+# command, and the bank packed into $OUT (the device tool brings back at most 8 files).
+#
+#   scripts/calibrate_on_device.sh wheels   # here: what the GPU image lacks, as wheels in .whl/
+#   scripts/calibrate_on_device.sh run      # there, carrying .whl: the parts, then $OUT/bank.tgz
+#
+# Then, here: tar -xzf <files_at>/bank.tgz -C benchmarks/results, `python -m benchmarks.calibrate
+# --check`, and commit the files.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# Pure-Python packages the image lacks or holds at other versions, pinned to what the suite tests
+# (pip freeze of the dev venv), and tensorstore at the version orbax was tested with.
+WHEELS="ml-collections==1.1.0 flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8 etils==1.15.0
+        treescope==0.1.10 tensorstore==0.1.86"
+
+case "${1:-}" in
+  wheels)
+    rm -rf .whl
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
+    du -sh .whl ;;
+  run)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+    out=${OUT:-/tmp/out} bank=/tmp/bank deadline=${DEADLINE_S:-540}
+    mkdir -p "$out" "$bank"
+    exec > >(tee "$out/log.txt") 2>&1
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__,
+                "optax", optax.__version__, jax.devices())'
+    part() {  # part SECONDS FLAGS…: one calibrate run, stopped at its share or the deadline
+      local left=$((deadline - SECONDS - 20)) limit=$1; shift
+      ((left < limit)) && limit=$left
+      ((limit < 30)) && { echo "skipped (no time left): $*"; return; }
+      timeout "$limit" python3 -m benchmarks.calibrate --out_dir="$bank" "$@"
+      echo "rc=$? after ${SECONDS}s: $*"
+    }
+    part 280 --parts=steps --step_precision=default --part_budget_s=110
+    part 170 --parts=attention --part_budget_s=120
+    part 60 --parts=gemm,copy --part_budget_s=30
+    part 200 --parts=steps --step_precision=fp8 --step_attention=cudnn --part_budget_s=60 \
+      --out_dir="$bank/fp8"
+    tar -czf "$out/bank.tgz" -C "$bank" . && ls -la "$bank" "$bank/fp8" ;;
+  *)
+    echo "usage: scripts/calibrate_on_device.sh wheels|run" >&2; exit 2 ;;
+esac
