@@ -5,6 +5,7 @@ program that ran (planning/timing.py on its compiled HLO), as measured / predict
   python -m benchmarks.calibrate                        # every part: 5, ≤ 7 min each
   python -m benchmarks.calibrate --parts=gemm,copy      # some of them
   python -m benchmarks.calibrate --check                # re-predict the banked programs (no GPU)
+  python -m benchmarks.calibrate --merge=DIR,…          # bank other runs' parts (no GPU)
 
 Parts, in the order they run (what a GPU shows of a whole step first), each stopping once past
 --part_budget_s (6 min; the shapes left are listed as skipped), so each fits a borrowed GPU's
@@ -30,6 +31,7 @@ The bank makes the time model testable without a GPU: --check re-predicts its pr
 ratios mean nothing.
 """
 
+import ast
 import collections
 import glob
 import gzip
@@ -69,9 +71,16 @@ _STEP_ATTENTION = flags.DEFINE_list('step_attention', ['pallas', 'cudnn'], 'Thei
 _STEP_PRECISION = flags.DEFINE_list('step_precision', ['default', 'fp8'],
                                     'Their config.model.matmul_precision.')
 _ITERS = flags.DEFINE_integer('iters', 20, 'Calls of a kernel program a round.')
+_STEP_VARIANTS = flags.DEFINE_list(
+    'step_variants', ['preset'], 'Each a step variant of the configs: `preset`, `packed` (segment '
+    'ids in the batch: the document mask), or config overrides joined by + '
+    '(model.scan_layers=False+model.head_chunk=0).')
 _STEP_ITERS = flags.DEFINE_integer('step_iters', 6, 'Timed train steps.')
 _PROFILE_CALLS = flags.DEFINE_integer('profile_calls', 3, 'Calls of each program profiled.')
 _BUDGET = flags.DEFINE_float('part_budget_s', 360, 'A part adds no shape after this long.')
+_MERGE = flags.DEFINE_list('merge', [], 'Folders of other calibrate runs (each a GPU command\'s '
+                           'unpacked bank) whose parts are merged into --out_dir\'s: their rows '
+                           'replace those of the same `what`; nothing is measured.')
 _OUT_DIR = flags.DEFINE_string('out_dir', 'benchmarks/results', 'Where the JSON files go.')
 
 
@@ -206,21 +215,38 @@ def load_config(path: str):
 
 
 def step_rows(gpu, path):
-  for precision in _STEP_PRECISION.value:
-    for attention in _STEP_ATTENTION.value:
-      if attention == 'cudnn' and jax.devices()[0].platform != 'gpu':
-        continue
-      what = f'{path} {attention} {precision}'
-      try:
-        yield {'what': what, **step_row(gpu, path, attention, precision)}
-      except Exception as e:  # one that does not fit must not lose the others
-        yield {'what': what, 'error': f'{type(e).__name__}: {str(e)[:300]}'}
+  for variant in _STEP_VARIANTS.value:
+    for precision in _STEP_PRECISION.value:
+      for attention in _STEP_ATTENTION.value:
+        if attention == 'cudnn' and jax.devices()[0].platform != 'gpu':
+          continue
+        what = f'{path} {attention} {precision}' + ('' if variant == 'preset' else f' {variant}')
+        try:
+          yield {'what': what, **step_row(gpu, path, attention, precision, variant)}
+        except Exception as e:  # one that does not fit must not lose the others
+          yield {'what': what, 'error': f'{type(e).__name__}: {str(e)[:300]}'}
 
 
-def step_row(gpu, path: str, attention: str, precision: str) -> dict:
+def override(config, assignment: str) -> None:
+  """config[`a.b`] = value of `a.b=value` (a Python literal, else the text)."""
+  key, _, text = assignment.partition('=')
+  try:
+    value = ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    value = text
+  *parents, leaf = key.split('.')
+  for parent in parents:
+    config = config[parent]
+  config[leaf] = value
+
+
+def step_row(gpu, path: str, attention: str, precision: str, variant: str = 'preset') -> dict:
   config = load_config(path)
   config.model.attention, config.model.matmul_precision = attention, precision
-  prepared = inputs.prepare(config)
+  packed = variant == 'packed'
+  for assignment in ([] if variant in ('preset', 'packed') else variant.split('+')):
+    override(config, assignment)
+  prepared = inputs.prepare(config, packed=packed)
   predicted = timing.predict(prepared.train_step.as_text(), gpu)
   state, times = prepared.state, []
   for _ in range(2 + _STEP_ITERS.value):
@@ -239,7 +265,7 @@ def step_row(gpu, path: str, attention: str, precision: str) -> dict:
   n = prepared.setup.mesh.size
   model_flops = flops.flops_per_token(prepared.setup.model_cfg, prepared.run.seq_len)
   return {'config': path, 'attention': attention, 'matmul_precision': precision,
-          'measured_s': measured, 'predicted_s': predicted.seconds,
+          'variant': variant, 'measured_s': measured, 'predicted_s': predicted.seconds,
           'ratio': measured / predicted.seconds, 'tokens_per_s_per_device': tokens / measured / n,
           'mfu': model_flops * tokens / n / measured / gpu.peak_bf16_flops,
           'predicted_mfu': model_flops * tokens / n / predicted.seconds / gpu.peak_bf16_flops,
@@ -316,8 +342,42 @@ def write(out_dir: str, part: str, name: str, figures: dict, bank: dict) -> None
                         'programs': bank}).encode())
 
 
+def merge(folders: list, out_dir: str) -> None:
+  """Merges the parts in `folders` (in order) into out_dir's files of the same part and device:
+  a row replaces the row of its `what`, its programs theirs; `command` lists every run's."""
+  for folder in folders:
+    for path in sorted(glob.glob(f'{folder}/calibrate_*.json')):
+      new = json.loads(open(path).read())
+      file = os.path.basename(path).removesuffix('.json')
+      with gzip.open(f'{folder}/{file}.programs.json.gz') as f:
+        new_bank = json.load(f)['programs']
+      part = new['benchmark'].removeprefix('calibrate_')
+      name = file.rpartition('-')[2]
+      try:
+        old = json.loads(open(f'{out_dir}/{file}.json').read())
+        with gzip.open(f'{out_dir}/{file}.programs.json.gz') as f:
+          bank = json.load(f)['programs']
+      except FileNotFoundError:
+        old, bank = {**new, 'rows': [], 'command': [], 'seconds': 0.0}, {}
+      if (old['device'], old['jax']) != (new['device'], new['jax']):
+        raise ValueError(f'--merge: {path} ran on {new["device"]}, jax {new["jax"]}; '
+                         f'{out_dir}/{file}.json on {old["device"]}, jax {old["jax"]}')
+      replaced = {r['what'] for r in new['rows']}
+      rows = [r for r in old['rows'] if r['what'] not in replaced and 'skipped' not in r]
+      rows += new['rows']
+      bank = {what: program for what, program in bank.items()
+              if what.partition(' fwd_bwd')[0] not in replaced} | new_bank
+      commands = old['command'] if isinstance(old['command'], list) else [old['command']]
+      merged = {**old, 'rows': rows, 'refit': refit(part, rows),
+                'seconds': old['seconds'] + new['seconds'], 'command': commands + [new['command']]}
+      write(out_dir, part, name, merged, bank)
+      print(f'{out_dir}/{file}.json: {len(new["rows"])} rows of {path}, {len(rows)} in all')
+
+
 def main(argv):
   del argv
+  if _MERGE.value:
+    return merge(_MERGE.value, _OUT_DIR.value)
   device = jax.devices()[0]
   gpu = gpus.find(device.device_kind)
   name = gpu.name.lower() if gpu else device.platform

@@ -5,6 +5,8 @@
 #
 #   scripts/calibrate_on_device.sh wheels   # here: what the GPU image lacks, as wheels in .whl/
 #   scripts/calibrate_on_device.sh run      # there, carrying .whl: the parts, then $OUT/bank.tgz
+#   scripts/calibrate_on_device.sh run FILE # the parts of FILE instead: lines of SECONDS FLAGS…
+#                                           # (each line a calibrate run into its own folder)
 #
 # Then, here: tar -xzf <files_at>/bank.tgz -C benchmarks/results, `python -m benchmarks.calibrate
 # --check`, and commit the files.
@@ -40,12 +42,22 @@ case "${1:-}" in
       timeout "$limit" python3 -m benchmarks.calibrate --out_dir="$bank" "$@"
       echo "rc=$? after ${SECONDS}s: $*"
     }
-    part 280 --parts=steps --step_precision=default --part_budget_s=110
-    part 170 --parts=attention --part_budget_s=120
-    part 60 --parts=gemm,copy --part_budget_s=30
-    part 200 --parts=steps --step_precision=fp8 --step_attention=cudnn --part_budget_s=60 \
-      --out_dir="$bank/fp8"
-    tar -czf "$out/bank.tgz" -C "$bank" . && ls -la "$bank" "$bank/fp8" ;;
+    if [[ -n "${2:-}" ]]; then
+      n=0
+      while read -r seconds flags; do
+        [[ -z "$seconds" || "$seconds" == \#* ]] && continue
+        n=$((n + 1))
+        # shellcheck disable=SC2086  # the flags are words
+        part "$seconds" $flags --out_dir="$bank/$n"
+      done < "$2"
+    else
+      part 280 --parts=steps --step_precision=default --part_budget_s=110
+      part 170 --parts=attention --part_budget_s=120
+      part 60 --parts=gemm,copy --part_budget_s=30
+      part 200 --parts=steps --step_precision=fp8 --step_attention=cudnn --part_budget_s=60 \
+        --out_dir="$bank/fp8"
+    fi
+    tar -czf "$out/bank.tgz" -C "$bank" . && ls -laR "$bank" ;;
   *)
     echo "usage: scripts/calibrate_on_device.sh wheels|run" >&2; exit 2 ;;
 esac

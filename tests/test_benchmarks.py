@@ -121,6 +121,32 @@ def test_calibrate_stops_a_part_past_its_budget(tmp_path):
   assert len(rows) == 2 and rows[0]['what'] == 'pass over 1 MiB' and 'skipped' in rows[1]
 
 
+def test_calibrate_merges_other_runs_into_the_bank(tmp_path):
+  """Two GPU commands' parts, merged: a row of the same `what` replaced, the others kept, the
+  refit made again from them all; a bank of another device is refused."""
+  for run, mib in (('a', '1,2'), ('b', '2,3')):
+    figures('calibrate', '--parts=copy', f'--copy_mib={mib}', '--chain=2', '--iters=1',
+            f'--out_dir={tmp_path / run}', config=())
+  result = subprocess.run([sys.executable, '-m', 'benchmarks.calibrate',
+                           f'--merge={tmp_path / "a"},{tmp_path / "b"}', f'--out_dir={tmp_path}'],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  merged = json.loads((tmp_path / 'calibrate_copy-cpu.json').read_text())
+  b = json.loads((tmp_path / 'b' / 'calibrate_copy-cpu.json').read_text())
+  whats = [r['what'] for r in merged['rows']]
+  assert whats == ['pass over 1 MiB', 'pass over 2 MiB', 'pass over 3 MiB', 'chain of 2 small matmuls']
+  assert merged['rows'][1:] == b['rows'] and len(merged['command']) == 2
+  assert set(merged['refit']) == {'HBM_EFFICIENCY', 'KERNEL_LAUNCH_S'}
+  with gzip.open(tmp_path / 'calibrate_copy-cpu.programs.json.gz') as f:
+    assert sorted(json.load(f)['programs']) == sorted(whats)
+  other = json.loads((tmp_path / 'b' / 'calibrate_copy-cpu.json').read_text())
+  (tmp_path / 'b' / 'calibrate_copy-cpu.json').write_text(json.dumps({**other, 'device': 'H200'}))
+  result = subprocess.run([sys.executable, '-m', 'benchmarks.calibrate', f'--merge={tmp_path / "b"}',
+                           f'--out_dir={tmp_path}'], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+  assert result.returncode != 0 and 'ran on H200' in result.stderr
+
+
 def test_the_fault_probe_runs_its_cases_and_counts_them():
   """Cheap cases only (no training): the probe script stays runnable, and judges."""
   result = subprocess.run([sys.executable, 'scripts/fault_probe.py', '--only=config: missing'], cwd=REPO,
