@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from benchmarks import inputs, report
+from benchmarks import bank, inputs, report
 from kernels import matmul
 import kernels
 from planning import flops, gpus, timing
@@ -78,6 +78,9 @@ _STEP_VARIANTS = flags.DEFINE_list(
 _STEP_ITERS = flags.DEFINE_integer('step_iters', 6, 'Timed train steps.')
 _PROFILE_CALLS = flags.DEFINE_integer('profile_calls', 3, 'Calls of each program profiled.')
 _BUDGET = flags.DEFINE_float('part_budget_s', 360, 'A part adds no shape after this long.')
+_CHECK = flags.DEFINE_bool('check', False, 'Re-predict every banked program in --out_dir with '
+                           "today's time model, against what its GPU measured (benchmarks/bank.py); "
+                           'nothing is measured.')
 _MERGE = flags.DEFINE_list('merge', [], 'Folders of other calibrate runs (each a GPU command\'s '
                            'unpacked bank) whose parts are merged into --out_dir\'s: their rows '
                            'replace those of the same `what`; nothing is measured.')
@@ -291,35 +294,35 @@ def parts() -> dict:
   return chosen
 
 
-def refit(part: str, rows: list) -> dict:
-  """The constants of planning/gpus.py these measurements imply: each scaled by predicted /
-  measured of the program it governs (the largest of its kind)."""
+def refit(part: str, rows: list, gpu: gpus.GPU) -> dict:
+  """The constants of planning/gpus.py these measurements imply, from what they measured alone
+  (so rows measured under other constants merge): the largest GEMM of each precision, the
+  largest pass, the chain's time a kernel, attention's TFLOP/s by kernel, head dim and keys."""
   ok = [r for r in rows if 'measured_s' in r]  # not the failed or skipped
-  scale = lambda r: r['predicted_s'] / r['measured_s']
   if part == 'gemm':
-    largest = {p: max((r for r in ok if r['precision'] == p), key=lambda r: r['flops'], default=None)
-               for p in ('bf16', 'fp8')}
-    return {name: constant * scale(largest[p]) for name, p, constant in (
-        ('GEMM_EFFICIENCY', 'bf16', gpus.GEMM_EFFICIENCY),
-        ('FP8_GEMM_EFFICIENCY', 'fp8', gpus.FP8_GEMM_EFFICIENCY)) if largest[p]}
+    out = {}
+    for name, precision, peak in (('GEMM_EFFICIENCY', 'bf16', gpu.peak_bf16_flops),
+                                  ('FP8_GEMM_EFFICIENCY', 'fp8', gpu.peak_fp8_flops)):
+      if largest := max((r for r in ok if r['precision'] == precision), key=lambda r: r['flops'],
+                        default=None):
+        out[name] = largest['tflops'] * 1e12 / (
+            peak * gpus.tile_waves(largest['m'], largest['n'], 1, gpu.sms))
+    return out
   if part == 'copy':
     passes = [r for r in ok if 'bytes' in r]
     chain = next((r for r in ok if 'kernels' in r), None)
-    out = {'HBM_EFFICIENCY': gpus.HBM_EFFICIENCY * scale(max(passes, key=lambda r: r['bytes']))
-           } if passes else {}
+    out = {'HBM_EFFICIENCY': max(passes, key=lambda r: r['bytes'])['tb_per_s'] * 1e12
+                             / gpu.memory_bandwidth} if passes else {}
     if chain:
-      out['KERNEL_LAUNCH_S'] = (gpus.KERNEL_LAUNCH_S
-                                + (chain['measured_s'] - chain['predicted_s']) / chain['launches'])
+      out['KERNEL_LAUNCH_S'] = chain['per_kernel_s']
     return out
-  if part == 'attention':
-    longest = {}
-    for r in ok:
-      if r['impl'] in gpus.ATTENTION_TFLOPS and r['seq_len'] >= longest.get(
-          (r['impl'], r['head_dim']), {'seq_len': 0})['seq_len']:
-        longest[r['impl'], r['head_dim']] = r
-    return {f'ATTENTION_TFLOPS[{impl!r}][{H}]': (
-        round(r['fwd_tflops'], 1), round(r['bwd_tflops'], 1), f'at {r["seq_len"]} keys')
-            for (impl, H), r in sorted(longest.items())}
+  if part == 'attention':  # planning/gpus.py's table: {keys: (forward, backward) TFLOP/s}
+    table = {}
+    for r in sorted(ok, key=lambda r: r['seq_len']):
+      if r['impl'] in gpus.ATTENTION_TFLOPS:
+        table.setdefault(f'ATTENTION_TFLOPS[{r["impl"]!r}][{r["head_dim"]}]', {})[r['seq_len']] = (
+            round(r['fwd_tflops'], 1), round(r['bwd_tflops'], 1))
+    return table
   return {}
 
 
@@ -368,16 +371,28 @@ def merge(folders: list, out_dir: str) -> None:
       bank = {what: program for what, program in bank.items()
               if what.partition(' fwd_bwd')[0] not in replaced} | new_bank
       commands = old['command'] if isinstance(old['command'], list) else [old['command']]
-      merged = {**old, 'rows': rows, 'refit': refit(part, rows),
+      gpu = gpus.find(name.upper()) or gpus.NOMINAL
+      merged = {**old, 'rows': rows, 'refit': refit(part, rows, gpu),
                 'seconds': old['seconds'] + new['seconds'], 'command': commands + [new['command']]}
       write(out_dir, part, name, merged, bank)
       print(f'{out_dir}/{file}.json: {len(new["rows"])} rows of {path}, {len(rows)} in all')
+
+
+def check(out_dir: str) -> None:
+  checked = bank.check(out_dir)
+  bank.print_check(checked)
+  missing = bank.missing_goal(checked)
+  report.emit({'benchmark': 'calibrate_check', 'programs': len(checked),
+               'missing_goal': [{'bank': c.file, 'what': c.what, 'ratio': c.ratio} for c in missing],
+               'ratios': {f'{c.file} {c.what}': round(c.ratio, 4) for c in checked}}, None)
 
 
 def main(argv):
   del argv
   if _MERGE.value:
     return merge(_MERGE.value, _OUT_DIR.value)
+  if _CHECK.value:
+    return check(_OUT_DIR.value)
   device = jax.devices()[0]
   gpu = gpus.find(device.device_kind)
   name = gpu.name.lower() if gpu else device.platform
@@ -403,7 +418,7 @@ def main(argv):
         rows.append({'what': 'the rest of this part', 'skipped': f'past --part_budget_s='
                                                                   f'{_BUDGET.value:g}'})
         print(f'{part}: past {_BUDGET.value:g} s, the rest skipped')
-      figures.update(refit=refit(part, rows), seconds=time.perf_counter() - started)
+      figures.update(refit=refit(part, rows, gpu), seconds=time.perf_counter() - started)
       write(_OUT_DIR.value, part, name, figures, bank)  # banked as it goes
       if past_budget:
         break

@@ -97,50 +97,58 @@ def tile_waves(m: int, n: int, batch: int, sms: int) -> float:
   return tiles / (-(-tiles // sms) * sms)
 
 
-# What kernels reach of the peaks above: the time model's efficiencies (planning/timing.py). Each
-# comes from a measurement, named beside it. `python -m benchmarks.calibrate` measures them again
-# on whatever GPU it runs on, beside the model's prediction; docs/time-model.md says how to refit
-# these constants from its results.
+# What kernels reach of the peaks above: the time model's efficiencies (planning/timing.py), each
+# fitted to what GPUs measured: benchmarks/results/calibrate_<part>-<gpu>.json, whose rows are named
+# beside each constant. `python -m benchmarks.calibrate --check` re-predicts every banked program
+# with these and tests/test_timing.py holds the fit (docs/time-model.md: how to refit).
 #
-# GEMMs: an 8192×8192×8192 bf16 matmul ran at 798 of the H100's 989 TFLOP/s (cuBLAS, random
-# data; on the H100 lent to this project, and 769–798 on its H200s). Output tiles of 128×256
-# (cuBLAS's Hopper tile) fill 15.5 waves of 132 SMs there, 97%: a full wave reaches the rest.
+# GEMMs: cuBLAS on random data, bf16 and fp8, the geometric mean over the banked GEMMs of at least
+# 4096³ on both GPUs (calibrate_gemm-h100 and -h200: 4096³, 8192³, 32768×4096×14336; bf16
+# 694–777 TFLOP/s, fp8 772–1263): each within 0.93–1.08 of its prediction. Output tiles of
+# 128×256 (cuBLAS's Hopper tile) are dealt to the SMs in waves; the efficiency is of full waves.
 GEMM_TILE = (128, 256)
-GEMM_EFFICIENCY = 798 / 989 / tile_waves(8192, 8192, 1, 132)
-# fp8 GEMMs (cuBLASLt): no fp8 measurement yet; until calibrate's fp8 GEMM gives one, the same
-# share of the fp8 peak as bf16 reaches of its own.
-FP8_GEMM_EFFICIENCY = GEMM_EFFICIENCY
+GEMM_EFFICIENCY = 0.753
+FP8_GEMM_EFFICIENCY = 0.734
 # Our grouped matmul (kernels/grouped_matmul.py), a Triton kernel not yet measured: until
-# `benchmarks/moe.py --measure` gives its TFLOP/s on a GPU, the share of the bf16 peak the other
-# Pallas Triton kernel with published H100 figures reaches, JAX's bundled attention forward
-# (≈360 of 989 TFLOP/s, as ATTENTION_TFLOPS['pallas'] below).
+# `benchmarks/moe.py --measure` gives its TFLOP/s on a GPU, the share of the bf16 peak JAX's
+# bundled Pallas Triton attention forward publishes for the H100 (≈360 of 989 TFLOP/s).
 GROUPED_GEMM_EFFICIENCY = 360 / 989
-# HBM: a device-to-device copy moved 3.0 of the H100's 3.35 TB/s (bytes read and written) and
-# 4.3 of the H200's 4.8 TB/s: 0.90 on both.
-HBM_EFFICIENCY = 3.0 / 3.35
-# Fused attention, forward and backward TFLOP/s at 8k keys, causal, H100 SXM, bf16, by kernel and
-# head dim (FLOPs as FlashAttention counts them: forward 4·B·N·L·S·H, halved when causal;
-# backward 2.5 × forward). cuDNN at head dim 128: 529 forward, 518 backward (FlashAttention-3,
-# Shah et al. 2024, figs. 5 and 6); at 64, the paper's non-causal 412/600 of 128's applied to
-# both. pallas, our Triton kernel, not yet measured: JAX's bundled Pallas Triton attention op's
-# published H100 figures, ≈360 forward and ≈230 forward+backward (so 201 backward), at both head
-# dims (Triton's non-causal 401 at 64 and 392 at 128 in the same paper).
-ATTENTION_TFLOPS = {'cudnn': {64: (529 * 412 / 600, 518 * 412 / 600), 128: (529.0, 518.0)},
-                    'pallas': {64: (360.0, 201.0), 128: (360.0, 201.0)}}
-ATTENTION_MEASURED_ON = 989e12  # the H100's peak: the figures above are shares of it
-# Shorter keys reach less, as in the FlashAttention-3 paper's non-causal head-dim-128 sweep
-# (cuDNN 497, 574, 617, 609, 600 TFLOP/s at 512 … 8k; Triton 323 … 392): the share of the 8k
-# figure by keys per query, geometric in between and proportional below 512.
-ATTENTION_LENGTH_FACTOR = {512: 0.83, 1024: 0.95, 2048: 1.0, 8192: 1.0}
+# HBM: XLA's element-wise pass over 2 GiB moved 4.18 of the H200's 4.8 TB/s, read and written
+# (calibrate_copy-h200, `pass over 2048 MiB`); PyTorch's copy moved 3.0 of the H100's 3.35.
+HBM_EFFICIENCY = 0.873
+# XLA moves the slices a scanned layer reads and writes of its stacked arrays (the saved
+# activations forward, the weight gradients backward) with memcpy kernels, alongside: they reach
+# less of HBM than fused kernels. Their bytes over their measured time in the banked scanned
+# train steps (calibrate_steps_125m-h200 and _1b-h200: 2.7–3.8 TB/s).
+ASYNC_COPY_EFFICIENCY = 0.61
+# Fused attention, causal, bf16: (forward, backward) TFLOP/s by kernel, head dim and keys per
+# query, as FlashAttention counts FLOPs (forward 4·B·N·L·S·H, halved when causal; backward 2.5 ×
+# forward). The mean of the H100 and H200 banks (calibrate_attention-h100 and -h200: GQA 32/8,
+# 16k tokens a call; the two GPUs agree within 8%); geometric between lengths, flat beyond 8k.
+ATTENTION_TFLOPS = {
+    'cudnn': {64: {2048: (357.6, 273.4), 4096: (409.2, 341.7), 8192: (427.3, 378.3)},
+              128: {2048: (485.7, 334.3), 4096: (556.5, 407.2), 8192: (590.4, 468.5)}},
+    'pallas': {64: {2048: (173.9, 202.3), 4096: (189.9, 219.6), 8192: (196.1, 233.9)},
+               128: {2048: (219.7, 222.5), 4096: (239.8, 243.2), 8192: (253.8, 256.7)}}}
+ATTENTION_MEASURED_ON = 989e12  # both GPUs' bf16 peak: the figures above are shares of it
+# Below the shortest measured keys, shares of its figure as in the FlashAttention-3 paper's
+# non-causal head-dim-128 sweep (Shah et al. 2024: cuDNN 497, 574, 617 TFLOP/s at 512, 1k, 2k
+# keys), proportional below 512.
+ATTENTION_LENGTH_FACTOR = {512: 0.83, 1024: 0.95, 2048: 1.0}
+# cuDNN with a bias (our document mask over packed rows): the forward and backward kernels took
+# 1.70–1.75 and 1.52–1.63 × their time without it (calibrate_steps_1b-h200 and _125m-h200,
+# `cudnn default packed` against `cudnn default`, from their kernel profiles).
+CUDNN_BIAS_SLOWDOWN = (1.72, 1.57)
 # Collectives: NCCL's ring all-gather and reduce-scatter on NVLink reach about 0.8 of the link
 # (nccl-tests bus bandwidth on 8 × H100 SXM; all-reduce goes higher through NVLink SHARP); across
 # nodes about 0.9 of the NIC. Each also pays a latency. One GPU cannot measure these: they are
 # priors until a multi-GPU run times them.
 LINK_EFFICIENCY, NETWORK_EFFICIENCY = 0.8, 0.9
 LINK_LATENCY_S, NETWORK_LATENCY_S = 10e-6, 25e-6
-# Every kernel pays a launch gap on its stream; XLA launches most of a step as CUDA graphs. A
-# prior until calibrate's chain of small kernels measures it.
-KERNEL_LAUNCH_S = 2e-6
+# Every kernel pays a launch gap on its stream; XLA launches most of a step as CUDA graphs. In the
+# banked train steps, a step's time beyond its kernels' sum came to 3.2 µs a launch (calibrate_
+# steps_*-h200, each step waited for); back to back, a chain of tiny kernels took 1.3 µs each.
+KERNEL_LAUNCH_S = 3.2e-6
 
 # JAX's GPU allocator takes this fraction of the device's memory unless told otherwise; a run
 # must fit in that, not in the whole HBM.

@@ -65,7 +65,9 @@ _DIMS = re.compile(r'\b(lhs|rhs)_(batch|contracting)_dims=\{([0-9,]*)\}')
 _GEMM_DIMS = re.compile(r'"(lhs|rhs)_(batch|contracting)_dimensions":\[([^\]]*)\]')
 _FLASH = re.compile(r'flash_attention_(fwd|dq|dkv)')
 _GROUPED = re.compile(r'grouped_matmul(?:_dw)?(?:_filled(\d+))?/pallas_call')
-_SCORES = re.compile(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":\[([^\]]*)\]')
+# cuDNN's scores [B, N, L, S], in its backend config: a deviceless compile writes the element type
+# first and the dims as numbers, the GPU's own compile the dims first, as strings
+_SCORES = re.compile(r'"intermediate_tensor_shape":\{[^{}]*?"dimensions":\[([^\]]*)\]')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 BACKWARD_SHARE = {'dq': 3 / 7, 'dkv': 4 / 7}  # of the backward's matmuls: 3 in dq, 4 in dkv
 
@@ -80,6 +82,7 @@ class Kernel:
   bytes: float  # HBM bytes one run reads and writes
   seconds: float  # one run, launch excluded
   runs: int = 0  # per run of the program
+  implementation: str = ''  # an attention's: cudnn or pallas
 
 
 @dataclasses.dataclass
@@ -130,18 +133,29 @@ def predict(hlo_text: str, gpu: gpus.GPU) -> StepTime:
 def attention_efficiency(kernel: str, backward: bool, head_dim: int, keys: int) -> float:
   """The share of the bf16 peak a fused attention kernel reaches (planning/gpus.py)."""
   by_head_dim = gpus.ATTENTION_TFLOPS[kernel]
-  tflops = by_head_dim[min(by_head_dim, key=lambda h: (abs(h - head_dim), h))][int(backward)]
-  lengths = sorted(gpus.ATTENTION_LENGTH_FACTOR)
-  factors = [gpus.ATTENTION_LENGTH_FACTOR[n] for n in lengths]
+  by_keys = by_head_dim[min(by_head_dim, key=lambda h: (abs(h - head_dim), h))]
+  lengths = sorted(by_keys)
+  tflops = [by_keys[n][int(backward)] for n in lengths]
   if keys <= lengths[0]:
-    factor = factors[0] * keys / lengths[0]
+    short = sorted(gpus.ATTENTION_LENGTH_FACTOR)
+    if keys <= short[0]:
+      factor = gpus.ATTENTION_LENGTH_FACTOR[short[0]] * keys / short[0]
+    else:
+      i = next(i for i, n in enumerate(short) if n >= keys) - 1
+      factor = _geometric(keys, short[i], short[i + 1], gpus.ATTENTION_LENGTH_FACTOR[short[i]],
+                          gpus.ATTENTION_LENGTH_FACTOR[short[i + 1]])
+    rate = tflops[0] * factor
   elif keys >= lengths[-1]:
-    factor = factors[-1]
+    rate = tflops[-1]
   else:
     i = next(i for i, n in enumerate(lengths) if n >= keys) - 1
-    t = math.log(keys / lengths[i]) / math.log(lengths[i + 1] / lengths[i])
-    factor = factors[i] * (factors[i + 1] / factors[i]) ** t
-  return tflops * 1e12 / gpus.ATTENTION_MEASURED_ON * factor
+    rate = _geometric(keys, lengths[i], lengths[i + 1], tflops[i], tflops[i + 1])
+  return rate * 1e12 / gpus.ATTENTION_MEASURED_ON
+
+
+def _geometric(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
+  """y at x, geometric in x between (x0, y0) and (x1, y1)."""
+  return y0 * (y1 / y0) ** (math.log(x / x0) / math.log(x1 / x0))
 
 
 def attention_seconds(kernel: str, head_dim: int, keys: int) -> float:
@@ -212,6 +226,12 @@ class _Model:
       elif op == 'conditional':
         slowest = max((callee for _, callee in inst.callees()), key=lambda b: self.run(b, 0))
         now += self.run(slowest, runs)
+      elif op == 'fusion-start':  # a slice of a stacked array moved by memcpy, on the stream
+        kernel = self.async_copy(inst)
+        now += kernel.seconds + gpus.KERNEL_LAUNCH_S
+        if runs:
+          self.kernels.setdefault((computation, inst.name), kernel).runs += runs
+          self.launches += runs
       elif op in ('call', 'async-start'):
         now += sum(self.run(callee, runs) for kind, callee in inst.callees()
                    if kind in ('to_apply', 'calls'))
@@ -269,6 +289,14 @@ class _Model:
       moved, written = hlo.nbytes(operand_arrays[1]), hlo.nbytes(operand_arrays[1])
     return self.timed(Kernel(inst.name, what, 'other', 0.0, moved + written, 0.0), 1.0)
 
+  def async_copy(self, inst: hlo.Instruction) -> Kernel:
+    """An asynchronous (dynamic-)slice or update-slice fusion: its bytes at the copies' rate."""
+    read, written, _ = self.fusion_bytes(dict(inst.callees()).get('calls', ''))
+    kernel = Kernel(inst.name, inst.op_name.rsplit('/', 1)[-1] or 'fusion-start', 'other', 0.0,
+                    read + written, 0.0)
+    kernel.seconds = kernel.bytes / (self.gpu.memory_bandwidth * gpus.ASYNC_COPY_EFFICIENCY)
+    return kernel
+
   def timed(self, kernel: Kernel, flops_per_s: float) -> Kernel:
     kernel.seconds = max(kernel.flops / flops_per_s,
                          kernel.bytes / (self.gpu.memory_bandwidth * gpus.HBM_EFFICIENCY))
@@ -323,8 +351,10 @@ class _Model:
     flops = forward * (2.5 * share if backward else 1.0)
     moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays) + hlo.nbytes(inst.arrays)
     efficiency = attention_efficiency(kernel, backward, H, S)
-    return self.timed(Kernel(inst.name, what, 'attention', flops, moved, 0.0),
-                      self.gpu.peak_bf16_flops * efficiency)
+    if kernel == 'cudnn' and 'Bias' in (_TARGET.search(inst.line) or [''])[0]:
+      efficiency /= gpus.CUDNN_BIAS_SLOWDOWN[int(backward)]
+    return self.timed(Kernel(inst.name, what, 'attention', flops, moved, 0.0,
+                             implementation=kernel), self.gpu.peak_bf16_flops * efficiency)
 
   def dots(self, computation: str) -> list:
     """The dots of a fused computation (and of the fusions nested in it)."""
@@ -334,6 +364,11 @@ class _Model:
     for inst in instructions:
       if inst.opcode == 'dot':
         dims = {(side, kind): _ints(value) for side, kind, value in _DIMS.findall(inst.line)}
+        found.append(_dot(types[inst.operands[0]][0], types[inst.operands[1]][0],
+                          inst.arrays[0], dims))
+      elif inst.opcode == 'custom-call' and _TARGET.search(inst.line).group(1).startswith(
+          '__cublas'):  # a GEMM XLA fused with the slicing of its operands or output
+        dims = {(side, kind): _ints(value) for side, kind, value in _GEMM_DIMS.findall(inst.line)}
         found.append(_dot(types[inst.operands[0]][0], types[inst.operands[1]][0],
                           inst.arrays[0], dims))
       elif inst.opcode == 'fusion':

@@ -121,6 +121,11 @@ def test_calibrate_stops_a_part_past_its_budget(tmp_path):
   assert len(rows) == 2 and rows[0]['what'] == 'pass over 1 MiB' and 'skipped' in rows[1]
 
 
+def test_calibrate_check_re_predicts_the_bank_within_the_goal():
+  f = figures('calibrate', '--check', config=())
+  assert f['programs'] >= 64 and f['missing_goal'] == [] and all(f['ratios'].values())
+
+
 def test_calibrate_merges_other_runs_into_the_bank(tmp_path):
   """Two GPU commands' parts, merged: a row of the same `what` replaced, the others kept, the
   refit made again from them all; a bank of another device is refused."""
