@@ -33,6 +33,7 @@ class Checked:
   measured_s: float
   predicted_s: float
   classes: dict  # {class: (measured s, predicted s)} a call
+  row: dict  # the banked row: a step's has its tokens/s a GPU and MFU as measured
 
   @property
   def ratio(self) -> float:
@@ -80,7 +81,7 @@ def kind_of(file: str, row: dict) -> str:
     return 'step'
   if file.startswith('gemm') and min(row['m'], row['n'], row['k']) >= 4096:
     return 'gemm'
-  if file.startswith('attention') and row['impl'] in ('cudnn', 'pallas'):
+  if file.startswith('attention') and row.get('impl') in ('cudnn', 'pallas'):
     return 'attention'
   return ''
 
@@ -98,14 +99,17 @@ def check(results_dir: str = 'benchmarks/results') -> list[Checked]:
     with gzip.open(path) as f:
       programs = json.load(f)['programs']
     for what, program in programs.items():
-      row_what, _, nested = what.partition(' fwd_bwd')
-      row = rows[what] if what in rows else rows[row_what]
-      measured_s = row['fwd_bwd']['measured_s'] if what not in rows else row['measured_s']
+      # its row, and where in the row its measurement is: `… fwd_bwd` is row['fwd_bwd']
+      row_what = max((r for r in rows if what == r or what.startswith(r + ' ')), key=len)
+      row = measured = rows[row_what]
+      for key in what.removeprefix(row_what).split():
+        measured = measured[key]
+      measured_s = measured['measured_s']
       step = timing.predict(program['hlo'], gpu)
       measured = measured_classes(program['profile'], measured_s)
       predicted = predicted_classes(step)
       checked.append(Checked(file, what, kind_of(file, row), measured_s, step.seconds,
-                             {c: (measured[c], predicted[c]) for c in CLASSES}))
+                             {c: (measured[c], predicted[c]) for c in CLASSES}, row))
   return checked
 
 
@@ -120,8 +124,14 @@ def print_check(checked: list[Checked]) -> None:
     mark = '' if not goal else 'ok' if goal[0] <= c.ratio <= goal[1] else f'MISSES {goal}'
     print(f'{c.file:<16}{c.what[:57]:<58}{c.measured_s * 1e3:>8.3f}ms{c.predicted_s * 1e3:>9.3f}ms'
           f'{c.ratio:>10.2f}  {mark}')
-  print('\nby kernel class, summed over the train steps (ms a step; predicted / measured):')
   steps = [c for c in checked if c.kind == 'step']
+  print(f'\ntrain steps{"":<56}{"measured":>22}{"predicted":>22}')
+  print(f'{"":<67}{"tokens/s a GPU":>15}{"MFU":>7}{"tokens/s a GPU":>15}{"MFU":>7}')
+  for c in steps:
+    tokens, mfu = c.row['tokens_per_s_per_device'], c.row['mfu']
+    print(f'{c.file.rpartition("-")[2]:<6}{c.what[:60]:<61}{tokens:>15,.0f}{mfu:>7.1%}'
+          f'{tokens / c.ratio:>15,.0f}{mfu / c.ratio:>7.1%}')
+  print('\nby kernel class, summed over the train steps (ms a step; predicted / measured):')
   for cls in CLASSES:
     measured = sum(c.classes[cls][0] for c in steps)
     predicted = sum(c.classes[cls][1] for c in steps)

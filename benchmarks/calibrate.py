@@ -45,6 +45,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import flags
 
 from benchmarks import bank, inputs, report
@@ -201,6 +202,8 @@ def attention_rows(gpu):
           yield {'what': what, 'error': f'{type(e).__name__}: {str(e)[:300]}'}
           continue
         forward_flops = 4 * B * N * S * S * H / 2
+        if impl == 'cudnn':
+          yield packed_row(gpu, q, k, v, ct, f'cudnn packed attention H={H} S={S}')
         yield {'what': what, 'impl': impl, 'head_dim': H, 'seq_len': S,
                'batch': B, 'heads': N, 'kv_heads': K, **fwd,
                'fwd_tflops': forward_flops / fwd['measured_s'] / 1e12,
@@ -208,6 +211,41 @@ def attention_rows(gpu):
                'bwd_predicted_s': fwd_bwd['predicted_s'] - fwd['predicted_s'],
                'bwd_tflops': 2.5 * forward_flops / max(fwd_bwd['measured_s'] - fwd['measured_s'],
                                                        1e-9) / 1e12}
+
+
+def packed_row(gpu, q, k, v, ct, what: str) -> dict:
+  """cuDNN on packed rows (documents of S/6 tokens on average, the last row ending in padding):
+  its packed layout (cudnn_segments=16) measured beside its dense mask (0), and the largest
+  difference between their outputs and gradients."""
+  B, S = q.shape[:2]
+  rng, ids = np.random.default_rng(0), np.zeros((B, S), np.int32)
+  for b in range(B):
+    end, start, document = S - (S // 8 if b == B - 1 else 0), 0, 0
+    while start < end:
+      document += 1
+      n = max(1, int(rng.exponential(S / 6)))
+      ids[b, start:min(end, start + n)] = document
+      start += n
+  ids = jnp.asarray(ids)
+  documents = int(ids.max())
+  out = {'what': what, 'impl': 'cudnn packed', 'head_dim': q.shape[-1], 'seq_len': S,
+         'batch': B, 'most_documents_in_a_row': documents}
+  try:
+    results = {}
+    for label, segments in (('packed', 16), ('dense', 0)):
+      call = lambda q, k, v, segments=segments: kernels.attention(
+          q, k, v, causal=True, implementation='cudnn', segment_ids_BL=ids,
+          cudnn_segments=segments)
+      both = jax.grad(lambda q, k, v: (call(q, k, v).astype(jnp.float32) * ct).sum(), (0, 1, 2))
+      results[label] = (jax.jit(call)(q, k, v), jax.jit(both)(q, k, v))
+      out[label] = measured_and_predicted(call, (q, k, v), gpu)
+      out[label]['fwd_bwd'] = measured_and_predicted(both, (q, k, v), gpu)
+    leaves = [jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() for a, b in zip(
+        jax.tree.leaves(results['packed']), jax.tree.leaves(results['dense']))]
+    out['max_difference'] = [float(x) for x in leaves]  # output, dq, dk, dv
+  except Exception as e:  # the rest of the table still counts
+    out['error'] = f'{type(e).__name__}: {str(e)[:300]}'
+  return out
 
 
 def load_config(path: str):
@@ -369,7 +407,7 @@ def merge(folders: list, out_dir: str) -> None:
       rows = [r for r in old['rows'] if r['what'] not in replaced and 'skipped' not in r]
       rows += new['rows']
       bank = {what: program for what, program in bank.items()
-              if what.partition(' fwd_bwd')[0] not in replaced} | new_bank
+              if not any(what == r or what.startswith(r + ' ') for r in replaced)} | new_bank
       commands = old['command'] if isinstance(old['command'], list) else [old['command']]
       gpu = gpus.find(name.upper()) or gpus.NOMINAL
       merged = {**old, 'rows': rows, 'refit': refit(part, rows, gpu),
@@ -410,6 +448,10 @@ def main(argv):
       rows.append(row)
       if 'error' in row:
         print(f'{row["what"]:<44}failed: {row["error"][:80]}', flush=True)
+      elif 'measured_s' not in row:  # a comparison of programs: cudnn packed against its mask
+        print(f'{row["what"]:<44}' + '  '.join(
+            f'{k} {v["measured_s"] * 1e3:.3f}ms / {v["fwd_bwd"]["measured_s"] * 1e3:.3f}ms'
+            for k, v in row.items() if isinstance(v, dict)), flush=True)
       else:
         print(f'{row["what"]:<44}{row["measured_s"] * 1e3:>10.3f}ms'
               f'{row["predicted_s"] * 1e3:>10.3f}ms{row["ratio"]:>8.2f}', flush=True)

@@ -58,6 +58,9 @@ def get_config() -> ml_collections.ConfigDict:
                        # the time model predicts fastest (training/settings.py: with_attention)
   m.attention_block_q = 0  # pallas query/key tile rows; 0: a default for the device and head_dim
   m.attention_block_k = 0
+  m.cudnn_segments = 16  # cuDNN: a batch whose packed rows hold ≤ this many documents (padding one
+                         # more) attends within each, skipping the blocks between; a fuller row
+                         # takes the dense document mask that step (docs/attention.md); 0: always
   m.context_parallel = 'all_gather'  # all_gather | ring: attention over a sequence split (docs/parallelism.md)
   m.scan_layers = True  # False unrolls the layer scan (same parameters, longer compile)
   m.remat_policy = 'none'  # none | full | dots | save_qkv_proj | save_attention | offload_* (docs/memory.md)
@@ -177,6 +180,7 @@ EFFECTS = {field: kind for kind, names in {
         model.router_bias_rate""",
     'numerics': """microbatches model.param_dtype model.compute_dtype model.grad_reduce_dtype
         model.matmul_precision model.attention model.attention_block_q model.attention_block_k
+        model.cudnn_segments
         model.context_parallel model.scan_layers model.remat_policy model.head_chunk
         model.expert_matmul mesh.data mesh.stage mesh.fsdp mesh.expert mesh.tensor
         mesh.sequence mesh.auto partition.hierarchical partition.weights partition.gradients

@@ -6,9 +6,14 @@ Layout follows `jax.nn.dot_product_attention`:
 Segment ids mark packed documents: a query attends only to keys with the same segment id.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+# cuDNN's packed layout (documents at offsets in a row) is not in jax.nn.dot_product_attention:
+# JAX's cuDNN module has it, at the jax this project pins (pyproject.toml).
+from jax._src.cudnn import fused_attention_stablehlo as fused_attention
 
 from kernels.flash_attention import flash_attention
 from kernels.matmul import matmul
@@ -27,12 +32,15 @@ def fused_for(head_dim: int, compute_dtype: str, length_split: bool) -> tuple[st
 
 
 def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_segment_ids_BS=None,
-              implementation: str = 'xla', block_q: int = 0, block_k: int = 0):
+              implementation: str = 'xla', block_q: int = 0, block_k: int = 0,
+              cudnn_segments: int = 0):
   """Scaled dot-product attention with `implementation` in IMPLEMENTATIONS.
 
   `kv_segment_ids_BS` defaults to `segment_ids_BL` (self-attention over one packed row).
   pallas only: `block_q`, `block_k` (0: the kernel's default for the head_dim). XLA cannot
   partition a Pallas call: under a mesh, run it per shard (sharding.per_shard).
+  cudnn only: `cudnn_segments`, the most documents a packed row may hold for cuDNN's packed
+  layout (0: always the dense mask; _cudnn_attention).
   """
   if segment_ids_BL is not None and kv_segment_ids_BS is None:
     kv_segment_ids_BS = segment_ids_BL
@@ -41,7 +49,7 @@ def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_s
                          kv_segment_ids_BS=kv_segment_ids_BS)
   if implementation == 'cudnn':
     return _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
-                            kv_segment_ids_BS=kv_segment_ids_BS)
+                            kv_segment_ids_BS=kv_segment_ids_BS, segments=cudnn_segments)
   if implementation == 'pallas':
     return flash_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
                            kv_segment_ids_BS=kv_segment_ids_BS, block_q=block_q, block_k=block_k)
@@ -96,11 +104,58 @@ def _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS):
   return mask
 
 
-def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL, kv_segment_ids_BS):
-  """cuDNN's fused flash attention. It takes no segment ids, so packed rows become a [B,1,L,S]
-  boolean mask, which cuDNN applies as a bias: correct, but it materialises L×S per row."""
-  mask = None
-  if segment_ids_BL is not None:
-    mask = (segment_ids_BL[:, :, None] == kv_segment_ids_BS[:, None, :])[:, None]
-  return jax.nn.dot_product_attention(q_BLNH, k_BSKH, v_BSKH, mask=mask, is_causal=causal,
-                                      implementation='cudnn')
+# The op name that marks cuDNN's dense-mask fallback for rows of more documents than the packed
+# layout holds: the time model charges a step the packed branch it takes (planning/timing.py).
+DENSE_FALLBACK = 'cudnn_dense_mask_fallback'
+
+
+def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL, kv_segment_ids_BS,
+                     segments: int = 0):
+  """cuDNN's fused flash attention. Packed rows (segment ids, self-attention, causal) take its
+  packed layout when every row of the batch is laid out as data/packing.py lays rows (documents
+  numbered 1, 2, … end to end, padding 0 at the end) in at most `segments` documents, padding
+  counted as one: each attends within itself and the blocks between documents are skipped.
+  Otherwise cuDNN takes the segment mask as a dense [B, 1, L, S] bias (1.6–1.75× the kernels'
+  time, planning/gpus.py: CUDNN_BIAS_SLOWDOWN)."""
+  attend = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                             implementation='cudnn')
+  if segment_ids_BL is None:
+    return attend(q_BLNH, k_BSKH, v_BSKH)
+
+  def dense(q, k, v, ids_BL, kv_ids_BS):
+    with jax.named_scope(DENSE_FALLBACK):
+      return attend(q, k, v, mask=(ids_BL[:, :, None] == kv_ids_BS[:, None, :])[:, None])
+
+  if not (segments and causal and kv_segment_ids_BS is segment_ids_BL):
+    return dense(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS)
+  laid_out, starts_BM1, lengths_BM = packed_layout(segment_ids_BL, segments)
+
+  def packed(q, k, v, ids_BL, kv_ids_BS):
+    return fused_attention.dot_product_attention(
+        q, k, v, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=starts_BM1,
+        kv_offsets=starts_BM1, scale=1 / np.sqrt(q.shape[-1]),
+        mask_type=fused_attention.MaskType.PADDING_CAUSAL, qkv_layout='BTNH')
+
+  return jax.lax.cond(laid_out, packed, dense, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
+                      kv_segment_ids_BS)
+
+
+def packed_layout(segment_ids_BL, segments: int):
+  """(whether every row is laid out for cuDNN's packed layout, each row's document starts
+  [B, segments + 1] and lengths [B, segments], -1 past its last). A row is laid out when its ids
+  run 1, 2, … by steps of one, then padding (0) to its end, in at most `segments` documents with
+  the padding as one more: padding attends to padding, as under the dense mask, and every token
+  is in a document (a token in none gets NaN gradients from cuDNN)."""
+  B, L = segment_ids_BL.shape
+  padding = segment_ids_BL.max(axis=1, keepdims=True) + 1
+  ids_BL = jnp.where(segment_ids_BL == 0, padding, segment_ids_BL)
+  steps_BL = jnp.diff(ids_BL, axis=1)
+  laid_out = ((ids_BL[:, 0] == 1).all() & ((steps_BL == 0) | (steps_BL == 1)).all()
+              & (ids_BL[:, -1] <= segments).all())
+  lengths_BM = (ids_BL[:, None, :] == jnp.arange(1, segments + 1)[None, :, None]).sum(
+      -1, dtype=jnp.int32)
+  starts_BM = jnp.cumsum(lengths_BM, axis=1, dtype=jnp.int32) - lengths_BM
+  present_BM = lengths_BM > 0
+  starts_BM1 = jnp.concatenate([jnp.where(present_BM, starts_BM, -1),
+                                jnp.full((B, 1), -1, jnp.int32)], axis=1)
+  return laid_out, starts_BM1, jnp.where(present_BM, lengths_BM, -1)

@@ -44,6 +44,7 @@ class ModelConfig:
   attention: str
   attention_block_q: int
   attention_block_k: int
+  cudnn_segments: int  # cuDNN: the most documents a packed row holds for its packed layout; 0: mask
   context_parallel: str
   scan_layers: bool
   remat_policy: str
@@ -101,6 +102,10 @@ class ModelConfig:
           f'{self.rope_original_length}')
     # 'auto' is made concrete for the devices before a model is built (training/settings.py)
     _check_choice('attention', self.attention, ('auto', *IMPLEMENTATIONS))
+    if not 0 <= self.cudnn_segments <= 1024:
+      raise ValueError(f'config.model.cudnn_segments={self.cudnn_segments} must be 0 (cuDNN takes '
+                       'packed rows as a dense document mask) to 1024 (the most documents a row '
+                       'may hold for its packed layout; docs/attention.md)')
     if self.head_chunk < 0:
       raise ValueError(f'config.model.head_chunk={self.head_chunk} must be 0 (the whole batch\'s '
                        'logits at once) or a number of tokens, such as 4096')

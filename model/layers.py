@@ -263,8 +263,13 @@ class Attention(nnx.Module):
     if cfg.attention == 'xla':
       return kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids_BL=segment_ids_BL)
     if cfg.attention == 'cudnn':  # XLA partitions it, where it can
-      attend = functools.partial(kernels.attention, causal=True, implementation='cudnn')
-      run = sharding.partitioned
+      attend = functools.partial(kernels.attention, causal=True, implementation='cudnn',
+                                 cudnn_segments=cfg.cudnn_segments)
+      # Packed rows choose between cuDNN's packed layout and its dense mask (a conditional), which
+      # XLA's partitioner would run on every device's whole batch in the backward: per shard, each
+      # device chooses for its own rows.
+      packed = segment_ids_BL is not None and cfg.cudnn_segments
+      run = sharding.per_shard if packed else sharding.partitioned
     elif (axis := sharding.mesh_axis('length')) is None:
       attend = functools.partial(kernels.flash_attention, causal=True, **blocks)
     elif cfg.context_parallel == 'ring':

@@ -120,7 +120,17 @@ def devices(gpu: gpus.GPU, n: int) -> list:
   per_node = min(n, 8)
   topology = topologies.get_topology_desc(platform='cuda', topology=f'1x{n // per_node}x{per_node}',
                                           target_config=gpus.target_config(gpu))
+  _answer_capability_checks(gpu)
   return list(topology.devices)
+
+
+def _answer_capability_checks(gpu: gpus.GPU) -> None:
+  """JAX's cuDNN attention asks this process's own GPU for its compute capability while it
+  traces (its packed layout needs Hopper). A compile-only process has none: the GPU the devices
+  are made for answers."""
+  from jax._src.cudnn import fused_attention_stablehlo as fused_attention
+  fused_attention.check_compute_capability = lambda capability: gpu.compute_capability >= tuple(
+      int(x) for x in capability.split('.'))
 
 
 def is_deviceless(device) -> bool:

@@ -223,8 +223,10 @@ class _Model:
         callees, trips = dict(inst.callees()), inst.trip_count
         now += (trips * self.run(callees['body'], runs * trips)
                 + (trips + 1) * self.run(callees['condition'], runs * (trips + 1)))
-      elif op == 'conditional':
-        slowest = max((callee for _, callee in inst.callees()), key=lambda b: self.run(b, 0))
+      elif op == 'conditional':  # its slowest branch; not cuDNN's fallback for overfull rows
+        branches = [callee for _, callee in inst.callees()]
+        branches = [b for b in branches if not self.falls_back(b)] or branches
+        slowest = max(branches, key=lambda b: self.run(b, 0))
         now += self.run(slowest, runs)
       elif op == 'fusion-start':  # a slice of a stacked array moved by memcpy, on the stream
         kernel = self.async_copy(inst)
@@ -242,6 +244,13 @@ class _Model:
           self.kernels.setdefault((computation, inst.name), kernel).runs += runs
           self.launches += runs
     return now
+
+  def falls_back(self, computation: str) -> bool:
+    """Whether `computation` (or one it calls) is cuDNN's dense-mask fallback: a step takes it
+    only when a packed row holds more documents than its packed layout (kernels/attention.py)."""
+    return any(kernels.DENSE_FALLBACK in i.op_name or any(
+        self.falls_back(callee) for _, callee in i.callees())
+        for i in self.instructions(computation))
 
   def collective_seconds(self, c: collectives.Collective) -> float:
     if c.group <= 1 or not c.sent_bytes:

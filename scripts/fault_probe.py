@@ -189,6 +189,8 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
                                    'config.data.chat_template'),
     'draft heads alone, none asked': (['--config.model.draft_only=True'],
                                       'config.model.draft_heads'),
+    'cudnn segments negative': (['--config.model.cudnn_segments=-1'],
+                                'config.model.cudnn_segments=-1'),
     'bf16 gradients under fp32 compute': (['--config.model.compute_dtype=float32',
                                            '--config.model.grad_reduce_dtype=bfloat16'],
                                           "config.model.grad_reduce_dtype='bfloat16' with "

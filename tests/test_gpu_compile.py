@@ -14,8 +14,9 @@ import sys
 import pytest
 
 from configs import llama
+import kernels
 from kernels.flash_attention import default_blocks
-from planning import communication, gpu_compiler, gpus
+from planning import communication, gpu_compiler, gpus, timing
 from sharding import collectives
 from tests.conftest import f32_shapes
 from training import dry_run, loop, settings
@@ -77,6 +78,11 @@ def preset(name: str, attention: str):
   return config
 
 
+def hlo_line(hlo: str, name: str) -> str:
+  """The line of the instruction `name` in an HLO module's text."""
+  return re.search(rf'^\s*(?:ROOT )?%{re.escape(name)} = .*$', hlo, re.M).group(0)
+
+
 def compiled(config):
   """(compiled train step, plan) of `config` for its config.plan.target."""
   return compile_and_plan(build(settings.resolve(config)))
@@ -108,8 +114,13 @@ def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
   hlo = program.as_text()
   if attention == 'pallas':  # our kernel, lowered by Triton, not interpreted
     assert 'xla.gpu.triton' in hlo and 'flash_attention_fwd' in hlo
-  else:
-    assert '__cudnn$fmha' in hlo
+  else:  # packed rows: cuDNN's packed layout, and the dense mask for a batch with a fuller row
+    packed = re.findall(r'"max_seg_per_batch":\s*"?(\d+)', hlo)
+    assert packed.count(str(config.model.cudnn_segments)) == 3  # forward, again, backward
+    assert hlo.count('"__cudnn$fmhaScaleBiasSoftmax') == 3 and ' conditional(' in hlo
+    # ... and the time model charges the layout a step takes: the packed one
+    charged = [k for k in timing.predict(hlo, H100).kernels if k.part == 'attention']
+    assert charged and all(kernels.DENSE_FALLBACK not in hlo_line(hlo, k.name) for k in charged)
   if plan.n_devices > 1:  # FSDP: the GPU compiler reduce-scatters gradients (the CPU one cannot)
     assert plan.collectives['reduce-scatter']['count'] > 0
   # No fp32 [tokens, vocabulary] array larger than the head's chunk (model/head.py): arrays with

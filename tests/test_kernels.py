@@ -156,3 +156,50 @@ def test_bad_block_size_names_the_field():
   config.model.attention_block_q = 48
   with pytest.raises(ValueError, match='config.model.attention_block_q'):
     build(settings.resolve(config))
+
+
+def packed_rows(lengths_per_row, L, padded_rows=()):
+  """Segment ids as data/packing.py lays rows: documents numbered from 1, end to end; the rows
+  in `padded_rows` end in padding (0) after their documents."""
+  rows = []
+  for r, lengths in enumerate(lengths_per_row):
+    row = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] or [np.zeros(0)])
+    assert len(row) == L or r in padded_rows
+    rows.append(np.pad(row, (0, L - len(row))))
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def test_packed_layout_gives_each_rows_document_offsets_with_padding_as_one_more():
+  """cuDNN's packed layout (kernels/attention.py): each row's document starts and lengths, -1
+  past its last; padding at a row's end is a document of its own (a token in none would get
+  NaN gradients from cuDNN), which attends to itself as under the dense mask."""
+  from kernels.attention import packed_layout
+  ids = packed_rows([[5, 3, 8], [16], [4, 4]], 16, padded_rows=(2,))
+  laid_out, starts, lengths = packed_layout(ids, 4)
+  assert bool(laid_out)
+  np.testing.assert_array_equal(starts, [[0, 5, 8, -1, -1], [0, -1, -1, -1, -1],
+                                         [0, 4, 8, -1, -1]])
+  np.testing.assert_array_equal(lengths, [[5, 3, 8, -1], [16, -1, -1, -1], [4, 4, 8, -1]])
+  # The dense mask it replaces: same document, and causal within it.
+  same = np.asarray(ids)[:, :, None] == np.asarray(ids)[:, None, :]
+  for b in range(3):
+    for m in range(4):
+      if lengths[b, m] > 0:
+        block = slice(int(starts[b, m]), int(starts[b, m] + lengths[b, m]))
+        assert same[b, block, block].all() and same[b, block].sum() == lengths[b, m] ** 2
+
+
+@pytest.mark.parametrize('rows,why', [
+    ([[1, 1, 2, 2, 3, 3, 4, 0]], 'four documents and the padding: more than 4'),
+    ([[1, 1, 2, 2, 1, 1, 3, 3]], 'a document in two places'),
+    ([[2, 2, 3, 3, 3, 3, 3, 3]], 'not numbered from 1'),
+    ([[1, 1, 3, 3, 3, 3, 3, 3]], 'a number skipped'),
+    ([[1, 1, 0, 0, 2, 2, 2, 2]], 'padding before a document'),
+])
+def test_rows_cudnns_packed_layout_cannot_hold_take_the_dense_mask(rows, why):
+  """A batch is laid out only when every row is: one that is not sends the step to the mask."""
+  from kernels.attention import packed_layout
+  ids = jnp.asarray(np.array(rows + [[1] * 8]), jnp.int32)
+  assert not bool(packed_layout(ids, 4)[0]), why
+  assert bool(packed_layout(jnp.asarray(np.array([[1] * 8, [1, 1, 2, 2, 3, 3, 4, 0]]),
+                                        jnp.int32), 5)[0])  # 5 hold them
