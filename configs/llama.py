@@ -18,19 +18,22 @@ Plan on any machine, compiled for the H100s each preset is meant for (GPUS below
       --config.plan.target=H100 --config.plan.devices=8
   python -m benchmarks.partition --config=configs/llama.py:70b --devices=32,64  # 4, 8 nodes
 With memory to spare, the 8b's layers unrolled (--config.model.scan_layers=False) are predicted
-at 2.77 s a step for 48.5 GiB a GPU, against 2.92 s for 45.7 GiB scanned (docs/time-model.md).
+at 3.00 s a step for 48.3 GiB a GPU, against 3.24 s for 45.7 GiB scanned (docs/time-model.md);
+the 1b's are unrolled (UNROLLED below).
 Start from the weights they mirror (docs/huggingface.md), which brings
 the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
   python train.py --config=configs/llama.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B
 Should reach: the loss falls as the default run's does (without init_from they train
 byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 tokenizer.json gives
 them their real vocabulary). Compiled for H100 (cudnn attention, gradients reduced in bf16 across
-GPUs), a step needs 8.7 GiB (125m, dots), 43.5 GiB (1b, dots) and 45.7 GiB a GPU (8b, dots over 4
+GPUs), a step needs 8.7 GiB (125m, dots), 45.2 GiB (1b, dots) and 45.7 GiB a GPU (8b, dots over 4
 microbatches, FSDP over 8), within the 59.7 GiB JAX's allocator takes of each. The time model
-predicts (the dry run prints it) 70.3 ms, 516 ms and 2.92 s a step: MFU 38%, 53% and 58%
-(jaxlib 0.11.2; docs/testing.md has what moved from 0.10.2; docs/memory.md, docs/time-model.md).
+predicts (the dry run prints it) 85.1 ms, 545 ms and 3.24 s a step: MFU 31%, 50% and 53%
+(jaxlib 0.11.2, the model fitted to an H200's measurements; docs/time-model.md, docs/memory.md).
+Measured on one H200: the 125m's step 71.4 ms, the 1b's 561 ms scanned and 528 ms unrolled
+(benchmarks/results/calibrate_steps_*-h200.json).
 On jaxlib 0.10.2 the 8b-128k (full) needed 25.4 GiB. The 70b, FSDP over 32 H100s (remat full),
-needs 51.4 GiB a GPU and is predicted at 12.7 s a step (MFU 29%), half of it waiting on the links
+needs 51.4 GiB a GPU and is predicted at 13.1 s a step (MFU 28%), half of it waiting on the links
 between nodes: docs/parallelism.md has it under each partition across nodes. MaxText's steps,
 compiled beside them by the same XLA: benchmarks/peers.py (docs/time-model.md).
 On GPU, compare the benchmark's measured MFU with those and with the peers' 33–50% (MaxText,
