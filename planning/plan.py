@@ -239,6 +239,9 @@ def report(plan: Plan) -> None:
   print(json.dumps(plan.as_dict()))
 
 
+# The parts whose efficiencies no GPU has measured yet (planning/gpus.py), said beside their time.
+UNFITTED = {'communication': 'collectives at priors (NCCL on NVLink and NICs): one GPU cannot '
+                             'time them'}
 PART_NAMES = {'gemm': 'GEMMs', 'attention': 'attention', 'fusion': 'other fusions',
               'other': 'other kernels', 'communication': 'exposed communication',
               'launch': 'launch gaps'}
@@ -255,7 +258,10 @@ def time_rows(time: dict | None, kernels: int = 10) -> list[tuple[str, str]]:
                                     f'{time["gpu"]}, not a measurement')]
   rows += [(f'  {PART_NAMES[part]}', f'{readable_seconds(t["s"])} ({t["share"]:.0%})'
             + (f' of {readable_seconds(time["communication_s"])} in all'
-               if part == 'communication' else ''))
+               if part == 'communication' else '')
+            + (f'; {UNFITTED[part]}' if part in UNFITTED and t['s'] else '')
+            + ('; our grouped matmul at a prior, not yet timed' if part == 'gemm' and any(
+                'grouped_matmul' in k['op'] for k in time['kernels']) else ''))
            for part, t in time['breakdown'].items()]
   rows += [(f'  costliest #{i}', f'{readable_seconds(k["s"])} {k["part"]}: {k["op"]} '
                                  f'({k["name"]}) × {k["runs"]}')

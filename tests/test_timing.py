@@ -303,3 +303,22 @@ def test_cudnn_with_the_document_bias_is_charged_its_measured_slowdown():
     assert biased[name].flops == k.flops
     assert biased[name].seconds == pytest.approx(
         k.seconds * gpus.CUDNN_BIAS_SLOWDOWN[backward], rel=1e-6), name
+
+
+def test_the_plan_says_which_parts_no_gpu_has_fitted():
+  """Collectives and our grouped matmul run at priors: the plan says so beside their time, and
+  says nothing of a part that takes none."""
+  from planning.plan import time_rows
+  part = lambda s: {'s': s, 'share': 0.5}
+  time = {'seconds': 1.0, 'tokens_per_s_per_device': 1.0, 'mfu': 0.5, 'gpu': 'H100',
+          'communication_s': 0.5, 'kernels': [{'s': 0.1, 'part': 'gemm', 'op': 'x/dot_general',
+                                               'name': 'gemm_fusion', 'runs': 1}],
+          'breakdown': {'gemm': part(0.5), 'communication': part(0.5)}}
+  rows = dict(time_rows(time))
+  assert 'collectives at priors' in rows['  exposed communication']
+  assert 'prior' not in rows['  GEMMs']
+  time['kernels'][0]['op'] = 'grouped_matmul/pallas_call'
+  time['breakdown']['communication'] = part(0.0)
+  rows = dict(time_rows(time))
+  assert 'grouped matmul at a prior' in rows['  GEMMs']
+  assert 'prior' not in rows['  exposed communication']
