@@ -116,8 +116,9 @@ def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
     assert 'xla.gpu.triton' in hlo and 'flash_attention_fwd' in hlo
   else:  # packed rows: cuDNN's packed layout, and the dense mask for a batch with a fuller row
     packed = re.findall(r'"max_seg_per_batch":\s*"?(\d+)', hlo)
-    assert packed.count(str(config.model.cudnn_segments)) == 3  # forward, again, backward
-    assert hlo.count('"__cudnn$fmhaScaleBiasSoftmax') == 3 and ' conditional(' in hlo
+    layers = 1 if config.model.scan_layers else config.model.n_layers  # a scan body holds one
+    assert packed.count(str(config.model.cudnn_segments)) == 3 * layers  # forward, again, backward
+    assert hlo.count('"__cudnn$fmhaScaleBiasSoftmax') == 3 * layers and ' conditional(' in hlo
     # ... and the time model charges the layout a step takes: the packed one
     charged = [k for k in timing.predict(hlo, H100).kernels if k.part == 'attention']
     assert charged and all(kernels.DENSE_FALLBACK not in hlo_line(hlo, k.name) for k in charged)
@@ -406,6 +407,7 @@ def test_fp8_projections_are_cublaslt_fp8_gemms_on_h100(h100):
   dx and dW, in one pass (model/head.py)."""
   config = preset('1b', 'cudnn')
   config.model.matmul_precision, config.model.remat_policy = 'fp8', 'full'
+  config.model.scan_layers = True  # one layer's GEMMs, in the scan's body
   program, plan = compiled(config)
   assert plan.fits
   hlo = program.as_text()
