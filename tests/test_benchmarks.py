@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -121,35 +123,48 @@ def test_calibrate_stops_a_part_past_its_budget(tmp_path):
   assert len(rows) == 2 and rows[0]['what'] == 'pass over 1 MiB' and 'skipped' in rows[1]
 
 
-def test_calibrate_check_re_predicts_the_bank_within_the_goal():
-  f = figures('calibrate', '--check', config=())
+def test_calibrate_check_re_predicts_the_bank_within_the_goal(capsys):
+  from benchmarks import calibrate
+  calibrate.check(str(REPO / 'benchmarks' / 'results'))
+  f = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert f['programs'] >= 64 and f['missing_goal'] == [] and all(f['ratios'].values())
+
+
+def copy_rows(*mib):
+  """Rows of calibrate's copy part as a run writes them, and their programs."""
+  rows = [{'what': f'pass over {m} MiB', 'bytes': 2 * m * 2**20, 'measured_s': m * 1e-3,
+           'predicted_s': m * 1e-3, 'ratio': 1.0, 'launches': 1, 'tb_per_s': 2 * 2**20 / 1e9}
+          for m in mib]
+  rows.append({'what': 'chain of 2 small matmuls', 'kernels': 2, 'measured_s': mib[0] * 1e-5,
+               'predicted_s': 1e-5, 'ratio': mib[0], 'launches': 2, 'per_kernel_s': mib[0] * 5e-6})
+  return rows, {r['what']: {'hlo': f'HloModule {r["what"]}', 'profile': {'calls': 3, 'events': []}}
+                for r in rows}
 
 
 def test_calibrate_merges_other_runs_into_the_bank(tmp_path):
   """Two GPU commands' parts, merged: a row of the same `what` replaced, the others kept, the
   refit made again from them all; a bank of another device is refused."""
-  for run, mib in (('a', '1,2'), ('b', '2,3')):
-    figures('calibrate', '--parts=copy', f'--copy_mib={mib}', '--chain=2', '--iters=1',
-            f'--out_dir={tmp_path / run}', config=())
-  result = subprocess.run([sys.executable, '-m', 'benchmarks.calibrate',
-                           f'--merge={tmp_path / "a"},{tmp_path / "b"}', f'--out_dir={tmp_path}'],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
+  from benchmarks import calibrate
+  for run, mib in (('a', (1, 2)), ('b', (2, 3))):
+    rows, programs = copy_rows(*mib)
+    calibrate.write(str(tmp_path / run), 'copy', 'cpu', {
+        'benchmark': 'calibrate_copy', 'device': 'cpu', 'platform': 'cpu', 'jax': '0.11.2',
+        'model_for': 'nominal device', 'rows': rows, 'refit': {}, 'seconds': 1.0,
+        'command': f'python -m benchmarks.calibrate --run={run}'}, programs)
+  calibrate.merge([str(tmp_path / 'a'), str(tmp_path / 'b')], str(tmp_path))
   merged = json.loads((tmp_path / 'calibrate_copy-cpu.json').read_text())
   b = json.loads((tmp_path / 'b' / 'calibrate_copy-cpu.json').read_text())
   whats = [r['what'] for r in merged['rows']]
   assert whats == ['pass over 1 MiB', 'pass over 2 MiB', 'pass over 3 MiB', 'chain of 2 small matmuls']
   assert merged['rows'][1:] == b['rows'] and len(merged['command']) == 2
-  assert set(merged['refit']) == {'HBM_EFFICIENCY', 'KERNEL_LAUNCH_S'}
+  assert merged['refit']['KERNEL_LAUNCH_S'] == 2 * 5e-6  # b's chain replaced a's
+  assert merged['refit']['HBM_EFFICIENCY'] == pytest.approx(2 * 2**20 / 1e9)  # of nominal 1 TB/s
   with gzip.open(tmp_path / 'calibrate_copy-cpu.programs.json.gz') as f:
     assert sorted(json.load(f)['programs']) == sorted(whats)
   other = json.loads((tmp_path / 'b' / 'calibrate_copy-cpu.json').read_text())
   (tmp_path / 'b' / 'calibrate_copy-cpu.json').write_text(json.dumps({**other, 'device': 'H200'}))
-  result = subprocess.run([sys.executable, '-m', 'benchmarks.calibrate', f'--merge={tmp_path / "b"}',
-                           f'--out_dir={tmp_path}'], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-  assert result.returncode != 0 and 'ran on H200' in result.stderr
+  with pytest.raises(ValueError, match='ran on H200'):
+    calibrate.merge([str(tmp_path / 'b')], str(tmp_path))
 
 
 def test_the_fault_probe_runs_its_cases_and_counts_them():
