@@ -2,6 +2,7 @@
 gradients, GQA, packed rows, padding, odd lengths, bf16; in the model, and under a sharded mesh."""
 
 import functools
+import importlib
 
 import flax.linen
 import jax
@@ -203,3 +204,54 @@ def test_rows_cudnns_packed_layout_cannot_hold_take_the_dense_mask(rows, why):
   assert not bool(packed_layout(ids, 4)[0]), why
   assert bool(packed_layout(jnp.asarray(np.array([[1] * 8, [1, 1, 2, 2, 3, 3, 4, 0]]),
                                         jnp.int32), 5)[0])  # 5 hold them
+
+
+def cudnn_as_documented(monkeypatch):
+  """cuDNN's two calls as JAX documents them, computed by XLA on the CPU: the dense path
+  (jax.nn.dot_product_attention with a mask) and the packed layout, where a query at position i
+  of document m (offset o_m, length l_m of its row) attends to the keys o_m … i; a position in no
+  document attends to nothing."""
+  module = importlib.import_module('kernels.attention')  # the package's `attention` is the function
+  dense = jax.nn.dot_product_attention
+  monkeypatch.setattr(jax.nn, 'dot_product_attention',
+                      lambda *a, implementation=None, **kw: dense(*a, implementation='xla', **kw))
+
+  def packed(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type,
+             qkv_layout):
+    assert (q_seqlen is kv_seqlen and q_offsets is kv_offsets and qkv_layout == 'BTNH'
+            and mask_type == module.fused_attention.MaskType.PADDING_CAUSAL
+            and scale == 1 / np.sqrt(q.shape[-1]))
+    L = q.shape[1]
+    position = jnp.arange(L)
+    starts, lengths = q_offsets[:, :-1, None], q_seqlen[:, :, None]
+    inside_BML = (lengths > 0) & (position >= starts) & (position < starts + lengths)
+    document_BL = jnp.where(inside_BML.any(1), jnp.argmax(inside_BML, axis=1) + 1, 0)
+    mask_BLS = ((document_BL[:, :, None] == document_BL[:, None, :])
+                & (document_BL[:, :, None] > 0) & (position[:, None] >= position[None, :]))
+    return module.masked_attention(q, k, v, mask_BLS)
+  monkeypatch.setattr(module.fused_attention, 'dot_product_attention', packed)
+
+
+@pytest.mark.parametrize('lengths,padded', [
+    ([[5, 3, 8], [16], [4, 4, 4]], (2,)),  # laid out: the packed layout
+    ([[2] * 8, [16], [16]], ()),  # eight documents in a row, more than 4: the dense mask
+])
+def test_cudnn_packed_rows_attend_as_the_segment_mask(monkeypatch, lengths, padded):
+  """The offsets and lengths handed to cuDNN's packed layout, and the choice between it and the
+  dense mask, give the attention (and gradients) of the segment mask: cuDNN's two calls as JAX
+  documents them, run by XLA here (the GPU's equality: benchmarks/results/cudnn_packed_probe-h200.json)."""
+  from kernels.attention import attention
+  cudnn_as_documented(monkeypatch)
+  ids = packed_rows(lengths, 16, padded_rows=padded)
+  q, k, v = (jax.random.normal(jax.random.key(i), (3, 16, heads, 8))
+             for i, heads in enumerate((4, 2, 2)))
+
+  def loss(fn):
+    return lambda q, k, v: (fn(q, k, v) * jnp.arange(8.0)).sum()
+  cudnn = lambda q, k, v: attention(q, k, v, causal=True, implementation='cudnn',
+                                    segment_ids_BL=ids, cudnn_segments=4)
+  reference = lambda q, k, v: xla_attention(q, k, v, causal=True, segment_ids_BL=ids)
+  np.testing.assert_allclose(jax.jit(cudnn)(q, k, v), reference(q, k, v), atol=1e-5)
+  for ours, theirs in zip(jax.jit(jax.grad(loss(cudnn), (0, 1, 2)))(q, k, v),
+                          jax.grad(loss(reference), (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
