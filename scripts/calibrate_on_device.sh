@@ -51,7 +51,9 @@ case "${1:-}" in
         part "$seconds" $flags --out_dir="$bank/$n"
       done < "$2"
     else
-      part 280 --parts=steps --step_precision=default --part_budget_s=110
+      # preset rows first; packed rows (segment ids: cuDNN's packed layout) next
+      part 300 --parts=steps --step_precision=default --step_variants=preset,packed \
+        --part_budget_s=130
       part 170 --parts=attention --part_budget_s=120
       part 60 --parts=gemm,copy --part_budget_s=30
       part 200 --parts=steps --step_precision=fp8 --step_attention=cudnn --part_budget_s=60 \
