@@ -73,9 +73,9 @@ _STEP_PRECISION = flags.DEFINE_list('step_precision', ['default', 'fp8'],
                                     'Their config.model.matmul_precision.')
 _ITERS = flags.DEFINE_integer('iters', 20, 'Calls of a kernel program a round.')
 _STEP_VARIANTS = flags.DEFINE_list(
-    'step_variants', ['preset'], 'Each a step variant of the configs: `preset`, `packed` (segment '
-    'ids in the batch: the document mask), or config overrides joined by + '
-    '(model.scan_layers=False+model.head_chunk=0).')
+    'step_variants', ['preset'], 'Each a step variant of the configs: `preset`, or `packed` (segment '
+    'ids in the batch) and config overrides joined by + (packed+model.cudnn_segments=0, '
+    'model.scan_layers=False+model.head_chunk=0).')
 _STEP_ITERS = flags.DEFINE_integer('step_iters', 6, 'Timed train steps.')
 _PROFILE_CALLS = flags.DEFINE_integer('profile_calls', 3, 'Calls of each program profiled.')
 _BUDGET = flags.DEFINE_float('part_budget_s', 360, 'A part adds no shape after this long.')
@@ -284,9 +284,11 @@ def override(config, assignment: str) -> None:
 def step_row(gpu, path: str, attention: str, precision: str, variant: str = 'preset') -> dict:
   config = load_config(path)
   config.model.attention, config.model.matmul_precision = attention, precision
-  packed = variant == 'packed'
-  for assignment in ([] if variant in ('preset', 'packed') else variant.split('+')):
-    override(config, assignment)
+  assignments = [] if variant == 'preset' else variant.split('+')
+  packed = 'packed' in assignments
+  for assignment in assignments:
+    if assignment != 'packed':
+      override(config, assignment)
   prepared = inputs.prepare(config, packed=packed)
   predicted = timing.predict(prepared.train_step.as_text(), gpu)
   state, times = prepared.state, []

@@ -51,8 +51,10 @@ case "${1:-}" in
         part "$seconds" $flags --out_dir="$bank/$n"
       done < "$2"
     else
-      # preset rows first; packed rows (segment ids: cuDNN's packed layout) next
-      part 300 --parts=steps --step_precision=default --step_variants=preset,packed \
+      # preset rows first; then packed rows: cuDNN's packed layout, and its dense mask (the
+      # bias tests/test_timing.py holds CUDNN_BIAS_SLOWDOWN to)
+      part 300 --parts=steps --step_precision=default \
+        --step_variants=preset,packed,packed+model.cudnn_segments=0 \
         --part_budget_s=130
       part 170 --parts=attention --part_budget_s=120
       part 60 --parts=gemm,copy --part_budget_s=30
