@@ -101,10 +101,10 @@ def check(results_dir: str = 'benchmarks/results') -> list[Checked]:
     for what, program in programs.items():
       # its row, and where in the row its measurement is: `… fwd_bwd` is row['fwd_bwd']
       row_what = max((r for r in rows if what == r or what.startswith(r + ' ')), key=len)
-      row = measured = rows[row_what]
+      row = timed = rows[row_what]
       for key in what.removeprefix(row_what).split():
-        measured = measured[key]
-      measured_s = measured['measured_s']
+        timed = timed[key]
+      measured_s = timed['measured_s']
       step = timing.predict(program['hlo'], gpu)
       measured = measured_classes(program['profile'], measured_s)
       predicted = predicted_classes(step)

@@ -228,17 +228,13 @@ class _Model:
         branches = [b for b in branches if not self.falls_back(b)] or branches
         slowest = max(branches, key=lambda b: self.run(b, 0))
         now += self.run(slowest, runs)
-      elif op == 'fusion-start':  # a slice of a stacked array moved by memcpy, on the stream
-        kernel = self.async_copy(inst)
-        now += kernel.seconds + gpus.KERNEL_LAUNCH_S
-        if runs:
-          self.kernels.setdefault((computation, inst.name), kernel).runs += runs
-          self.launches += runs
       elif op in ('call', 'async-start'):
         now += sum(self.run(callee, runs) for kind, callee in inst.callees()
                    if kind in ('to_apply', 'calls'))
-      elif not (op in _FREE or op.startswith('async-') or op.endswith(('-start', '-done'))):
-        kernel = self.kernel(inst, types)
+      elif op == 'fusion-start' or not (op in _FREE or op.startswith('async-')
+                                        or op.endswith(('-start', '-done'))):
+        # an asynchronous fusion-start: a slice of a stacked array moved by memcpy, on the stream
+        kernel = self.async_copy(inst) if op == 'fusion-start' else self.kernel(inst, types)
         now += kernel.seconds + gpus.KERNEL_LAUNCH_S
         if runs:
           self.kernels.setdefault((computation, inst.name), kernel).runs += runs
