@@ -16,6 +16,7 @@ inside an answer; the byte and SentencePiece tokenizers encode each piece on its
 an int32 array `[n]` (every token weighs 1) or `[2, n]` (ids; then weights, 0 or 1).
 """
 
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -34,30 +35,37 @@ FALLBACK = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
 GENERATION = re.compile(r'\{%-?\s*generation\s*-?%\}')
 
 
-def check(data_config, workdir=None) -> None:
-  """The chat settings' own checks; a template file gone is no matter to a run that kept its
-  own (`workdir`'s: owned_template)."""
+def check(data_config) -> None:
+  """The chat settings' own checks (the template's are `owned`'s, which reads it)."""
   if data_config.train_on not in TRAIN_ON:
     raise ValueError(f'config.data.train_on={data_config.train_on!r} is not one of {TRAIN_ON}')
-  template = data_config.chat_template
-  kept = workdir and (pathlib.Path(workdir).expanduser() / KEPT).is_file()
-  if (template not in ('auto', 'fallback') and not kept
-      and not pathlib.Path(template).expanduser().is_file()):
-    raise ValueError(f'config.data.chat_template={template!r} is not auto, fallback or a Jinja '
-                     'template file')
 
 
-def template_source(tokenizer, setting: str) -> tuple[str, str]:
-  """(the Jinja source, where it comes from) that config.data.chat_template names."""
+@dataclasses.dataclass(frozen=True)
+class Template:
+  """A chat template: its Jinja source, and where it comes from (for messages)."""
+  source: str
+  origin: str
+
+  @property
+  def digest(self) -> str:
+    return digest(self.source)
+
+
+def template_source(tokenizer, setting: str) -> Template:
+  """The chat template that config.data.chat_template names."""
   if setting == 'fallback':
-    return FALLBACK, 'the fallback template'
+    return Template(FALLBACK, 'the fallback template')
   if setting != 'auto':
     path = pathlib.Path(setting).expanduser()
-    return path.read_text(), str(path)
+    if not path.is_file():
+      raise ValueError(f'config.data.chat_template={setting!r} is not auto, fallback or a Jinja '
+                       'template file')
+    return Template(path.read_text(), str(path))
   own = getattr(tokenizer, 'chat_template', None)
   if own:
-    return own, f"the chat template of {tokenizer.path}'s tokenizer_config.json"
-  return FALLBACK, 'the fallback template (the tokenizer has none of its own)'
+    return Template(own, f"the chat template of {tokenizer.path}'s tokenizer_config.json")
+  return Template(FALLBACK, 'the fallback template (the tokenizer has none of its own)')
 
 
 KEPT = 'chat_template.jinja'  # a run's copy of the template it renders its records with
@@ -67,25 +75,30 @@ def digest(source: str) -> str:
   return 'sha256:' + hashlib.sha256(source.encode()).hexdigest()[:12]
 
 
-def owned_template(tokenizer, setting: str, workdir) -> tuple[str, str]:
-  """(source, origin) of the chat template a run in `workdir` renders with: its own copy
-  (workdir/chat_template.jinja, written by `keep_template` when it started) once it has one;
-  else what config.data.chat_template names. A template there now that is not the run's is
-  refused, naming both digests; one gone (a moved .jinja file) is not missed."""
+def owned(tokenizer, data_config, workdir) -> Template | None:
+  """The chat template a run in `workdir` renders its records with, found once (settings.resolve;
+  None where its records are not conversations): its own copy (workdir/chat_template.jinja,
+  written by `keep_template` when it started) once it has one; else what
+  config.data.chat_template names, which must be there whatever the records. A template there now
+  that is not the run's is refused, naming both digests; one gone (a moved .jinja file) is not
+  missed."""
   kept = pathlib.Path(workdir).expanduser() / KEPT if workdir else None
   if kept is None or not kept.is_file():
-    return template_source(tokenizer, setting)
-  mine = kept.read_text()
+    named = template_source(tokenizer, data_config.chat_template)
+    return named if data_config.record == 'messages' else None
+  if data_config.record != 'messages':
+    return None
+  mine = Template(kept.read_text(), str(kept))
   try:
-    source, origin = template_source(tokenizer, setting)
-  except OSError:  # the .jinja file moved: the run has its own
-    return mine, str(kept)
-  if source != mine:
+    named = template_source(tokenizer, data_config.chat_template)
+  except (OSError, ValueError):  # the .jinja file moved: the run has its own
+    return mine
+  if named.source != mine.source:
     raise ValueError(
-        f'config.data.chat_template: {origin} is {digest(source)} now, but the run in {workdir} '
-        f'rendered its records with {digest(mine)}, kept in {kept}: it keeps its own. Put the '
-        'template back, or train with the new one in another --config.workdir')
-  return mine, str(kept)
+        f'config.data.chat_template: {named.origin} is {named.digest} now, but the run in '
+        f'{workdir} rendered its records with {mine.digest}, kept in {kept}: it keeps its own. '
+        'Put the template back, or train with the new one in another --config.workdir')
+  return mine
 
 
 def keep_template(source: str, workdir: pathlib.Path) -> None:
@@ -124,12 +137,11 @@ class Renders:
       raise records.BadRecord(f'the chat template refuses it ({str(e)[:120]})') from None
 
 
-def renders(tokenizer, data_config, workdir=None) -> Renders | None:
+def renders(tokenizer, template: Template | None) -> Renders | None:
   """What corpus preparation checks each record with: for chat records, the run's template."""
-  if data_config.record != 'messages':
+  if template is None:
     return None
-  source, _ = owned_template(tokenizer, data_config.chat_template, workdir)
-  return Renders(source, getattr(tokenizer, 'special_tokens', {}))
+  return Renders(template.source, getattr(tokenizer, 'special_tokens', {}))
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -232,13 +244,16 @@ def _pieces(text: str, spans):
 class Encoder:
   """Stored documents of one kind → token arrays (a callable on a list of stored texts)."""
 
-  def __init__(self, tokenizer, record: str = 'text', template: str = 'auto',
-               train_on: str = 'answers', workdir=None):
-    """`workdir`: a run's, whose own copy of the template is rendered (owned_template)."""
+  def __init__(self, tokenizer, record: str = 'text', template: Template | None = None,
+               train_on: str = 'answers'):
+    """`template`: the run's (`owned`), which chat records are rendered with."""
     self.tokenizer, self.record = tokenizer, record
     self.masked = record != 'text' and train_on == 'answers'
-    self.source, self.origin = (owned_template(tokenizer, template, workdir)
-                                if record == 'messages' else ('', ''))
+    if record == 'messages' and template is None:
+      raise ValueError('chat records render with a template: pass chat.owned(...) or '
+                       'chat.template_source(...)')
+    self.source, self.origin = ((template.source, template.origin) if record == 'messages'
+                                else ('', ''))
 
   @property
   def key(self) -> str:

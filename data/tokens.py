@@ -37,19 +37,18 @@ MODES = ('auto', 'once', 'on_the_fly')
 BATCH = 256  # documents encoded at once while preparing
 
 
-def check(data_config, workdir=None) -> None:
-  """The data settings' own checks (of a run in `workdir`: chat.check)."""
+def check(data_config) -> None:
+  """The data settings' own checks (the chat template's are chat.owned's, which reads it)."""
   if data_config.tokenize not in MODES:
     raise ValueError(f'config.data.tokenize={data_config.tokenize!r} is not one of {MODES}')
   records.check(data_config)
-  chat.check(data_config, workdir)
+  chat.check(data_config)
 
 
-def encoder(corpus, tokenizer, data_config, workdir=None) -> Encoder:
-  """How the corpus's stored documents become token arrays (with the chat template of the run in
-  `workdir`, chat.owned_template)."""
-  return Encoder(tokenizer, corpus.record, data_config.chat_template, data_config.train_on,
-                 workdir)
+def encoder(corpus, tokenizer, data_config, template=None) -> Encoder:
+  """How the corpus's stored documents become token arrays (chat records rendered with
+  `template`, the run's: chat.owned)."""
+  return Encoder(tokenizer, corpus.record, template, data_config.train_on)
 
 
 @dataclasses.dataclass
@@ -63,9 +62,8 @@ class Documents:
 class OnTheFly:
   """A text source's documents, encoded when asked for."""
 
-  def __init__(self, source, text_key: str, tokenizer, encode: Encoder | None = None):
-    self.source, self.text_key = source, text_key
-    self.encode = encode or Encoder(tokenizer)
+  def __init__(self, source, text_key: str, encode: Encoder):
+    self.source, self.text_key, self.encode = source, text_key, encode
 
   def __len__(self):
     return len(self.source)
@@ -146,16 +144,17 @@ def _write(source, text_key: str, encode: Encoder, path: pathlib.Path, dtype) ->
   return tokens
 
 
-def prepared_dir(corpus, tokenizer, data_dir: str, encode: Encoder | None = None) -> pathlib.Path:
-  key = _corpus_key(corpus, encode or Encoder(tokenizer))
-  return pathlib.Path(data_dir) / 'meshlm_tokens' / f'{corpus.name}-{tokenizer.fingerprint}-{key}'
+def prepared_dir(corpus, encode: Encoder, data_dir: str) -> pathlib.Path:
+  key = _corpus_key(corpus, encode)
+  fingerprint = encode.tokenizer.fingerprint
+  return pathlib.Path(data_dir) / 'meshlm_tokens' / f'{corpus.name}-{fingerprint}-{key}'
 
 
-
-def prepare(corpus, tokenizer, data_dir: str, encode: Encoder | None = None) -> pathlib.Path:
-  """The directory of the corpus's token ids for `tokenizer`, written first if it is not there."""
-  encode = encode or Encoder(tokenizer)
-  final = prepared_dir(corpus, tokenizer, data_dir, encode)
+def prepare(corpus, encode: Encoder, data_dir: str) -> pathlib.Path:
+  """The directory of the corpus's token ids as `encode` makes them, written first if it is not
+  there."""
+  tokenizer = encode.tokenizer
+  final = prepared_dir(corpus, encode, data_dir)
   if (final / 'info.json').is_file():
     return final
   dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
@@ -180,16 +179,17 @@ def prepare(corpus, tokenizer, data_dir: str, encode: Encoder | None = None) -> 
   return final
 
 
-def load(corpus, tokenizer, data_config, data_dir: str, workdir=None) -> Documents:
-  """The corpus's documents as config.data.tokenize says, preparing their ids if needed."""
-  check(data_config, workdir)
-  encode = encoder(corpus, tokenizer, data_config, workdir)
+def load(corpus, tokenizer, data_config, data_dir: str, template=None) -> Documents:
+  """The corpus's documents as config.data.tokenize says, preparing their ids if needed (chat
+  records rendered with `template`, the run's: chat.owned)."""
+  check(data_config)
+  encode = encoder(corpus, tokenizer, data_config, template)
   if data_config.tokenize == 'on_the_fly' or (data_config.tokenize == 'auto'
                                               and tokenizer.name == 'byte'):
-    return Documents(OnTheFly(corpus.train, corpus.text_key, tokenizer, encode),
-                     OnTheFly(corpus.validation, corpus.text_key, tokenizer, encode),
+    return Documents(OnTheFly(corpus.train, corpus.text_key, encode),
+                     OnTheFly(corpus.validation, corpus.text_key, encode),
                      'tokenized on the fly')
-  directory = prepare(corpus, tokenizer, data_dir, encode)
+  directory = prepare(corpus, encode, data_dir)
   info = json.loads((directory / 'info.json').read_text())
   sources = [Prepared(str(directory / f'{split}.array_record'), info['dtype'],
                       f'config.data: the prepared token ids in {directory} are damaged; delete '

@@ -103,13 +103,13 @@ def chat_prompt(loaded: Loaded, message: str) -> str:
   """`message` as a user's turn in the run's chat template (the one it kept, else
   config.data.chat_template: the tokenizer's own or the fallback), with the generation prompt:
   what a chat server sends."""
-  source, origin = chat.template_source(loaded.tokenizer, loaded.run.data.chat_template)
+  template = chat.template_source(loaded.tokenizer, loaded.run.data.chat_template)
   try:
-    return chat.render(source, [{'role': 'user', 'content': message}],
+    return chat.render(template.source, [{'role': 'user', 'content': message}],
                        getattr(loaded.tokenizer, 'special_tokens', {}),
                        add_generation_prompt=True)
   except chat.TemplateError as e:
-    raise ValueError(f'--chat: the run\'s chat template ({origin}) fails on the prompt '
+    raise ValueError(f'--chat: the run\'s chat template ({template.origin}) fails on the prompt '
                      f'{message[:60]!r}: {e}; ask without --chat, or another prompt') from None
 
 

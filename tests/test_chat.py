@@ -22,6 +22,8 @@ from data.packing import Lane
 from training import loop
 from tests.conftest import tiny_config
 
+FALLBACK = chat.Template(chat.FALLBACK, 'the fallback template')
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CHAT = REPO / 'tests' / 'data' / 'hf-chat'
 GOLDENS = json.loads((CHAT / 'goldens.json').read_text())
@@ -71,7 +73,7 @@ def test_chat_templates_render_and_tokenize_as_transformers_does(name):
   its {% generation %} mask marks where a template has one; the weighted tokens decode to the
   assistant's turns (and the template's end of turn)."""
   tok = tokenizers.HFTokenizer(str(CHAT / name / 'tokenizer.json'))
-  encode = chat.Encoder(tok, 'messages', 'auto')
+  encode = chat.Encoder(tok, 'messages', chat.template_source(tok, 'auto'))
   assert tok.chat_template and 'fallback' not in encode.origin
   for messages, want in zip(GOLDENS['conversations'], GOLDENS[name]):
     text, spans = chat.answer_spans(tok.chat_template, messages, tok.special_tokens)
@@ -96,7 +98,7 @@ def test_chat_templates_render_and_tokenize_as_transformers_does(name):
 def test_answer_weights_survive_packing_cut_anywhere():
   """The fallback template on bytes: a pair weighs what its target does, whether a row holds
   several conversations or one is cut across rows; and train_on='all' weighs every pair."""
-  encode = chat.Encoder(tokenizers.ByteTokenizer(), 'messages', 'fallback')
+  encode = chat.Encoder(tokenizers.ByteTokenizer(), 'messages', FALLBACK)
   stored = [json.dumps(r).encode() for r in chat_records(6)]
   docs = encode(stored)
   assert all(d.ndim == 2 for d in docs)
@@ -110,7 +112,7 @@ def test_answer_weights_survive_packing_cut_anywhere():
     rows = [lane.next_row() for _ in range(-(-sum(d.shape[1] - 1 for d in docs) // seq_len))]
     weights = np.concatenate([r['weights'][r['segment_ids'] > 0] for r in rows])
     np.testing.assert_array_equal(weights, targets)
-  everything = chat.Encoder(tokenizers.ByteTokenizer(), 'messages', 'fallback', 'all')(stored)
+  everything = chat.Encoder(tokenizers.ByteTokenizer(), 'messages', FALLBACK, 'all')(stored)
   assert all(d.ndim == 1 for d in everything)
   np.testing.assert_array_equal(everything[0], docs[0][0])
 
@@ -184,6 +186,7 @@ def test_record_settings_and_files_that_hold_nothing_are_one_clear_error(tmp_pat
     config.data[field] = value
     with pytest.raises(ValueError, match=match):
       tokens.check(config.data)
+      chat.owned(tokenizers.ByteTokenizer(), config.data, None)
 
 
 def test_an_interrupted_record_preparation_leaves_nothing(tmp_path, monkeypatch):
@@ -217,9 +220,11 @@ def test_prepared_chat_ids_carry_their_weights_and_a_run_evaluates_only_answers(
   config.data.tokenize = 'once'
   tok = tokenizers.load(config.data)
   corpus = corpus_lib.load(config.data)
-  docs = tokens.load(corpus, tok, config.data, str(tmp_path / 'tfds'))
+  template = chat.owned(tok, config.data, None)
+  docs = tokens.load(corpus, tok, config.data, str(tmp_path / 'tfds'), template)
   assert isinstance(docs.validation, tokens.Prepared)
-  fly = tokens.OnTheFly(corpus.validation, 'text', tok, tokens.encoder(corpus, tok, config.data))
+  fly = tokens.OnTheFly(corpus.validation, 'text',
+                        tokens.encoder(corpus, tok, config.data, template))
   n = len(fly)
   want = fly.get(range(n))
   assert all(d.ndim == 2 for d in want)
@@ -297,7 +302,7 @@ def test_a_conversation_starts_as_its_template_renders_it_and_blank_answers_are_
   gives a served model; every assistant turn blank is a bad record; a run's own template is
   kept and a changed one refused."""
   byte = tokenizers.ByteTokenizer()
-  document, = chat.Encoder(byte, 'messages', 'fallback')([json.dumps({'messages': [
+  document, = chat.Encoder(byte, 'messages', FALLBACK)([json.dumps({'messages': [
       {'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'yo'}]}).encode()])
   ids, _ = chat.ids_and_weights(document)
   assert bytes(ids[:12].tolist()).decode() == '<|im_start|>' and ids[-1] == byte.eos_id
@@ -307,10 +312,12 @@ def test_a_conversation_starts_as_its_template_renders_it_and_blank_answers_are_
                                  {'role': 'assistant', 'content': ' \n'}]}, fields)
   template = tmp_path / 'mine.jinja'
   template.write_text(chat.FALLBACK)
-  chat.keep_template(chat.owned_template(byte, str(template), tmp_path)[0], tmp_path)
+  setting = tiny_config().data
+  setting.record, setting.chat_template = 'messages', str(template)
+  chat.keep_template(chat.owned(byte, setting, tmp_path).source, tmp_path)
   template.unlink()  # moved: the run has its own
-  assert chat.owned_template(byte, str(template), tmp_path)[0] == chat.FALLBACK
+  assert chat.owned(byte, setting, tmp_path).source == chat.FALLBACK
   template.write_text(chat.FALLBACK + ' ')
   with pytest.raises(ValueError, match=r'config.data.chat_template: .* is sha256:\w+ now, but '
                                        r'the run .* rendered its records with sha256:'):
-    chat.owned_template(byte, str(template), tmp_path)
+    chat.owned(byte, setting, tmp_path)

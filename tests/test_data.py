@@ -12,7 +12,7 @@ import pytest
 
 import sharding
 from data import corpus as corpus_lib
-from data import pipeline, tokenizers, tokens, train_tokenizer
+from data import chat, pipeline, tokenizers, tokens, train_tokenizer
 from data.packing import ROW_KEYS
 from runtime import faults
 from training import loop
@@ -98,7 +98,7 @@ def test_training_rows_are_fully_packed_and_the_next_epoch_reshuffles():
 
 
 def train_batches(config, corpus, n, workers=0, state=None, rows=None, sharding_=None):
-  docs = pipeline.documents(tokens.OnTheFly(corpus.train, corpus.text_key, BYTES),
+  docs = pipeline.documents(tokens.OnTheFly(corpus.train, corpus.text_key, chat.Encoder(BYTES)),
                             seed=config.seed)
   batches = pipeline.Batches(docs, batch_sharding=sharding_ or one_device_sharding(),
                              batch_size=config.batch_size, seq_len=config.seq_len,
@@ -161,7 +161,8 @@ def test_process_shares_are_disjoint_and_rebuild_the_global_batch(small_corpus, 
 def test_global_array_shards_hold_the_rows_the_pipeline_built(small_corpus):
   config = tiny_config(data=2, fsdp=2, sequence=2)
   batch_sharding = sharding.batch_sharding(build(settings.resolve(config)).mesh)
-  docs = pipeline.documents(tokens.OnTheFly(small_corpus.train, 'text', BYTES), seed=0)
+  docs = pipeline.documents(tokens.OnTheFly(small_corpus.train, 'text', chat.Encoder(BYTES)),
+                            seed=0)
   batches = pipeline.Batches(docs, batch_sharding=batch_sharding, batch_size=8, seq_len=32,
                              pad_id=BYTES.pad_id)
   local = batches.next_local()
@@ -219,7 +220,8 @@ def test_sentencepiece_trains_on_the_corpus_and_round_trips_exactly(tmp_path):
 def assert_rows_decode_to_the_documents(config, tokenizer):
   """Through the pipeline: the packed rows' targets decode back to the training documents."""
   corpus = corpus_lib.load(config.data)
-  docs = pipeline.documents(tokens.OnTheFly(corpus.train, 'text', tokenizer), seed=None)
+  docs = pipeline.documents(tokens.OnTheFly(corpus.train, 'text', chat.Encoder(tokenizer)),
+                            seed=None)
   batches = pipeline.Batches(docs, batch_sharding=one_device_sharding(), batch_size=1,
                              seq_len=64, pad_id=tokenizer.pad_id, epochs=1)
   targets = np.concatenate([b['targets'][b['weights'] > 0] for b in

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from data import pipeline, tokenizers, tokens
+from data import chat, pipeline, tokenizers, tokens
 from model import ModelConfig, moe
 from model.layers import MLP
 from model.transformer import Transformer
@@ -240,7 +240,7 @@ def train(config, devices, corpus, steps: int, keep=()):
   step = programs.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
                                      microbatches=config.microbatches)
   byte = tokenizers.ByteTokenizer()
-  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), run,
+  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', chat.Encoder(byte)), run,
                                    sharding.batch_sharding(setup.mesh))
   curve, kept = [], {}
   for i in range(1, steps + 1):

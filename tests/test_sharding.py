@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from data import pipeline, tokenizers, tokens
+from data import chat, pipeline, tokenizers, tokens
 from sharding import collectives
 import sharding
 from tests.conftest import tiny_config
@@ -30,7 +30,7 @@ def train_losses(config, devices, corpus):
   state = setup.init_state()
   step = programs.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
   byte = tokenizers.ByteTokenizer()
-  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', byte), run,
+  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', chat.Encoder(byte)), run,
                                    sharding.batch_sharding(setup.mesh))
   losses = []
   for _ in range(STEPS):

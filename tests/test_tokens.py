@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from data import corpus as corpus_lib
-from data import pipeline, tokenizers, tokens, train_tokenizer
+from data import chat, pipeline, tokenizers, tokens, train_tokenizer
 from data.packing import ROW_KEYS
 from runtime import faults
 from training import loop
@@ -51,7 +51,7 @@ def test_prepared_batches_equal_tokenizing_on_the_fly(small_corpus, bpe, tmp_pat
   assert isinstance(docs.train, tokens.Prepared) and 'prepared in' in docs.description
   assert bpe.fingerprint in pathlib.Path(docs.train.path).parent.name
   assert docs.train.dtype == 'uint16'  # 1,000 ids: two bytes each
-  on_the_fly = tokens.OnTheFly(small_corpus.train, 'text', bpe)
+  on_the_fly = tokens.OnTheFly(small_corpus.train, 'text', chat.Encoder(bpe))
   n = len(on_the_fly)
   expected = on_the_fly.get(range(n))
   assert all(np.array_equal(a, b) for a, b in zip(docs.train.get(range(n)), expected))
@@ -127,7 +127,7 @@ def test_an_interrupted_preparation_leaves_nothing_and_a_damaged_one_is_named(
 KILLED = """
 import sys, time
 from configs import base
-from data import corpus as corpus_lib, tokenizers, tokens
+from data import chat, corpus as corpus_lib, tokenizers, tokens
 
 class Slow(tokenizers.ByteTokenizer):
   def encode_batch(self, texts):
@@ -137,7 +137,7 @@ class Slow(tokenizers.ByteTokenizer):
 config = base.get_config().data
 config.paths, config.validation_fraction = sys.argv[1], float(sys.argv[3])
 tokens.BATCH = 1
-tokens.prepare(corpus_lib.load(config), Slow(), sys.argv[2])
+tokens.prepare(corpus_lib.load(config), chat.Encoder(Slow()), sys.argv[2])
 """
 
 
@@ -157,7 +157,7 @@ def test_a_killed_preparation_is_never_read_and_the_next_prepares_afresh(tmp_pat
   corpus = corpus_lib.load(config.data)
   docs = prepared(corpus, tokenizers.ByteTokenizer(), tmp_path)  # same fingerprint: afresh
   assert left.name.startswith(f'incomplete-{pathlib.Path(docs.train.path).parent.name}-')
-  expected = tokens.OnTheFly(corpus.train, 'text', tokenizers.ByteTokenizer())
+  expected = tokens.OnTheFly(corpus.train, 'text', chat.Encoder(tokenizers.ByteTokenizer()))
   n = len(expected)
   assert all(np.array_equal(a, b) for a, b in zip(docs.train.get(range(n)),
                                                   expected.get(range(n))))

@@ -188,7 +188,7 @@ def test_unpacked_batches_train_like_packed_rows_of_one_document():
 
 
 def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpus):
-  from data import pipeline, tokens
+  from data import chat, pipeline, tokens
   from training import programs
   import sharding
   results = []
@@ -197,8 +197,8 @@ def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpu
     config.microbatches, config.batch_size = microbatches, 16
     run = settings.resolve(config)
     setup = build(run)
-    batches = pipeline.train_batches(tokens.OnTheFly(small_corpus.train, 'text', run.tokenizer),
-                                     run, sharding.batch_sharding(setup.mesh))
+    documents = tokens.OnTheFly(small_corpus.train, 'text', chat.Encoder(run.tokenizer))
+    batches = pipeline.train_batches(documents, run, sharding.batch_sharding(setup.mesh))
     step = programs.compile_train_step(setup, config.batch_size, config.seq_len,
                                        config.loss.z_loss, microbatches=microbatches)
     local = batches.next_local()

@@ -39,7 +39,7 @@ def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
   def load():
     corpus = corpus_lib.load(run.data, renders(run))
     return corpus, tokens.load(corpus, run.tokenizer, run.data, corpus_lib.data_dir(run.data),
-                               run.workdir)
+                               run.template)
 
   if jax.process_count() > 1:
     if jax.process_index() == 0:
@@ -50,7 +50,7 @@ def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
 
 def renders(run: Run):
   """How the run renders records as text (data/chat.py: its own chat template), if they need it."""
-  return chat.renders(run.tokenizer, run.data, run.workdir)
+  return chat.renders(run.tokenizer, run.template)
 
 
 def warn_about_data(run: Run, corpus: corpus_lib.Corpus) -> None:
@@ -70,10 +70,7 @@ def warn_about_data(run: Run, corpus: corpus_lib.Corpus) -> None:
 def trained_on(run: Run) -> dict:
   """What the run reads beyond its settings (checkpoint.TRAINED_ON), saved with each checkpoint:
   its tokenizer's fingerprint, its chat template's digest, its corpus's content hash."""
-  template = ''
-  if run.data.record == 'messages':
-    template = chat.digest(chat.owned_template(run.tokenizer, run.data.chat_template,
-                                               run.workdir)[0])
+  template = run.template.digest if run.template else ''
   return {'tokenizer': run.tokenizer.fingerprint, 'chat_template': template,
           'corpus': corpus_lib.identity(run.data, renders(run))}
 
@@ -177,9 +174,8 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop) -> list[dict]:
   is_main = jax.process_index() == 0
   if is_main:  # the run's own tokenizer, chat template and settings, read from here on (resumed,
     tokenizers.keep(tokenizer, workdir)  # sampled, exported)
-    if run.data.record == 'messages':
-      chat.keep_template(chat.owned_template(tokenizer, run.data.chat_template, workdir)[0],
-                         workdir)
+    if run.template:
+      chat.keep_template(run.template.source, workdir)
     workdir_lib.write_whole(workdir / 'config.json', json.dumps(run.as_dict(), indent=2))
   warn_about_data(run, corpus)
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)

@@ -1,8 +1,8 @@
 """A run, resolved once: every setting of the config, typed and checked, with what the config left
 open filled in (the base model and tokenizer it starts from, the vocabulary, the attention kernel,
-the layout), and what resolving found (the tokenizer, where the run starts, the Target its
-programs are compiled for). `training.settings.resolve` makes the one Run an entry point hands
-down; nothing below the entry points reads the raw config, and nothing rewrites a Run but
+the layout), and what resolving found (the tokenizer and chat template, where the run starts, the
+Target its programs are compiled for). `training.settings.resolve` makes the one Run an entry point
+hands down; nothing below the entry points reads the raw config, and nothing rewrites a Run but
 `dataclasses.replace` (training/layout.py lays out candidates so).
 
   run = settings.resolve(config)
@@ -51,7 +51,8 @@ class Start:
 SECTIONS = {'model': ModelConfig, 'mesh': MeshConfig, 'partition': PartitionConfig,
             'optimizer': OptimizerConfig, 'loss': LossConfig, 'distributed': DistributedConfig,
             'plan': PlanConfig, 'data': DataConfig}
-RESOLVED = ('tokenizer', 'start', 'target')  # what resolving found: not settings, never saved
+# What resolving found: not settings, never saved.
+RESOLVED = ('tokenizer', 'template', 'start', 'target')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Run:
   plan: PlanConfig
   data: DataConfig
   tokenizer: typing.Any = dataclasses.field(default=None, compare=False)  # data.tokenizers'
+  template: typing.Any = None  # the chat template its records render with (data/chat.py: owned)
   start: Start | None = None
   target: Target | None = dataclasses.field(default=None, compare=False)
 

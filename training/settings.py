@@ -4,22 +4,22 @@ and the only place the raw config is read.
 
   run = settings.resolve(config)
 
-Resolving checks every field (those of configs/base.py, no others; every number finite and
-within RANGES) and fills in what the config leaves open: `config.init_from` gives the base
-model's settings (and the tokenizer) from where it starts, a Hugging Face checkpoint's
-config.json or a meshlm run's saved config (`with_start`; another tokenizer than its own is
-refused); the tokenizer is a resumed run's own copy (data/tokenizers.py: owned);
-`config.model.vocab_size=0` becomes the tokenizer's size, padded. Each section is then built into
-its typed form, which checks itself (model.ModelConfig, sharding.MeshConfig, …), and `check`
-judges what crosses sections. It joins the job's other processes (runtime/distributed.py), finds
-the run's Target (planning/target.py: the devices its programs are compiled for), and lays the
-run out: `config.model.attention='auto'` becomes a kernel, and `config.mesh.auto` runs the layout
-search (training/layout.py); `config.model.grad_reduce_dtype='auto'` becomes a dtype
-(`with_reduce_dtype`). Every bad setting is a ValueError naming `config.<field>` and the
-fix. What depends on the devices' shapes (the mesh against the model's dimensions, cuDNN on a
-GPU, pinned host memory) is `training.state.build`'s, which raises `sharding.MeshMismatch` for a
-mesh the model or batch cannot use; files (data, checkpoints, the workdir) are checked where they
-are opened, before anything is written.
+Resolving checks every field (those of configs/base.py, no others; every number finite and within
+RANGES) and fills in what the config leaves open: `config.init_from` gives the base model's
+settings (and the tokenizer) from where it starts, a Hugging Face checkpoint's config.json or a
+meshlm run's saved config (`with_start`; another tokenizer than its own is refused); the tokenizer
+and the chat template are a resumed run's own copies (`owned` of data/tokenizers.py and
+data/chat.py); `config.model.vocab_size=0` becomes the tokenizer's size, padded. Each section is
+then built into its typed form, which checks itself (model.ModelConfig, sharding.MeshConfig, …),
+and `check_sections` judges what crosses sections. It joins the job's other processes
+(runtime/distributed.py), finds the run's Target (planning/target.py: the devices its programs are
+compiled for), and lays the run out: `config.model.attention='auto'` becomes a kernel, and
+`config.mesh.auto` runs the layout search (training/layout.py);
+`config.model.grad_reduce_dtype='auto'` becomes a dtype (`with_reduce_dtype`). Every bad setting is
+a ValueError naming `config.<field>` and the fix. What depends on the devices' shapes (the mesh
+against the model's dimensions, cuDNN on a GPU, pinned host memory) is `training.state.build`'s,
+which raises `sharding.MeshMismatch` for a mesh the model or batch cannot use; files (data,
+checkpoints, the workdir) are checked where they are opened, before anything is written.
 """
 
 import copy
@@ -30,7 +30,7 @@ import jax
 import ml_collections
 
 from configs import base, effects
-from data import tokenizers, tokens
+from data import chat, tokenizers, tokens
 from data.config import DataConfig
 from interop import huggingface
 from model import ModelConfig
@@ -90,12 +90,14 @@ def resolve(config, devices=None, log=None) -> Run:
   start = started_from(values['init_from'])
   values = with_start(values, start)
   workdir = values['workdir']
-  tokenizer = tokenizers.owned(DataConfig(**values['data']), workdir)  # a resumed run's own copy
+  data = DataConfig(**values['data'])
+  tokenizer = tokenizers.owned(data, workdir)  # a resumed run's own copy, and its chat template
+  template = chat.owned(tokenizer, data, workdir)
   check_start_tokenizer(start, tokenizer)
   values['model']['vocab_size'] = tokenizers.model_vocab_size(values['model']['vocab_size'],
                                                               tokenizer, values['init_from'])
-  run = Run.of(values, tokenizer=tokenizer, start=start)
-  check(run)
+  run = Run.of(values, tokenizer=tokenizer, template=template, start=start)
+  check_sections(run)
   distributed.initialize(run.distributed)  # before anything touches a device
   devices = jax.devices() if devices is None else list(devices)
   run = run.replace(target=target_lib.resolve(run.plan, run.dry_run, devices))
@@ -241,7 +243,7 @@ def check_fields(values: dict) -> None:
       raise ValueError(f'config.{field}={value} must be {RANGES[field][1]}')
 
 
-def check(run: Run) -> None:
+def check_sections(run: Run) -> None:
   """What crosses a Run's sections, which no device or file decides: ValueError naming the
   setting. (Each section checked itself when it was built; the numbers were check_fields'.)"""
   model = run.model
@@ -253,7 +255,7 @@ def check(run: Run) -> None:
   hierarchical.check(run.partition, run.mesh)
   if run.partition.hierarchical:
     check_hierarchical(model)
-  tokens.check(run.data, run.workdir)
+  tokens.check(run.data)
 
 
 def check_hierarchical(model: ModelConfig) -> None:
