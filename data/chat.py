@@ -35,7 +35,7 @@ FALLBACK = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
 GENERATION = re.compile(r'\{%-?\s*generation\s*-?%\}')
 
 
-def check(data_config) -> None:
+def check_train_on(data_config) -> None:
   """The chat settings' own checks (the template's are `owned`'s, which reads it)."""
   if data_config.train_on not in TRAIN_ON:
     raise ValueError(f'config.data.train_on={data_config.train_on!r} is not one of {TRAIN_ON}')
@@ -43,29 +43,48 @@ def check(data_config) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Template:
-  """A chat template: its Jinja source, and where it comes from (for messages)."""
+  """A chat template: its Jinja source, where it comes from (for messages), and the tokenizer's
+  special tokens it renders with.
+
+  `template(stored)` renders a stored conversation (data/records.py), or raises BadRecord saying
+  why not: corpus preparation asks it of every record, so a conversation the template refuses is
+  skipped and counted there, its file and line named, never met mid-run."""
   source: str
   origin: str
+  special_tokens: dict = dataclasses.field(default_factory=dict, compare=False)
 
   @property
   def digest(self) -> str:
     return digest(self.source)
 
+  @property
+  def key(self) -> str:
+    """What decides which records render: the source and the special tokens."""
+    return digest(self.source + json.dumps(self.special_tokens, sort_keys=True))
+
+  def __call__(self, stored: str) -> None:
+    try:
+      answer_spans(self.source, json.loads(stored)['messages'], self.special_tokens)
+    except TemplateError as e:
+      raise records.BadRecord(f'the chat template refuses it ({str(e)[:120]})') from None
+
 
 def template_source(tokenizer, setting: str) -> Template:
-  """The chat template that config.data.chat_template names."""
+  """The chat template that config.data.chat_template names, with `tokenizer`'s special tokens."""
+  special = dict(getattr(tokenizer, 'special_tokens', {}))
   if setting == 'fallback':
-    return Template(FALLBACK, 'the fallback template')
+    return Template(FALLBACK, 'the fallback template', special)
   if setting != 'auto':
     path = pathlib.Path(setting).expanduser()
     if not path.is_file():
       raise ValueError(f'config.data.chat_template={setting!r} is not auto, fallback or a Jinja '
                        'template file')
-    return Template(path.read_text(), str(path))
+    return Template(path.read_text(), str(path), special)
   own = getattr(tokenizer, 'chat_template', None)
   if own:
-    return Template(own, f"the chat template of {tokenizer.path}'s tokenizer_config.json")
-  return Template(FALLBACK, 'the fallback template (the tokenizer has none of its own)')
+    return Template(own, f"the chat template of {tokenizer.path}'s tokenizer_config.json",
+                    special)
+  return Template(FALLBACK, 'the fallback template (the tokenizer has none of its own)', special)
 
 
 KEPT = 'chat_template.jinja'  # a run's copy of the template it renders its records with
@@ -88,7 +107,7 @@ def owned(tokenizer, data_config, workdir) -> Template | None:
     return named if data_config.record == 'messages' else None
   if data_config.record != 'messages':
     return None
-  mine = Template(kept.read_text(), str(kept))
+  mine = Template(kept.read_text(), str(kept), dict(getattr(tokenizer, 'special_tokens', {})))
   try:
     named = template_source(tokenizer, data_config.chat_template)
   except (OSError, ValueError):  # the .jinja file moved: the run has its own
@@ -119,29 +138,6 @@ def kept_template(workdir) -> str | None:
 
 class TemplateError(ValueError):
   pass
-
-
-class Renders:
-  """`renders(stored)`: a stored conversation (data/records.py) rendered by a run's template, or
-  BadRecord saying why not. Corpus preparation asks it of every record, so a conversation the
-  template refuses is skipped and counted there, its file and line named, never met mid-run."""
-
-  def __init__(self, source: str, special_tokens: dict):
-    self.source, self.special_tokens = source, dict(special_tokens)
-    self.key = digest(source + json.dumps(self.special_tokens, sort_keys=True))
-
-  def __call__(self, stored: str) -> None:
-    try:
-      answer_spans(self.source, json.loads(stored)['messages'], self.special_tokens)
-    except TemplateError as e:
-      raise records.BadRecord(f'the chat template refuses it ({str(e)[:120]})') from None
-
-
-def renders(tokenizer, template: Template | None) -> Renders | None:
-  """What corpus preparation checks each record with: for chat records, the run's template."""
-  if template is None:
-    return None
-  return Renders(template.source, getattr(tokenizer, 'special_tokens', {}))
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -272,7 +268,7 @@ class Encoder:
       return answer_spans(self.source, record['messages'],
                           getattr(self.tokenizer, 'special_tokens', {}))
     except TemplateError as e:
-      # Preparation skips what the run's template refuses (Renders): only a corpus read without
+      # Preparation skips what the run's template refuses (Template): only a corpus read without
       # that check (prepared with another template) reaches here.
       raise ValueError(f'config.data.chat_template: {self.origin} fails on a conversation: {e}; '
                        'fix the records, and a run prepares them afresh') from None

@@ -1,6 +1,6 @@
 """config.data, typed: where the text comes from, what a record is, and how it becomes tokens
-(configs/base.py says what each setting does). Its checks are data/tokens.py's `check`, which
-needs the run's workdir (a run keeps its own chat template)."""
+(configs/base.py says what each setting does). Its checks are data/tokens.py's `check_settings`;
+the chat template is checked where it is read (data/chat.py: owned)."""
 
 import dataclasses
 

@@ -110,7 +110,7 @@ class TextFilesConfig(tfds.core.BuilderConfig):
   fields: records.Fields | None = None  # what a record file's records hold
   longest: int = 0  # bytes of the longest document
   content: str = ''  # a hash of every document's text and split (`content_hash`)
-  renders: object = None  # chat records: what each must render with (data/chat.py: Renders)
+  renders: object = None  # chat records: what each must render with (data/chat.py: Template)
 
 
 class TextFiles(tfds.core.GeneratorBasedBuilder):
@@ -230,7 +230,7 @@ def _quiet_tfds():
 
 def _record_fields(data_config, files) -> records.Fields | None:
   """What the corpus's record files hold (None when it has none), checked against its files."""
-  records.check(data_config)
+  records.check_kind(data_config)
   record_files = [f for f in files if records.is_record_file(f)]
   if data_config.record != 'text' and len(record_files) < len(files):
     text_file = next(f for f in files if not records.is_record_file(f))
@@ -245,9 +245,9 @@ _SCANNED = {}  # dataset name → its scan: the builder config and warnings (the
 
 def text_files_builder(data_config, warn: bool = True, renders=None) -> TextFiles:
   """The (maybe not yet prepared) builder for config.data.paths; reads files only to prepare,
-  once a process (`check` reads them first, so bad records stop a run before it writes), and
+  once a process (`check_source` reads them first, so bad records stop a run before it writes), and
   warns of what it skips unless `warn` is False. Chat records are rendered with `renders`
-  (data/chat.py: Renders), if given, and skipped where it refuses them."""
+  (data/chat.py: Template), if given, and skipped where it refuses them."""
   root, files = find_files(data_config.paths)
   fields = _record_fields(data_config, files)
   renders = renders if fields and fields.kind == 'messages' else None
@@ -356,7 +356,7 @@ class Corpus:
   record: str = 'text'  # what a document's text holds (data/records.py: KINDS)
 
 
-def check(data_config, renders=None) -> None:
+def check_source(data_config, renders=None) -> None:
   """The checks of load without preparing anything (the files exist and hold documents, the named
   dataset is prepared): for a run to fail before it creates anything."""
   if data_config.name:

@@ -26,7 +26,7 @@ def is_record_file(path: pathlib.Path) -> bool:
   return path.name.endswith(SUFFIXES)
 
 
-def check(data_config) -> None:
+def check_kind(data_config) -> None:
   if data_config.record not in KINDS:
     raise ValueError(f'config.data.record={data_config.record!r} is not one of {KINDS}')
   if data_config.name and data_config.record != 'text':
@@ -153,7 +153,7 @@ class Skipped:
 
 def read(path: pathlib.Path, fields: Fields, renders=None):
   """Yields (number, stored document) of a file's good records; the last thing it yields is its
-  Skipped (count 0 when none was bad). `renders(stored)` (data/chat.py: Renders), if given, must
+  Skipped (count 0 when none was bad). `renders(stored)` (data/chat.py: Template), if given, must
   pass too: a conversation its chat template refuses is a bad record."""
   bad, first, total = 0, '', 0
   where = 'row' if path.name.endswith('.parquet') else 'line'

@@ -37,12 +37,12 @@ MODES = ('auto', 'once', 'on_the_fly')
 BATCH = 256  # documents encoded at once while preparing
 
 
-def check(data_config) -> None:
+def check_settings(data_config) -> None:
   """The data settings' own checks (the chat template's are chat.owned's, which reads it)."""
   if data_config.tokenize not in MODES:
     raise ValueError(f'config.data.tokenize={data_config.tokenize!r} is not one of {MODES}')
-  records.check(data_config)
-  chat.check(data_config)
+  records.check_kind(data_config)
+  chat.check_train_on(data_config)
 
 
 def encoder(corpus, tokenizer, data_config, template=None) -> Encoder:
@@ -182,7 +182,7 @@ def prepare(corpus, encode: Encoder, data_dir: str) -> pathlib.Path:
 def load(corpus, tokenizer, data_config, data_dir: str, template=None) -> Documents:
   """The corpus's documents as config.data.tokenize says, preparing their ids if needed (chat
   records rendered with `template`, the run's: chat.owned)."""
-  check(data_config)
+  check_settings(data_config)
   encode = encoder(corpus, tokenizer, data_config, template)
   if data_config.tokenize == 'on_the_fly' or (data_config.tokenize == 'auto'
                                               and tokenizer.name == 'byte'):

@@ -4,7 +4,7 @@ re-layout of tensors (`TENSORS`).
 
 Import, `--config.init_from=hf:DIR` (DIR holds config.json and model.safetensors, or the shards a
 model.safetensors.index.json names): `model_settings` gives config.model's fields from
-config.json (training/settings.py takes them, and the tokenizer.json beside it), `check` finds
+config.json (training/settings.py takes them, and the tokenizer.json beside it), `check_tensors` finds
 every tensor with its shape before anything is compiled, and `load_params` reads each device's
 share of each tensor straight into the run's shardings.
 
@@ -266,7 +266,7 @@ class Checkpoint(contextlib.ExitStack):
     self.where = where
     self.tensors = {name: files[file].get_slice(name) for name, file in weight_map.items()}
 
-  def check(self, abstract_params, cfg) -> None:
+  def check_tensors(self, abstract_params, cfg) -> None:
     """ValueError unless every parameter's tensors are here with the shapes the model's settings
     give them, in a float dtype, and nothing else is (biases, experts: not this model)."""
     wanted = set()
@@ -305,10 +305,10 @@ class Checkpoint(contextlib.ExitStack):
     return part.reshape(view)[tuple(within)]
 
 
-def check(path: pathlib.Path, abstract_params, model_cfg) -> None:
+def check_tensors(path: pathlib.Path, abstract_params, model_cfg) -> None:
   """Before data or memory are touched: `path` holds every tensor of this model (Checkpoint)."""
   with Checkpoint(path) as checkpoint:
-    checkpoint.check(abstract_params, model_cfg)
+    checkpoint.check_tensors(abstract_params, model_cfg)
 
 
 def load_params(path: pathlib.Path, abstract_params, model_cfg):
@@ -317,7 +317,7 @@ def load_params(path: pathlib.Path, abstract_params, model_cfg):
   to the parameter's dtype, and placed, one tensor at a time, so no process ever holds the
   whole model."""
   with Checkpoint(path) as checkpoint:
-    checkpoint.check(abstract_params, model_cfg)
+    checkpoint.check_tensors(abstract_params, model_cfg)
     arrays = {}
     for key, leaf, layout, lead in _parameters(abstract_params, model_cfg):
       layers = np.arange(math.prod(leaf.shape[:lead])).reshape(leaf.shape[:lead])

@@ -221,7 +221,7 @@ class Checkpointer:
     except Exception:  # a corrupted checkpoint: restore_latest reports it
       return {}
 
-  def check(self, abstract_tree, step: int, *, setting: str, model_config,
+  def reads_as(self, abstract_tree, step: int, *, setting: str, model_config,
             any_dtype: bool = True, unwanted=lambda name: False) -> bool:
     """Whether checkpoint `step` reads; CheckpointMismatch if it holds other arrays than
     `abstract_tree` (a TrainState, or a subtree such as {'params': ...}): other shapes, or with
@@ -260,7 +260,8 @@ class Checkpointer:
     for step in steps:
       restored, error = None, None
       try:
-        if self.check(abstract_state, step, setting='config.workdir', model_config=model_config):
+        if self.reads_as(abstract_state, step, setting='config.workdir',
+                         model_config=model_config):
           restored = self._restore(step, abstract_state)
         else:
           error = 'its metadata does not read'
@@ -471,10 +472,10 @@ def saved_run(path: str, setting: str = 'config.init_from') -> tuple[dict, pathl
 def _init_from(path: str, abstract_params, model_config, setting: str = 'config.init_from',
                unwanted=lambda name: False):
   """The read-only Checkpointer, step and wanted tree of `setting` (config.init_from), checked
-  (`unwanted`: Checkpointer.check's)."""
+  (`unwanted`: Checkpointer.reads_as's)."""
   directory, step = step_directory(path, setting)
   checkpointer, wanted = Checkpointer(directory, read_only=True), {'params': abstract_params}
-  if not checkpointer.check(wanted, step, setting=setting, model_config=model_config,
+  if not checkpointer.reads_as(wanted, step, setting=setting, model_config=model_config,
                             unwanted=unwanted):
     checkpointer.close()
     raise ValueError(f'{setting}: checkpoint {directory / str(step)} is damaged (its metadata '

@@ -40,7 +40,7 @@ def scheduler_process_count(environ=os.environ) -> tuple[str, int] | None:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  """config.distributed (module docstring); checks itself (`check`)."""
+  """config.distributed (module docstring); checks itself (`check_processes`)."""
   coordinator_address: str
   num_processes: int
   process_id: int
@@ -48,10 +48,10 @@ class DistributedConfig:
   heartbeat_timeout_s: int
 
   def __post_init__(self):
-    check(self)
+    check_processes(self)
 
 
-def check(dist_config) -> None:
+def check_processes(dist_config) -> None:
   """The explicit settings are all given or none; raised before anything starts."""
   explicit = bool(dist_config.coordinator_address)
   if not explicit:
@@ -76,7 +76,7 @@ def check(dist_config) -> None:
 def initialize(dist_config) -> int:
   """Join the job's other processes, if there are any; returns the number of processes. Must
   run before jax touches a device (the first thing `training.loop.run` does)."""
-  check(dist_config)
+  check_processes(dist_config)
   if jax.distributed.is_initialized():  # a notebook or a caller did it already
     return jax.process_count()
   timeouts = dict(initialization_timeout=dist_config.initialization_timeout_s,

@@ -34,18 +34,17 @@ def writable_dir(path: str, setting: str) -> pathlib.Path:
   return directory
 
 
-def check(workdir: str) -> None:
-  """An empty workdir is refused: it would be the current directory, and a run's files would
-  land among the user's."""
-  if not workdir.strip():
-    raise ValueError('config.workdir is empty; give the run a directory of its own for its '
-                     'checkpoints and metrics, e.g. --config.workdir=/tmp/meshlm-run')
-
-
 def prepare(workdir: str) -> pathlib.Path:
-  """Create the workdir and prove it is writable, before anything expensive happens."""
-  check(workdir)
+  """Create the workdir and prove it is writable, before anything expensive happens. An empty
+  one is refused: it would be the current directory, and a run's files would land among the
+  user's (settings.check_start says so first)."""
+  if not workdir.strip():
+    raise ValueError(EMPTY)
   return writable_dir(workdir, 'config.workdir')
+
+
+EMPTY = ('config.workdir is empty; give the run a directory of its own for its checkpoints and '
+         'metrics, e.g. --config.workdir=/tmp/meshlm-run')
 
 
 def write_whole(path: pathlib.Path, text: str) -> None:

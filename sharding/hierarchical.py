@@ -88,7 +88,7 @@ class PartitionConfig:
 PLAIN = PartitionConfig(hierarchical=False, weights='exact', gradients='exact')  # replicas
 
 
-def check(partition_config: PartitionConfig, mesh_config) -> None:
+def check_partition(partition_config: PartitionConfig, mesh_config) -> None:
   """config.partition against config.mesh's data axis: ValueError naming the setting."""
   if partition_config.hierarchical and mesh_config.data == 1 and not mesh_config.auto:
     raise ValueError('config.partition.hierarchical=True splits the state over config.mesh.data, '

@@ -171,7 +171,7 @@ def test_record_settings_and_files_that_hold_nothing_are_one_clear_error(tmp_pat
   mixed = config_for(f'{rows},{tmp_path / "notes.txt"}', tmp_path / 'tfds')
   with pytest.raises(ValueError, match=r"config.data.record='messages' reads records .* also "
                                        r'holds .*notes.txt'):
-    corpus_lib.check(mixed.data)
+    corpus_lib.check_source(mixed.data)
   broken = tmp_path / 'broken.jsonl.gz'
   broken.write_bytes(b'not gzip at all')
   with pytest.raises(ValueError, match=r'broken.jsonl.gz cannot be read as UTF-8 JSON Lines '
@@ -185,7 +185,7 @@ def test_record_settings_and_files_that_hold_nothing_are_one_clear_error(tmp_pat
     config = config_for(rows, tmp_path / 'tfds')
     config.data[field] = value
     with pytest.raises(ValueError, match=match):
-      tokens.check(config.data)
+      tokens.check_settings(config.data)
       chat.owned(tokenizers.ByteTokenizer(), config.data, None)
 
 

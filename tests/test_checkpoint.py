@@ -303,7 +303,7 @@ def test_another_models_checkpoint_is_a_clear_error_before_training(trained):
     loop.run(other)
   with pytest.raises(CheckpointMismatch, match=r'params.embed.value is \(384, 64\) there but '
                                                r'\(512, 64\) here'):  # the arrays, as named
-    Checkpointer(trained / 'checkpoints').check(build(settings.resolve(other)).abstract_state, 4,
+    Checkpointer(trained / 'checkpoints').reads_as(build(settings.resolve(other)).abstract_state, 4,
                                                 setting='config.workdir', model_config=other.model)
   assert (trained / 'metrics.jsonl').read_text() == before  # nothing trained, nothing written
   assert Checkpointer(trained / 'checkpoints').steps() == [4, 2]

@@ -240,11 +240,11 @@ def test_the_checkpoint_decides_the_model_and_says_what_it_cannot_import(tmp_pat
   (broken / 'config.json').write_text(json.dumps({**described, 'num_hidden_layers': 3}))
   setup = build(settings.resolve(hf_config(broken)))
   with pytest.raises(ValueError, match=r'lacks tensor model\.layers\.2\.'):
-    huggingface.check(broken, setup.abstract_state.params, setup.model_cfg)
+    huggingface.check_tensors(broken, setup.abstract_state.params, setup.model_cfg)
   (broken / 'config.json').write_text(json.dumps({**described, 'intermediate_size': 64}))
   setup = build(settings.resolve(hf_config(broken)))
   with pytest.raises(ValueError, match=r'mlp.down_proj.weight is F32 \[64, 128\], not \[64, 64\]'):
-    huggingface.check(broken, setup.abstract_state.params, setup.model_cfg)
+    huggingface.check_tensors(broken, setup.abstract_state.params, setup.model_cfg)
 
 
 def test_a_failed_export_leaves_nothing_and_an_export_never_overwrites(tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
   chat template). Process 0 prepares both (first use only) while the others wait, so processes
   sharing a data dir never write it twice; then every process opens them."""
   def load():
-    corpus = corpus_lib.load(run.data, renders(run))
+    corpus = corpus_lib.load(run.data, run.template)
     return corpus, tokens.load(corpus, run.tokenizer, run.data, corpus_lib.data_dir(run.data),
                                run.template)
 
@@ -46,11 +46,6 @@ def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
       load()
     multihost_utils.sync_global_devices('meshlm: corpus prepared')
   return load()
-
-
-def renders(run: Run):
-  """How the run renders records as text (data/chat.py: its own chat template), if they need it."""
-  return chat.renders(run.tokenizer, run.template)
 
 
 def warn_about_data(run: Run, corpus: corpus_lib.Corpus) -> None:
@@ -72,30 +67,29 @@ def trained_on(run: Run) -> dict:
   its tokenizer's fingerprint, its chat template's digest, its corpus's content hash."""
   template = run.template.digest if run.template else ''
   return {'tokenizer': run.tokenizer.fingerprint, 'chat_template': template,
-          'corpus': corpus_lib.identity(run.data, renders(run))}
+          'corpus': corpus_lib.identity(run.data, run.template)}
 
 
-def check_checkpoints(checkpointer, setup) -> None:
+def check_checkpoints(checkpointer, setup, read: dict | None) -> None:
   """Before data or memory are touched: the workdir's checkpoints (else those the run starts
   from, a meshlm run or a Hugging Face checkpoint) hold the run's model, and a resumed run keeps
   what it must (its settings of the kinds configs/effects.py: KEPT_ON_RESUME, and what it reads:
-  trained_on); another vocabulary is named as a tokenizer mistake."""
+  `read`, trained_on's); another vocabulary is named as a tokenizer mistake."""
   run = setup.run
   try:
     steps = checkpointer.steps() if checkpointer else []
     if checkpointer:
       checkpointer.check_fresh_start()
-    read = trained_on(run) if steps else None  # once: it hashes the corpus
     settings_now = run.as_dict() if steps else None
     for step in steps:  # the newest that reads; older ones are fallbacks
       if saved := checkpointer.saved_config(step):  # the settings first: they name the change
         checkpoint_lib.check_resume(saved, settings_now, checkpointer.directory / str(step), read)
-      if checkpointer.check(setup.abstract_state, step, setting='config.workdir',
+      if checkpointer.reads_as(setup.abstract_state, step, setting='config.workdir',
                             model_config=run.model):
         return
     base = base_params(setup.model_cfg, setup.abstract_state.params)
     if run.start.kind == HF and not steps:
-      huggingface.check(run.start.path, base, setup.model_cfg)
+      huggingface.check_tensors(run.start.path, base, setup.model_cfg)
     elif run.start.kind == RUN and not steps:
       checkpoint_lib.check_init_from(run.init_from, base, run.model, unwanted=is_added)
   except checkpoint_lib.CheckpointMismatch as e:
@@ -140,16 +134,17 @@ def train(run: Run) -> list[dict]:
   """Train `run` (settings.resolve's); returns the logged records."""
   settings.check_start(run)
   setup = build(run)  # every model and mesh error surfaces here, before any work
-  workdir_lib.check(run.workdir)
-  corpus_lib.check(run.data, renders(run))  # and the data's (every record rendered with the
+  corpus_lib.check_source(run.data, run.template)  # and the data's (every record rendered with the
   # run's chat template)
   # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
   # only): checked before its data is prepared, and again once the workdir is held.
   checkpoints = pathlib.Path(run.workdir).expanduser() / 'checkpoints'
   reader = (checkpoint_lib.Checkpointer(checkpoints, read_only=True) if checkpoints.is_dir()
             else None)
+  # Once: it hashes the corpus. Saved with each checkpoint, compared with a resumed one's.
+  read = trained_on(run) if reader or run.checkpoint_every else None
   try:
-    check_checkpoints(reader, setup)
+    check_checkpoints(reader, setup, read)
   finally:
     if reader:
       reader.close()
@@ -161,15 +156,15 @@ def train(run: Run) -> list[dict]:
                                                 keep=run.keep_checkpoints)
                     if run.checkpoint_every else None)
     try:
-      check_checkpoints(checkpointer, setup)
+      check_checkpoints(checkpointer, setup, read)
       with StopSignals() as stop, distributed.explain_failures(run.distributed):
-        return _train(setup, workdir, corpus, documents, checkpointer, stop)
+        return _train(setup, workdir, corpus, documents, checkpointer, stop, read)
     finally:
       if checkpointer:
         checkpointer.close()  # waits for the save in flight
 
 
-def _train(setup, workdir, corpus, documents, checkpointer, stop) -> list[dict]:
+def _train(setup, workdir, corpus, documents, checkpointer, stop, read) -> list[dict]:
   run, tokenizer = setup.run, setup.run.tokenizer
   is_main = jax.process_index() == 0
   if is_main:  # the run's own tokenizer, chat template and settings, read from here on (resumed,
@@ -215,7 +210,7 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop) -> list[dict]:
   log_metrics = hooks.LogMetrics(run.log_every, report, setup, start_step,
                                  sharding.local_device(setup.mesh.devices.flat).device_kind)
   save = (hooks.Save(run.checkpoint_every, checkpointer, guard, batches,
-                     {**run.as_dict(), 'trained_on': trained_on(run)})
+                     {**run.as_dict(), 'trained_on': read})
           if checkpointer else None)
   trace = StepTrace(workdir / 'profile', start_step + run.profile_start, run.profile_steps)
   around_steps = [hooks.Trace(trace), guard, hooks.Progress(console), log_metrics,

@@ -36,6 +36,7 @@ from interop import huggingface
 from model import ModelConfig
 from planning import target as target_lib
 from runtime import checkpoint, distributed
+from runtime import workdir as workdir_lib
 from sharding import hierarchical
 import sharding
 from training import layout
@@ -252,10 +253,10 @@ def check_sections(run: Run) -> None:
                      f'k + 1 after each position, which needs rows of at least '
                      f'{model.draft_heads + 2} tokens, and config.seq_len={run.seq_len}; '
                      'lower draft_heads or raise seq_len')
-  hierarchical.check(run.partition, run.mesh)
+  hierarchical.check_partition(run.partition, run.mesh)
   if run.partition.hierarchical:
     check_hierarchical(model)
-  tokens.check(run.data)
+  tokens.check_settings(run.data)
 
 
 def check_hierarchical(model: ModelConfig) -> None:
@@ -275,8 +276,11 @@ def check_hierarchical(model: ModelConfig) -> None:
 
 
 def check_start(run: Run) -> None:
-  """A run that trains on a frozen base (LoRA, draft heads alone) starts from a model, or says it
-  means a random one: ValueError otherwise. (Training's alone: a plan needs no weights.)"""
+  """What training alone needs (a plan needs neither): a workdir of its own, and a run that trains
+  on a frozen base (LoRA, draft heads alone) starts from a model, or says it means a random one.
+  ValueError otherwise."""
+  if not run.workdir.strip():
+    raise ValueError(workdir_lib.EMPTY)
   model = run.model
   if (model.lora_rank or model.draft_only) and not run.init_from:
     what = ('config.model.draft_only=True trains draft heads on a frozen model' if
