@@ -382,6 +382,28 @@ def identity(data_config, renders=None) -> str:
   return builder.builder_config.content
 
 
+def trained_on(data_config, tokenizer, template=None) -> dict:
+  """What a run reads beyond its settings (runtime/checkpoint.py: TRAINED_ON), saved with each
+  checkpoint and held against a resumed run's: its tokenizer's fingerprint, its chat template's
+  digest (data/chat.py: Template), its corpus's `identity`."""
+  return {'tokenizer': tokenizer.fingerprint, 'chat_template': template.digest if template else '',
+          'corpus': identity(data_config, template)}
+
+
+def warn_about_length(corpus: 'Corpus', seq_len: int, positions: int) -> None:
+  """DataWarning where config.seq_len is past the `positions` the model was trained for (0:
+  unknown), or longer than every document."""
+  if positions and seq_len > positions:
+    warnings.warn(f'config.seq_len={seq_len} is past the {positions} positions the model was '
+                  'trained for (config.model.max_position_embeddings, from config.init_from); '
+                  f'its export will declare {seq_len}', DataWarning, stacklevel=2)
+  longest = corpus.max_document_bytes
+  if longest is not None and seq_len > longest + 1:
+    warnings.warn(f'config.seq_len={seq_len} is longer than every document (the longest has '
+                  f'{longest:,} bytes): each row packs several documents', DataWarning,
+                  stacklevel=2)
+
+
 def _check_validation_fraction(fraction: float) -> None:
   if not 0 < fraction < 1:
     raise ValueError(f'config.data.validation_fraction={fraction} must be in (0, 1)')

@@ -24,7 +24,7 @@ from runtime.checkpoint import (Checkpointer, CheckpointMismatch, CheckpointWarn
 from tests.conftest import SMALL_CORPUS, tiny_config, with_file_size_limit
 from training import loop
 from training import settings
-from training.state import build
+from training.state import build, initial_state
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -329,7 +329,7 @@ def test_a_resumed_run_that_changes_its_data_or_model_is_refused_before_compilin
 def test_init_from_takes_the_parameters_only(trained, tmp_path):
   config = tiny_run(tmp_path, init_from=str(trained))
   setup = build(settings.resolve(config))
-  step, state, data = loop.initial_state(setup, None, log=lambda *_: None)
+  step, state, data = initial_state(setup, None, log=lambda *_: None)
   _, saved, _ = Checkpointer(trained / 'checkpoints').restore_latest(setup.abstract_state,
                                                                    config.model)
   assert step == 0 and data is None and int(state.step) == 0 and int(saved.step) == 4

@@ -298,7 +298,7 @@ def test_seq_len_longer_than_every_document_warns(tmp_path):
   corpus = corpus_lib.load(config.data)
   config.seq_len = 4096
   with pytest.warns(corpus_lib.DataWarning, match='config.seq_len'):
-    loop.warn_about_data(config, corpus)
+    corpus_lib.warn_about_length(corpus, config.seq_len, 0)
 
 
 def bad(tmp_path):

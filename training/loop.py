@@ -7,7 +7,6 @@ evals, saves, …). A dry run, which trains nothing, is training/dry_run.py's.""
 import json
 import pathlib
 import time
-import warnings
 
 import jax
 from jax.experimental import multihost_utils
@@ -15,8 +14,6 @@ from jax.experimental import multihost_utils
 from data import chat, pipeline, tokenizers
 from data import corpus as corpus_lib
 from data import tokens
-from interop import huggingface
-from model.layers import is_added
 from planning import plan as plan_lib
 from reporting import metrics as metrics_lib
 from reporting.profiling import StepTrace
@@ -28,8 +25,8 @@ import sharding
 from training import hooks, settings
 from training.evaluation import Evaluator
 from training.programs import compile_and_plan
-from training.run import HF, RUN, Run
-from training.state import base_params, build, param_count
+from training.run import Run
+from training.state import build, check_checkpoints, initial_state, param_count
 
 
 def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
@@ -46,79 +43,6 @@ def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
       load()
     multihost_utils.sync_global_devices('meshlm: corpus prepared')
   return load()
-
-
-def warn_about_data(run: Run, corpus: corpus_lib.Corpus) -> None:
-  context = run.model.max_position_embeddings
-  if context and run.seq_len > context:
-    warnings.warn(f'config.seq_len={run.seq_len} is past the {context} positions the model '
-                  'was trained for (config.model.max_position_embeddings, from config.init_from); '
-                  f'its export will declare {run.seq_len}', corpus_lib.DataWarning,
-                  stacklevel=2)
-  longest = corpus.max_document_bytes
-  if longest is not None and run.seq_len > longest + 1:
-    warnings.warn(f'config.seq_len={run.seq_len} is longer than every document (the longest '
-                  f'has {longest:,} bytes): each row packs several documents',
-                  corpus_lib.DataWarning, stacklevel=2)
-
-
-def trained_on(run: Run) -> dict:
-  """What the run reads beyond its settings (checkpoint.TRAINED_ON), saved with each checkpoint:
-  its tokenizer's fingerprint, its chat template's digest, its corpus's content hash."""
-  template = run.template.digest if run.template else ''
-  return {'tokenizer': run.tokenizer.fingerprint, 'chat_template': template,
-          'corpus': corpus_lib.identity(run.data, run.template)}
-
-
-def check_checkpoints(checkpointer, setup, read: dict | None) -> None:
-  """Before data or memory are touched: the workdir's checkpoints (else those the run starts
-  from, a meshlm run or a Hugging Face checkpoint) hold the run's model, and a resumed run keeps
-  what it must (its settings of the kinds configs/effects.py: KEPT_ON_RESUME, and what it reads:
-  `read`, trained_on's); another vocabulary is named as a tokenizer mistake."""
-  run = setup.run
-  try:
-    steps = checkpointer.steps() if checkpointer else []
-    if checkpointer:
-      checkpointer.check_fresh_start()
-    settings_now = run.as_dict() if steps else None
-    for step in steps:  # the newest that reads; older ones are fallbacks
-      if saved := checkpointer.saved_config(step):  # the settings first: they name the change
-        checkpoint_lib.check_resume(saved, settings_now, checkpointer.directory / str(step), read)
-      if checkpointer.reads_as(setup.abstract_state, step, setting='config.workdir',
-                            model_config=run.model):
-        return
-    base = base_params(setup.model_cfg, setup.abstract_state.params)
-    if run.start.kind == HF and not steps:
-      huggingface.check_tensors(run.start.path, base, setup.model_cfg)
-    elif run.start.kind == RUN and not steps:
-      checkpoint_lib.check_init_from(run.init_from, base, run.model, unwanted=is_added)
-  except checkpoint_lib.CheckpointMismatch as e:
-    if 'vocab_size' in e.saved_model:
-      tokenizers.check_checkpoint_vocab(e.saved_model['vocab_size'], run.tokenizer,
-                                        run.model.vocab_size)
-    raise
-
-
-def initial_state(setup, checkpointer, log):
-  """(step, state, data state): resumed from the workdir's newest checkpoint that restores, else
-  a new run from the parameters it starts from (run.start), or from scratch."""
-  run = setup.run
-  restored = (checkpointer.restore_latest(setup.abstract_state, run.model)
-              if checkpointer else None)
-  if restored:
-    log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')
-    return restored
-  base = base_params(setup.model_cfg, setup.abstract_state.params)  # under LoRA, not adapters
-  if run.start.kind == HF:
-    params = huggingface.load_params(run.start.path, base, setup.model_cfg)
-    log(f'starting from the Hugging Face checkpoint {run.start.path} (fresh optimizer, step 0)')
-    return 0, setup.init_state(params), None
-  if run.start.kind == RUN:
-    params, path = checkpoint_lib.restore_params(run.init_from, base, run.model,
-                                                 unwanted=is_added)
-    log(f'starting from the parameters of {path} (fresh optimizer, step 0)')
-    return 0, setup.init_state(params), None
-  return 0, setup.init_state(), None
 
 
 def run(config, devices=None) -> list[dict]:
@@ -142,7 +66,8 @@ def train(run: Run) -> list[dict]:
   reader = (checkpoint_lib.Checkpointer(checkpoints, read_only=True) if checkpoints.is_dir()
             else None)
   # Once: it hashes the corpus. Saved with each checkpoint, compared with a resumed one's.
-  read = trained_on(run) if reader or run.checkpoint_every else None
+  read = (corpus_lib.trained_on(run.data, run.tokenizer, run.template)
+          if reader or run.checkpoint_every else None)
   try:
     check_checkpoints(reader, setup, read)
   finally:
@@ -172,7 +97,7 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read) -> list[
     if run.template:
       chat.keep_template(run.template.source, workdir)
     workdir_lib.write_whole(workdir / 'config.json', json.dumps(run.as_dict(), indent=2))
-  warn_about_data(run, corpus)
+  corpus_lib.warn_about_length(corpus, run.seq_len, run.model.max_position_embeddings)
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
   console = metrics_lib.Console(run.train_steps, enabled=is_main)
   log = console.log

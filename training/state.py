@@ -1,7 +1,10 @@
 """From a run to a sharded train state, in the one-way order run → mesh → abstract state →
-shardings → initialised state. What is wrong with a run on its devices (the mesh against the
-model and batch, kernels and memories the devices lack) is found here, once, before anything is
-compiled or allocated; everything else was found by training/settings.py."""
+shardings → initialised state: resumed from the workdir's checkpoints, or started from what the run
+names (a meshlm run's parameters, a Hugging Face checkpoint), or fresh; every checkpoint it would
+read is checked first (`check_checkpoints`), before data or memory are touched. What is wrong with
+a run on its devices (the mesh against the model and batch, kernels and memories the devices lack)
+is found here, once, before anything is compiled or allocated; everything else was found by
+training/settings.py."""
 
 import dataclasses
 
@@ -12,14 +15,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from data import tokenizers
+from interop import huggingface
 from model import ModelConfig, Transformer
-from model.layers import ADDED, Draft, split_adapters
+from model.layers import ADDED, Draft, is_added, split_adapters
 from planning import gpus
 from planning import target as target_lib
+from runtime import checkpoint as checkpoint_lib
 import sharding
 from sharding import hierarchical
 from training import optimizer
-from training.run import Run
+from training.run import HF, RUN, Run
 
 
 @flax.struct.dataclass
@@ -158,6 +164,57 @@ def build(run: Run) -> Setup:
                abstract_state=abstract_state, state_shardings=state_shardings,
                opt_compute_shardings=opt_compute_shardings, seed=run.seed,
                hierarchy=hierarchy)
+
+
+def check_checkpoints(checkpointer, setup, read: dict | None) -> None:
+  """Before data or memory are touched: the workdir's checkpoints (else those the run starts
+  from, a meshlm run or a Hugging Face checkpoint) hold the run's model, and a resumed run keeps
+  what it must (its settings of the kinds configs/effects.py: KEPT_ON_RESUME, and what it reads:
+  `read`, trained_on's); another vocabulary is named as a tokenizer mistake."""
+  run = setup.run
+  try:
+    steps = checkpointer.steps() if checkpointer else []
+    if checkpointer:
+      checkpointer.check_fresh_start()
+    settings_now = run.as_dict() if steps else None
+    for step in steps:  # the newest that reads; older ones are fallbacks
+      if saved := checkpointer.saved_config(step):  # the settings first: they name the change
+        checkpoint_lib.check_resume(saved, settings_now, checkpointer.directory / str(step), read)
+      if checkpointer.reads_as(setup.abstract_state, step, setting='config.workdir',
+                               model_config=run.model):
+        return
+    base = base_params(setup.model_cfg, setup.abstract_state.params)
+    if run.start.kind == HF and not steps:
+      huggingface.check_tensors(run.start.path, base, setup.model_cfg)
+    elif run.start.kind == RUN and not steps:
+      checkpoint_lib.check_init_from(run.init_from, base, run.model, unwanted=is_added)
+  except checkpoint_lib.CheckpointMismatch as e:
+    if 'vocab_size' in e.saved_model:
+      tokenizers.check_checkpoint_vocab(e.saved_model['vocab_size'], run.tokenizer,
+                                        run.model.vocab_size)
+    raise
+
+
+def initial_state(setup, checkpointer, log):
+  """(step, state, data state): resumed from the workdir's newest checkpoint that restores, else
+  a new run from the parameters it starts from (run.start), or from scratch."""
+  run = setup.run
+  restored = (checkpointer.restore_latest(setup.abstract_state, run.model)
+              if checkpointer else None)
+  if restored:
+    log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')
+    return restored
+  base = base_params(setup.model_cfg, setup.abstract_state.params)  # under LoRA, not adapters
+  if run.start.kind == HF:
+    params = huggingface.load_params(run.start.path, base, setup.model_cfg)
+    log(f'starting from the Hugging Face checkpoint {run.start.path} (fresh optimizer, step 0)')
+    return 0, setup.init_state(params), None
+  if run.start.kind == RUN:
+    params, path = checkpoint_lib.restore_params(run.init_from, base, run.model,
+                                                 unwanted=is_added)
+    log(f'starting from the parameters of {path} (fresh optimizer, step 0)')
+    return 0, setup.init_state(params), None
+  return 0, setup.init_state(), None
 
 
 def has_fp8(device) -> bool:
