@@ -1,8 +1,9 @@
 """What the entry points (train.py, sample.py, export.py, data.train_tokenizer, benchmarks/) share
 as programs: absl's app.run, where an expected failure ends the program with one line naming the
 file or setting and the fix, and exit status 2, not a traceback; where SIGTERM outside training
-ends it with one line too; and where libraries log warnings and errors only (orbax logs every save
-at INFO) unless --verbosity asks for more.
+ends it with one line too, and Ctrl-C anywhere (the second one, in training) by SIGINT at once; and
+where libraries log warnings and errors only (orbax logs every save at INFO) unless --verbosity
+asks for more.
 
 Expected failures are: a flag that does not exist or does not parse; a config file that is
 missing, does not parse or import, raises, or has no get_config; an override of a setting the
@@ -36,10 +37,25 @@ def run(main, log_level: int = absl_logging.WARNING) -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # training installs its own
       signal.signal(signal.SIGTERM, _terminated)
     try:
-      return _reported(main, argv)
-    finally:
-      _close_checkpoints()
+      try:
+        return _reported(main, argv)
+      finally:
+        _close_checkpoints()
+    except KeyboardInterrupt:
+      _interrupted()
   app.run(quiet_then_main, flags_parser=_parse)
+
+
+def _interrupted() -> None:
+  """Ctrl-C (or training's second SIGINT, runtime/preemption.py) has unwound the program: every
+  file being written was closed or removed on the way, and orbax's saves were waited for. End by
+  SIGINT now, as an interrupted program does, with one line and without the interpreter's
+  teardown, where native threads still running (XLA's, tensorstore's) can abort the process
+  ('terminate called without an active exception') and bury the line under a fatal error."""
+  print(f'{os.path.basename(sys.argv[0])}: stopped by SIGINT', file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+  os.kill(os.getpid(), signal.SIGINT)
 
 
 def _close_checkpoints() -> None:

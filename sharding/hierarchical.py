@@ -88,12 +88,27 @@ class PartitionConfig:
 PLAIN = PartitionConfig(hierarchical=False, weights='exact', gradients='exact')  # replicas
 
 
-def check_partition(partition_config: PartitionConfig, mesh_config) -> None:
-  """config.partition against config.mesh's data axis: ValueError naming the setting."""
-  if partition_config.hierarchical and mesh_config.data == 1 and not mesh_config.auto:
+def check_partition(partition_config: PartitionConfig, mesh_config, model_config) -> None:
+  """config.partition against config.mesh's data axis, and what the model trains that
+  hierarchical=True does not run with, whatever the devices: ValueError naming the setting."""
+  if not partition_config.hierarchical:
+    return
+  if mesh_config.data == 1 and not mesh_config.auto:
     raise ValueError('config.partition.hierarchical=True splits the state over config.mesh.data, '
                      'the level across nodes, and it is 1; set it to the number of nodes '
                      '(e.g. --config.mesh.data=2 --config.mesh.fsdp=-1)')
+  if model_config.frozen_base:
+    raise ValueError('config.partition.hierarchical=True splits a trained state over nodes; under '
+                     'LoRA (config.model.lora_rank > 0) or config.model.draft_only only small '
+                     'added parameters train, and their gradients are small: set it to False')
+  if model_config.experts:
+    raise ValueError('config.partition.hierarchical=True does not run MoE models yet: their '
+                     "router's balancing loss is over the whole batch, which each data "
+                     'replica would see only its share of; set it to False')
+  if model_config.matmul_precision == 'fp8':
+    raise ValueError("config.partition.hierarchical=True does not run with config.model."
+                     "matmul_precision='fp8' yet: each data replica would scale its own share "
+                     "of a tensor; use one of them")
 
 
 def check_nodes(partition_config, mesh_sizes: dict, gpus_per_node: int) -> None:

@@ -33,7 +33,6 @@ from configs import base, effects
 from data import chat, tokenizers, tokens
 from data.config import DataConfig
 from interop import huggingface
-from model import ModelConfig
 from planning import target as target_lib
 from runtime import checkpoint, distributed
 from runtime import workdir as workdir_lib
@@ -253,26 +252,8 @@ def check_sections(run: Run) -> None:
                      f'k + 1 after each position, which needs rows of at least '
                      f'{model.draft_heads + 2} tokens, and config.seq_len={run.seq_len}; '
                      'lower draft_heads or raise seq_len')
-  hierarchical.check_partition(run.partition, run.mesh)
-  if run.partition.hierarchical:
-    check_hierarchical(model)
+  hierarchical.check_partition(run.partition, run.mesh, model)
   tokens.check_settings(run.data)
-
-
-def check_hierarchical(model: ModelConfig) -> None:
-  """What config.partition.hierarchical=True does not run with, whatever the devices."""
-  if model.frozen_base:
-    raise ValueError('config.partition.hierarchical=True splits a trained state over nodes; under '
-                     'LoRA (config.model.lora_rank > 0) or config.model.draft_only only small '
-                     'added parameters train, and their gradients are small: set it to False')
-  if model.experts:
-    raise ValueError('config.partition.hierarchical=True does not run MoE models yet: their '
-                     "router's balancing loss is over the whole batch, which each data "
-                     'replica would see only its share of; set it to False')
-  if model.matmul_precision == 'fp8':
-    raise ValueError("config.partition.hierarchical=True does not run with config.model."
-                     "matmul_precision='fp8' yet: each data replica would scale its own share "
-                     "of a tensor; use one of them")
 
 
 def check_start(run: Run) -> None:
