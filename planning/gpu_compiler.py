@@ -4,7 +4,8 @@
 from its target config); `jax.jit(...).lower(...).compile()` over a mesh of them runs the real
 GPU compiler: its memory plan and buffer assignment, its collectives (reduce-scatter, bf16), and
 Pallas → Triton → PTX → cubin for the device's architecture, with its shared-memory and register
-limits enforced. Nothing runs, so nothing is autotuned and cuDNN builds no execution plan.
+limits enforced. Nothing runs, so nothing is autotuned (training/programs.py turns XLA's autotuner
+off for such devices: it compiles candidates it cannot time) and cuDNN builds no execution plan.
 
 The compiler is JAX's CUDA plugin with NVIDIA's ptxas, libdevice and cuDNN (~1.6 GB of wheels),
 installed into a folder of its own, off the environment's import path:
