@@ -206,7 +206,7 @@ def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel
   Attention is xla; with context_parallel, our kernel, with that choice; with virtual_stages, the
   model has two layers for each; `model`, (field, value) pairs of config.model to change. Each
   step is compiled once for the tests that read it, however they spell its arguments (a GPU
-  compile of even this model takes some 12 s)."""
+  compile of even this model takes some 6 s)."""
   return _tiny_step_for_h100s(grad_reduce_dtype, tied, context_parallel, microbatches,
                               virtual_stages, tuple(model), tuple(sorted(mesh.items())))
 
