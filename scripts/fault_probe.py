@@ -387,6 +387,35 @@ def _(p):
   return verdict if evaluated == list(range(1, 13)) else ('BAD', f'evaluated {evaluated}')
 
 
+@case('signal: a second SIGINT mid-run, then resume')
+def _(p):
+  workdir = p.path('twice')
+  process = p.start(*p.train(workdir, 12))
+  read_until(process, 'step  5/')
+  process.send_signal(signal.SIGINT)
+  read_until(process, 'meshlm: SIGINT received')
+  process.send_signal(signal.SIGINT)
+  out, _ = process.communicate(timeout=300)
+  if process.returncode != -signal.SIGINT:
+    return 'BAD', f'exit {process.returncode}: {lines(out)[-3:]}'
+  if lines(out)[-1:] != ['train.py: stopped by SIGINT'] or 'Traceback' in out:
+    return 'UGLY', f'said {lines(out)[-3:]}'
+  return resumed(p.run(*p.train(workdir, 12)), ['resuming from step'], workdir, 12)
+
+
+@case('signal: sample.py SIGINT')
+def _(p):
+  process = p.start('sample.py', f'--workdir={p.template}', '--max_len=2048',
+                    '--max_new_tokens=2000')
+  read_until(process, '# ')
+  process.send_signal(signal.SIGINT)
+  out, _ = process.communicate(timeout=300)
+  if process.returncode != -signal.SIGINT:
+    return 'UGLY', f'exit {process.returncode}'
+  return ('GOOD', lines(out)[-1]) if lines(out)[-1:] == ['sample.py: stopped by SIGINT'] and (
+      'Traceback' not in out) else ('UGLY', f'said {lines(out)[-2:]}')
+
+
 @case('signal: sample.py SIGTERM')
 def _(p):
   process = p.start('sample.py', f'--workdir={p.template}', '--max_len=2048',

@@ -215,17 +215,17 @@ FAST = (
 )
 
 
-LONGEST = {'test_gpu_compile.py': 471, 'test_checkpoint.py': 218, 'test_distributed.py': 121,
-           'test_benchmarks.py': 87, 'test_plan.py': 82, 'test_notebook.py': 77,
-           'test_context_parallel.py': 71, 'test_moe.py': 71, 'test_pipeline.py': 65,
-           'test_generate.py': 54, 'test_training.py': 49, 'test_kernels.py': 41,
-           'test_speculate.py': 38, 'test_chat.py': 36, 'test_sharding.py': 36, 'test_lora.py': 35,
-           'test_huggingface.py': 34, 'test_kv_cache.py': 34, 'test_data.py': 29,
-           'test_configs.py': 25, 'test_tokens.py': 25, 'test_cli.py': 24, 'test_model.py': 24,
-           'test_hierarchical.py': 22, 'test_timing.py': 21, 'test_fp8.py': 13,
-           'test_grouped_matmul.py': 11, 'test_preemption.py': 11, 'test_workdir.py': 11,
-           'test_head.py': 9, 'test_structure.py': 6, 'test_instruments.py': 4,
-           'test_embedding.py': 3}
+LONGEST = {'test_gpu_compile.py': 282, 'test_checkpoint.py': 214, 'test_distributed.py': 104,
+           'test_benchmarks.py': 103, 'test_notebook.py': 87, 'test_moe.py': 65,
+           'test_plan.py': 64, 'test_context_parallel.py': 61, 'test_training.py': 57,
+           'test_pipeline.py': 54,
+           'test_kernels.py': 48, 'test_generate.py': 46, 'test_speculate.py': 39,
+           'test_sharding.py': 38, 'test_chat.py': 37, 'test_hierarchical.py': 36,
+           'test_kv_cache.py': 32, 'test_huggingface.py': 30, 'test_configs.py': 30,
+           'test_data.py': 29, 'test_tokens.py': 26, 'test_model.py': 25, 'test_cli.py': 24,
+           'test_lora.py': 20, 'test_timing.py': 19, 'test_fp8.py': 15, 'test_workdir.py': 14,
+           'test_head.py': 14, 'test_grouped_matmul.py': 11, 'test_preemption.py': 8,
+           'test_instruments.py': 6, 'test_structure.py': 5, 'test_embedding.py': 4}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by it
