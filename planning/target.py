@@ -43,6 +43,7 @@ class Target:
   in_child: bool  # a dry run planned by a child process that has the GPU compiler
   memory_bytes: int | None  # what a device offers a run; None if unknown
   memory_source: str  # where memory_bytes comes from
+  deviceless: bool = False  # `devices` are compile-only GPUs (planning/gpu_compiler.py)
 
   @property
   def kernels(self) -> gpus.GPU | None:
@@ -96,6 +97,7 @@ def resolve(plan_config, dry_run: bool, here) -> Target:
     devices, in_child = here, False  # planning on the GPUs themselves
   elif gpu_compiler.in_this_process():
     devices, in_child = tuple(gpu_compiler.devices(gpu, n)), False
+    return _with_memory(plan_config, Target(gpu.name, gpu, n, devices, in_child, None, '', True))
   elif gpu_compiler.installed():
     devices, in_child = (), True
   elif n != len(here):

@@ -5,7 +5,6 @@ run and read. What a step computes is training/step.py's."""
 import jax
 import numpy as np
 
-from planning import gpu_compiler
 from planning import plan as plan_lib
 import sharding
 from training.state import Setup
@@ -35,13 +34,12 @@ DEVICELESS_COMPILER_OPTIONS = {'xla_gpu_autotune_level': 0}
 
 def compiler_options(setup: Setup) -> dict:
   """XLA options for this setup's programs: FP8_COMPILER_OPTIONS for fp8 projections on GPUs,
-  DEVICELESS_COMPILER_OPTIONS for GPUs that are not there."""
-  device = setup.mesh.devices.flat[0]
-  if device.platform != 'gpu':
+  DEVICELESS_COMPILER_OPTIONS for GPUs that are not there (the run's target says which)."""
+  if setup.mesh.devices.flat[0].platform != 'gpu':
     return {}
   fp8 = setup.model_cfg.matmul_precision == 'fp8'
   return {**(FP8_COMPILER_OPTIONS if fp8 else {}),
-          **(DEVICELESS_COMPILER_OPTIONS if gpu_compiler.is_deviceless(device) else {})}
+          **(DEVICELESS_COMPILER_OPTIONS if setup.run.target.deviceless else {})}
 
 
 def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
