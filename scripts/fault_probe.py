@@ -403,30 +403,29 @@ def _(p):
   return resumed(p.run(*p.train(workdir, 12)), ['resuming from step'], workdir, 12)
 
 
-@case('signal: sample.py SIGINT')
-def _(p):
+def sample_stopped(p, signum, returncode: int):
+  """sample.py mid-generation, sent `signum`: it ends with `returncode` and says so in one line,
+  no traceback."""
   process = p.start('sample.py', f'--workdir={p.template}', '--max_len=2048',
                     '--max_new_tokens=2000')
   read_until(process, '# ')
-  process.send_signal(signal.SIGINT)
+  process.send_signal(signum)
   out, _ = process.communicate(timeout=300)
-  if process.returncode != -signal.SIGINT:
+  if process.returncode != returncode:
     return 'UGLY', f'exit {process.returncode}'
-  return ('GOOD', lines(out)[-1]) if lines(out)[-1:] == ['sample.py: stopped by SIGINT'] and (
-      'Traceback' not in out) else ('UGLY', f'said {lines(out)[-2:]}')
+  said = f'sample.py: stopped by {signal.Signals(signum).name}'
+  return ('GOOD', said) if lines(out)[-1:] == [said] and 'Traceback' not in out else (
+      'UGLY', f'said {lines(out)[-2:]}')
+
+
+@case('signal: sample.py SIGINT')
+def _(p):
+  return sample_stopped(p, signal.SIGINT, -signal.SIGINT)
 
 
 @case('signal: sample.py SIGTERM')
 def _(p):
-  process = p.start('sample.py', f'--workdir={p.template}', '--max_len=2048',
-                    '--max_new_tokens=2000')
-  read_until(process, '# ')
-  process.send_signal(signal.SIGTERM)
-  out, _ = process.communicate(timeout=300)
-  if process.returncode != 128 + signal.SIGTERM:
-    return 'UGLY', f'exit {process.returncode}'
-  return ('GOOD', lines(out)[-1]) if lines(out)[-1:] == ['sample.py: stopped by SIGTERM'] else (
-      'UGLY', f'said {lines(out)[-2:]}')
+  return sample_stopped(p, signal.SIGTERM, 128 + signal.SIGTERM)
 
 
 def damage(checkpoint: pathlib.Path, how: str) -> None:

@@ -58,8 +58,8 @@ def train(run: Run) -> list[dict]:
   """Train `run` (settings.resolve's); returns the logged records."""
   settings.check_start(run)
   setup = build(run)  # every model and mesh error surfaces here, before any work
-  corpus_lib.check_source(run.data, run.template)  # and the data's (every record rendered with the
-  # run's chat template)
+  # The data's files, every record rendered with the run's chat template.
+  corpus_lib.check_source(run.data, run.template)
   # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
   # only): checked before its data is prepared, and again once the workdir is held.
   checkpoints = pathlib.Path(run.workdir).expanduser() / 'checkpoints'
