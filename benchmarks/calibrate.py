@@ -398,10 +398,13 @@ def merge(folders: list, out_dir: str) -> None:
       name = file.rpartition('-')[2]
       try:
         old = json.loads(open(f'{out_dir}/{file}.json').read())
+      except FileNotFoundError:
+        old = {**new, 'rows': [], 'command': [], 'seconds': 0.0}
+      try:  # the first H100 runs banked their rows without programs: the rows still count
         with gzip.open(f'{out_dir}/{file}.programs.json.gz') as f:
           bank = json.load(f)['programs']
       except FileNotFoundError:
-        old, bank = {**new, 'rows': [], 'command': [], 'seconds': 0.0}, {}
+        bank = {}
       if (old['device'], old['jax']) != (new['device'], new['jax']):
         raise ValueError(f'--merge: {path} ran on {new["device"]}, jax {new["jax"]}; '
                          f'{out_dir}/{file}.json on {old["device"]}, jax {old["jax"]}')

@@ -139,6 +139,11 @@ ATTENTION_LENGTH_FACTOR = {512: 0.83, 1024: 0.95, 2048: 1.0}
 # 1.70–1.75 and 1.52–1.63 × their time without it (calibrate_steps_1b-h200 and _125m-h200,
 # `cudnn default packed` against `cudnn default`, from their kernel profiles).
 CUDNN_BIAS_SLOWDOWN = (1.72, 1.57)
+# Our kernels with segment ids (packed rows), by kernel: their time against the same step without
+# them, one document a row (calibrate_steps_1b-h100 and _125m-h100, `pallas default packed` and
+# `packed+model.cudnn_segments=0` against `pallas default`, from their kernel profiles: forward
+# 1.24–1.28, dq 1.10–1.14, dk/dv 1.06–1.10; the geometric means).
+PALLAS_SEGMENT_SLOWDOWN = {'fwd': 1.26, 'dq': 1.12, 'dkv': 1.07}
 # Collectives: NCCL's ring all-gather and reduce-scatter on NVLink reach about 0.8 of the link
 # (nccl-tests bus bandwidth on 8 × H100 SXM; all-reduce goes higher through NVLink SHARP); across
 # nodes about 0.9 of the NIC. Each also pays a latency. One GPU cannot measure these: they are

@@ -153,6 +153,13 @@ def attention_efficiency(kernel: str, backward: bool, head_dim: int, keys: int) 
   return rate * 1e12 / gpus.ATTENTION_MEASURED_ON
 
 
+def _segment_ids(operand_arrays) -> bool:
+  """Whether our kernel reads segment ids: a pair of int32 [B, length] operands (a query's
+  positions, under the zigzag ring, are one)."""
+  return sum(dtype == 's32' and len(dims) == 2
+             for arrays in operand_arrays for dtype, dims in arrays) >= 2
+
+
 def _geometric(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
   """y at x, geometric in x between (x0, y0) and (x1, y1)."""
   return y0 * (y1 / y0) ** (math.log(x / x0) / math.log(x1 / x0))
@@ -358,6 +365,8 @@ class _Model:
     efficiency = attention_efficiency(kernel, backward, H, S)
     if kernel == 'cudnn' and 'Bias' in (_TARGET.search(inst.line) or [''])[0]:
       efficiency /= gpus.CUDNN_BIAS_SLOWDOWN[int(backward)]
+    if kernel == 'pallas' and _segment_ids(operand_arrays):
+      efficiency /= gpus.PALLAS_SEGMENT_SLOWDOWN[part]
     return self.timed(Kernel(inst.name, what, 'attention', flops, moved, 0.0,
                              implementation=kernel), self.gpu.peak_bf16_flops * efficiency)
 

@@ -267,8 +267,9 @@ def test_every_banked_gpu_program_is_predicted_within_the_goal():
   from benchmarks import bank
   checked = bank.check()
   kinds = {(c.file, c.kind) for c in checked}
-  assert {('steps_125m-h200', 'step'), ('steps_1b-h200', 'step'), ('gemm-h200', 'gemm'),
-          ('attention-h200', 'attention')} <= kinds
+  assert {(f'{part}-{gpu}', kind) for gpu in ('h100', 'h200') for part, kind in (
+      ('steps_125m', 'step'), ('steps_1b', 'step'), ('gemm', 'gemm'),
+      ('attention', 'attention'))} <= kinds
   assert {c.what for c in checked if c.kind == 'attention'} >= {
       f'{impl} attention H={h} S={s}{fb}' for impl in ('cudnn', 'pallas') for h in (64, 128)
       for s in (2048, 4096, 8192) for fb in ('', ' fwd_bwd')}
@@ -312,6 +313,24 @@ def test_cudnn_with_the_document_bias_is_charged_its_measured_slowdown():
     assert biased[name].flops == k.flops
     assert biased[name].seconds == pytest.approx(
         k.seconds * gpus.CUDNN_BIAS_SLOWDOWN[backward], rel=1e-6), name
+
+
+def test_our_kernels_with_segment_ids_are_charged_their_measured_slowdown():
+  """The H100's banked 1b step with packed rows on our kernels (segment ids in every call)
+  against the same step without: each kernel charged PALLAS_SEGMENT_SLOWDOWN more; the zigzag
+  ring's query positions (one int32 operand) are not segment ids."""
+  H100 = gpus.GPUS['H100']
+  plain, packed = (
+      sorted((k for k in timing.predict(banked('steps_1b-h100', what), H100).kernels
+              if k.part == 'attention'), key=lambda k: k.op)
+      for what in ('configs/llama.py:1b pallas default', 'configs/llama.py:1b pallas default packed'))
+  assert [k.op for k in plain] == [k.op for k in packed] and len(plain) >= 3
+  for k, s in zip(plain, packed):  # op: flash_attention_{fwd,dq,dkv}/pallas_call
+    part = k.op.split('/')[0].removeprefix('flash_attention_')
+    assert s.flops == k.flops
+    assert s.seconds == pytest.approx(k.seconds * gpus.PALLAS_SEGMENT_SLOWDOWN[part], rel=1e-6)
+  assert timing._segment_ids([[('s32', (8, 4096))], [('s32', (8, 4096))]])
+  assert not timing._segment_ids([[('bf16', (8, 4096, 32, 64))], [('s32', (8, 4096))]])
 
 
 def test_the_plan_says_which_parts_no_gpu_has_fitted():
