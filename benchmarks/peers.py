@@ -86,6 +86,10 @@ _ENV = flags.DEFINE_string('maxtext_env', None, "MaxText's environment; default 
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
 _MESHLM = flags.DEFINE_multi_string('meshlm', [], "A setting of meshlm's side, as section.field="
                                     'value (model.grad_reduce_dtype=bfloat16); repeatable.')
+_MAXTEXT_XLA_FLAGS = flags.DEFINE_string(
+    'maxtext_xla_flags', '', "XLA_FLAGS for MaxText's compile (its docs set XLA options so), e.g. "
+    'the weight prefetch meshlm sets where gathers cross nodes: '
+    '--xla_gpu_pipeline_all_gather=COLLECTIVE_PIPELINING_MODE_ON')
 _PROGRAMS = flags.DEFINE_string('programs', None, "Also keep each optimized program there, as "
                                 "<preset>-<system>.hlo.txt.gz (what the time model read).")
 
@@ -137,7 +141,9 @@ def maxtext_program(preset: Preset) -> tuple[dict, str]:
     done = subprocess.run(
         [str(maxtext_python()), str(child), tmp, str(preset.gpus),
          *maxtext_settings(preset, pathlib.Path(tmp))],
-        env=gpu_compiler.environment(), capture_output=True, text=True)
+        env={**gpu_compiler.environment(),
+             **({'XLA_FLAGS': _MAXTEXT_XLA_FLAGS.value} if _MAXTEXT_XLA_FLAGS.value else {})},
+        capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f'MaxText did not compile: {done.stderr.strip().splitlines()[-1]}')
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -252,6 +258,7 @@ def main(argv):
   report.emit({'benchmark': 'peers', 'compiled_for': 'H100', 'deviceless': True,
                'source': 'model', 'jax': jax.__version__, 'maxtext': MAXTEXT,
                'flax': importlib.metadata.version('flax'), 'meshlm_settings': _MESHLM.value,
+               'maxtext_xla_flags': _MAXTEXT_XLA_FLAGS.value,
                'presets': results,
                'command': report.command()}, _OUT.value)
 

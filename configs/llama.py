@@ -33,8 +33,9 @@ predicts (the dry run prints it) 85.1 ms, 545 ms and 3.24 s a step: MFU 31%, 50%
 Measured on one H200: the 125m's step 71.4 ms, the 1b's 561 ms scanned and 528 ms unrolled
 (benchmarks/results/calibrate_steps_*-h200.json).
 On jaxlib 0.10.2 the 8b-128k (full) needed 25.4 GiB. The 70b, FSDP over 32 H100s (remat full),
-needs 51.4 GiB a GPU and is predicted at 13.1 s a step (MFU 28%), half of it waiting on the links
-between nodes: docs/parallelism.md has it under each partition across nodes. MaxText's steps,
+each layer's weights gathered during the layer before, needs 54.4 GiB a GPU and is predicted at
+12.2 s a step (MFU 30%), 42% of it waiting on the links between nodes: docs/parallelism.md has
+it under each partition across nodes. MaxText's steps,
 compiled beside them by the same XLA: benchmarks/peers.py (docs/time-model.md).
 On GPU, compare the benchmark's measured MFU with those and with the peers' 33–50% (MaxText,
 torchtitan).
@@ -69,6 +70,10 @@ RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches:
 # (benchmarks/results/calibrate_steps_1b-h200.json). The 8b's unrolled plan needs more memory than
 # the scanned one and more than MaxText's; the 70b's is slower; the 125m's is not measured.
 UNROLLED = {'1b'}
+# Each layer's weight gathers started in the layer before (config.model.prefetch_weights), where
+# they cross nodes and the plan is faster for it: the 70b on 32 H100s, predicted 12.25 against
+# 13.10 s, for 2.9 GiB more. The 8b over 16 is slower for it (docs/parallelism.md).
+PREFETCHED = {'70b'}
 GPUS = {'125m': 1, '1b': 1, '8b': 8, '70b': 32}  # H100s each run is meant for (tests compile it so)
 LONG_CONTEXT = {  # name: shapes preset, seq_len, mesh; our kernel's ring over `sequence`
     '8b-128k': ('8b', 131072, dict(data=1, fsdp=1, tensor=1, sequence=8)),
@@ -96,6 +101,7 @@ def get_config(preset: str = '1b'):
   c.batch_size, c.seq_len, c.model.remat_policy, c.microbatches = RUNS[preset]
   c.model.update(PRESETS[preset])
   c.model.scan_layers = preset not in UNROLLED
+  c.model.prefetch_weights = preset in PREFETCHED
   c.optimizer.learning_rate = 3e-4
   c.optimizer.warmup_steps = 500
   return c

@@ -50,6 +50,7 @@ class ModelConfig:
   remat_policy: str
   virtual_stages: int
   head_chunk: int  # tokens a device's head and loss take at once (model/head.py); 0: all
+  prefetch_weights: bool  # FSDP's weight gathers a layer early (training/programs.py)
   # Mixture of experts (model/moe.py); experts = 0: every layer's MLP is dense.
   experts: int
   experts_per_token: int

@@ -67,6 +67,8 @@ class Plan:
                            # with what crosses in int8
   param_bytes: int = 0  # of argument_bytes: the parameters a device holds (its shards)
   optimizer_bytes: int = 0  # and the optimizer state (under LoRA, the adapters' alone)
+  prefetch_weights: bool = False  # each layer's weight gathers start a layer early
+                                  # (config.model.prefetch_weights, training/programs.py)
 
   @property
   def collective_bytes(self) -> int:
@@ -125,7 +127,8 @@ def make_plan(compiled, setup) -> Plan:
       memory_bytes=target.memory_bytes, memory_source=target.memory_source,
       time=predicted_time(predicted, gpu, tokens / n, flops),
       param_bytes=_device_bytes(setup.abstract_state.params),
-      optimizer_bytes=_device_bytes(setup.abstract_state.opt_state))
+      optimizer_bytes=_device_bytes(setup.abstract_state.opt_state),
+      prefetch_weights=gpu is not None and setup.model_cfg.prefetch_weights)
 
 
 def _device_bytes(abstract) -> int:
@@ -212,6 +215,8 @@ def report(plan: Plan) -> None:
           ('microbatches', str(plan.microbatches) + (
               f' through {plan.mesh["stage"]} stages × {plan.virtual_stages} virtual'
               if plan.mesh.get('stage', 1) > 1 else '')),
+          *([('weight gathers', "a layer early (XLA's collective pipeliner, "
+                                'config.model.prefetch_weights)')] if plan.prefetch_weights else []),
           ('arguments / device', readable_bytes(plan.argument_bytes)),
           ('state / device', f'parameters {readable_bytes(plan.param_bytes)}, optimizer '
                              f'{readable_bytes(plan.optimizer_bytes)} (wherever they live)'),

@@ -124,9 +124,9 @@ def predict(hlo_text: str, gpu: gpus.GPU) -> StepTime:
     breakdown[k.part] += k.seconds * k.runs
   breakdown['launch'] = model.launches * gpus.KERNEL_LAUNCH_S
   breakdown['communication'] = max(0.0, seconds - sum(breakdown.values()))
-  unknown = sum(1 for lines in computations.values() for line in lines
+  unknown = sum(1 for name, lines in computations.items() for line in lines
                 if (inst := hlo.instruction(line)) and inst.opcode == 'while'
-                and 'known_trip_count' not in line)
+                and hlo.trips(inst, computations, name) is None)
   return StepTime(seconds, breakdown, kernels, model.communication_s, model.launches, unknown)
 
 
@@ -227,7 +227,7 @@ class _Model:
       elif op == 'copy-done' and inst.operands and inst.operands[0] in finish:
         now = max(now, finish[inst.operands[0]])
       elif op == 'while':
-        callees, trips = dict(inst.callees()), inst.trip_count
+        callees, trips = dict(inst.callees()), hlo.trips(inst, self.computations, computation) or 1
         now += (trips * self.run(callees['body'], runs * trips)
                 + (trips + 1) * self.run(callees['condition'], runs * (trips + 1)))
       elif op == 'conditional':  # its slowest branch; not cuDNN's fallback for overfull rows

@@ -191,6 +191,8 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
                                       'config.model.draft_heads'),
     'cudnn segments negative': (['--config.model.cudnn_segments=-1'],
                                 'config.model.cudnn_segments=-1'),
+    'weight prefetch not a yes or no': (['--config.model.prefetch_weights=sometimes'],
+                                        'config.model.prefetch_weights=sometimes'),
     'bf16 gradients under fp32 compute': (['--config.model.compute_dtype=float32',
                                            '--config.model.grad_reduce_dtype=bfloat16'],
                                           "config.model.grad_reduce_dtype='bfloat16' with "

@@ -2,8 +2,9 @@
 instructions in scheduled order, array types, and how often one execution runs each computation.
 
 A computation inside a `lax.scan` body (the layer stack) appears once in the text but runs once per
-layer: `runs` walks the computations from ENTRY, and a while loop's body counts its known trip
-count (XLA's `known_trip_count`) times, its condition one more.
+layer: `runs` walks the computations from ENTRY, and a while loop's body counts its trip count
+(`trips`: XLA's `known_trip_count`, or read from the loop where a pass dropped it) times, its
+condition one more.
 """
 
 import collections
@@ -19,6 +20,9 @@ _ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([0-9,]*)\]')
 _CALLS = re.compile(r'\b(body|condition|calls|to_apply|true_computation|false_computation|'
                     r'branch_computations)=(\{[^}]*\}|%?[\w.\-]+)')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_INDUCTION = re.compile(r'"known_induction_variable":\{"tuple_index":"(\d+)"')
+_CONSTANT = re.compile(r'constant\((-?\d+)\)')
+_DIRECTION = re.compile(r'direction=(\w+)')
 _PARTITIONS = re.compile(r'num_partitions=(\d+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -46,11 +50,6 @@ class Instruction:
     return [(kind, callee) for kind, names in _CALLS.findall(self.line)
             for callee in re.findall(r'%?([\w.\-]+)', names.strip('{}'))]
 
-  @property
-  def trip_count(self) -> int:
-    """A while loop's known trip count (1 where XLA states none)."""
-    return int(m.group(1)) if (m := _TRIP_COUNT.search(self.line)) else 1
-
 
 def instruction(line: str) -> Instruction | None:
   """The instruction a line of a computation holds, or None."""
@@ -62,6 +61,84 @@ def instruction(line: str) -> Instruction | None:
     end += 1
   operands = tuple(re.findall(r'%([\w.\-]+)', line[m.end():end - 1]))
   return Instruction(m.group(2), m.group(3), m.group(4), operands, line, bool(m.group(1)))
+
+
+def trips(inst: Instruction, computations: dict, computation: str) -> int | None:
+  """How many times the while loop `inst` (an instruction of `computation`) runs its body: XLA's
+  `known_trip_count`, or, where a pass dropped it (the collective pipeliner, peeling a loop's
+  first iteration), read from the loop: the induction variable XLA names starts at a constant
+  (its init traced through copies), steps by a constant (the body's add) and runs while below a
+  constant (the condition's compare). None where neither says."""
+  if m := _TRIP_COUNT.search(inst.line):
+    return int(m.group(1))
+  if not (m := _INDUCTION.search(inst.line)) or not inst.operands:
+    return None
+  index, callees = int(m.group(1)), dict(inst.callees())
+  scope = _by_name(computations, computation)
+  init = scope.get(inst.operands[0])
+  if init is None or init.opcode != 'tuple' or len(init.operands) <= index:
+    return None
+  start = _constant(scope, init.operands[index])
+  body = _by_name(computations, callees.get('body', ''))
+  root = next((i for i in body.values() if i.root), None)
+  step = (_added_constant(computations, body, root.operands[index])
+          if root and root.opcode == 'tuple' and len(root.operands) > index else None)
+  bound = _bound(computations, callees.get('condition', ''))
+  if None in (start, step, bound) or step <= 0:
+    return None
+  end, inclusive = bound
+  return max(0, -(-(end + inclusive - start) // step))
+
+
+def _by_name(computations: dict, computation: str) -> dict:
+  return {i.name: i for line in computations.get(computation, ()) if (i := instruction(line))}
+
+
+def _through_copies(scope: dict, name: str):
+  inst = scope.get(name)
+  while inst is not None and inst.opcode in ('copy', 'bitcast', 'convert') and inst.operands:
+    inst = scope.get(inst.operands[0])
+  return inst
+
+
+def _constant(scope: dict, name: str) -> int | None:
+  inst = _through_copies(scope, name)
+  if inst is not None and inst.opcode == 'constant' and (m := _CONSTANT.search(inst.line)):
+    return int(m.group(1))
+  return None
+
+
+def _added_constant(computations: dict, scope: dict, name: str) -> int | None:
+  """c where `name` is x + c for a constant c: an add, or a fusion of one."""
+  inst = _through_copies(scope, name)
+  if inst is not None and inst.opcode == 'fusion':
+    fused = _by_name(computations, dict(inst.callees()).get('calls', ''))
+    root = next((i for i in fused.values() if i.root), None)
+    if root is None or root.opcode != 'add':
+      return None
+    scope, inst = fused, root
+  if inst is None or inst.opcode != 'add':
+    return None
+  found = [c for operand in inst.operands if (c := _constant(scope, operand)) is not None]
+  return found[0] if len(found) == 1 else None
+
+
+def _bound(computations: dict, condition: str) -> tuple[int, int] | None:
+  """(c, 1 if ≤ else 0) of the condition's `i < c` or `i <= c` (in it, or in a fusion it calls)."""
+  found = []
+  names = [condition]
+  while names:
+    scope = _by_name(computations, names.pop())
+    for inst in scope.values():
+      names += [callee for kind, callee in inst.callees() if kind == 'calls']
+      if inst.opcode == 'compare' and len(inst.operands) == 2:
+        direction = (m.group(1) if (m := _DIRECTION.search(inst.line)) else '')
+        left, right = (_constant(scope, o) for o in inst.operands)
+        if right is not None and left is None and direction in ('LT', 'LE'):
+          found.append((right, int(direction == 'LE')))
+        elif left is not None and right is None and direction in ('GT', 'GE'):
+          found.append((left, int(direction == 'GE')))
+  return found[0] if len(found) == 1 else None
 
 
 def arrays(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -103,9 +180,9 @@ def runs(hlo_text: str) -> tuple[dict, collections.Counter, int]:
     for line in computations.get(name, ()):
       if not (inst := instruction(line)) or inst.opcode in ('async-update', 'async-done'):
         continue  # their `calls` is the computation the async-start already counted
-      trips = inst.trip_count
+      n = (trips(inst, computations, name) or 1) if inst.opcode == 'while' else 1
       for kind, callee in inst.callees():
-        factor = {'body': trips, 'condition': trips + 1}.get(kind, 1) if inst.opcode == 'while' else 1
+        factor = {'body': n, 'condition': n + 1}.get(kind, 1)
         if kind != 'to_apply':  # reductions' scalar computations: nothing to count
           visit(callee, count * factor)
 

@@ -17,7 +17,7 @@ from configs import llama
 import kernels
 from kernels.flash_attention import default_blocks
 from planning import communication, gpu_compiler, gpus, timing
-from sharding import collectives
+from sharding import collectives, hlo
 from tests.conftest import f32_shapes
 from training import dry_run, loop, settings
 from training.programs import compile_and_plan
@@ -116,7 +116,9 @@ def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
     assert 'xla.gpu.triton' in hlo and 'flash_attention_fwd' in hlo
   else:  # packed rows: cuDNN's packed layout, and the dense mask for a batch with a fuller row
     packed = re.findall(r'"max_seg_per_batch":\s*"?(\d+)', hlo)
-    layers = 1 if config.model.scan_layers else config.model.n_layers  # a scan body holds one
+    # a scan body holds one layer; with weights prefetched its first iteration is peeled too
+    layers = ((2 if config.model.prefetch_weights else 1) if config.model.scan_layers
+              else config.model.n_layers)
     assert packed.count(str(config.model.cudnn_segments)) == 3 * layers  # forward, again, backward
     assert hlo.count('"__cudnn$fmhaScaleBiasSoftmax') == 3 * layers and ' conditional(' in hlo
     # ... and the time model charges the layout a step takes: the packed one
@@ -363,6 +365,38 @@ def test_each_partition_sends_across_nodes_what_its_ideal_says(h100, devices, na
   if config.partition.gradients == 'int8':
     assert int8('all-to-all') > 0.9, by_op
     assert by_op.get(('reduce-scatter', 'f32'), 0) < 0.01 * by_op[('all-to-all', 's8')]
+
+
+@functools.cache
+def flat_fsdp_over_two_nodes(prefetch: bool):
+  """The tiny model (4 layers) over 16 H100s in nodes of 8, FSDP over all: (HLO text, plan)."""
+  from tests.conftest import tiny_config
+  config = tiny_config(fsdp=16)
+  config.model.update(compute_dtype='bfloat16', attention='xla', prefetch_weights=prefetch,
+                      n_layers=4)
+  config.batch_size = 16
+  config.plan.target, config.plan.devices, config.dry_run = 'H100', 16, True
+  program, plan = compile_and_plan(build(settings.resolve(config)))
+  return program.as_text(), plan
+
+
+def test_prefetched_weights_are_gathered_a_layer_early_and_nothing_more_is_sent(h100):
+  """config.model.prefetch_weights turns XLA's collective pipeliner on: each layer's gathers move
+  into the iteration before (the first layer's out of the loop), the plan says so, and the step
+  sends what it sent without, every loop's trips counted (the pipeliner drops a peeled loop's
+  known trip count; sharding/hlo.py reads it from the loop)."""
+  def gathers_outside_loops(hlo_text):
+    computations, entry, _ = hlo.parse(hlo_text)
+    return sum(' all-gather-start(' in line for line in computations[entry])
+
+  def sent(hlo_text):
+    return sum(c.sent_bytes * c.executions for c in collectives.executed(hlo_text))
+
+  (early, plan), (late, plain) = flat_fsdp_over_two_nodes(True), flat_fsdp_over_two_nodes(False)
+  assert plan.prefetch_weights and not plain.prefetch_weights
+  assert gathers_outside_loops(early) > gathers_outside_loops(late)
+  assert sent(early) == pytest.approx(sent(late), rel=0.01)
+  assert timing.predict(early, gpus.GPUS['H100']).loops_charged_once == 0
 
 
 def test_every_ring_hop_is_sent_while_the_kernel_works(h100):

@@ -146,6 +146,57 @@ def test_a_loop_body_counts_once_per_trip():
   assert unknown.kernels[0].runs == 1 and unknown.loops_charged_once == 1
 
 
+def test_a_loop_whose_trip_count_a_pass_dropped_is_read_from_the_loop():
+  """XLA's collective pipeliner peels a loop's first iteration and drops its known_trip_count,
+  keeping the induction variable: the count is read from its start (through copies), its step
+  (the body's add, fused) and its bound (the condition's compare, fused): i = 1; i < 4; i += 1."""
+  loop = '''
+%step (p: s32[]) -> s32[] {
+  %p = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %next = s32[] add(%p, %one)
+}
+
+%below (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%p, %n), direction=LT
+}
+
+%body (t: (s32[], bf16[1024,1024])) -> (s32[], bf16[1024,1024]) {
+  %t = (s32[], bf16[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %i2 = s32[] copy(%i)
+  %v = bf16[1024,1024]{1,0} get-tuple-element(%t), index=1
+  %w = bf16[1024,1024]{1,0} fusion(%v, %v), kind=kLoop, calls=%add
+  %j = s32[] fusion(%i2), kind=kLoop, calls=%step
+  ROOT %r = (s32[], bf16[1024,1024]{1,0}) tuple(%j, %w)
+}
+
+%cond (t: (s32[], bf16[1024,1024])) -> pred[] {
+  %t = (s32[], bf16[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %c = pred[] fusion(%i), kind=kLoop, calls=%below
+}
+'''
+  hlo = module('''
+  %start = s32[] constant(1)
+  %first = s32[] copy(%start)
+  %init = (s32[], bf16[1024,1024]{1,0}) tuple(%first, %x)
+  ROOT %loop = (s32[], bf16[1024,1024]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}''',
+               extra=loop)
+  predicted = timing.predict(hlo, H100)
+  assert predicted.kernels[0].runs == 3 and predicted.loops_charged_once == 0
+  assert timing.predict(hlo.replace('direction=LT', 'direction=LE'), H100).kernels[0].runs == 4
+  assert timing.predict(hlo.replace('constant(1)\n  ROOT %next', 'constant(2)\n  ROOT %next'),
+                        H100).kernels[0].runs == 2  # i = 1, 3
+  # without the induction variable XLA names, or with a bound that is not a constant: unknown
+  for unknown in (hlo.replace('"known_induction_variable":{"tuple_index":"0"}', '"x":1'),
+                  hlo.replace('compare(%p, %n)', 'compare(%p, %p)')):
+    predicted = timing.predict(unknown, H100)
+    assert predicted.kernels[0].runs == 1 and predicted.loops_charged_once == 1
+
+
 GATHER = ('%ag = (bf16[512,4096]{{1,0}}, bf16[4096,4096]{{1,0}}) all-gather-start(%s), channel_id=1, '
           'replica_groups={groups}, dimensions={{0}}, '
           'use_global_device_ids=true')

@@ -30,16 +30,27 @@ FP8_COMPILER_OPTIONS = {'xla_gpu_enable_triton_gemm': False, 'xla_gpu_dot_merger
 # then takes the defaults it would take without it: the same program (HLO, tilings, memory and
 # predicted time checked equal for the 125m, 1b and 8b presets) in about half the compile time.
 DEVICELESS_COMPILER_OPTIONS = {'xla_gpu_autotune_level': 0}
+# config.model.prefetch_weights: a scanned layer gathers its FSDP-sharded weights at its start,
+# and its compute waits for them, hidden only behind what XLA schedules between, inside the
+# layer. XLA's collective pipeliner moves each layer's gathers into the iteration before, under
+# the previous layer's compute, for one more layer's gathered weights. Where the gathers cross
+# nodes, waiting on them is the step's largest cost: the 70b on 32 H100s, predicted 13.10 ->
+# 12.25 s, +2.9 GiB. It does not always pay: the 8b over 16 (4 microbatches, whose loop XLA
+# pipelines too) 6.16 -> 6.39 s, Mixtral over 16 7.12 -> 7.52 s (docs/parallelism.md). So it is a
+# preset's choice (configs/llama.py: 70b), made from the plans.
+PREFETCH_COMPILER_OPTIONS = {'xla_gpu_pipeline_all_gather': 'COLLECTIVE_PIPELINING_MODE_ON'}
 
 
 def compiler_options(setup: Setup) -> dict:
   """XLA options for this setup's programs: FP8_COMPILER_OPTIONS for fp8 projections on GPUs,
-  DEVICELESS_COMPILER_OPTIONS for GPUs that are not there (the run's target says which)."""
+  DEVICELESS_COMPILER_OPTIONS for GPUs that are not there (the run's target says which),
+  PREFETCH_COMPILER_OPTIONS where config.model.prefetch_weights says so."""
   if setup.mesh.devices.flat[0].platform != 'gpu':
     return {}
   fp8 = setup.model_cfg.matmul_precision == 'fp8'
   return {**(FP8_COMPILER_OPTIONS if fp8 else {}),
-          **(DEVICELESS_COMPILER_OPTIONS if setup.run.target.deviceless else {})}
+          **(DEVICELESS_COMPILER_OPTIONS if setup.run.target.deviceless else {}),
+          **(PREFETCH_COMPILER_OPTIONS if setup.model_cfg.prefetch_weights else {})}
 
 
 def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
