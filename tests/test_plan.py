@@ -224,6 +224,43 @@ def test_auto_layout_ranks_plain_replicas_against_the_configs_hierarchical_parti
   assert chosen.partition.hierarchical and chosen.partition.weights == 'int8'
 
 
+def test_auto_layout_gathers_weights_a_layer_early_where_the_model_predicts_it_pays(monkeypatch):
+  """Where FSDP's gathers cross nodes on GPUs the search compiles each mesh both ways
+  (config.model.prefetch_weights) and the time model picks; elsewhere the run's own."""
+  import dataclasses
+  from types import SimpleNamespace
+  from training import layout
+  run = settings.resolve(tiny_config(fsdp=4), jax.devices()[:4])
+  mesh = dict(run.mesh.sizes, fsdp=4)
+  on_gpus = lambda per_node: dataclasses.replace(
+      run, target=SimpleNamespace(on_gpu=True, gpus_per_node=per_node))
+  assert layout.prefetch_choices(on_gpus(2), mesh) == (False, True)  # two nodes of 2
+  assert layout.prefetch_choices(on_gpus(4), mesh) == (False,)  # one node
+  assert layout.prefetch_choices(run, mesh) == (False,)  # a CPU's
+  monkeypatch.setattr(layout, 'meshes', lambda n: iter([mesh]))
+  monkeypatch.setattr(layout, 'POLICIES', ('full',))
+  monkeypatch.setattr(layout, '_state_fits', lambda *_: True)
+  monkeypatch.setattr(layout, 'prefetch_choices', lambda run, mesh: (False, True))
+  compiled = []
+
+  def compile_and_plan(setup):
+    early = setup.model_cfg.prefetch_weights
+    compiled.append(early)
+    return SimpleNamespace(as_text=lambda: early), SimpleNamespace(
+        fits=True, argument_bytes=1, total_bytes=1, memory_bytes=2, flops=1.0)
+
+  monkeypatch.setattr(layout, 'compile_and_plan', compile_and_plan)
+  monkeypatch.setattr(layout.timing, 'predict', lambda early, gpu: SimpleNamespace(
+      seconds=1.0 if early else 2.0, breakdown=dict.fromkeys(
+          ('gemm', 'attention', 'fusion', 'other', 'launch', 'communication'), 0.0)))
+  config = tiny_config(fsdp=4)
+  config.plan.memory_gb = 1.0
+  run = settings.resolve(config, jax.devices()[:4]).replace(mesh={'auto': True})
+  chosen, ranked = layout.choose(run)
+  assert sorted(compiled) == [False, True] and ranked[0].prefetch_weights
+  assert chosen.model.prefetch_weights and not chosen.mesh.auto
+
+
 def test_layout_tries_both_context_choices_where_the_kernel_meets_a_sequence_split():
   from training import layout
   run = settings.resolve(tiny_config()).replace(model={'attention': 'auto'})

@@ -7,7 +7,9 @@ count and which the model divides, × (with our kernel and a sequence split) con
 all_gather and ring, × (with config.partition.hierarchical, for a mesh with data > 1 whose
 replicas lie within nodes or fill them) plain replicas over data and the config's hierarchical
 partition (sharding/hierarchical.py: its int8 settings are the user's to choose, as they change
-the numerics), × remat policies full, dots, none, × the fewest microbatches (1, 2, 4, …;
+the numerics), × (on GPUs, where FSDP's gathers cross nodes) weights gathered in their own layer
+and a layer early (config.model.prefetch_weights: it pays only where the plan shows it does),
+× remat policies full, dots, none, × the fewest microbatches (1, 2, 4, …;
 from the stage count up with stages) that fit for that mesh and policy (more only repeat FSDP's
 gathers on smaller matmuls). A policy that keeps more activations needs as much memory or more:
 its microbatches start from the fewest the policy before it needed, and where that one fits with
@@ -30,7 +32,7 @@ import math
 import jax
 
 from model.config import CONTEXT_PARALLEL
-from planning import gpus, timing
+from planning import communication, gpus, timing
 from planning import plan as plan_lib
 from sharding import AXES, hierarchical
 from sharding.hierarchical import PLAIN, PartitionConfig
@@ -52,6 +54,7 @@ class Candidate:
   plan: plan_lib.Plan
   predicted: timing.StepTime  # the time model's, for the GPU (or gpus.NOMINAL)
   gpu: gpus.GPU
+  prefetch_weights: bool = False
 
   @property
   def step_s(self) -> float:
@@ -71,10 +74,13 @@ def meshes(n_devices: int):
 
 
 def with_layout(run: Run, mesh: dict, context_parallel: str, policy: str, microbatches: int,
-                partition: PartitionConfig = PLAIN) -> Run:
-  """`run` laid out so (auto turned off), its attention 'auto' made concrete for its target."""
+                partition: PartitionConfig = PLAIN, prefetch_weights: bool | None = None) -> Run:
+  """`run` laid out so (auto turned off), its attention 'auto' made concrete for its target;
+  prefetch_weights None keeps the run's."""
+  prefetch = run.model.prefetch_weights if prefetch_weights is None else prefetch_weights
   run = run.replace(mesh={**mesh, 'auto': False}, partition=partition,
-                    model={'context_parallel': context_parallel, 'remat_policy': policy},
+                    model={'context_parallel': context_parallel, 'remat_policy': policy,
+                           'prefetch_weights': prefetch},
                     microbatches=microbatches)
   return with_attention(run)
 
@@ -128,6 +134,15 @@ def partition_choices(run: Run, mesh: dict) -> tuple[PartitionConfig, ...]:
   return choices + (mine,)
 
 
+def prefetch_choices(run: Run, mesh: dict) -> tuple[bool, ...]:
+  """Both ways of gathering FSDP's weights (in their own layer, a layer early) where the gathers
+  cross nodes on GPUs, the time model to say which pays (training/programs.py); else the run's."""
+  if run.target.on_gpu and communication.spans_nodes(('fsdp',), mesh,
+                                                     run.target.gpus_per_node):
+    return (False, True)
+  return (run.model.prefetch_weights,)
+
+
 def search(run: Run, log=print) -> list[Candidate]:
   """The candidates that fit on the run's target's devices, fastest predicted first."""
   target = run.target
@@ -138,13 +153,13 @@ def search(run: Run, log=print) -> list[Candidate]:
   gpu = gpus.find(sharding.local_device(target.devices).device_kind) or gpus.NOMINAL
   for mesh in meshes(len(target.devices)):
     state_fits = _state_fits(run, mesh)
-    for context, partition in itertools.product(context_choices(run, mesh),
-                                                partition_choices(run, mesh)):
+    for context, partition, prefetch in itertools.product(
+        context_choices(run, mesh), partition_choices(run, mesh), prefetch_choices(run, mesh)):
       fewest = mesh['stage']  # a pipeline needs a microbatch for every stage
       for policy in POLICIES:
         microbatches, fitted, previous = fewest, None, None
         while state_fits and fitted is None:
-          candidate = with_layout(run, mesh, context, policy, microbatches, partition)
+          candidate = with_layout(run, mesh, context, policy, microbatches, partition, prefetch)
           try:
             setup = build(candidate)
           except sharding.MeshMismatch:  # the model or batch does not divide this way
@@ -152,7 +167,7 @@ def search(run: Run, log=print) -> list[Candidate]:
           compiled, the_plan = compile_and_plan(setup)
           if the_plan.fits:
             found.append(Candidate(mesh, partition, context, policy, microbatches, the_plan,
-                                   timing.predict(compiled.as_text(), gpu), gpu))
+                                   timing.predict(compiled.as_text(), gpu), gpu, prefetch))
             fitted = microbatches
           state_fits = the_plan.argument_bytes <= the_plan.memory_bytes
           if previous and _floor(previous, the_plan.total_bytes) > the_plan.memory_bytes:
@@ -195,8 +210,10 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
       ' (round figures for a device not in planning/gpus.py: for ranking only)'
       if gpu is gpus.NOMINAL else ', not measured'))
   partitions = any(c.partition.hierarchical for c in ranked)
+  prefetch = any(c.prefetch_weights for c in ranked)
   print(f'{"rank":>4}  {"×".join(AXES):<41}{"context":<11}'
-        + (f'{"partition":<42}' if partitions else '') + f'{"remat":<6}{"micro":>6}'
+        + (f'{"partition":<42}' if partitions else '') + (f'{"weights":<8}' if prefetch else '')
+        + f'{"remat":<6}{"micro":>6}'
         f'{"GiB/device":>11}{"step s":>8}{"MFU":>7}{"GEMM s":>8}{"attn s":>8}{"other s":>8}'
         f'{"comm s":>8}')
   for i, c in enumerate(ranked[:limit], 1):
@@ -206,7 +223,9 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
     other = parts['fusion'] + parts['other'] + parts['launch']
     partition = (f'{plan_lib.partition_name(c.partition):<42}'
                  if partitions else '')
-    print(f'{i:>4}  {mesh:<41}{context:<11}{partition}{c.remat_policy:<6}{c.microbatches:>6}'
+    weights = f'{"early" if c.prefetch_weights else "own":<8}' if prefetch else ''
+    print(f'{i:>4}  {mesh:<41}{context:<11}{partition}{weights}{c.remat_policy:<6}'
+          f'{c.microbatches:>6}'
           f'{c.plan.total_bytes / 2**30:>11.3g}{c.step_s:>8.3g}'
           f'{"-" if c.gpu is gpus.NOMINAL else f"{c.mfu:.1%}":>7}'
           f'{parts["gemm"]:>8.3g}{parts["attention"]:>8.3g}{other:>8.3g}'
@@ -216,8 +235,8 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
 
 
 def choose(run: Run, log=print) -> tuple[Run, list[Candidate]]:
-  """(`run` with the best layout's mesh, remat policy and microbatches for its target, auto
-  turned off; the ranking)."""
+  """(`run` with the best layout's mesh, remat policy, microbatches and weight prefetch for its
+  target, auto turned off; the ranking)."""
   ranked = search(run, log)
   if not ranked:
     raise ValueError('config.mesh.auto: no mesh shape × remat policy × microbatches fits; '
@@ -226,4 +245,4 @@ def choose(run: Run, log=print) -> tuple[Run, list[Candidate]]:
   report(ranked)
   best = ranked[0]
   return with_layout(run, best.mesh, best.context_parallel, best.remat_policy,
-                     best.microbatches, best.partition), ranked
+                     best.microbatches, best.partition, best.prefetch_weights), ranked
