@@ -96,15 +96,7 @@ def measured_and_predicted(fn, args, gpu, options=None) -> dict:
   """{measured_s, predicted_s, ratio, kernels} for one call of jit(fn)(*args)."""
   compiled = jax.jit(fn).lower(*args).compile(options or {})
   predicted = timing.predict(compiled.as_text(), gpu)
-  jax.block_until_ready(compiled(*args))
-  rounds = []
-  for _ in range(3):
-    start = time.perf_counter()
-    for _ in range(_ITERS.value):  # one stream runs them in order: the last done, all are
-      out = compiled(*args)
-    jax.block_until_ready(out)
-    rounds.append((time.perf_counter() - start) / _ITERS.value)
-  measured = statistics.median(rounds)
+  measured = inputs.back_to_back_s(compiled, args, _ITERS.value)
   return {'measured_s': measured, 'predicted_s': predicted.seconds,
           'ratio': measured / predicted.seconds, 'launches': predicted.launches,
           PROGRAM: program(compiled, lambda: compiled(*args))}

@@ -1,7 +1,9 @@
 """What the step benchmarks share: a config's setup, state and compiled step as train.py builds
-them, and a batch of random tokens placed as train.py places batches."""
+them, and a batch of random tokens placed as train.py places batches; and how the kernel
+benchmarks time a compiled program (back_to_back_s)."""
 
 import dataclasses
+import statistics
 import time
 
 import jax
@@ -48,3 +50,18 @@ def random_batch(config, mesh, packed: bool = False) -> dict:
     host['segment_ids'] = np.ones(shape)
   s = sharding.batch_sharding(mesh)
   return {k: jax.device_put(np.asarray(v, programs.BATCH_KEYS[k]), s) for k, v in host.items()}
+
+
+def back_to_back_s(compiled, args, iters: int, rounds: int = 3) -> float:
+  """Seconds a call of `compiled(*args)`: `iters` calls back to back, waited for once (one stream
+  runs them in order, so the GPU never idles between calls), the median of `rounds` such rounds;
+  after one untimed call."""
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    for _ in range(iters):
+      out = compiled(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / iters)
+  return statistics.median(times)

@@ -11,18 +11,17 @@ causal mask; it takes float16, not bfloat16), the row says so with the error.
 Rows: per head dim and keys, causal forward; non-causal forward and forward+backward; each
 kernel's TFLOP/s as FlashAttention counts them (forward 4·B·N·L·S·H, halved when causal;
 backward 2.5 × forward), float16 for both, and the largest difference between the two outputs.
-Time: --iters calls back to back, waited for once, the median of three rounds. Needs a Hopper GPU.
+Time: --iters calls back to back, waited for once, the median of three rounds (as calibrate's). Needs a Hopper GPU.
 """
 
 import functools
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from benchmarks import report
+from benchmarks import inputs, report
 
 _HEAD_DIMS = flags.DEFINE_list('head_dims', ['64', '128'], 'Head dims.')
 _SEQ_LENS = flags.DEFINE_list('seq_lens', ['2048', '4096', '8192'], 'Keys (= queries) a row.')
@@ -36,23 +35,11 @@ _BUDGET = flags.DEFINE_float('budget_s', 240, 'No new shape after this long.')
 _OUT = flags.DEFINE_string('out', None, 'JSON file for the figures.')
 
 
-def seconds(fn, *args) -> float:
-  compiled = jax.jit(fn).lower(*args).compile()
-  jax.block_until_ready(compiled(*args))
-  rounds = []
-  for _ in range(3):
-    start = time.perf_counter()
-    for _ in range(_ITERS.value):
-      out = compiled(*args)
-    jax.block_until_ready(out)
-    rounds.append((time.perf_counter() - start) / _ITERS.value)
-  return statistics.median(rounds)
-
-
 def tried(fn, *args) -> dict:
-  """{'s': seconds} or {'error': the first line of why it did not run}."""
+  """{'s': seconds a call, as benchmarks/calibrate.py times them} or {'error': the first line of
+  why it did not run}."""
   try:
-    return {'s': seconds(fn, *args)}
+    return {'s': inputs.back_to_back_s(jax.jit(fn).lower(*args).compile(), args, _ITERS.value)}
   except Exception as e:  # a refusal is a result
     return {'error': f'{type(e).__name__}: {(str(e).strip().splitlines() or [""])[0][:300]}'}
 

@@ -128,7 +128,8 @@ def make_plan(compiled, setup) -> Plan:
       time=predicted_time(predicted, gpu, tokens / n, flops),
       param_bytes=_device_bytes(setup.abstract_state.params),
       optimizer_bytes=_device_bytes(setup.abstract_state.opt_state),
-      prefetch_weights=gpu is not None and setup.model_cfg.prefetch_weights)
+      # as training/programs.py compiles it: the option is XLA's GPU compiler's, any GPU's
+      prefetch_weights=devices[0].platform == 'gpu' and setup.model_cfg.prefetch_weights)
 
 
 def _device_bytes(abstract) -> int:
