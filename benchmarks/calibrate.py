@@ -401,8 +401,9 @@ def merge(folders: list, out_dir: str) -> None:
         raise ValueError(f'--merge: {path} ran on {new["device"]}, jax {new["jax"]}; '
                          f'{out_dir}/{file}.json on {old["device"]}, jax {old["jax"]}')
       replaced = {r['what'] for r in new['rows']}
+      # a run's "skipped" rows say where its budget ended: not true of the merged bank
       rows = [r for r in old['rows'] if r['what'] not in replaced and 'skipped' not in r]
-      rows += new['rows']
+      rows += [r for r in new['rows'] if 'skipped' not in r]
       bank = {what: program for what, program in bank.items()
               if not any(what == r or what.startswith(r + ' ') for r in replaced)} | new_bank
       commands = old['command'] if isinstance(old['command'], list) else [old['command']]

@@ -143,10 +143,12 @@ def copy_rows(*mib):
 
 def test_calibrate_merges_other_runs_into_the_bank(tmp_path):
   """Two GPU commands' parts, merged: a row of the same `what` replaced, the others kept, the
-  refit made again from them all; a bank of another device is refused."""
+  refit made again from them all, a run's "skipped" row (where its budget ended) left out; a bank
+  of another device is refused."""
   from benchmarks import calibrate
   for run, mib in (('a', (1, 2)), ('b', (2, 3))):
     rows, programs = copy_rows(*mib)
+    rows.append({'what': 'the rest of this part', 'skipped': 'past --part_budget_s=1'})
     calibrate.write(str(tmp_path / run), 'copy', 'cpu', {
         'benchmark': 'calibrate_copy', 'device': 'cpu', 'platform': 'cpu', 'jax': '0.11.2',
         'model_for': 'nominal device', 'rows': rows, 'refit': {}, 'seconds': 1.0,
@@ -156,7 +158,7 @@ def test_calibrate_merges_other_runs_into_the_bank(tmp_path):
   b = json.loads((tmp_path / 'b' / 'calibrate_copy-cpu.json').read_text())
   whats = [r['what'] for r in merged['rows']]
   assert whats == ['pass over 1 MiB', 'pass over 2 MiB', 'pass over 3 MiB', 'chain of 2 small matmuls']
-  assert merged['rows'][1:] == b['rows'] and len(merged['command']) == 2
+  assert merged['rows'][1:] == b['rows'][:-1] and len(merged['command']) == 2
   assert merged['refit']['KERNEL_LAUNCH_S'] == 2 * 5e-6  # b's chain replaced a's
   assert merged['refit']['HBM_EFFICIENCY'] == pytest.approx(2 * 2**20 / 1e9)  # of nominal 1 TB/s
   with gzip.open(tmp_path / 'calibrate_copy-cpu.programs.json.gz') as f:
