@@ -2,14 +2,14 @@
 efficiencies stand for (planning/gpus.py), each beside the model's prediction of the very
 program that ran (planning/timing.py on its compiled HLO), as measured / predicted.
 
-  python -m benchmarks.calibrate                        # every part: 5, ≤ 7 min each
+  python -m benchmarks.calibrate                        # every part: 6, ≤ 7 min each
   python -m benchmarks.calibrate --parts=gemm,copy      # some of them
   python -m benchmarks.calibrate --check                # re-predict the banked programs (no GPU)
   python -m benchmarks.calibrate --merge=DIR,…          # bank other runs' parts (no GPU)
 
 Parts, in the order they run (what a GPU shows of a whole step first), each stopping once past
 --part_budget_s (6 min; the shapes left are listed as skipped), so each fits a borrowed GPU's
-10-minute command and all five fit 35 minutes:
+10-minute command and all six fit 42 minutes:
   steps      the train steps of --step_configs (125m, 1b): bf16 with pallas and cudnn, then fp8;
              a part for each config (steps_125m, steps_1b)
   attention  forward, and forward+backward, of pallas, cudnn and xla; head dims 64 and 128; keys
@@ -17,6 +17,9 @@ Parts, in the order they run (what a GPU shows of a whole step first), each stop
   gemm       bf16 and fp8 matmuls: squares 2k–8k and the presets' projection shapes
   copy       an element-wise pass over 64 MiB – 2 GiB (HBM bandwidth), and a chain of --chain small
              dependent matmuls (the launch gap between kernels)
+  host       copies between the device and pinned host memory inside one program, as
+             optimizer.offload_state's step makes them: to the host, from it, and both at once
+             (the PCIe link's bandwidth a direction, and whether the two directions overlap)
 Time: a kernel program is called --iters times back to back and waited for once (the GPU never
 idles between calls), the median of three such rounds; a train step, the median of --step_iters
 steps each waited for, as benchmarks/train_step.py. Each part writes,
@@ -55,11 +58,13 @@ from planning import flops, gpus, timing
 from runtime import cli
 from training import programs
 
-_PARTS = flags.DEFINE_list('parts', ['steps', 'attention', 'gemm', 'copy'], 'Parts to run.')
+_PARTS = flags.DEFINE_list('parts', ['steps', 'attention', 'gemm', 'copy', 'host'], 'Parts to run.')
 _GEMMS = flags.DEFINE_list('gemms', ['2048x2048x2048', '4096x4096x4096', '8192x8192x8192',
                                      '32768x2048x8192', '32768x8192x2048', '32768x4096x14336'],
                            'GEMMs m×k×n: squares, then 1b and 8b projections.')
 _COPY_MIB = flags.DEFINE_list('copy_mib', ['64', '512', '2048'], 'Arrays passed over, MiB.')
+_HOST_MIB = flags.DEFINE_list('host_mib', ['256', '1024'], 'Arrays copied to and from host memory, '
+                              'MiB.')
 _CHAIN = flags.DEFINE_integer('chain', 200, 'Dependent small matmuls of the launch-gap program.')
 _IMPLS = flags.DEFINE_list('impls', ['pallas', 'cudnn', 'xla'], 'Attention implementations.')
 _HEAD_DIMS = flags.DEFINE_list('head_dims', ['64', '128'], 'Attention head dims.')
@@ -171,6 +176,21 @@ def copy_rows(gpu):
                                gpu)
   yield {'what': f'chain of {_CHAIN.value} small matmuls', 'kernels': _CHAIN.value, **row,
          'per_kernel_s': row['measured_s'] / row['launches']}
+
+
+def host_rows(gpu):
+  device = jax.devices()[0]
+  on = lambda kind: jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+  to_host = lambda a: jax.device_put(a, on('pinned_host'))
+  from_host = lambda a: jax.device_put(a, on('device'))
+  for mib in map(int, _HOST_MIB.value):
+    x = place((mib * 2**20 // 4,), jnp.float32)
+    on_host = jax.device_put(x, on('pinned_host'))
+    for way, fn, args, moved in (('to host', to_host, (x,), 1), ('from host', from_host, (on_host,), 1),
+                                 ('both ways', lambda a, b: (to_host(a), from_host(b)), (x, on_host), 2)):
+      row = measured_and_predicted(fn, args, gpu)
+      yield {'what': f'{way} {mib} MiB', 'way': way, 'bytes': moved * mib * 2**20, **row,
+             'gb_per_s': moved * mib * 2**20 / row['measured_s'] / 1e9}
 
 
 def attention_rows(gpu):
@@ -308,7 +328,7 @@ def step_row(gpu, path: str, attention: str, precision: str, variant: str = 'pre
           PROGRAM: banked}
 
 
-PARTS = {'gemm': gemm_rows, 'copy': copy_rows, 'attention': attention_rows, 'steps': step_rows}
+PARTS = {'gemm': gemm_rows, 'copy': copy_rows, 'host': host_rows, 'attention': attention_rows, 'steps': step_rows}
 
 
 def parts() -> dict:
@@ -348,6 +368,11 @@ def refit(part: str, rows: list, gpu: gpus.GPU) -> dict:
     if chain:
       out['KERNEL_LAUNCH_S'] = chain['per_kernel_s']
     return out
+  if part == 'host':  # GPU.host_bandwidth: the slower way of the largest copies made one way
+    one_way = [r for r in ok if r['way'] != 'both ways']
+    largest = max((r['bytes'] for r in one_way), default=0)
+    return {'host_bandwidth': min(r['gb_per_s'] for r in one_way if r['bytes'] == largest)
+            * 1e9} if one_way else {}
   if part == 'attention':  # planning/gpus.py's table: {keys: (forward, backward) TFLOP/s}
     table = {}
     for r in sorted(ok, key=lambda r: r['seq_len']):

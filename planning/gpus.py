@@ -37,7 +37,8 @@ class GPU:
   peak_fp8_flops: float  # likewise for fp8 operands; 0 where there are no fp8 tensor cores
   link_bandwidth: float  # bytes/s per direction to each other GPU of a node (NVLink or PCIe)
   node_bandwidth: float  # bytes/s per direction from each GPU to other nodes (its NIC's share)
-  host_bandwidth: float  # bytes/s per direction between the GPU and host memory (its PCIe link)
+  host_bandwidth: float  # bytes/s each way between the GPU and host memory (its PCIe link; the
+  # two ways run at once)
   gpus_per_node: int = 8
 
   @property
@@ -62,7 +63,9 @@ GPUS = {gpu.name: gpu for gpu in (
         peak_bf16_flops=989e12, peak_fp8_flops=1979e12,
         link_bandwidth=450e9,  # H100 SXM; NVLink 4: 900 GB/s both ways
         node_bandwidth=50e9,  # DGX H100: a 400 Gb/s NDR InfiniBand NIC per GPU
-        host_bandwidth=64e9),  # PCIe Gen5 x16
+        # PCIe Gen5 x16 (64 GB/s nominal) as measured: 55.1 GB/s each way, to or from pinned host
+        # memory (benchmarks/results/calibrate_host-h100.json)
+        host_bandwidth=55e9),
     GPU(name='H100-PCIe', device_kind='NVIDIA H100 PCIe', compute_capability=(9, 0), sms=114,
         clock_ghz=1.755, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
@@ -78,7 +81,7 @@ GPUS = {gpu.name: gpu for gpu in (
         peak_bf16_flops=989e12, peak_fp8_flops=1979e12,
         link_bandwidth=450e9,  # H200 SXM; NVLink 4
         node_bandwidth=50e9,  # HGX H200: a 400 Gb/s NDR NIC per GPU
-        host_bandwidth=64e9),
+        host_bandwidth=55e9),  # PCIe Gen5 x16, as the H100's measured (not yet on an H200)
 )}
 
 # A device not in the table (the CPU): the time model ranks layouts for it against these round

@@ -30,7 +30,9 @@ every launch (collectives' too) KERNEL_LAUNCH_S more.
 A collective costs the bytes each device sends (sharding/collectives.py's ring model) over the
 NVLink bandwidth × LINK_EFFICIENCY, or the NIC's × NETWORK_EFFICIENCY where its groups span
 nodes (gpus_per_node GPUs a node, in device order), plus LINK_LATENCY_S (NETWORK_LATENCY_S); a
-copy to or from host memory (offloaded state) its bytes over the PCIe link. The compiled schedule
+copy to or from host memory (offloaded state) its bytes over the PCIe link, whose two ways run at
+once (one stream each way: the H100 copied 1 GiB each way at once in 1.20× one way's time,
+benchmarks/results/calibrate_host-h100.json). The compiled schedule
 decides what hides them: each computation runs its instructions in order on a compute stream; an
 async collective runs on a communication stream from its -start, one at a time in the order
 started, and its -done waits for it. So a collective is hidden as far as the kernels scheduled
@@ -209,7 +211,8 @@ class _Model:
       seconds = self.collective_seconds(c)
       starts[begin], dones[done] = (done, seconds), seconds
       self.communication_s += seconds * runs
-    now = comm_free = host_free = 0.0  # when the compute, communication and host streams free up
+    now = comm_free = 0.0  # when the compute and communication streams free up
+    host_free = {True: 0.0, False: 0.0}  # the PCIe link's two ways (to the host, from it) likewise
     finish = {}  # a collective's done index, or a host copy's start name → when it is over
     for index, inst in enumerate(instructions):
       op = inst.opcode
@@ -222,8 +225,10 @@ class _Model:
       elif index in dones:  # a done; without its start here, started by an earlier iteration
         now = max(now, finish.get(index, dones[index]))
       elif op == 'copy-start' and ':S(5)' in inst.line:  # to or from host memory
-        host_free = max(now, host_free) + hlo.nbytes(inst.arrays[:1]) / self.gpu.host_bandwidth
-        finish[inst.name] = host_free
+        to_host = ':S(5)' in inst.type[:inst.type.index('}') + 1]  # the copy's result is there
+        host_free[to_host] = (max(now, host_free[to_host])
+                              + hlo.nbytes(inst.arrays[:1]) / self.gpu.host_bandwidth)
+        finish[inst.name] = host_free[to_host]
       elif op == 'copy-done' and inst.operands and inst.operands[0] in finish:
         now = max(now, finish[inst.operands[0]])
       elif op == 'while':

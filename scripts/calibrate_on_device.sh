@@ -57,7 +57,7 @@ case "${1:-}" in
         --step_variants=preset,packed,packed+model.cudnn_segments=0 \
         --part_budget_s=130
       part 170 --parts=attention --part_budget_s=120
-      part 60 --parts=gemm,copy --part_budget_s=30
+      part 70 --parts=gemm,copy,host --part_budget_s=30
       part 200 --parts=steps --step_precision=fp8 --step_attention=cudnn --part_budget_s=60 \
         --out_dir="$bank/fp8"
     fi

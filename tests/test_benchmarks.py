@@ -1,4 +1,4 @@
-"""The step, precision, checkpoint, MoE and calibrate benchmarks, and the fault probe, run end to end (on
+"""The step, precision, checkpoint, MoE, NVMe and calibrate benchmarks, and the fault probe, run end to end (on
 the tiny base config, or tiny shapes) and end with one JSON line of figures that add up."""
 
 import gzip
@@ -44,6 +44,21 @@ def test_checkpoint_benchmark():
   assert f['checkpoint_bytes'] > 3 * 4 * f['params']  # parameters and two Adam moments in fp32
 
 
+def test_nvme_benchmark_moves_every_way_through_the_disk(tmp_path):
+  """Each way writes, syncs, drops the cache and reads back what it wrote (a way that returned
+  other bytes fails the run); figures against dd's; too little room is one line, nothing made."""
+  f = figures('nvme', f'--dir={tmp_path}', '--gib=0.008', '--block_mib=1', '--repeats=1', config=())
+  assert f['bytes'] == 8 * 2**20 and set(f['ways']) == {'dd', 'direct', 'buffered', 'tensorstore'}
+  for w in f['ways'].values():
+    assert w['read_gb_per_s'] == f['bytes'] / w['read_s'] / 1e9 and w['write_s'] > 0
+    assert w['read_of_dd'] == w['read_gb_per_s'] / f['ways']['dd']['read_gb_per_s']
+  assert list(tmp_path.iterdir()) == []  # its folder removed
+  result = subprocess.run([sys.executable, '-m', 'benchmarks.nvme', f'--dir={tmp_path}',
+                           '--gib=1000000'], cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert result.returncode != 0 and 'lower --gib' in result.stderr
+  assert 'Traceback' not in result.stderr and list(tmp_path.iterdir()) == []
+
+
 def test_moe_benchmark_compiles_each_implementation_for_h100():
   """Deviceless at tiny shapes: ours as its two Triton kernels without spills, and every
   implementation's temporaries; ragged_dot's, dense on GPUs, larger than ours."""
@@ -84,11 +99,11 @@ def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):
   """Its plumbing, on the CPU (ratios against the time model's nominal device mean nothing here):
   each part's rows measured and predicted, its file, and the constants its rows imply."""
   from planning import timing
-  f = figures('calibrate', '--gemms=64x64x64,128x256x64', '--copy_mib=1', '--chain=5',
+  f = figures('calibrate', '--gemms=64x64x64,128x256x64', '--copy_mib=1', '--host_mib=1', '--chain=5',
               '--head_dims=64', '--seq_lens=128', '--tokens=256', '--impls=pallas,xla',
               '--step_configs=configs/base.py', '--step_attention=xla', '--iters=2',
               '--step_iters=1', f'--out_dir={tmp_path}', config=())
-  assert list(f['parts']) == ['steps_base', 'attention', 'gemm', 'copy']  # a whole step first
+  assert list(f['parts']) == ['steps_base', 'attention', 'gemm', 'copy', 'host']  # a step first
   for part, figures_of in f['parts'].items():
     written = json.loads((tmp_path / f'calibrate_{part}-cpu.json').read_text())
     assert written == figures_of and written['jax'] and 'benchmarks.calibrate' in written['command']
@@ -110,6 +125,9 @@ def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):
   assert [r['precision'] for r in parts['gemm']['rows']] == ['bf16', 'fp8'] * 2
   assert set(parts['gemm']['refit']) == {'GEMM_EFFICIENCY', 'FP8_GEMM_EFFICIENCY'}
   assert set(parts['copy']['refit']) == {'HBM_EFFICIENCY', 'KERNEL_LAUNCH_S'}
+  host = parts['host']['rows']
+  assert [r['way'] for r in host] == ['to host', 'from host', 'both ways']
+  assert parts['host']['refit']['host_bandwidth'] == min(r['gb_per_s'] for r in host[:2]) * 1e9
   assert [r['impl'] for r in parts['attention']['rows']] == ['pallas', 'xla']  # no cuDNN on CPU
   steps = parts['steps_base']['rows']
   assert [r['matmul_precision'] for r in steps] == ['default', 'fp8']

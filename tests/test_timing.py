@@ -2,6 +2,8 @@
 efficiencies of planning/gpus.py say; programs the GPU compiler built for H100s that are not here
 are charged as the model's docstring says."""
 
+import json
+
 import pytest
 
 from planning import gpu_compiler, gpus, timing
@@ -314,18 +316,32 @@ def banked(part: str, what: str) -> str:
 def test_every_banked_gpu_program_is_predicted_within_the_goal():
   """What GPUs measured (benchmarks/calibrate.py's bank), re-predicted by today's model: every
   train step and GEMM of at least 4096³ within 0.85–1.18 of its time, every attention program
-  (cuDNN's and ours, forward and forward+backward) within 0.8–1.25 (benchmarks/bank.py: GOAL)."""
+  (cuDNN's and ours, forward and forward+backward) and copy to or from host memory within 0.8–1.25
+  (benchmarks/bank.py: GOAL)."""
   from benchmarks import bank
   checked = bank.check()
   kinds = {(c.file, c.kind) for c in checked}
   assert {(f'{part}-{gpu}', kind) for gpu in ('h100', 'h200') for part, kind in (
       ('steps_125m', 'step'), ('steps_1b', 'step'), ('gemm', 'gemm'),
-      ('attention', 'attention'))} <= kinds
+      ('attention', 'attention'))} | {('host-h100', 'host')} <= kinds
   assert {c.what for c in checked if c.kind == 'attention'} >= {
       f'{impl} attention H={h} S={s}{fb}' for impl in ('cudnn', 'pallas') for h in (64, 128)
       for s in (2048, 4096, 8192) for fb in ('', ' fwd_bwd')}
   assert not bank.missing_goal(checked), [(c.what, round(c.ratio, 3))
                                           for c in bank.missing_goal(checked)]
+
+
+def test_copies_to_and_from_host_memory_take_one_way_of_the_pcie_link_each():
+  """The H100's measured copies (calibrate's host part): a copy to pinned host memory and one
+  from it are charged host_bandwidth each, and the two at once overlap (the link's two ways), as
+  measured (1.20× one way's time, not 2×)."""
+  with open('benchmarks/results/calibrate_host-h100.json') as f:
+    rows = {r['what']: r for r in json.load(f)['rows']}
+  for way in ('to host', 'from host', 'both ways'):
+    predicted = timing.predict(banked('host-h100', f'{way} 1024 MiB'), H100)
+    assert predicted.seconds == pytest.approx(2**30 / H100.host_bandwidth)
+    assert 0.8 <= predicted.seconds / rows[f'{way} 1024 MiB']['measured_s'] <= 1.25
+  assert rows['both ways 1024 MiB']['measured_s'] < 1.3 * rows['to host 1024 MiB']['measured_s']
 
 
 def test_the_gpus_own_program_is_charged_its_cudnn_attention_and_fused_gemms():
