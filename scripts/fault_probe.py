@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import subprocess
@@ -193,6 +192,9 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
                                 'config.model.cudnn_segments=-1'),
     'weight prefetch not a yes or no': (['--config.model.prefetch_weights=sometimes'],
                                         'config.model.prefetch_weights=sometimes'),
+    'offloaded state planned for a GPU here': (['--config.dry_run=True', '--config.plan.target=H100',
+                                                '--config.optimizer.offload_state=True'],
+                                               'the deviceless compiler has no host memory'),
     'bf16 gradients under fp32 compute': (['--config.model.compute_dtype=float32',
                                            '--config.model.grad_reduce_dtype=bfloat16'],
                                           "config.model.grad_reduce_dtype='bfloat16' with "
@@ -1002,7 +1004,7 @@ FROM_NOTHING = {
     'draft heads alone without init_from': (('--config.model.draft_heads=2',
                                              '--config.model.draft_only=True'),
                                             'config.init_from is empty'),
-    'LoRA rank above the width': (('--config.model.lora_rank=80', f'--config.init_from=random'),
+    'LoRA rank above the width': (('--config.model.lora_rank=80', '--config.init_from=random'),
                                   'config.model.lora_rank=80'),
     'draft heads as long as the row': (('--config.model.draft_heads=8', '--config.seq_len=8'),
                                        'config.model.draft_heads=8'),

@@ -113,8 +113,8 @@ def build(run: Run) -> Setup:
   if (model_cfg.remat_policy.startswith('offload_')
       and not has_host_memory(sharding.local_device(devices))):
     raise ValueError(f'config.model.remat_policy={model_cfg.remat_policy!r} offloads to pinned '
-                     f'host memory, which this {devices[0].platform} backend does not offer; use '
-                     'a policy without offload_, such as full or dots')
+                     f'host memory, {lacking_host_memory(devices[0])}; use a policy without '
+                     'offload_, such as full or dots')
   mesh = sharding.make_mesh(sizes, devices)
   if model_cfg.draft_heads and mesh.shape['stage'] > 1:
     raise ValueError('config.model.draft_heads > 0 trains on the last stage\'s hidden states, '
@@ -150,8 +150,8 @@ def build(run: Run) -> Setup:
   opt_compute_shardings = None
   if run.optimizer.offload_state:  # ZeRO-Offload style: moments in pinned host memory
     if not has_host_memory(sharding.local_device(devices)):
-      raise ValueError(f'config.optimizer.offload_state=True needs pinned host memory, which '
-                       f'this {devices[0].platform} backend does not offer; set it to False')
+      raise ValueError(f'config.optimizer.offload_state=True needs pinned host memory, '
+                       f'{lacking_host_memory(devices[0])}; set it to False')
     opt_compute_shardings = opt_shardings
     opt_shardings = jax.tree.map(lambda s: s.with_memory_kind('pinned_host'), opt_shardings)
   state_shardings = TrainState(step=sharding.replicated(mesh), params=param_shardings,
@@ -230,6 +230,15 @@ def has_fp8(device) -> bool:
 
 def has_host_memory(device) -> bool:
   return 'pinned_host' in {m.kind for m in device.addressable_memories()}
+
+
+def lacking_host_memory(device) -> str:
+  """Why `device` has no pinned host memory: a GPU compiled for without one (a plan's deviceless
+  compile: its devices have no memories at all) or a backend without it."""
+  if gpus.find(device.device_kind) and not device.addressable_memories():
+    return (f'which a plan compiled here for {device.device_kind} cannot place arrays in (the '
+            'deviceless compiler has no host memory; a dry run on the GPUs plans it)')
+  return f'which this {device.platform} backend does not offer'
 
 
 def param_count(abstract_params) -> int:
