@@ -307,11 +307,16 @@ class _Model:
     return self.timed(Kernel(inst.name, what, 'other', 0.0, moved + written, 0.0), 1.0)
 
   def async_copy(self, inst: hlo.Instruction) -> Kernel:
-    """An asynchronous (dynamic-)slice or update-slice fusion: its bytes at the copies' rate."""
+    """An asynchronous (dynamic-)slice or update-slice fusion: its bytes at the copies' rate; a
+    slice of an array in host memory (a scanned layer's offloaded activations) crosses the PCIe
+    link instead, in line with the kernels (the H100 ran them on its compute stream)."""
     read, written, _ = self.fusion_bytes(dict(inst.callees()).get('calls', ''))
     kernel = Kernel(inst.name, inst.op_name.rsplit('/', 1)[-1] or 'fusion-start', 'other', 0.0,
                     read + written, 0.0)
-    kernel.seconds = kernel.bytes / (self.gpu.memory_bandwidth * gpus.ASYNC_COPY_EFFICIENCY)
+    if ':S(5)' in inst.line:
+      kernel.seconds = written / self.gpu.host_bandwidth
+    else:
+      kernel.seconds = kernel.bytes / (self.gpu.memory_bandwidth * gpus.ASYNC_COPY_EFFICIENCY)
     return kernel
 
   def timed(self, kernel: Kernel, flops_per_s: float) -> Kernel:

@@ -344,6 +344,24 @@ def test_copies_to_and_from_host_memory_take_one_way_of_the_pcie_link_each():
   assert rows['both ways 1024 MiB']['measured_s'] < 1.3 * rows['to host 1024 MiB']['measured_s']
 
 
+def test_offloaded_steps_are_charged_their_trips_over_the_pcie_link():
+  """The H100's steps with Adam's moments in host memory, and with a scanned 125m's saved matmul
+  outputs there (`offload_dots`: slices of its stacked arrays moved to and from host memory by
+  asynchronous fusions, which the GPU ran in line with its kernels, 3.6× the plain step)."""
+  with open('benchmarks/results/calibrate_steps_125m-h100.json') as f:
+    rows = {r['what']: r for r in json.load(f)['rows']}
+  steps = {variant: timing.predict(banked('steps_125m-h100', what), H100)
+           for variant in ('optimizer.offload_state=True', 'model.remat_policy=offload_dots')
+           for what in [f'configs/llama.py:125m cudnn default {variant}']}
+  for variant, step in steps.items():
+    measured = rows[f'configs/llama.py:125m cudnn default {variant}']['measured_s']
+    assert 0.9 <= step.seconds / measured <= 1.1, variant
+  kernels = steps['model.remat_policy=offload_dots'].kernels
+  host = [k for k in kernels if k.name.startswith(('dynamic-slice-start', 'dynamic-update'))]
+  assert host and sum(k.seconds * k.runs for k in host) > 0.5 * steps[
+      'model.remat_policy=offload_dots'].seconds
+
+
 def test_the_gpus_own_program_is_charged_its_cudnn_attention_and_fused_gemms():
   """The GPU's compile writes cuDNN's config with its keys in another order, fuses the head's
   GEMMs with their operands' slicing (a dynamic-slice fusion around a cuBLAS call), and moves a
