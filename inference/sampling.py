@@ -128,11 +128,21 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
   (inference/speculate.py; the same text greedy, the same distribution sampled), if it has them;
   `report(line)` then gets a line of how far their guesses went."""
   tok = loaded.tokenizer
+  ids = [list(tok.encode(p.encode())) for p in prompts]
+  ids = [row if chat_prompts or row[:1] == [tok.bos_id] else [tok.bos_id, *row] for row in ids]
+  return continue_ids(loaded, ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                      max_len=max_len, cache=cache, speculative=speculative, report=report)
+
+
+def continue_ids(loaded: Loaded, ids: list[list[int]], max_new_tokens: int, *,
+                 temperature: float = 0.8, top_k: int = 40, seed: int = 0, max_len: int = 0,
+                 cache: str = 'full', speculative: bool = False, report=None) -> list[str]:
+  """complete's continuations of prompts given as token ids (each as the model is to read it:
+  BOS first where a document's start is meant)."""
+  tok = loaded.tokenizer
   if top_k > tok.vocab_size:
     raise ValueError(f'--top_k={top_k} is more than the {tok.vocab_size:,} tokens of the run\'s '
                      f'{tok.name} tokenizer; give at most {tok.vocab_size} (0: all of them)')
-  ids = [list(tok.encode(p.encode())) for p in prompts]
-  ids = [row if chat_prompts or row[:1] == [tok.bos_id] else [tok.bos_id, *row] for row in ids]
   heads = loaded.model.cfg.draft_heads if speculative else 0
   check_length(loaded, len(ids), max(map(len, ids)) + max_new_tokens, max_new_tokens, max_len,
                cache, heads)

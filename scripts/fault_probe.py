@@ -507,6 +507,30 @@ def _(p):
   return refused(p.run(*args), 'arrays differ from their checksums', [args[-1][9:]])
 
 
+@case('checkpoint: evaluate.py from a damaged one')
+def _(p):
+  run, args = damaged_reader(p, 'evaluate.py', '--workdir={run}', '--tasks=stdlib_next_line',
+                             '--limit=2', '--output={out}')
+  return refused(p.run(*args), 'arrays differ from their checksums', [args[-1][9:]])
+
+
+@case('evaluate: its output file exists')
+def _(p):
+  output = p.path('results.json')
+  output.write_text('{"kept": true}\n')
+  result = p.run('evaluate.py', f'--workdir={p.template}', '--tasks=stdlib_next_line',
+                 f'--output={output}')
+  if output.read_text() != '{"kept": true}\n':
+    return 'BAD', f'{output} was changed'
+  return refused(result, f'--output={output} exists')
+
+
+@case('evaluate: a task it does not know')
+def _(p):
+  return refused(p.run('evaluate.py', f'--workdir={p.template}', '--tasks=hellaswagg'),
+                 '--tasks: no lm-eval task named hellaswagg')
+
+
 @case('checkpoint: init_from a damaged one')
 def _(p):
   run, _ = damaged_reader(p)

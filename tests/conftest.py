@@ -218,7 +218,7 @@ FAST = (
 LONGEST = {'test_gpu_compile.py': 282, 'test_checkpoint.py': 214, 'test_distributed.py': 104,
            'test_benchmarks.py': 103, 'test_notebook.py': 87, 'test_moe.py': 65,
            'test_plan.py': 64, 'test_context_parallel.py': 61, 'test_training.py': 57,
-           'test_pipeline.py': 54,
+           'test_pipeline.py': 54, 'test_evaluation.py': 70,
            'test_kernels.py': 48, 'test_generate.py': 46, 'test_speculate.py': 39,
            'test_sharding.py': 38, 'test_chat.py': 37, 'test_hierarchical.py': 36,
            'test_kv_cache.py': 32, 'test_huggingface.py': 30, 'test_configs.py': 30,

@@ -1,5 +1,5 @@
-"""Mistakes in the settings end train.py, sample.py and export.py with one line naming the flag
-or file and the fix, exit status 2, no traceback (runtime/cli.py)."""
+"""Mistakes in the settings end train.py, sample.py, export.py and evaluate.py with one line
+naming the flag or file and the fix, exit status 2, no traceback (runtime/cli.py)."""
 
 import pathlib
 import shutil
@@ -89,6 +89,10 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
           'finite one',
       ('train.py', '--config=configs/base.py', workdir, '--config.loss.z_loss=inf'):
           'error: config.loss.z_loss=inf is not a number a run can use',
+      ('evaluate.py', '--tasks=stdlib_next_line'):
+          "error: --workdir is required (A run's workdir, checkpoints/ or checkpoints/STEP.)",
+      ('evaluate.py', f'--workdir={tmp_path}', '--tasks=stdlib_next_line', '--log_samples'):
+          'error: --log_samples needs --output=FILE to write them to',
       ('sample.py', '--prompt=x'):
           "error: --workdir is required (A run's workdir, checkpoints/ or checkpoints/STEP.)",
       ('sample.py', f'--workdir={tmp_path}'):

@@ -12,7 +12,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # Lowest first (DEVELOPERS.md: Layout). Data flows config → mesh → abstract state → shardings →
 # compiled step → loop: what a floor needs is below it, never above.
 FLOORS = [('configs', 'kernels', 'sharding', 'reporting'), ('model', 'runtime'),
-          ('planning', 'data', 'interop'), ('training',), ('inference',)]
+          ('planning', 'data', 'interop'), ('training',), ('inference',), ('evaluation',)]
 FLOOR = {package: i for i, packages in enumerate(FLOORS) for package in packages}
 
 

@@ -1,0 +1,1 @@
+"""After training: lm-eval on a checkpoint (harness.py), and the tasks meshlm ships (tasks/)."""

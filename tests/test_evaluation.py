@@ -1,0 +1,141 @@
+"""meshlm under EleutherAI's lm-evaluation-harness (evaluation/harness.py, evaluate.py): its
+log-likelihoods and greedy answers equal a direct computation on the model, sharded as on one
+device; the shipped tasks run from the command line, and their accuracy is what the
+log-likelihoods say."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from lm_eval.api.instance import Instance
+
+from evaluation.harness import MeshLM
+from inference import sampling
+from tests.conftest import tiny_config
+from training import loop
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SEQ_LEN = 64
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  c = tiny_config(fsdp=8)
+  c.workdir, c.seq_len = str(tmp_path_factory.mktemp('run')), SEQ_LEN
+  c.train_steps, c.checkpoint_every, c.eval_every = 4, 4, 0
+  loop.run(c)
+  return c.workdir
+
+
+def asked(kind, *args):
+  return [Instance(kind, {}, a, i, metadata=('t', i, 1)) for i, a in enumerate(args)]
+
+
+def logprobs(model, ids):
+  """log p of each next token of one row, and whether it was the argmax: the whole logits."""
+  logits = np.asarray(model(jnp.asarray([ids[:-1]])), np.float64)[0]
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  return logp[np.arange(len(ids) - 1), ids[1:]], logits.argmax(-1) == np.asarray(ids[1:])
+
+
+def on_one_device(loaded):
+  graphdef, state = nnx.split(loaded.model)
+  state = jax.device_put(state, jax.devices()[0])
+  return sampling.Loaded(nnx.merge(graphdef, state), loaded.tokenizer, loaded.run, loaded.checkpoint)
+
+
+def test_loglikelihoods_and_greedy_answers_equal_a_direct_computation(workdir):
+  loaded = sampling.load(workdir)
+  assert len(jax.tree.leaves(loaded.model)[0].sharding.device_set) == 8  # sharded, as sampled
+  tok = loaded.tokenizer
+  pairs = [('def f(x):\n', '    return x'), ('import ', 'json'), ('', 'class A:'),
+           ('x = 1 ', '+ 2'),  # the context's trailing space goes to the continuation
+           ('a' * 100, ' = b')]  # longer than the trained length: its start is cut
+  sharded = MeshLM(loaded=loaded, batch_size=2).loglikelihood(asked('loglikelihood', *pairs))
+  single = MeshLM(loaded=on_one_device(loaded), batch_size=3).loglikelihood(
+      asked('loglikelihood', *pairs))
+  for (context, continuation), mine, one in zip(pairs, sharded, single):
+    stripped = context.rstrip()
+    ids = [tok.bos_id, *tok.encode((context + continuation).encode())][-(SEQ_LEN + 1):]
+    n = len((context[len(stripped):] + continuation).encode())
+    logp, greedy = logprobs(loaded.model, ids)
+    assert mine[0] == pytest.approx(logp[-n:].sum(), rel=1e-5, abs=1e-4), (context, continuation)
+    assert mine[1] == greedy[-n:].all() and one[1] == mine[1]
+    assert one[0] == pytest.approx(mine[0], rel=1e-5, abs=1e-4)
+
+  # A whole text: short, the document's log-likelihood after BOS; long, lm-eval's windows of the
+  # trained length, each scored as a row of its own.
+  model = MeshLM(loaded=loaded, batch_size=4)
+  short, long = 'for i in range(3):\n    print(i)\n', 'import os\n' * 20
+  rolled = model.loglikelihood_rolling(asked('loglikelihood_rolling', (short,), (long,)))
+  assert rolled[0] == pytest.approx(
+      logprobs(loaded.model, [tok.bos_id, *tok.encode(short.encode())])[0].sum(), rel=1e-5)
+  full, total = [tok.bos_id, *map(int, tok.encode(long.encode()))], 0.0
+  for start in range(1, len(full), SEQ_LEN):  # windows of new tokens, each read after as many
+    end = min(start + SEQ_LEN, len(full))  # tokens before it as the trained length holds
+    total += logprobs(loaded.model, full[max(0, end - SEQ_LEN - 1):end])[0][-(end - start):].sum()
+  assert rolled[1] == pytest.approx(total, rel=1e-5)
+
+  # Greedy generation until a stop sequence: a direct argmax loop over the whole logits.
+  prompts = ['def ', 'import']
+  answers = model.generate_until(asked('generate_until', *[(p, {'until': ['\n', ':'],
+                                                                'max_gen_toks': 12}) for p in prompts]))
+  for prompt, answer in zip(prompts, answers):
+    ids = [tok.bos_id, *tok.encode(prompt.encode())]
+    for _ in range(12):
+      logits = np.asarray(loaded.model(jnp.asarray([ids])))[0, -1, :tok.vocab_size]
+      if (token := int(logits.argmax())) == tok.eos_id:
+        break
+      ids.append(token)
+    text = tok.decode(ids[len(prompt) + 1:])
+    assert answer == text.split('\n')[0].split(':')[0]
+
+
+def test_evaluate_runs_the_shipped_tasks_and_says_what_it_measured(workdir, tmp_path):
+  """Both shipped tasks through lm-eval; the multiple-choice accuracy is what the model's
+  log-likelihoods of the four choices say; bad arguments are one line, before the model loads."""
+  output = tmp_path / 'results.json'
+  command = [sys.executable, 'evaluate.py', f'--workdir={workdir}',
+             '--tasks=stdlib_next_line,stdlib_complete', '--limit=6', '--batch_size=4']
+  result = subprocess.run([*command, f'--output={output}'], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  figures = json.loads(result.stdout.strip().splitlines()[-1])
+  assert figures['checkpoint'] == f'{workdir}/checkpoints/4'
+  assert set(figures['results']['stdlib_complete']) >= {'exact_match'}
+  whole = json.loads(output.read_text())
+  assert whole['results']['stdlib_next_line']['acc,none'] == figures['results']['stdlib_next_line']['acc']
+
+  model = MeshLM(workdir=workdir)
+  with open(REPO / 'evaluation' / 'tasks' / 'stdlib_next_line.jsonl') as f:
+    docs = [json.loads(line) for line in f][:6]
+  right = 0
+  for doc in docs:
+    scores = model.loglikelihood(asked('loglikelihood', *[(doc['context'], c) for c in doc['choices']]))
+    right += int(np.argmax([s for s, _ in scores])) == doc['label']
+  assert figures['results']['stdlib_next_line']['acc'] == pytest.approx(right / 6)
+
+  for flags, line in (([f'--output={output}'], f'--output={output} exists'),
+                      (['--tasks=no_such_task'], '--tasks: no lm-eval task named no_such_task')):
+    refused = subprocess.run([*command, *flags], cwd=REPO, capture_output=True, text=True,
+                             timeout=600)
+    assert refused.returncode == 2 and 'Traceback' not in refused.stderr, refused.stderr[-2000:]
+    assert line in refused.stderr
+  assert json.loads(output.read_text()) == whole  # the refused run left it as it was
+
+
+def test_lm_evals_own_command_line_runs_meshlm(workdir):
+  """`python -m evaluation.harness` is lm-eval's command line with meshlm registered."""
+  result = subprocess.run([sys.executable, '-m', 'evaluation.harness', 'run', '--model', 'meshlm',
+                           '--model_args', f'workdir={workdir}', '--batch_size', '4', '--tasks',
+                           'stdlib_next_line', '--include_path', 'evaluation/tasks', '--limit', '3'],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert '|stdlib_next_line|' in result.stdout and '|acc ' in result.stdout
