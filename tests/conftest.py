@@ -212,6 +212,7 @@ FAST = (
     'test_chat.py::test_record_settings_and_files_that_hold_nothing_are_one_clear_error',
     'test_lora.py::test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does',
     'test_lora.py::test_lora_settings_are_checked_before_anything_is_built',
+    'test_evaluation.py::test_a_random_models_scores_are_its_own_log_softmax',
 )
 
 

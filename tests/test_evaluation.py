@@ -19,6 +19,7 @@ from configs import base
 from evaluation.harness import MeshLM
 from inference import sampling
 from interop import huggingface
+from model import Transformer
 from tests.conftest import SMALL_CORPUS, tiny_config
 from training import loop, settings
 from training.state import build
@@ -52,6 +53,21 @@ def on_one_device(loaded):
   graphdef, state = nnx.split(loaded.model)
   state = jax.device_put(state, jax.devices()[0])
   return sampling.Loaded(nnx.merge(graphdef, state), loaded.tokenizer, loaded.run, loaded.checkpoint)
+
+
+def test_a_random_models_scores_are_its_own_log_softmax():
+  """The fast subset's: rows read after BOS, each continuation's tokens scored by the model's own
+  log-softmax, and greedy where each was its argmax (no training, no checkpoint)."""
+  run = settings.resolve(tiny_config())
+  model = Transformer(run.model, rngs=nnx.Rngs(0))
+  tok = run.tokenizer
+  pairs = [('def f(x):\n', '    return x'), ('', 'import os')]
+  got = MeshLM(loaded=sampling.Loaded(model, tok, run, 'random'), batch_size=2).loglikelihood(
+      asked('loglikelihood', *pairs))
+  for (context, continuation), (logprob, greedy) in zip(pairs, got):
+    logp, argmax = logprobs(model, [tok.bos_id, *tok.encode((context + continuation).encode())])
+    n = len((context[len(context.rstrip()):] + continuation).encode())  # its trailing newline too
+    assert logprob == pytest.approx(logp[-n:].sum(), rel=1e-5) and greedy == argmax[-n:].all()
 
 
 def test_loglikelihoods_and_greedy_answers_equal_a_direct_computation(workdir):
