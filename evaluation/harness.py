@@ -15,7 +15,8 @@ What the model is asked, and how it answers:
                          BOS. Rows are sorted longest first, batched, right-padded to a multiple of
                          PAD_TO, truncated on the left to the trained seq_len; one forward scores
                          every continuation token (log-softmax over the whole vocabulary, as the
-                         training loss) and says whether each was the argmax.
+                         training loss, PAD_TO positions' logits at a time) and says whether each
+                         was the argmax.
   loglikelihood_rolling  a whole text's log-likelihood, in lm-eval's disjoint rolling windows of
                          the trained seq_len, each scored as above.
   generate_until         the KV-cached sampler (greedy unless do_sample), prompts grouped by their
@@ -35,7 +36,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from inference import sampling
 
-PAD_TO = 64  # rows are padded to a multiple of this many tokens: few shapes, few compiles
+PAD_TO = 64  # rows are padded to a multiple of this many tokens (few shapes, few compiles),
+# and scored this many positions at a time
 
 
 @register_model('meshlm')
@@ -164,11 +166,24 @@ class MeshLM(TemplateLM):
 
 
 def _token_scores(graphdef, state, tokens_BL, targets_BL):
-  """log p(target) of every position, fp32, and whether the target was the most likely token."""
-  logits_BLV = nnx.merge(graphdef, state)(tokens_BL).astype(jnp.float32)
-  logprobs_BLV = jax.nn.log_softmax(logits_BLV, axis=-1)
-  logprob_BL = jnp.take_along_axis(logprobs_BLV, targets_BL[..., None], axis=-1)[..., 0]
-  return logprob_BL, jnp.argmax(logits_BLV, axis=-1) == targets_BL
+  """log p(target) of every position, fp32, and whether the target was the most likely token;
+  the final norm and head applied PAD_TO positions at a time, so that a forward never holds more
+  logits than those (a batch's whole logits over a 128k vocabulary are gigabytes)."""
+  def scores(output, targets_BL):
+    B, L, D = output.x_BLD.shape
+    x_nBcD = output.x_BLD.reshape(B, L // PAD_TO, PAD_TO, D).swapaxes(0, 1)
+    targets_nBc = targets_BL.reshape(B, L // PAD_TO, PAD_TO).swapaxes(0, 1)
+
+    def chunk(args):
+      x_BcD, targets_Bc = args
+      logits_BcV = output.model.logits(x_BcD)
+      target_Bc = jnp.take_along_axis(logits_BcV, targets_Bc[..., None], axis=-1)[..., 0]
+      return (target_Bc - jax.nn.logsumexp(logits_BcV, axis=-1),
+              jnp.argmax(logits_BcV, axis=-1) == targets_Bc)
+    logprob_nBc, greedy_nBc = jax.lax.map(chunk, (x_nBcD, targets_nBc))
+    return logprob_nBc.swapaxes(0, 1).reshape(B, L), greedy_nBc.swapaxes(0, 1).reshape(B, L)
+  (logprob_BL, greedy_BL), _ = nnx.merge(graphdef, state)(tokens_BL, then=scores, rows=targets_BL)
+  return logprob_BL, greedy_BL
 
 
 if __name__ == '__main__':  # lm-eval's own command line, with meshlm registered
