@@ -50,7 +50,8 @@ class MeshLM(TemplateLM):
                seed: int = 0, loaded: sampling.Loaded | None = None, device=None,
                max_batch_size=None, **unused):
     # device and max_batch_size: lm-eval's command line hands every model these; meshlm runs on
-    # JAX's devices, and its batch is batch_size ('auto', lm-eval's search, takes the default).
+    # JAX's devices, and its batch is batch_size ('auto' or 'auto:N', lm-eval's search, takes
+    # the default).
     super().__init__()
     if unused:
       raise ValueError(f'--model_args: meshlm takes workdir, batch_size, max_gen_toks and seed, '
@@ -58,7 +59,8 @@ class MeshLM(TemplateLM):
     if loaded is None and not workdir:
       raise ValueError('--model_args: give workdir=<a run\'s workdir or checkpoint>')
     self.loaded = loaded or sampling.load(workdir)
-    self.batch_size = 16 if batch_size in (None, 'auto') else int(batch_size)
+    self.batch_size = (16 if batch_size is None or str(batch_size).startswith('auto')
+                       else int(batch_size))
     self.max_gen_toks, self.seed = int(max_gen_toks), int(seed)
     if self.batch_size < 1 or self.max_gen_toks < 1:
       raise ValueError(f'--model_args: batch_size={batch_size} and max_gen_toks={max_gen_toks} '
@@ -95,6 +97,10 @@ class MeshLM(TemplateLM):
     for _, context, continuation in requests:
       if not continuation:
         raise ValueError('--tasks: a task asked for the log-likelihood of an empty continuation')
+      if len(continuation) > self.max_length:
+        raise ValueError(f'--tasks: a task asked for the log-likelihood of {len(continuation):,} '
+                         f'tokens at once, more than the seq_len the model was trained at, '
+                         f'{self.max_length:,}; evaluate a model trained on longer rows')
       whole = list(context) + list(continuation)
       if whole[0] != self.tok.bos_id:
         whole = [self.tok.bos_id, *whole]

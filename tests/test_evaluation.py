@@ -68,6 +68,10 @@ def test_a_random_models_scores_are_its_own_log_softmax():
     logp, argmax = logprobs(model, [tok.bos_id, *tok.encode((context + continuation).encode())])
     n = len((context[len(context.rstrip()):] + continuation).encode())  # its trailing newline too
     assert logprob == pytest.approx(logp[-n:].sum(), rel=1e-5) and greedy == argmax[-n:].all()
+  with pytest.raises(ValueError, match='--tasks: a task asked for the log-likelihood of 40 tokens '
+                                       'at once, more than the seq_len the model was trained at, 32'):
+    MeshLM(loaded=sampling.Loaded(model, tok, run, 'random')).loglikelihood(
+        asked('loglikelihood', ('x', 'y' * 40)))
 
 
 def test_loglikelihoods_and_greedy_answers_equal_a_direct_computation(workdir):
