@@ -44,6 +44,9 @@ _LOG_SAMPLES = flags.DEFINE_bool('log_samples', False, "With --output: each exam
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if _BATCH_SIZE.value < 1 or not 0 <= _LIMIT.value:
+    raise ValueError(f'--batch_size={_BATCH_SIZE.value} must be at least 1 and '
+                     f'--limit={_LIMIT.value:g} at least 0 (0: every example)')
   output = pathlib.Path(_OUTPUT.value) if _OUTPUT.value else None
   if output and output.exists():
     raise ValueError(f'--output={output} exists; name a new file (nothing is overwritten)')

@@ -91,6 +91,8 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
           'error: config.loss.z_loss=inf is not a number a run can use',
       ('evaluate.py', '--tasks=stdlib_next_line'):
           "error: --workdir is required (A run's workdir, checkpoints/ or checkpoints/STEP.)",
+      ('evaluate.py', f'--workdir={tmp_path}', '--tasks=stdlib_next_line', '--batch_size=0'):
+          'error: --batch_size=0 must be at least 1 and --limit=0 at least 0 (0: every example)',
       ('evaluate.py', f'--workdir={tmp_path}', '--tasks=stdlib_next_line', '--log_samples'):
           'error: --log_samples needs --output=FILE to write them to',
       ('sample.py', '--prompt=x'):
