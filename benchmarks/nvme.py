@@ -57,19 +57,20 @@ def evict_tree(folder: str) -> None:
       evict(os.path.join(root, name))
 
 
-def timed(fn) -> float:
+def timed(fn) -> tuple[float, object]:
+  """(seconds fn() took, what it returned)."""
   start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
+  out = fn()
+  return time.perf_counter() - start, out
 
 
 def dd(data: np.ndarray, folder: str, block: int) -> tuple[float, float]:
   target, count = f'{folder}/dd.bin', data.nbytes // block
-  write = timed(lambda: subprocess.run(
+  write, _ = timed(lambda: subprocess.run(
       ['dd', 'if=/dev/zero', f'of={target}', f'bs={block}', f'count={count}', 'oflag=direct',
        'conv=fsync', 'status=none'], check=True))
   evict(target)
-  read = timed(lambda: subprocess.run(
+  read, _ = timed(lambda: subprocess.run(
       ['dd', f'if={target}', 'of=/dev/null', f'bs={block}', 'iflag=direct', 'status=none'],
       check=True))
   return write, read
@@ -100,10 +101,12 @@ def direct(data: np.ndarray, folder: str, block: int) -> tuple[float, float]:
         back[offset:offset + block] = staged
     finally:
       os.close(fd)
-  times = timed(write), (evict(path), timed(read))[1]
+  write_s, _ = timed(write)
+  evict(path)
+  read_s, _ = timed(read)
   if not np.array_equal(back, flat):
     raise RuntimeError(f'{path}: the bytes read back differ from those written')
-  return times
+  return write_s, read_s
 
 
 def buffered(data: np.ndarray, folder: str, block: int) -> tuple[float, float]:
@@ -114,11 +117,10 @@ def buffered(data: np.ndarray, folder: str, block: int) -> tuple[float, float]:
       data.tofile(f)
       f.flush()
       os.fsync(f.fileno())
-  seconds = timed(write)
+  seconds, _ = timed(write)
   evict(path)
-  back = []
-  seconds_read = timed(lambda: back.append(np.fromfile(path, data.dtype)))
-  if not np.array_equal(back[0], data):
+  seconds_read, back = timed(lambda: np.fromfile(path, data.dtype))
+  if not np.array_equal(back, data):
     raise RuntimeError(f'{path}: the bytes read back differ from those written')
   return seconds, seconds_read
 
@@ -132,13 +134,13 @@ def tensorstore(data: np.ndarray, folder: str, block: int) -> tuple[float, float
                                       'configuration': {'chunk_shape': [block // 4]}}}}
   shutil.rmtree(path, ignore_errors=True)
   array = ts.open(spec, create=True, delete_existing=True).result()
-  seconds = timed(lambda: (array.write(data).result(), evict_tree(path)))  # fsync: the disk's
-  evict_tree(path)
+  # the write's time includes evict_tree's fsync (to the disk, as the others'), which also drops
+  # the pages for the read
+  seconds, _ = timed(lambda: (array.write(data).result(), evict_tree(path)))
   reopened = ts.open({'driver': 'zarr3', 'kvstore': {'driver': 'file', 'path': path}},
                      context=ts.Context({'cache_pool': {'total_bytes_limit': 0}})).result()
-  back = []
-  seconds_read = timed(lambda: back.append(reopened.read().result()))
-  if not np.array_equal(back[0], data):
+  seconds_read, back = timed(lambda: reopened.read().result())
+  if not np.array_equal(back, data):
     raise RuntimeError(f'{path}: the bytes read back differ from those written')
   return seconds, seconds_read
 

@@ -44,8 +44,7 @@ def asked(kind, *args):
 def logprobs(model, ids):
   """log p of each next token of one row, and whether it was the argmax: the whole logits."""
   logits = np.asarray(model(jnp.asarray([ids[:-1]])), np.float64)[0]
-  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-      - logits.max(-1, keepdims=True)
+  logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
   return logp[np.arange(len(ids) - 1), ids[1:]], logits.argmax(-1) == np.asarray(ids[1:])
 
 

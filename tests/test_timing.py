@@ -308,7 +308,6 @@ def test_remat_full_is_predicted_slower_than_dots_by_its_recomputed_flops(h100):
 def banked(part: str, what: str) -> str:
   """The optimized HLO a GPU compiled for a row of benchmarks/results (benchmarks/bank.py)."""
   import gzip
-  import json
   with gzip.open(f'benchmarks/results/calibrate_{part}.programs.json.gz') as f:
     return json.load(f)['programs'][what]['hlo']
 
@@ -382,7 +381,6 @@ def test_cudnn_with_the_document_bias_is_charged_its_measured_slowdown():
   """The banked 1b step whose cuDNN took the document mask as a bias (packed rows before the
   packed layout, or with cudnn_segments=0) against the same step without segment ids."""
   import gzip
-  import json
   H200 = gpus.GPUS['H200']
   with gzip.open('benchmarks/results/calibrate_steps_1b-h200.programs.json.gz') as f:
     programs = json.load(f)['programs']
