@@ -19,10 +19,9 @@ import sys
 
 from absl import app, flags
 
+from evaluation import TASKS_DIR
 from runtime import cli
 from runtime.workdir import write_whole
-
-TASKS_DIR = pathlib.Path(__file__).resolve().parent / 'evaluation' / 'tasks'
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "A run's workdir, checkpoints/ or "
                                'checkpoints/STEP.', required=True)
@@ -56,7 +55,7 @@ def main(argv):
     raise ValueError('--log_samples needs --output=FILE to write them to')
   import lm_eval  # the harness and its dependencies load only once the flags are good
   from lm_eval.tasks import TaskManager
-  from evaluation.harness import MeshLM
+  from evaluation.harness import MeshLM, metrics
   from inference import sampling
   tasks = TaskManager(include_path=[str(TASKS_DIR), *_INCLUDE_PATH.value])
   if unknown := [t for t in _TASKS.value if t not in tasks.all_tasks]:
@@ -75,11 +74,7 @@ def main(argv):
   if output:
     write_whole(output, json.dumps({**results, 'checkpoint': model.loaded.checkpoint,
                                     'command': command}, indent=2, default=str) + '\n')
-  metrics = {task: {name.split(',')[0]: value for name, value in figures.items()
-                    if isinstance(value, (int, float)) and not name.startswith('alias')
-                    and '_stderr' not in name}
-             for task, figures in results['results'].items()}
-  print(json.dumps({'checkpoint': model.loaded.checkpoint, 'results': metrics,
+  print(json.dumps({'checkpoint': model.loaded.checkpoint, 'results': metrics(results),
                     'command': command}))
 
 

@@ -27,8 +27,9 @@ def main(argv):
     from training import dry_run
     dry_run.plan(config)
   else:
+    from evaluation import during
     from training import loop
-    loop.run(config)
+    loop.run(config, tasks=during.TaskScores)
 
 
 if __name__ == '__main__':

@@ -157,6 +157,15 @@ def get_config() -> ml_collections.ConfigDict:
   d.tokenize = 'auto'  # once: token ids stored at preparation | on_the_fly | auto: once, but byte
   d.workers = 0  # grain worker processes (0: in the training process); batches are the same
   d.prefetch = 2  # batches each worker prepares ahead
+
+  # lm-eval's tasks during training (docs/evaluation.md): scored on the parameters in memory, each
+  # task's metrics in metrics.jsonl and TensorBoard as <task>/<metric>. train.py adds the hook.
+  c.lm_eval = ev = ml_collections.ConfigDict()
+  ev.tasks = ''  # lm-eval task or group names, comma-separated (stdlib_next_line, …); '': none
+  ev.every = 1000  # steps between scorings, and one at the last step
+  ev.limit = 0.0  # examples a task at most (a fraction below 1); 0: all of them
+  ev.include_path = ''  # more directories of task YAMLs, comma-separated (evaluation/tasks/ always)
+  ev.batch_size = 16  # rows a forward
   return c
 
 
@@ -192,5 +201,6 @@ EFFECTS = {field: kind for kind, names in {
         dry_run max_bad_steps profile_steps profile_start distributed.coordinator_address
         distributed.num_processes distributed.process_id distributed.initialization_timeout_s
         distributed.heartbeat_timeout_s plan.target plan.devices plan.memory_gb data.eval_split
-        data.data_dir data.tokenize data.workers data.prefetch""",
+        data.data_dir data.tokenize data.workers data.prefetch lm_eval.tasks lm_eval.every
+        lm_eval.limit lm_eval.include_path lm_eval.batch_size""",
 }.items() for field in names.split()}

@@ -44,11 +44,12 @@ PAD_TO = 64  # rows are padded to a multiple of this many tokens (few shapes, fe
 class MeshLM(TemplateLM):
   """lm-eval's model interface on a loaded meshlm checkpoint. `workdir`: a run's workdir, its
   checkpoints/ or one checkpoints/<step>; `batch_size`: rows a forward; `max_gen_toks`: a
-  generation's default length; `seed`: the draws of sampled generations."""
+  generation's default length; `seed`: the draws of sampled generations; `quiet`: no progress
+  bars (a training run's console)."""
 
   def __init__(self, workdir: str = '', batch_size: int | str | None = 16, max_gen_toks: int = 256,
-               seed: int = 0, loaded: sampling.Loaded | None = None, device=None,
-               max_batch_size=None, **unused):
+               seed: int = 0, loaded: sampling.Loaded | None = None, quiet: bool = False,
+               device=None, max_batch_size=None, **unused):
     # device and max_batch_size: lm-eval's command line hands every model these; meshlm runs on
     # JAX's devices, and its batch is batch_size ('auto' or 'auto:N', lm-eval's search, takes
     # the default).
@@ -61,14 +62,13 @@ class MeshLM(TemplateLM):
     self.loaded = loaded or sampling.load(workdir)
     self.batch_size = (16 if batch_size is None or str(batch_size).startswith('auto')
                        else int(batch_size))
-    self.max_gen_toks, self.seed = int(max_gen_toks), int(seed)
+    self.max_gen_toks, self.seed, self.quiet = int(max_gen_toks), int(seed), quiet
     if self.batch_size < 1 or self.max_gen_toks < 1:
       raise ValueError(f'--model_args: batch_size={batch_size} and max_gen_toks={max_gen_toks} '
                        'must be at least 1')
     self.tok = self.loaded.tokenizer
     self.max_length = self.loaded.run.seq_len
-    graphdef, self._state = nnx.split(self.loaded.model)
-    self._score = jax.jit(functools.partial(_token_scores, graphdef))
+    self._graphdef, self._state = nnx.split(self.loaded.model)
 
   # The tokenizer, as TemplateLM asks for it ----------------------------------------------------
 
@@ -91,6 +91,9 @@ class MeshLM(TemplateLM):
     return self.tok.name
 
   # Scoring -------------------------------------------------------------------------------------
+
+  def loglikelihood(self, requests, disable_tqdm: bool = False):
+    return super().loglikelihood(requests, disable_tqdm=disable_tqdm or self.quiet)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
     rows = []
@@ -115,7 +118,8 @@ class MeshLM(TemplateLM):
       for j, i in enumerate(batch):
         whole = rows[i][0]
         tokens[j, :len(whole) - 1], targets[j, :len(whole) - 1] = whole[:-1], whole[1:]
-      logprob_BL, greedy_BL = map(np.asarray, self._score(self._state, tokens, targets))
+      logprob_BL, greedy_BL = map(np.asarray, _token_scores(self._graphdef, self._state, tokens,
+                                                            targets))
       for j, i in enumerate(batch):
         end, n = len(rows[i][0]) - 1, rows[i][1]
         results[i] = (float(logprob_BL[j, end - n:end].sum()), bool(greedy_BL[j, end - n:end].all()))
@@ -161,7 +165,7 @@ class MeshLM(TemplateLM):
         batch = members[start:start + self.batch_size]
         ids = [[self.tok.bos_id, *self.tok_encode(context)][-room:] for _, context in batch]
         texts = sampling.continue_ids(self.loaded, ids, new_tokens, temperature=temperature,
-                                      top_k=0, seed=self.seed)
+                                      top_k=0, seed=self.seed, pad_to=PAD_TO)
         for (index, _), text in zip(batch, texts):
           for stop in until:
             text = text.split(stop)[0] if stop else text
@@ -171,6 +175,18 @@ class MeshLM(TemplateLM):
     return answers
 
 
+def metrics(results: dict) -> dict:
+  """{task: {metric: value}} of lm-eval's result: each metric by its name ('acc', not
+  'acc,none'), without their standard errors or the examples' count (sample_len)."""
+  return {task: {name.split(',')[0]: value for name, value in figures.items()
+                 if isinstance(value, (int, float)) and not isinstance(value, bool)
+                 and not name.startswith(('alias', 'sample_len')) and '_stderr' not in name}
+          for task, figures in results['results'].items()}
+
+
+# One program per model structure and shape, shared by every MeshLM of a run (each of the
+# in-training hook's scorings builds one).
+@functools.partial(jax.jit, static_argnums=0)
 def _token_scores(graphdef, state, tokens_BL, targets_BL):
   """log p(target) of every position, fp32, and whether the target was the most likely token;
   the final norm and head applied PAD_TO positions at a time, so that a forward never holds more

@@ -52,11 +52,12 @@ def mask_vocab(logits_BV, vocab_size: int | None):
 
 def generate(model, prompts, max_new_tokens: int, *, key=None, temperature: float = 0.0,
              top_k: int = 0, eos_id: int | None = None, pad_id: int = 0,
-             vocab_size: int | None = None, cache: str = 'full') -> np.ndarray:
+             vocab_size: int | None = None, cache: str = 'full', pad_to: int = 1) -> np.ndarray:
   """New tokens [B, max_new_tokens] after each prompt (lists of token ids, each non-empty).
   A row that produced `eos_id` is filled with `pad_id` after it. `cache`: what the decoding keeps
-  of past tokens (model/kv_cache.py: KINDS)."""
-  tokens, lengths = padded(prompts, pad_id, max_new_tokens, temperature, top_k)
+  of past tokens (model/kv_cache.py: KINDS). The prompts are right-padded to a multiple of
+  `pad_to` tokens (the same tokens: each row decodes from its own length)."""
+  tokens, lengths = padded(prompts, pad_id, max_new_tokens, temperature, top_k, pad_to)
   graphdef, state = nnx.split(model)
   key = jax.random.key(0) if key is None else key
   out = _generate(graphdef, state, tokens, lengths, key, max_new_tokens=max_new_tokens,
@@ -66,7 +67,8 @@ def generate(model, prompts, max_new_tokens: int, *, key=None, temperature: floa
   return np.asarray(out)
 
 
-def padded(prompts, pad_id: int, max_new_tokens: int, temperature: float, top_k: int):
+def padded(prompts, pad_id: int, max_new_tokens: int, temperature: float, top_k: int,
+           pad_to: int = 1):
   """The prompts (lists of token ids) as one right-padded [B, P] array and their lengths [B],
   the arguments checked."""
   if not prompts or any(len(p) == 0 for p in prompts):
@@ -75,7 +77,7 @@ def padded(prompts, pad_id: int, max_new_tokens: int, temperature: float, top_k:
     raise ValueError(f'generate: temperature={temperature} and top_k={top_k} must be ≥ 0 and '
                      f'max_new_tokens={max_new_tokens} ≥ 1')
   lengths = np.array([len(p) for p in prompts], np.int32)
-  tokens = np.full((len(prompts), lengths.max()), pad_id, np.int32)
+  tokens = np.full((len(prompts), -(-lengths.max() // pad_to) * pad_to), pad_id, np.int32)
   for row, prompt in enumerate(prompts):
     tokens[row, :len(prompt)] = prompt
   return tokens, lengths

@@ -136,9 +136,11 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
 
 def continue_ids(loaded: Loaded, ids: list[list[int]], max_new_tokens: int, *,
                  temperature: float = 0.8, top_k: int = 40, seed: int = 0, max_len: int = 0,
-                 cache: str = 'full', speculative: bool = False, report=None) -> list[str]:
+                 cache: str = 'full', speculative: bool = False, report=None,
+                 pad_to: int = 1) -> list[str]:
   """complete's continuations of prompts given as token ids (each as the model is to read it:
-  BOS first where a document's start is meant)."""
+  BOS first where a document's start is meant). `pad_to`: the prompts' padded length is a
+  multiple of it (fewer shapes, fewer compiles, for callers with many batches)."""
   tok = loaded.tokenizer
   if top_k > tok.vocab_size:
     raise ValueError(f'--top_k={top_k} is more than the {tok.vocab_size:,} tokens of the run\'s '
@@ -153,7 +155,7 @@ def continue_ids(loaded: Loaded, ids: list[list[int]], max_new_tokens: int, *,
     if report:
       report(speculation_summary(stats))
   else:
-    new = generate(loaded.model, ids, max_new_tokens, **args)
+    new = generate(loaded.model, ids, max_new_tokens, pad_to=pad_to, **args)
   texts = []
   for row in new.tolist():
     if tok.eos_id in row:

@@ -120,6 +120,9 @@ def format_line(record: dict, train_steps: int) -> str:
     parts.append('draft top-1 ' + ' / '.join(f'{record[k]:.0%}' for k in heads))
   if record.get('bad_steps'):
     parts.append(f'{record["bad_steps"]:.0f} skipped (non-finite)')
+  if 'lm_eval_time_s' in record:  # lm-eval's tasks (evaluation/during.py): <task>/<metric>
+    parts += [f'{key} {value:.4g}' for key, value in record.items() if '/' in key]
+    parts.append(f'scored in {record["lm_eval_time_s"]:.1f}s')
   return ' | '.join(parts)
 
 

@@ -199,6 +199,14 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
                                            '--config.model.grad_reduce_dtype=bfloat16'],
                                           "config.model.grad_reduce_dtype='bfloat16' with "
                                           "compute_dtype='float32'"),
+    'lm-eval task during training it does not know': (['--config.lm_eval.tasks=hellaswagg'],
+                                                      'config.lm_eval.tasks: no lm-eval task '
+                                                      'named hellaswagg'),
+    'lm-eval task directory missing': (['--config.lm_eval.tasks=stdlib_next_line',
+                                        '--config.lm_eval.include_path=/nonexistent/tasks'],
+                                       'config.lm_eval.include_path: /nonexistent/tasks is not a '
+                                       'directory'),
+    'lm-eval interval negative': (['--config.lm_eval.every=-5'], 'config.lm_eval.every=-5'),
 }
 
 
@@ -529,6 +537,25 @@ def _(p):
 def _(p):
   return refused(p.run('evaluate.py', f'--workdir={p.template}', '--tasks=hellaswagg'),
                  '--tasks: no lm-eval task named hellaswagg')
+
+
+@case('lm-eval: a task fails during training')
+def _(p):
+  tasks = p.path('tasks')  # a task that asks for more new tokens than the run's rows hold
+  tasks.mkdir()
+  shutil.copy(REPO / 'evaluation' / 'tasks' / 'stdlib.py', tasks)
+  (tasks / 'too_long.yaml').write_text(
+      (REPO / 'evaluation' / 'tasks' / 'stdlib_complete.yaml').read_text()
+      .replace('task: stdlib_complete', 'task: too_long').replace('max_gen_toks: 48',
+                                                                  'max_gen_toks: 4096'))
+  workdir = p.path('run')
+  result = p.run(*p.train(workdir), '--config.lm_eval.tasks=too_long', '--config.lm_eval.every=3',
+                 '--config.lm_eval.limit=2', f'--config.lm_eval.include_path={tasks}')
+  verdict = survived(result, ["lm-eval's tasks (too_long) were not scored", 'training goes on'])
+  saved = sorted(int(d.name) for d in (workdir / 'checkpoints').iterdir() if d.name.isdigit())
+  if verdict[0] == 'GOOD' and not (steps_once(workdir, 6) and saved == [3, 6]):
+    return 'BAD', f'steps or checkpoints lost: checkpoints {saved}'
+  return verdict
 
 
 @case('checkpoint: init_from a damaged one')

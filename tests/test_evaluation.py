@@ -16,6 +16,7 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 
 from configs import base
+from evaluation import during
 from evaluation.harness import MeshLM
 from inference import sampling
 from interop import huggingface
@@ -30,11 +31,30 @@ SEQ_LEN = 64
 
 @pytest.fixture(scope='module')
 def workdir(tmp_path_factory):
+  """A run that scored both shipped tasks during training, at steps 2 and 4 (evaluation/during.py),
+  on the limit and batch the evaluate.py test below gives."""
   c = tiny_config(fsdp=8)
   c.workdir, c.seq_len = str(tmp_path_factory.mktemp('run')), SEQ_LEN
   c.train_steps, c.checkpoint_every, c.eval_every = 4, 4, 0
-  loop.run(c)
+  c.lm_eval.tasks, c.lm_eval.every, c.lm_eval.limit, c.lm_eval.batch_size = (
+      'stdlib_next_line,stdlib_complete', 2, 6, 4)
+  loop.run(c, tasks=during.TaskScores)
   return c.workdir
+
+
+def test_tasks_during_training_are_refused_without_their_hook_or_with_a_bad_name(tmp_path):
+  """One line each, before the run builds anything (nothing written)."""
+  c = tiny_config()
+  c.workdir, c.lm_eval.tasks = str(tmp_path / 'run'), 'stdlib_next_line'
+  with pytest.raises(ValueError, match='config.lm_eval.tasks needs the hook that scores them'):
+    loop.run(c)
+  c.lm_eval.tasks = 'stdlib_next_line,no_such_task'
+  with pytest.raises(ValueError, match='config.lm_eval.tasks: no lm-eval task named no_such_task'):
+    loop.run(c, tasks=during.TaskScores)
+  c.lm_eval.tasks, c.lm_eval.include_path = 'stdlib_next_line', str(tmp_path / 'missing')
+  with pytest.raises(ValueError, match='config.lm_eval.include_path: .*missing is not a directory'):
+    loop.run(c, tasks=during.TaskScores)
+  assert not (tmp_path / 'run').exists()
 
 
 def asked(kind, *args):
@@ -184,6 +204,14 @@ def test_evaluate_runs_the_shipped_tasks_and_says_what_it_measured(workdir, tmp_
     assert refused.returncode == 2 and 'Traceback' not in refused.stderr, refused.stderr[-2000:]
     assert line in refused.stderr
   assert json.loads(output.read_text()) == whole  # the refused run left it as it was
+
+  # The hook scored the same step in memory, as the run trained: the same answers.
+  records = [json.loads(line) for line in open(pathlib.Path(workdir) / 'metrics.jsonl')]
+  scored = {r['step']: r for r in records if 'stdlib_next_line/acc' in r}
+  assert sorted(scored) == [2, 4] and scored[4]['lm_eval_time_s'] > 0
+  for task, figures_of_task in figures['results'].items():
+    for metric, value in figures_of_task.items():
+      assert scored[4][f'{task}/{metric}'] == pytest.approx(value), (task, metric)
 
 
 def test_lm_evals_own_command_line_runs_meshlm(workdir):

@@ -9,6 +9,9 @@ only dispatches steps and hands each to its hooks, in order. A new policy is a n
   Evaluate    every eval_every steps and at the last; one a stop skips is the resumed run's first
   Save        every checkpoint_every steps, at the last and when stopping; never from a state
               that follows a skipped step (the save waits for the next finite step)
+and, handed to the loop by the entry point above it (training stands below evaluation):
+  TaskScores  every lm_eval.every steps and at the last: lm-eval's tasks (evaluation/during.py),
+              after Save, so that a step's checkpoint is on its way before its tasks are scored
 
 The order is the loop's: the guard has judged a step before Save may save it, and evaluation
 time is not counted as step time.

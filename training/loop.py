@@ -45,18 +45,25 @@ def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
   return load()
 
 
-def run(config, devices=None) -> list[dict]:
+def run(config, devices=None, tasks=None) -> list[dict]:
   """Train per `config` (on `devices`, default this process's); returns the logged records
-  (also in workdir/metrics.jsonl)."""
+  (also in workdir/metrics.jsonl). `tasks`: the hook that scores config.lm_eval.tasks, which
+  stands above training (evaluation.during.TaskScores; train.py passes it)."""
   if config.dry_run:
     raise ValueError('config.dry_run=True plans without training: run train.py with it, or call '
                      'training.dry_run.plan(config)')
-  return train(settings.resolve(config, devices))  # every setting checked, nothing built yet
+  return train(settings.resolve(config, devices), tasks)  # every setting checked, nothing built
 
 
-def train(run: Run) -> list[dict]:
-  """Train `run` (settings.resolve's); returns the logged records."""
+def train(run: Run, tasks=None) -> list[dict]:
+  """Train `run` (settings.resolve's); returns the logged records. `tasks`: as `run`'s."""
   settings.check_start(run)
+  if run.lm_eval.task_names:
+    if tasks is None:
+      raise ValueError('config.lm_eval.tasks needs the hook that scores them, which train.py adds: '
+                       'from a notebook, training.loop.run(config, '
+                       'tasks=evaluation.during.TaskScores)')
+    tasks.check(run)
   setup = build(run)  # every model and mesh error surfaces here, before any work
   # The data's files, every record rendered with the run's chat template.
   corpus_lib.check_source(run.data, run.template)
@@ -83,13 +90,14 @@ def train(run: Run) -> list[dict]:
     try:
       check_checkpoints(checkpointer, setup, read)
       with StopSignals() as stop, distributed.explain_failures(run.distributed):
-        return _train(setup, workdir, corpus, documents, checkpointer, stop, read)
+        return _train(setup, workdir, corpus, documents, checkpointer, stop, read,
+                      tasks if run.lm_eval.task_names else None)
     finally:
       if checkpointer:
         checkpointer.close()  # waits for the save in flight
 
 
-def _train(setup, workdir, corpus, documents, checkpointer, stop, read) -> list[dict]:
+def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -> list[dict]:
   run, tokenizer = setup.run, setup.run.tokenizer
   is_main = jax.process_index() == 0
   if is_main:  # the run's own tokenizer, chat template and settings, read from here on (resumed,
@@ -141,7 +149,8 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read) -> list[
   around_steps = [hooks.Trace(trace), guard, hooks.Progress(console), log_metrics,
                   *([hooks.Evaluate(run.eval_every, evaluate, report, log_metrics)]
                     if evaluate else []),
-                  *([save] if save else [])]
+                  *([save] if save else []),
+                  *([tasks(setup, report, log_metrics)] if tasks else [])]
   try:
     for step_index in range(start_step, run.train_steps):
       for hook in around_steps:

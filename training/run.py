@@ -35,6 +35,24 @@ class LossConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LmEvalConfig:
+  """lm-eval's tasks scored during training (evaluation/during.py; the entry point adds the hook)."""
+  tasks: str  # task or group names, comma-separated; '': none
+  every: int  # steps between scorings (0: only at the last step)
+  limit: float  # examples a task at most (a fraction below 1); 0: all
+  include_path: str  # more task directories, comma-separated
+  batch_size: int  # rows a forward
+
+  @property
+  def task_names(self) -> list[str]:
+    return [name.strip() for name in self.tasks.split(',') if name.strip()]
+
+  @property
+  def include_paths(self) -> list[str]:
+    return [path.strip() for path in self.include_path.split(',') if path.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
 class Start:
   """Where a run's parameters come from (config.init_from), found once by settings.resolve."""
   init_from: str  # as given: '', random, hf:DIR, or a run's workdir or checkpoint
@@ -50,7 +68,7 @@ class Start:
 # The config's sections and the typed form each becomes.
 SECTIONS = {'model': ModelConfig, 'mesh': MeshConfig, 'partition': PartitionConfig,
             'optimizer': OptimizerConfig, 'loss': LossConfig, 'distributed': DistributedConfig,
-            'plan': PlanConfig, 'data': DataConfig}
+            'plan': PlanConfig, 'data': DataConfig, 'lm_eval': LmEvalConfig}
 # What resolving found: not settings, never saved.
 RESOLVED = ('tokenizer', 'template', 'start', 'target')
 
@@ -81,6 +99,7 @@ class Run:
   distributed: DistributedConfig
   plan: PlanConfig
   data: DataConfig
+  lm_eval: LmEvalConfig
   tokenizer: typing.Any = dataclasses.field(default=None, compare=False)  # data.tokenizers'
   template: typing.Any = None  # the chat template its records render with (data/chat.py: owned)
   start: Start | None = None

@@ -76,6 +76,7 @@ RANGES = {
     'distributed.heartbeat_timeout_s': POSITIVE,
     'plan.devices': _at_least(0), 'plan.memory_gb': _at_least(0),
     'data.validation_fraction': SHARE, 'data.workers': _at_least(0), 'data.prefetch': _at_least(1),
+    'lm_eval.every': _at_least(0), 'lm_eval.limit': _at_least(0), 'lm_eval.batch_size': _at_least(1),
 }
 
 
