@@ -19,6 +19,8 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
   (tmp_path / 'new_field.py').write_text('from configs import base\n\n\ndef get_config():\n'
                                          '  c = base.get_config()\n  c.optimizer.lr = 3e-4\n'
                                          '  return c\n')
+  kept = tmp_path / 'results.json'  # an evaluation's output that must not be overwritten
+  kept.write_text('{"kept": true}\n')
   truncated, not_json = tmp_path / 'hf-truncated', tmp_path / 'hf-not-json'
   for copy in (truncated, not_json):
     shutil.copytree(REPO / 'tests/data/hf-llama-untied', copy)
@@ -95,6 +97,10 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
           'error: --batch_size=0 must be at least 1 and --limit=0 at least 0 (0: every example)',
       ('evaluate.py', f'--workdir={tmp_path}', '--tasks=stdlib_next_line', '--log_samples'):
           'error: --log_samples needs --output=FILE to write them to',
+      ('evaluate.py', f'--workdir={tmp_path}', '--tasks=stdlib_next_line', f'--output={kept}'):
+          f'error: --output={kept} exists; name a new file (nothing is overwritten)',
+      ('train.py', '--config=configs/base.py', workdir, '--config.lm_eval.tasks=no_such_task'):
+          'error: config.lm_eval.tasks: no lm-eval task named no_such_task',
       ('sample.py', '--prompt=x'):
           "error: --workdir is required (A run's workdir, checkpoints/ or checkpoints/STEP.)",
       ('sample.py', f'--workdir={tmp_path}'):
@@ -109,6 +115,7 @@ def test_bad_settings_print_one_line_and_exit_2(tmp_path):
     assert processes[args].returncode == 2, (args, err[-2000:])
     assert len(lines) == 1 and lines[0].startswith(expected), (args, err[-2000:])
   assert not (tmp_path / 'run').exists()  # nothing was created for the refused runs
+  assert kept.read_text() == '{"kept": true}\n'
 
 
 def test_an_empty_workdir_is_refused_and_nothing_lands_in_the_current_directory(tmp_path):
