@@ -162,7 +162,7 @@ def get_config() -> ml_collections.ConfigDict:
   # task's metrics in metrics.jsonl and TensorBoard as <task>/<metric>. train.py adds the hook.
   c.lm_eval = ev = ml_collections.ConfigDict()
   ev.tasks = ''  # lm-eval task or group names, comma-separated (stdlib_next_line, …); '': none
-  ev.every = 1000  # steps between scorings, and one at the last step
+  ev.every = 1000  # steps between scorings, and one at the last step (0: only that one)
   ev.limit = 0.0  # examples a task at most (a fraction below 1); 0: all of them
   ev.include_path = ''  # more directories of task YAMLs, comma-separated (evaluation/tasks/ always)
   ev.batch_size = 16  # rows a forward

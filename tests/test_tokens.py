@@ -170,7 +170,7 @@ def test_a_run_on_prepared_ids_has_the_losses_of_one_tokenizing_on_the_fly(bpe, 
     config.data.tokenizer, config.data.tokenizer_model = 'hf', bpe.path
     config.model.vocab_size, config.model.head_chunk = 0, 64  # 1,024 ids
     config.data.tokenize = mode
-    config.train_steps, config.eval_every, config.eval_batches = 2, 2, 0
+    config.train_steps, config.eval_every, config.eval_batches = 2, 2, 2
     config.workdir = str(tmp_path / mode)
     records[mode] = [{k: v for k, v in r.items() if 'loss' in k or k.startswith('eval_')}
                      for r in loop.run(config)]
