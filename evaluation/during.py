@@ -9,9 +9,11 @@ sharded as they trained (no checkpoint, no export), and reports each task's metr
 Training stands below evaluation (DEVELOPERS.md: Layout), so the loop is handed this hook by the
 entry point above both: train.py passes `TaskScores` to `training.loop.run`, and the loop refuses
 lm_eval.tasks without it. `check` runs once the run is resolved, before anything is built: a task
-name lm-eval does not know, a directory that is not there, or a job of several processes (scored
-in one process today; evaluate.py scores such a job's checkpoints) is one line then, not an error
-after the first `every` steps.
+name lm-eval does not know, a directory that is not there, a task whose documents cannot be read,
+a generation longer than the run's rows, or a job of several processes (scored in one process
+today; evaluate.py scores such a job's checkpoints) is one line then, not an error after the first
+`every` steps. What fails while scoring all the same (a task's own code, say) is a warning: the
+run trains on.
 
 The model is the one evaluate.py scores (evaluation/harness.py: MeshLM), built on the step's
 parameters: the same answers a checkpoint of that step gives evaluate.py. Its programs are
@@ -75,11 +77,25 @@ class TaskScores(hooks.Hook):
       raise ValueError(f'config.lm_eval.tasks: scored in one process, and this job has '
                        f'{jax.process_count()}; leave it empty and score the checkpoints with '
                        'evaluate.py --workdir=… --step=… (docs/evaluation.md)')
-    names = task_manager(run.lm_eval).all_tasks
-    if unknown := [name for name in run.lm_eval.task_names if name not in names]:
+    manager = task_manager(run.lm_eval)
+    if unknown := [name for name in run.lm_eval.task_names if name not in manager.all_tasks]:
       raise ValueError(f'config.lm_eval.tasks: no lm-eval task named {", ".join(unknown)} '
                        '(meshlm ships stdlib_next_line and stdlib_complete; a directory of your '
                        'own: config.lm_eval.include_path)')
+    # Each task built once now, its documents read: a dataset that is not there, or a generation
+    # longer than the run's rows, is found before the run trains, not at its first scoring.
+    with quiet_lm_eval():
+      try:
+        tasks = manager.load(run.lm_eval.task_names)['tasks']
+      except Exception as e:
+        raise ValueError(f'config.lm_eval.tasks: lm-eval could not build {run.lm_eval.tasks}: '
+                         f'{type(e).__name__}: {e}') from None
+    for name, task in tasks.items():
+      new_tokens = (getattr(task.config, 'generation_kwargs', None) or {}).get('max_gen_toks')
+      if task.OUTPUT_TYPE == 'generate_until' and new_tokens and new_tokens >= run.seq_len:
+        raise ValueError(f'config.lm_eval.tasks: {name} asks for {new_tokens} new tokens '
+                         f'(max_gen_toks), which leaves no room for its prompt within '
+                         f'config.seq_len={run.seq_len}; give the task fewer, or leave it out')
 
   def __init__(self, setup, report: hooks.Report, clock: hooks.LogMetrics):
     from evaluation import harness  # lm-eval and its dependencies

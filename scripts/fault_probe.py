@@ -539,19 +539,51 @@ def _(p):
                  '--tasks: no lm-eval task named hellaswagg')
 
 
+def task_dir(p, name: str, **changes) -> pathlib.Path:
+  """A directory holding stdlib_complete as task `name`, its YAML's lines changed by `changes`
+  (the line's start: the whole new line), with a module `faulty` whose metric raises."""
+  tasks = p.path('tasks')
+  tasks.mkdir()
+  for file in ('stdlib.py', 'stdlib_complete.jsonl'):
+    shutil.copy(REPO / 'evaluation' / 'tasks' / file, tasks)
+  (tasks / 'faulty.py').write_text('def results(doc, results):\n'
+                                   '  raise RuntimeError("a metric of the task\'s own failed")\n')
+  lines = (REPO / 'evaluation' / 'tasks' / 'stdlib_complete.yaml').read_text().splitlines()
+  lines = [next((new for old, new in changes.items() if line.lstrip().startswith(old)), line)
+           for line in lines if not line.startswith('task:')]
+  (tasks / f'{name}.yaml').write_text('\n'.join([f'task: {name}', *lines]) + '\n')
+  return tasks
+
+
+@case('lm-eval: a generation longer than the run\'s rows, asked during training')
+def _(p):
+  tasks = task_dir(p, 'too_long', **{'max_gen_toks:': '  max_gen_toks: 4096'})
+  workdir = p.path('run')
+  return refused(p.run(*p.train(workdir), '--config.lm_eval.tasks=too_long',
+                       f'--config.lm_eval.include_path={tasks}'),
+                 'config.lm_eval.tasks: too_long asks for 4096 new tokens', [workdir])
+
+
+@case('lm-eval: a task whose documents are not there, asked during training')
+def _(p):
+  tasks = task_dir(p, 'unread')
+  (tasks / 'stdlib_complete.jsonl').unlink()
+  workdir = p.path('run')
+  return refused(p.run(*p.train(workdir), '--config.lm_eval.tasks=unread',
+                       f'--config.lm_eval.include_path={tasks}'),
+                 'config.lm_eval.tasks: lm-eval could not build unread: FileNotFoundError',
+                 [workdir])
+
+
 @case('lm-eval: a task fails during training')
 def _(p):
-  tasks = p.path('tasks')  # a task that asks for more new tokens than the run's rows hold
-  tasks.mkdir()
-  shutil.copy(REPO / 'evaluation' / 'tasks' / 'stdlib.py', tasks)
-  (tasks / 'too_long.yaml').write_text(
-      (REPO / 'evaluation' / 'tasks' / 'stdlib_complete.yaml').read_text()
-      .replace('task: stdlib_complete', 'task: too_long').replace('max_gen_toks: 48',
-                                                                  'max_gen_toks: 4096'))
+  tasks = task_dir(p, 'faulty', **{'metric_list:': 'process_results: !function faulty.results\n'
+                                   'metric_list:'})
   workdir = p.path('run')
-  result = p.run(*p.train(workdir), '--config.lm_eval.tasks=too_long', '--config.lm_eval.every=3',
+  result = p.run(*p.train(workdir), '--config.lm_eval.tasks=faulty', '--config.lm_eval.every=3',
                  '--config.lm_eval.limit=2', f'--config.lm_eval.include_path={tasks}')
-  verdict = survived(result, ["lm-eval's tasks (too_long) were not scored", 'training goes on'])
+  verdict = survived(result, ["lm-eval's tasks (faulty) were not scored: RuntimeError: a metric "
+                              "of the task's own failed", 'training goes on'])
   saved = sorted(int(d.name) for d in (workdir / 'checkpoints').iterdir() if d.name.isdigit())
   if verdict[0] == 'GOOD' and not (steps_once(workdir, 6) and saved == [3, 6]):
     return 'BAD', f'steps or checkpoints lost: checkpoints {saved}'

@@ -55,6 +55,19 @@ def test_tasks_during_training_are_refused_without_their_hook_or_with_a_bad_name
   c.lm_eval.tasks, c.lm_eval.include_path = 'stdlib_next_line', str(tmp_path / 'missing')
   with pytest.raises(ValueError, match='config.lm_eval.include_path: .*missing is not a directory'):
     loop.run(c, tasks=during.TaskScores)
+  tasks = tmp_path / 'tasks'  # stdlib_complete asking for more new tokens than a row holds
+  tasks.mkdir()
+  for name in ('stdlib.py', 'stdlib_complete.jsonl'):
+    (tasks / name).write_bytes((REPO / 'evaluation' / 'tasks' / name).read_bytes())
+  (tasks / 'too_long.yaml').write_text(
+      (REPO / 'evaluation' / 'tasks' / 'stdlib_complete.yaml').read_text()
+      .replace('task: stdlib_complete', 'task: too_long').replace('max_gen_toks: 48',
+                                                                  'max_gen_toks: 32'))
+  c.lm_eval.tasks, c.lm_eval.include_path = 'too_long', str(tasks)
+  with pytest.raises(ValueError, match=r'config.lm_eval.tasks: too_long asks for 32 new tokens '
+                                       r'\(max_gen_toks\), which leaves no room for its prompt '
+                                       r'within config.seq_len=32'):
+    loop.run(c, tasks=during.TaskScores)
   assert not (tmp_path / 'run').exists()
 
 
