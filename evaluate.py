@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags
 
-from evaluation import TASKS_DIR
+from evaluation import task_manager
 from runtime import cli
 from runtime.workdir import write_whole
 
@@ -54,10 +54,9 @@ def main(argv):
   if _LOG_SAMPLES.value and not output:
     raise ValueError('--log_samples needs --output=FILE to write them to')
   import lm_eval  # the harness and its dependencies load only once the flags are good
-  from lm_eval.tasks import TaskManager
   from evaluation.harness import MeshLM, metrics
   from inference import sampling
-  tasks = TaskManager(include_path=[str(TASKS_DIR), *_INCLUDE_PATH.value])
+  tasks = task_manager(tuple(_TASKS.value), tuple(_INCLUDE_PATH.value))
   if unknown := [t for t in _TASKS.value if t not in tasks.all_tasks]:
     raise ValueError(f'--tasks: no lm-eval task named {", ".join(unknown)} (meshlm ships '
                      f'stdlib_next_line and stdlib_complete; a directory of your own: '

@@ -18,8 +18,8 @@ run trains on.
 The model is the one evaluate.py scores (evaluation/harness.py: MeshLM), built on the step's
 parameters: the same answers a checkpoint of that step gives evaluate.py. Its programs are
 compiled once, at the first scoring, and reused (they are keyed on the model's structure, not its
-values). A stop (SIGTERM, a preemption) skips a scoring that was due: its grace period is for the
-checkpoint, which evaluate.py --step scores afterwards.
+values). A stop (SIGTERM, a preemption) skips a scoring that was due, as it skips the validation
+pass: its grace period is for the checkpoint, and the resumed run scores that step first.
 """
 
 import contextlib
@@ -32,22 +32,21 @@ import warnings
 import jax
 from flax import nnx
 
-from evaluation import TASKS_DIR
+import evaluation
 from inference import sampling
 from model import Transformer
 from training import hooks
 
 
 def task_manager(lm_eval_config):
-  """lm-eval's TaskManager over the shipped tasks and config.lm_eval.include_path's."""
-  from lm_eval.tasks import TaskManager  # the harness loads only when tasks are asked for
+  """lm-eval's TaskManager for config.lm_eval: the shipped tasks and include_path's."""
+  paths = []
   for path in lm_eval_config.include_paths:
     if not pathlib.Path(path).expanduser().is_dir():
       raise ValueError(f'config.lm_eval.include_path: {path} is not a directory (of lm-eval task '
                        'YAMLs); give one that exists')
-  return TaskManager(include_path=[str(TASKS_DIR),
-                                   *(str(pathlib.Path(p).expanduser())
-                                     for p in lm_eval_config.include_paths)])
+    paths.append(str(pathlib.Path(path).expanduser()))
+  return evaluation.task_manager(tuple(lm_eval_config.task_names), tuple(paths))
 
 
 @contextlib.contextmanager
@@ -109,18 +108,23 @@ class TaskScores(hooks.Hook):
 
   def after(self, step):
     settings = self.run.lm_eval
-    if not hooks.due(step, settings.every) or step.stopping:
+    if not hooks.due(step, settings.every) or step.stopping:  # a stop's: the resumed run's first
       return
+    self.score(step.done, step.state.params)
+    self.clock.restart_clock()  # scoring is not step time
+
+  def score(self, step: int, params) -> None:
+    """Scores `params`, the parameters after `step`, and reports them; a task's fault is a
+    warning."""
     try:
-      record = self.scores(step.state.params)
+      record = self.scores(params)
     except Exception as e:  # a task's fault must not end a run its checkpoints can still score
-      warnings.warn(f'step {step.done}: lm-eval\'s tasks ({settings.tasks}) were not scored: '
+      warnings.warn(f'step {step}: lm-eval\'s tasks ({self.run.lm_eval.tasks}) were not scored: '
                     f'{type(e).__name__}: {e}; training goes on, and evaluate.py '
                     f'--workdir={self.run.workdir} --step=… scores its checkpoints',
                     RuntimeWarning, stacklevel=2)
     else:
-      self.report({'step': step.done, **record})
-    self.clock.restart_clock()  # scoring is not step time
+      self.report({'step': step, **record})
 
   def scores(self, params) -> dict:
     """{'<task>/<metric>': value, …, 'lm_eval_time_s': seconds} of `params`."""

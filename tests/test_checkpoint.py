@@ -497,10 +497,12 @@ def test_a_save_the_disk_refuses_stops_the_run_with_one_line_and_the_next_run_is
 
 
 def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
-  """With an evaluation every step, a SIGINT always lands on an evaluation step; its grace
-  period is for saving, and the resumed run evaluates that step first: each step is evaluated
-  once."""
-  every_step = ['--config.eval_every=1', '--config.eval_batches=1', '--config.train_steps=16']
+  """With an evaluation and an lm-eval task every step, a SIGINT always lands on an evaluation
+  step; its grace period is for saving, and the resumed run evaluates and scores that step first:
+  each step is evaluated and scored once."""
+  every_step = ['--config.eval_every=1', '--config.eval_batches=1', '--config.train_steps=16',
+                '--config.lm_eval.tasks=stdlib_next_line', '--config.lm_eval.every=1',
+                '--config.lm_eval.limit=2']
   process = subprocess.Popen(command(tmp_path) + every_step, cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=ENV)
   read_until(process, 'step  6/')
@@ -514,6 +516,7 @@ def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
       resumed.stdout[-3000:] + resumed.stderr[-3000:])  # an abort's reason, for the reruns
   records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').open()]
   assert sorted(r['step'] for r in records if 'eval_loss' in r) == list(range(1, 17))
+  assert sorted(r['step'] for r in records if 'stdlib_next_line/acc' in r) == list(range(1, 17))
   assert sorted(r['step'] for r in records if 'loss' in r) == list(range(1, 17))
 
 

@@ -11,7 +11,8 @@ only dispatches steps and hands each to its hooks, in order. A new policy is a n
               that follows a skipped step (the save waits for the next finite step)
 and, handed to the loop by the entry point above it (training stands below evaluation):
   TaskScores  every lm_eval.every steps and at the last: lm-eval's tasks (evaluation/during.py),
-              after Save, so that a step's checkpoint is on its way before its tasks are scored
+              after Save, so that a step's checkpoint is on its way before its tasks are scored;
+              one a stop skips is the resumed run's first
 
 The order is the loop's: the guard has judged a step before Save may save it, and evaluation
 time is not counted as step time.
@@ -37,7 +38,6 @@ class Step:
   metrics: dict  # its metrics, on the devices
   last: bool  # the run's last step
   stopping: bool  # a signal asked the run to stop after it
-  unevaluated: bool = False  # an evaluation was due but the stop skipped it
 
 
 def due(step: Step, every: int) -> bool:
@@ -194,22 +194,28 @@ class Evaluate(Hook):
   def after(self, step):
     if not due(step, self.every):
       return
-    if step.stopping:  # a stop's grace period is for saving: the resumed run evaluates it
-      step.unevaluated = True
+    if step.stopping:  # a stop's grace period is for saving: the resumed run evaluates it (Save)
       return
     self.report({'step': step.done, **self.evaluator(step.state.params)})
     self.clock.restart_clock()
 
 
-EVALUATE_FIRST = 'evaluate_first'  # in a checkpoint's data state: its step's evaluation is due
+# In a checkpoint's data state: what its step had due that the stop skipped, the resumed run's
+# first work. Save writes them: {flag: the interval it is due at}.
+EVALUATE_FIRST = 'evaluate_first'  # the validation pass (Evaluate)
+SCORE_FIRST = 'score_first'  # lm-eval's tasks (evaluation/during.py)
 
 
 class Save(Hook):
   """Checkpoints (runtime/checkpoint.py), never from a bad streak (module docstring)."""
 
-  def __init__(self, every: int, checkpointer, guard: NonFinite, batches, config_json: dict):
+  def __init__(self, every: int, checkpointer, guard: NonFinite, batches, config_json: dict,
+               skipped_by_a_stop: dict[str, int] | None = None):
+    """`skipped_by_a_stop`: {EVALUATE_FIRST or SCORE_FIRST: its interval} of the evaluations the
+    run has: due at a step a stop saves, they are the resumed run's first."""
     self.every, self.checkpointer, self.guard = every, checkpointer, guard
     self.batches, self.config_json = batches, config_json
+    self.skipped_by_a_stop = skipped_by_a_stop or {}
     self.pending = False  # a save was due while the last steps were not finite
     self.saved = None  # the checkpoint of this step, if one was saved
 
@@ -223,6 +229,8 @@ class Save(Hook):
     self.guard.judge(step)  # waits for this step: never save after the run should stop
     self.pending = self.guard.in_a_row > 0
     if not self.pending:
-      data_state = {**self.batches.state(), **({EVALUATE_FIRST: True} if step.unevaluated else {})}
+      skipped = {flag: True for flag, every in self.skipped_by_a_stop.items()
+                 if step.stopping and due(step, every)}
+      data_state = {**self.batches.state(), **skipped}
       self.checkpointer.save(step.done, step.state, data_state, self.config_json)
       self.saved = self.checkpointer.directory / str(step.done)

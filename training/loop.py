@@ -138,19 +138,25 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
 
   guard = hooks.NonFinite(run.max_bad_steps, checkpointer)
   report = hooks.Report(writer, console, run.train_steps)
-  if evaluate and (data_state or {}).get(hooks.EVALUATE_FIRST):  # a stop skipped it
-    report({'step': start_step, **evaluate(state.params)})
   log_metrics = hooks.LogMetrics(run.log_every, report, setup, start_step,
                                  sharding.local_device(setup.mesh.devices.flat).device_kind)
+  scores = tasks(setup, report, log_metrics) if tasks else None
+  skipped = (data_state or {})  # what a stop skipped at the step resumed from comes first
+  if evaluate and skipped.get(hooks.EVALUATE_FIRST):
+    report({'step': start_step, **evaluate(state.params)})
+  if scores and skipped.get(hooks.SCORE_FIRST):
+    scores.score(start_step, state.params)
+  log_metrics.restart_clock()
   save = (hooks.Save(run.checkpoint_every, checkpointer, guard, batches,
-                     {**run.as_dict(), 'trained_on': read})
+                     {**run.as_dict(), 'trained_on': read},
+                     {**({hooks.EVALUATE_FIRST: run.eval_every} if evaluate else {}),
+                      **({hooks.SCORE_FIRST: run.lm_eval.every} if scores else {})})
           if checkpointer else None)
   trace = StepTrace(workdir / 'profile', start_step + run.profile_start, run.profile_steps)
   around_steps = [hooks.Trace(trace), guard, hooks.Progress(console), log_metrics,
                   *([hooks.Evaluate(run.eval_every, evaluate, report, log_metrics)]
                     if evaluate else []),
-                  *([save] if save else []),
-                  *([tasks(setup, report, log_metrics)] if tasks else [])]
+                  *([save] if save else []), *([scores] if scores else [])]
   try:
     for step_index in range(start_step, run.train_steps):
       for hook in around_steps:
