@@ -58,11 +58,12 @@ def run(config, devices=None, tasks=None) -> list[dict]:
 def train(run: Run, tasks=None) -> list[dict]:
   """Train `run` (settings.resolve's); returns the logged records. `tasks`: as `run`'s."""
   settings.check_start(run)
-  if run.lm_eval.task_names:
-    if tasks is None:
-      raise ValueError('config.lm_eval.tasks needs the hook that scores them, which train.py adds: '
-                       'from a notebook, training.loop.run(config, '
-                       'tasks=evaluation.during.TaskScores)')
+  if run.lm_eval.task_names and tasks is None:
+    raise ValueError('config.lm_eval.tasks needs the hook that scores them, which train.py adds: '
+                     'from a notebook, training.loop.run(config, '
+                     'tasks=evaluation.during.TaskScores)')
+  tasks = tasks if run.lm_eval.task_names else None  # the hook, where there are tasks to score
+  if tasks:
     tasks.check(run)
   setup = build(run)  # every model and mesh error surfaces here, before any work
   # The data's files, every record rendered with the run's chat template.
@@ -90,8 +91,7 @@ def train(run: Run, tasks=None) -> list[dict]:
     try:
       check_checkpoints(checkpointer, setup, read)
       with StopSignals() as stop, distributed.explain_failures(run.distributed):
-        return _train(setup, workdir, corpus, documents, checkpointer, stop, read,
-                      tasks if run.lm_eval.task_names else None)
+        return _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks)
     finally:
       if checkpointer:
         checkpointer.close()  # waits for the save in flight
@@ -141,7 +141,7 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
   log_metrics = hooks.LogMetrics(run.log_every, report, setup, start_step,
                                  sharding.local_device(setup.mesh.devices.flat).device_kind)
   scores = tasks(setup, report, log_metrics) if tasks else None
-  skipped = (data_state or {})  # what a stop skipped at the step resumed from comes first
+  skipped = data_state or {}  # what a stop skipped at the step resumed from comes first
   if evaluate and skipped.get(hooks.EVALUATE_FIRST):
     report({'step': start_step, **evaluate(state.params)})
   if scores and skipped.get(hooks.SCORE_FIRST):
