@@ -368,11 +368,15 @@ def refit(part: str, rows: list, gpu: gpus.GPU) -> dict:
     if chain:
       out['KERNEL_LAUNCH_S'] = chain['per_kernel_s']
     return out
-  if part == 'host':  # GPU.host_bandwidth: the slower way of the largest copies made one way
-    one_way = [r for r in ok if r['way'] != 'both ways']
-    largest = max((r['bytes'] for r in one_way), default=0)
-    return {'host_bandwidth': min(r['gb_per_s'] for r in one_way if r['bytes'] == largest)
-            * 1e9} if one_way else {}
+  if part == 'host':  # GPU.host_bandwidth: the slower way of the largest copies made one way;
+    # host_duplex_bandwidth: the two ways together, the largest copies made both ways at once
+    out = {}
+    for key, rows in (('host_bandwidth', [r for r in ok if r['way'] != 'both ways']),
+                      ('host_duplex_bandwidth', [r for r in ok if r['way'] == 'both ways'])):
+      if rows:
+        largest = max(r['bytes'] for r in rows)
+        out[key] = min(r['gb_per_s'] for r in rows if r['bytes'] == largest) * 1e9
+    return out
   if part == 'attention':  # planning/gpus.py's table: {keys: (forward, backward) TFLOP/s}
     table = {}
     for r in sorted(ok, key=lambda r: r['seq_len']):
@@ -429,8 +433,10 @@ def merge(folders: list, out_dir: str) -> None:
       # a run's "skipped" rows say where its budget ended: not true of the merged bank
       rows = [r for r in old['rows'] if r['what'] not in replaced and 'skipped' not in r]
       rows += [r for r in new['rows'] if 'skipped' not in r]
-      bank = {what: program for what, program in bank.items()
-              if not any(what == r or what.startswith(r + ' ') for r in replaced)} | new_bank
+      # a row's programs are its `what` and its backward pass's: another row's name may begin
+      # with this one's (`…125m cudnn default optimizer.offload_state=True`) and stays
+      ours = replaced | {f'{what} fwd_bwd' for what in replaced}
+      bank = {what: program for what, program in bank.items() if what not in ours} | new_bank
       commands = old['command'] if isinstance(old['command'], list) else [old['command']]
       gpu = gpus.find(name.upper()) or gpus.NOMINAL
       merged = {**old, 'rows': rows, 'refit': refit(part, rows, gpu),

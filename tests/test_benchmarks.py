@@ -127,7 +127,8 @@ def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):
   assert set(parts['copy']['refit']) == {'HBM_EFFICIENCY', 'KERNEL_LAUNCH_S'}
   host = parts['host']['rows']
   assert [r['way'] for r in host] == ['to host', 'from host', 'both ways']
-  assert parts['host']['refit']['host_bandwidth'] == min(r['gb_per_s'] for r in host[:2]) * 1e9
+  assert parts['host']['refit'] == {'host_bandwidth': min(r['gb_per_s'] for r in host[:2]) * 1e9,
+                                    'host_duplex_bandwidth': host[2]['gb_per_s'] * 1e9}
   assert [r['impl'] for r in parts['attention']['rows']] == ['pallas', 'xla']  # no cuDNN on CPU
   steps = parts['steps_base']['rows']
   assert [r['matmul_precision'] for r in steps] == ['default', 'fp8']
@@ -161,11 +162,16 @@ def copy_rows(*mib):
 
 def test_calibrate_merges_other_runs_into_the_bank(tmp_path):
   """Two GPU commands' parts, merged: a row of the same `what` replaced, the others kept, the
-  refit made again from them all, a run's "skipped" row (where its budget ended) left out; a bank
-  of another device is refused."""
+  refit made again from them all, a run's "skipped" row (where its budget ended) left out, a kept
+  row whose name begins with a replaced one's kept with its program; a bank of another device is
+  refused."""
   from benchmarks import calibrate
   for run, mib in (('a', (1, 2)), ('b', (2, 3))):
     rows, programs = copy_rows(*mib)
+    if run == 'a':  # named as a variant of the row b replaces, as the offloaded steps are
+      rows.insert(2, {**rows[1], 'what': 'pass over 2 MiB again'})
+      programs['pass over 2 MiB again'] = programs['pass over 2 MiB']
+      programs['pass over 2 MiB fwd_bwd'] = programs['pass over 2 MiB']  # b's row replaces it
     rows.append({'what': 'the rest of this part', 'skipped': 'past --part_budget_s=1'})
     calibrate.write(str(tmp_path / run), 'copy', 'cpu', {
         'benchmark': 'calibrate_copy', 'device': 'cpu', 'platform': 'cpu', 'jax': '0.11.2',
@@ -175,8 +181,9 @@ def test_calibrate_merges_other_runs_into_the_bank(tmp_path):
   merged = json.loads((tmp_path / 'calibrate_copy-cpu.json').read_text())
   b = json.loads((tmp_path / 'b' / 'calibrate_copy-cpu.json').read_text())
   whats = [r['what'] for r in merged['rows']]
-  assert whats == ['pass over 1 MiB', 'pass over 2 MiB', 'pass over 3 MiB', 'chain of 2 small matmuls']
-  assert merged['rows'][1:] == b['rows'][:-1] and len(merged['command']) == 2
+  assert whats == ['pass over 1 MiB', 'pass over 2 MiB again', 'pass over 2 MiB', 'pass over 3 MiB',
+                   'chain of 2 small matmuls']
+  assert merged['rows'][2:] == b['rows'][:-1] and len(merged['command']) == 2
   assert merged['refit']['KERNEL_LAUNCH_S'] == 2 * 5e-6  # b's chain replaced a's
   assert merged['refit']['HBM_EFFICIENCY'] == pytest.approx(2 * 2**20 / 1e9)  # of nominal 1 TB/s
   with gzip.open(tmp_path / 'calibrate_copy-cpu.programs.json.gz') as f:

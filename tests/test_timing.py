@@ -332,15 +332,19 @@ def test_every_banked_gpu_program_is_predicted_within_the_goal():
 
 def test_copies_to_and_from_host_memory_take_one_way_of_the_pcie_link_each():
   """The H100's measured copies (calibrate's host part): a copy to pinned host memory and one
-  from it are charged host_bandwidth each, and the two at once overlap (the link's two ways), as
-  measured (1.20× one way's time, not 2×)."""
+  from it are charged host_bandwidth each; the two at once overlap but share the link (1.2-1.36×
+  one way's time, as measured in two runs, not 2× and not 1×): the copy that starts second moves
+  at half of host_duplex_bandwidth while the first is under way."""
   with open('benchmarks/results/calibrate_host-h100.json') as f:
     rows = {r['what']: r for r in json.load(f)['rows']}
-  for way in ('to host', 'from host', 'both ways'):
+  one_way = 2**30 / H100.host_bandwidth
+  shared = H100.host_duplex_bandwidth / 2 / H100.host_bandwidth  # the second's rate, of one way's
+  for way, seconds in (('to host', one_way), ('from host', one_way),
+                       ('both ways', one_way * (2 - shared))):
     predicted = timing.predict(banked('host-h100', f'{way} 1024 MiB'), H100)
-    assert predicted.seconds == pytest.approx(2**30 / H100.host_bandwidth)
+    assert predicted.seconds == pytest.approx(seconds)
     assert 0.8 <= predicted.seconds / rows[f'{way} 1024 MiB']['measured_s'] <= 1.25
-  assert rows['both ways 1024 MiB']['measured_s'] < 1.3 * rows['to host 1024 MiB']['measured_s']
+  assert rows['both ways 1024 MiB']['measured_s'] < 1.4 * rows['to host 1024 MiB']['measured_s']
 
 
 def test_offloaded_steps_are_charged_their_trips_over_the_pcie_link():
