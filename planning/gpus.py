@@ -57,7 +57,7 @@ GPUS = {gpu.name: gpu for gpu in (
         link_bandwidth=300e9,  # NVLink 3: 600 GB/s both ways
         node_bandwidth=25e9,  # DGX A100: a 200 Gb/s HDR InfiniBand NIC per GPU
         # PCIe Gen4 x16; both ways at once: the H100's measured share of two ways
-        host_bandwidth=32e9, host_duplex_bandwidth=52e9),
+        host_bandwidth=32e9, host_duplex_bandwidth=50e9),
     GPU(name='H100', device_kind='NVIDIA H100 80GB HBM3', compute_capability=(9, 0), sms=132,
         clock_ghz=1.98, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
@@ -66,8 +66,8 @@ GPUS = {gpu.name: gpu for gpu in (
         link_bandwidth=450e9,  # H100 SXM; NVLink 4: 900 GB/s both ways
         node_bandwidth=50e9,  # DGX H100: a 400 Gb/s NDR InfiniBand NIC per GPU
         # PCIe Gen5 x16 (64 GB/s nominal) as measured: 55.1 GB/s each way, to or from pinned host
-        # memory, and 90 GB/s both ways at once (benchmarks/results/calibrate_host-h100.json)
-        host_bandwidth=55e9, host_duplex_bandwidth=90e9),
+        # memory, and 86 GB/s both ways at once (benchmarks/results/calibrate_host-h100.json)
+        host_bandwidth=55e9, host_duplex_bandwidth=86e9),
     GPU(name='H100-PCIe', device_kind='NVIDIA H100 PCIe', compute_capability=(9, 0), sms=114,
         clock_ghz=1.755, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
@@ -75,7 +75,7 @@ GPUS = {gpu.name: gpu for gpu in (
         peak_bf16_flops=756e12, peak_fp8_flops=1513e12,
         link_bandwidth=64e9,  # PCIe Gen5 x16 between cards
         node_bandwidth=25e9,  # a 200 Gb/s NIC per card
-        host_bandwidth=64e9, host_duplex_bandwidth=105e9),  # both ways: the H100's share
+        host_bandwidth=64e9, host_duplex_bandwidth=100e9),  # both ways: the H100's share
     GPU(name='H200', device_kind='NVIDIA H200', compute_capability=(9, 0), sms=132,
         clock_ghz=1.98, fp32_units_per_sm=128, shared_memory_per_sm=228 * 1024,
         shared_memory_per_block_optin=227 * 1024, registers_per_sm=65536,
@@ -84,7 +84,7 @@ GPUS = {gpu.name: gpu for gpu in (
         link_bandwidth=450e9,  # H200 SXM; NVLink 4
         node_bandwidth=50e9,  # HGX H200: a 400 Gb/s NDR NIC per GPU
         # PCIe Gen5 x16, as the H100's measured (not yet on an H200)
-        host_bandwidth=55e9, host_duplex_bandwidth=90e9),
+        host_bandwidth=55e9, host_duplex_bandwidth=86e9),
 )}
 
 # A device not in the table (the CPU): the time model ranks layouts for it against these round
@@ -94,7 +94,7 @@ NOMINAL = GPU(name='nominal device', device_kind='', compute_capability=(0, 0), 
               shared_memory_per_block_optin=0, registers_per_sm=0, l2_bytes=0, memory_bytes=0,
               memory_bandwidth=1e12, peak_bf16_flops=100e12, peak_fp8_flops=200e12,
               link_bandwidth=100e9, node_bandwidth=100e9, host_bandwidth=30e9,
-              host_duplex_bandwidth=49e9)
+              host_duplex_bandwidth=47e9)
 
 
 def tile_waves(m: int, n: int, batch: int, sms: int) -> float:
