@@ -10,16 +10,18 @@ Training stands below evaluation (DEVELOPERS.md: Layout), so the loop is handed 
 entry point above both: train.py passes `TaskScores` to `training.loop.run`, and the loop refuses
 lm_eval.tasks without it. `check` runs once the run is resolved, before anything is built: a task
 name lm-eval does not know, a directory that is not there, a task whose documents cannot be read,
-a generation longer than the run's rows, or a job of several processes (scored in one process
-today; evaluate.py scores such a job's checkpoints) is one line then, not an error after the first
-`every` steps. What fails while scoring all the same (a task's own code, say) is a warning: the
+or a generation longer than the run's rows is one line then, not an error after the first `every`
+steps. What fails while scoring all the same (a task's own code, say) is a warning: the
 run trains on.
 
 The model is the one evaluate.py scores (evaluation/harness.py: MeshLM), built on the step's
 parameters: the same answers a checkpoint of that step gives evaluate.py. Its programs are
 compiled once, at the first scoring, and reused (they are keyed on the model's structure, not its
-values). A stop (SIGTERM, a preemption) skips a scoring that was due, as it skips the validation
-pass: its grace period is for the checkpoint, and the resumed run scores that step first.
+values). In a job of several processes every process scores the same requests in step: each
+forward spans the job's devices, its scores come back whole to every process (the harness's rows
+are not split over devices), and process 0 reports them. A stop (SIGTERM, a preemption) skips a
+scoring that was due, as it skips the validation pass: its grace period is for the checkpoint,
+and the resumed run scores that step first.
 """
 
 import contextlib
@@ -29,7 +31,6 @@ import pathlib
 import time
 import warnings
 
-import jax
 from flax import nnx
 
 import evaluation
@@ -72,10 +73,6 @@ class TaskScores(hooks.Hook):
   @staticmethod
   def check(run) -> None:
     """ValueError naming the setting, before the run builds anything."""
-    if jax.process_count() > 1:
-      raise ValueError(f'config.lm_eval.tasks: scored in one process, and this job has '
-                       f'{jax.process_count()}; leave it empty and score the checkpoints with '
-                       'evaluate.py --workdir=… --step=… (docs/evaluation.md)')
     manager = task_manager(run.lm_eval)
     if unknown := [name for name in run.lm_eval.task_names if name not in manager.all_tasks]:
       raise ValueError(f'config.lm_eval.tasks: no lm-eval task named {", ".join(unknown)} '

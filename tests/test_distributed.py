@@ -1,5 +1,6 @@
 """Multi-process jobs: two local processes × 4 CPU devices (gloo over localhost) train exactly as
-one process × 8 devices, save a checkpoint one process resumes, and a killed process makes the
+one process × 8 devices, score lm-eval's tasks during training as it does, save a checkpoint one
+process resumes, and a killed process makes the
 other exit with an error within the heartbeat timeout instead of hanging."""
 
 import json
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from configs import base
+from evaluation import during
 from runtime import distributed
 from tests.conftest import FAST_COMPILE, SMALL_CORPUS, free_port
 from training import loop
@@ -47,21 +49,34 @@ def launch(config_file, overrides, n=2, devices_each=4, heartbeat_s=10, logs=Non
   return processes
 
 
+# Both shipped tasks (a log-likelihood one and a generation one), scored at the last step.
+TASKS = {'lm_eval.tasks': 'stdlib_next_line,stdlib_complete', 'lm_eval.limit': 4,
+         'lm_eval.batch_size': 8}
+
+
+def task_scores(workdir):
+  lines = (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()
+  return [{k: v for k, v in r.items() if '/' in k}
+          for r in map(json.loads, lines) if 'lm_eval_time_s' in r]
+
+
 def losses(workdir):
   lines = (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()
   return {r['step']: r['loss'] for r in map(json.loads, lines) if 'loss' in r}
 
 
 def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path):
-  def config(workdir):
+  def config(workdir, **more):
     c = base.get_config()
-    c.update_from_flattened_dict(default_overrides(workdir))
+    c.update_from_flattened_dict({**default_overrides(workdir), **more})
     return c
 
-  loop.run(config(tmp_path / 'one'))  # one process × 8 devices: the reference
-  reference = losses(tmp_path / 'one')
+  loop.run(config(tmp_path / 'one', **TASKS), tasks=during.TaskScores)  # one process × 8 devices
+  reference, reference_scores = losses(tmp_path / 'one'), task_scores(tmp_path / 'one')
+  assert len(reference_scores) == 1 and 'stdlib_complete/exact_match' in reference_scores[0]
 
-  processes = launch('configs/base.py', default_overrides(tmp_path / 'two'), logs=tmp_path)
+  processes = launch('configs/base.py', {**default_overrides(tmp_path / 'two'), **TASKS},
+                     logs=tmp_path)
   codes = [p.wait(timeout=600) for p in processes]
   logs = [(tmp_path / f'process{i}.txt').read_text() for i in range(2)]
   assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
@@ -71,6 +86,9 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path
     assert two[step] == pytest.approx(reference[step], rel=2e-4), step
   # Only process 0 logs and writes metrics.
   assert 'step 6/6' in logs[0] and not any(l.startswith('step') for l in logs[1].splitlines())
+  # Both processes scored the tasks together (each forward spans both), as one process does.
+  [scores] = task_scores(tmp_path / 'two')
+  assert scores == pytest.approx(reference_scores[0], rel=1e-3, abs=1e-6)
 
   # Process 1's part of checkpoint 6 damaged: both processes find it so (each reads its own
   # shards), set it aside once, resume from step 3 and train as before.
