@@ -308,7 +308,7 @@ class _Model:
 
   def host_copy(self, start: float, other_way_free: float, nbytes: int) -> float:
     """When a copy over the PCIe link that starts at `start` ends: at host_bandwidth, but at half
-    of host_duplex_bandwidth while the other way is still busy (the H100 moved 1.2-1.36x one
+    of host_duplex_bandwidth while the other way is still busy (the H100 took 1.17-1.35x one
     way's time for both at once). The copy that starts second bears the sharing: the first's end
     is already scheduled, and both together come to what was measured."""
     shared_rate = self.gpu.host_duplex_bandwidth / 2
