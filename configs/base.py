@@ -125,6 +125,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss = ml_collections.ConfigDict()
   c.loss.z_loss = 1e-4  # weight of log(Z)^2, keeps the softmax normaliser near 1
 
+  # Direct preference optimisation (docs/fine-tuning.md: DPO), the loss of config.data.record=
+  # 'preference': −log σ(β·((log π − log π_ref)(chosen) − (log π − log π_ref)(rejected))); the
+  # reference π_ref is the run's starting model: under LoRA the base without its adapters.
+  c.dpo = ml_collections.ConfigDict()
+  c.dpo.beta = 0.1  # β: how far from the reference the policy may move for a margin
+  c.dpo.label_smoothing = 0.0  # ε: the share of pairs taken to be mislabelled (conservative DPO)
+
   c.distributed = dist = ml_collections.ConfigDict()  # multi-process jobs (runtime/distributed.py)
   dist.coordinator_address = ''  # process 0's host:port; '': SLURM/Open MPI if present, else 1 process
   dist.num_processes = 0  # with coordinator_address: how many processes the job has
@@ -143,8 +150,11 @@ def get_config() -> ml_collections.ConfigDict:
   d.text_key = 'text'  # the text feature of a named dataset, or field of a record
   # A .jsonl, .jsonl.gz or .parquet file in `paths` holds a document a record (docs/fine-tuning.md):
   d.record = 'text'  # text | prompt_completion | messages (chat: [{"role", "content"}, …])
-  d.prompt_field = 'prompt'  # prompt_completion: the record's fields
+  # | preference: a prompt, a chosen and a rejected answer, trained on by DPO (config.dpo)
+  d.prompt_field = 'prompt'  # prompt_completion and preference: the record's fields
   d.completion_field = 'completion'
+  d.chosen_field = 'chosen'  # preference: the answer preferred, and the one not
+  d.rejected_field = 'rejected'
   d.messages_field = 'messages'  # messages: the record's field
   d.chat_template = 'auto'  # auto: the tokenizer's own (tokenizer_config.json), else fallback | fallback | a .jinja file
   d.train_on = 'answers'  # answers: loss on the completion or assistant turns only | all
@@ -182,12 +192,13 @@ EFFECTS = {field: kind for kind, names in {
     'added': """model.lora_rank model.lora_alpha model.lora_targets model.draft_heads
         model.draft_kind model.draft_only""",
     'data': """seed batch_size seq_len init_from data.paths data.name data.text_key data.record
-        data.prompt_field data.completion_field data.messages_field data.chat_template
+        data.prompt_field data.completion_field data.chosen_field data.rejected_field
+        data.messages_field data.chat_template
         data.train_on data.train_split data.validation_fraction data.tokenizer
         data.tokenizer_model""",
     'schedule': """train_steps optimizer.learning_rate optimizer.warmup_steps
         optimizer.min_lr_ratio optimizer.b1 optimizer.b2 optimizer.eps optimizer.weight_decay
-        optimizer.grad_clip loss.z_loss model.load_balance_loss model.router_z_loss
+        optimizer.grad_clip loss.z_loss dpo.beta dpo.label_smoothing model.load_balance_loss model.router_z_loss
         model.router_bias_rate""",
     'numerics': """microbatches model.param_dtype model.compute_dtype model.grad_reduce_dtype
         model.matmul_precision model.attention model.attention_block_q model.attention_block_k

@@ -3,6 +3,9 @@
 - `text`: `BOS ids… EOS`, every token trained on.
 - `prompt_completion`: the prompt and the completion laid end to end; the completion (and the
   EOS after it) weigh 1, the prompt 0.
+- `preference`: the prompt with the chosen answer, then the prompt with the rejected one, each
+  as `prompt_completion` lays it out, as one `[2, n]` array whose weights' second bit marks the
+  rejected sequence (data/packing.py lays a pair out in a row of its own).
 - `messages`: the conversation rendered by a Jinja chat template as transformers renders it (the
   same sandbox, options, filters and variables): the tokenizer's own, from its
   tokenizer_config.json or the chat_template.jinja beside it, else FALLBACK, a ChatML layout in
@@ -244,7 +247,7 @@ class Encoder:
                train_on: str = 'answers'):
     """`template`: the run's (`owned`), which chat records are rendered with."""
     self.tokenizer, self.record = tokenizer, record
-    self.masked = record != 'text' and train_on == 'answers'
+    self.masked = record == 'preference' or (record != 'text' and train_on == 'answers')
     if record == 'messages' and template is None:
       raise ValueError('chat records render with a template: pass chat.owned(...) or '
                        'chat.template_source(...)')
@@ -305,8 +308,17 @@ class Encoder:
                               last if tail else np.zeros(0, np.int32)])
     return np.stack([tokens, weights]).astype(np.int32)
 
+  def _pair(self, record: dict) -> np.ndarray:
+    """A preference record's two sequences as one array: ids; weights, + 2 on the rejected one."""
+    texts = [record['prompt'] + record[answer] for answer in ('chosen', 'rejected')]
+    spans = [[(len(record['prompt']), len(text))] for text in texts]
+    chosen, rejected = (self._with_ends(ids, weights) for ids, weights in self._encode(texts, spans))
+    return np.concatenate([chosen, rejected + np.array([[0], [2]], np.int32)], axis=1)
+
   def __call__(self, stored: list[bytes]) -> list[np.ndarray]:
     tok = self.tokenizer
+    if self.record == 'preference':
+      return [self._pair(json.loads(s.decode('utf-8'))) for s in stored]
     if self.record == 'text':
       return [self._with_ends(ids, None) for ids in tok.encode_batch(stored)]
     texts, spans = zip(*(self._text_and_spans(s.decode('utf-8')) for s in stored))

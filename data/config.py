@@ -13,6 +13,8 @@ class DataConfig:
   record: str
   prompt_field: str
   completion_field: str
+  chosen_field: str
+  rejected_field: str
   messages_field: str
   chat_template: str
   train_on: str

@@ -14,6 +14,11 @@ A lane's whole state is two integers: documents started, and pairs of the curren
 A pair weighs 1, or, for a document that carries weights (`[2, n]`: ids, then the weight of
 predicting each; data/chat.py), the weight of its target: a chat's prompt tokens weigh 0 wherever
 packing cuts it.
+
+A preference pair (data/chat.py: `BOS prompt chosen EOS` then `BOS prompt rejected EOS`, the
+weights' second bit marking the rejected sequence) takes a row of its own (`pairs`): the chosen
+sequence as segment 1, the rejected as segment 2, each positioned from 0, the rest padding. A pair
+longer than the row loses the ends of its longer sequences (as other trainers' max_length cuts).
 """
 
 import dataclasses
@@ -41,8 +46,8 @@ class Lane:
   """
 
   def __init__(self, document: Callable[[int], np.ndarray | None], lane: int, stride: int,
-               seq_len: int, pad_id: int, state: LaneState | None = None):
-    self.document, self.lane, self.stride = document, lane, stride
+               seq_len: int, pad_id: int, state: LaneState | None = None, pairs: bool = False):
+    self.document, self.lane, self.stride, self.pairs = document, lane, stride, pairs
     self.seq_len, self.pad_id = seq_len, pad_id
     self.state = dataclasses.replace(state) if state else LaneState()
     self._tokens = None  # the current document, re-read after a restore
@@ -68,6 +73,8 @@ class Lane:
     row = {'inputs': np.full(L, self.pad_id, np.int32), 'targets': np.full(L, self.pad_id, np.int32),
            'positions': np.zeros(L, np.int32), 'segment_ids': np.zeros(L, np.int32),
            'weights': np.zeros(L, np.float32)}
+    if self.pairs:
+      return self._pair_row(row)
     filled, segment = 0, 0
     while filled < L and (document := self._current()) is not None:
       tokens, weights = ids_and_weights(document)
@@ -82,4 +89,27 @@ class Lane:
       row['weights'][filled:end] = 1.0 if weights is None else weights[start + 1:start + n + 1]
       self.state.offset += n
       filled = end
+    return row
+
+  def _pair_row(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The lane's next preference pair laid out in `row` (module docstring), or padding past the
+    end of a finite pass."""
+    if (document := self._current()) is None:
+      return row
+    tokens, codes = document
+    rejected = (codes >> 1).astype(bool)
+    sequences = [(tokens[~rejected], codes[~rejected] & 1), (tokens[rejected], codes[rejected] & 1)]
+    chosen_n, rejected_n = (len(ids) - 1 for ids, _ in sequences)
+    L = self.seq_len
+    chosen_n = min(chosen_n, max(L // 2, L - rejected_n))  # the longer gives way first
+    start = 0
+    for segment, ((ids, weights), n) in enumerate(zip(sequences, (chosen_n, L - chosen_n)), 1):
+      n = min(n, len(ids) - 1)
+      end = start + n
+      row['inputs'][start:end], row['targets'][start:end] = ids[:n], ids[1:n + 1]
+      row['positions'][start:end] = np.arange(n, dtype=np.int32)
+      row['segment_ids'][start:end] = segment
+      row['weights'][start:end] = weights[1:n + 1]
+      start = end
+    self.state.offset = tokens.shape[-1] - 1  # used up: the next row takes the next pair
     return row

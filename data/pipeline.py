@@ -52,9 +52,9 @@ class PackedRows(grain.IterDataset):
   plus each lane's state after the row, so the consumer can checkpoint exactly what it used."""
 
   def __init__(self, docs: DocumentSequence, *, lanes, batch_size: int, seq_len: int,
-               pad_id: int, epochs: int | None, states=None):
+               pad_id: int, epochs: int | None, states=None, pairs: bool = False):
     super().__init__([])
-    self.docs, self.lanes, self.batch_size = docs, list(lanes), batch_size
+    self.docs, self.lanes, self.batch_size, self.pairs = docs, list(lanes), batch_size, pairs
     self.seq_len, self.pad_id, self.epochs = seq_len, pad_id, epochs
     self.states = list(states) if states is not None else [LaneState() for _ in self.lanes]
 
@@ -92,7 +92,7 @@ class _PackedRowsIterator(grain.DatasetIterator):
         return ahead[g]
       return document
 
-    self._lanes = [Lane(reader(), lane, stride, ds.seq_len, ds.pad_id, state)
+    self._lanes = [Lane(reader(), lane, stride, ds.seq_len, ds.pad_id, state, ds.pairs)
                    for lane, state in zip(ds.lanes, ds.states)]
 
   def __next__(self):
@@ -139,7 +139,8 @@ class Batches:
 
   def __init__(self, docs: DocumentSequence, *, batch_sharding, batch_size: int, seq_len: int,
                pad_id: int, workers: int = 0, prefetch: int = 2, epochs: int | None = None,
-               state: dict | None = None, rows=None):
+               state: dict | None = None, rows=None, pairs: bool = False):
+    """`pairs`: the documents are preference pairs (data/packing.py), one a row."""
     self.sharding, self.shape = batch_sharding, (batch_size, seq_len)
     self.rows = process_rows(batch_sharding, batch_size, seq_len) if rows is None else list(rows)
     check_workers(workers, len(self.rows))
@@ -152,7 +153,7 @@ class Batches:
                          'config.batch_size of the run that saved it')
       self._states = [LaneState(**saved[r]) for r in self.rows]
     ds = PackedRows(docs, lanes=self.rows, batch_size=batch_size, seq_len=seq_len, pad_id=pad_id,
-                    epochs=epochs, states=self._states)
+                    epochs=epochs, states=self._states, pairs=pairs)
     if workers:
       if not flags.FLAGS.is_parsed():  # grain's workers read absl flags (a notebook parses none)
         flags.FLAGS(['meshlm'], known_only=True)
@@ -210,14 +211,17 @@ def _ignore_interrupts(worker_index: int, worker_count: int) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def pass_length(docs: DocumentSequence, batch_size: int, seq_len: int) -> int:
+def pass_length(docs: DocumentSequence, batch_size: int, seq_len: int,
+                pairs: bool = False) -> int:
   """Batches that one pass over `docs` (unshuffled, as evaluation reads them) takes."""
-  pairs = np.zeros(batch_size, np.int64)
+  if pairs:  # one a row
+    return -(-len(docs) // batch_size)
+  lengths = np.zeros(batch_size, np.int64)
   for start in range(0, len(docs), batch_size * LOOKAHEAD):
     gs = range(start, min(start + batch_size * LOOKAHEAD, len(docs)))
     for g, tokens in zip(gs, docs.get(gs)):
-      pairs[g % batch_size] += tokens.shape[-1] - 1
-  return int(-(-pairs.max() // seq_len))
+      lengths[g % batch_size] += tokens.shape[-1] - 1
+  return int(-(-lengths.max() // seq_len))
 
 
 def train_batches(train_documents, run, batch_sharding, state=None) -> Batches:
@@ -226,5 +230,6 @@ def train_batches(train_documents, run, batch_sharding, state=None) -> Batches:
   docs = documents(train_documents, seed=run.seed)
   return Batches(docs, batch_sharding=batch_sharding, batch_size=run.batch_size,
                  seq_len=run.seq_len, pad_id=run.tokenizer.pad_id, workers=run.data.workers,
-                 prefetch=run.data.prefetch, state=state)
+                 prefetch=run.data.prefetch, state=state,
+                 pairs=run.data.record == 'preference')
 

@@ -5,9 +5,11 @@ holds: what `config.data.record` says a record is, read from the fields it names
   prompt_completion  {prompt_field: str, completion_field: str}  trained on the completion
   messages           {messages_field: [{"role": str, "content": str}, …]}  trained on the
                      assistant's turns (data/chat.py renders them)
+  preference         {prompt_field: str, chosen_field: str, rejected_field: str}  a pair of
+                     answers to one prompt, the first preferred: trained on by DPO
 
 A record is stored as its text (`text`) or as canonical JSON of what was read
-(`{"prompt", "completion"}` or `{"messages"}`), so a corpus's prepared form does not depend on its
+(`{"prompt", "completion"}`, `{"messages"}` or `{"prompt", "chosen", "rejected"}`), so a corpus's prepared form does not depend on its
 files' field names. A record that is not JSON, lacks its field or holds the wrong type is skipped
 and counted: `read` reports each file's count with the first bad record's line (or row).
 """
@@ -17,7 +19,7 @@ import gzip
 import json
 import pathlib
 
-KINDS = ('text', 'prompt_completion', 'messages')
+KINDS = ('text', 'prompt_completion', 'messages', 'preference')
 SUFFIXES = ('.jsonl', '.jsonl.gz', '.parquet')
 ROLES = ('system', 'user', 'assistant', 'tool')
 
@@ -34,7 +36,8 @@ def check_kind(data_config) -> None:
                      f'{", ".join(SUFFIXES)} files in config.data.paths; a named TFDS dataset '
                      f'(config.data.name={data_config.name!r}) is read as text from '
                      'config.data.text_key: convert it to JSON Lines, or set record=text')
-  for field in ('text_key', 'prompt_field', 'completion_field', 'messages_field'):
+  for field in ('text_key', 'prompt_field', 'completion_field', 'messages_field', 'chosen_field',
+                'rejected_field'):
     if not getattr(data_config, field):
       raise ValueError(f'config.data.{field} is empty; name the field records hold it in')
 
@@ -47,16 +50,20 @@ class Fields:
   prompt: str
   completion: str
   messages: str
+  chosen: str = 'chosen'
+  rejected: str = 'rejected'
 
   @classmethod
   def of(cls, data_config) -> 'Fields':
     return cls(data_config.record, data_config.text_key, data_config.prompt_field,
-               data_config.completion_field, data_config.messages_field)
+               data_config.completion_field, data_config.messages_field,
+               data_config.chosen_field, data_config.rejected_field)
 
   def key(self) -> str:
     """What changes the stored form: part of the prepared dataset's name."""
     return {'text': f'text:{self.text}', 'messages': f'messages:{self.messages}',
-            'prompt_completion': f'prompt_completion:{self.prompt},{self.completion}'}[self.kind]
+            'prompt_completion': f'prompt_completion:{self.prompt},{self.completion}',
+            'preference': f'preference:{self.prompt},{self.chosen},{self.rejected}'}[self.kind]
 
 
 class BadRecord(Exception):
@@ -106,6 +113,17 @@ def stored(record, fields: Fields) -> str:
     if not completion.strip():
       raise BadRecord(f'field {fields.completion!r} is blank: nothing to train on')
     return json.dumps({'prompt': prompt, 'completion': completion}, ensure_ascii=False)
+  if fields.kind == 'preference':
+    prompt = _string(record, fields.prompt)
+    chosen, rejected = _string(record, fields.chosen), _string(record, fields.rejected)
+    for field, answer in ((fields.chosen, chosen), (fields.rejected, rejected)):
+      if not answer.strip():
+        raise BadRecord(f'field {field!r} is blank: nothing to compare')
+    if chosen == rejected:
+      raise BadRecord(f'fields {fields.chosen!r} and {fields.rejected!r} are the same answer: '
+                      'nothing to prefer')
+    return json.dumps({'prompt': prompt, 'chosen': chosen, 'rejected': rejected},
+                      ensure_ascii=False)
   return json.dumps({'messages': _messages(record, fields.messages)}, ensure_ascii=False)
 
 

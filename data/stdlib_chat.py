@@ -2,10 +2,14 @@
 their docstrings, as JSON Lines of `{"messages": [{"role", "content"}, …]}`.
 
   python -m data.stdlib_chat --output=/tmp/stdlib-chat.jsonl
+  python -m data.stdlib_chat --kind=preference --output=/tmp/stdlib-preference.jsonl
 
 Each public function or method with a docstring gives one conversation: the user asks what
 `module.name(arguments)` does, the assistant answers with the docstring's first paragraph; every
-fourth has a system prompt. The functions come in sorted order of their files, so the file is
+fourth has a system prompt. With --kind=preference each is a pair instead, `{"prompt", "chosen",
+"rejected"}` (configs/dpo.py): the question as the prompt, the docstring's paragraph chosen, and
+the same words in reverse order rejected, a preference a model can learn from the text alone. The
+functions come in sorted order of their files, so the file is
 the same on every machine with the same Python. It is written beside --output and linked into
 place when whole, never over another file: one already there with the same records is left as it
 is, one with others is refused.
@@ -25,6 +29,8 @@ from runtime import cli
 
 _OUTPUT = flags.DEFINE_string('output', None, 'The .jsonl file to write.', required=True)
 _MAX = flags.DEFINE_integer('max_records', 5000, 'At most this many conversations.')
+_KIND = flags.DEFINE_enum('kind', 'messages', ['messages', 'preference'],
+                          'messages: chats; preference: pairs of a chosen and a rejected answer.')
 
 SYSTEM = 'You answer questions about Python in one short paragraph.'
 
@@ -59,7 +65,18 @@ def conversations(root: pathlib.Path):
         yield [{'role': 'user', 'content': question}, {'role': 'assistant', 'content': answer}]
 
 
-def write(output: pathlib.Path, limit: int) -> int:
+def record(count: int, messages: list[dict], kind: str) -> dict:
+  """The count-th conversation as a record of `kind` (module docstring)."""
+  if kind == 'preference':
+    question, answer = messages[0]['content'], messages[1]['content']
+    return {'prompt': f'Q: {question}\nA: ', 'chosen': answer,
+            'rejected': ' '.join(reversed(answer.split()))}
+  if count % 4 == 0:
+    messages = [{'role': 'system', 'content': SYSTEM}, *messages]
+  return {'messages': messages}
+
+
+def write(output: pathlib.Path, limit: int, kind: str = 'messages') -> int:
   root = pathlib.Path(sysconfig.get_paths()['stdlib'])
   output.parent.mkdir(parents=True, exist_ok=True)
   partial = output.with_name(f'.{output.name}.partial-{uuid.uuid4().hex[:8]}')
@@ -67,9 +84,7 @@ def write(output: pathlib.Path, limit: int) -> int:
   try:
     with open(partial, 'w', encoding='utf-8') as f:
       for count, messages in enumerate(conversations(root), 1):
-        if count % 4 == 0:
-          messages = [{'role': 'system', 'content': SYSTEM}, *messages]
-        f.write(json.dumps({'messages': messages}, ensure_ascii=False) + '\n')
+        f.write(json.dumps(record(count, messages, kind), ensure_ascii=False) + '\n')
         if count == limit:
           break
     try:
@@ -91,8 +106,9 @@ def main(argv):
   if _MAX.value < 2:
     raise ValueError(f'--max_records={_MAX.value} must be at least 2 (a train and a validation '
                      'record)')
-  count = write(pathlib.Path(_OUTPUT.value).expanduser(), _MAX.value)
-  print(f'{count} conversations → {_OUTPUT.value} (Python {sys.version.split()[0]})')
+  count = write(pathlib.Path(_OUTPUT.value).expanduser(), _MAX.value, _KIND.value)
+  what = 'pairs' if _KIND.value == 'preference' else 'conversations'
+  print(f'{count} {what} → {_OUTPUT.value} (Python {sys.version.split()[0]})')
 
 
 if __name__ == '__main__':

@@ -56,20 +56,26 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = Tru
   return attention / 2 if causal else attention
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True,
+                    reference: bool = False) -> float:
+  """A train step's model FLOPs a token; `reference`: DPO's, with its reference model's forward."""
   layers = ((cfg.n_layers - cfg.moe_layers) * matmul_params_per_layer(cfg)
             + cfg.moe_layers * matmul_params_per_layer(cfg, experts=True))
   # Frozen under LoRA: no weight gradient; under draft_only, no backward at all.
   weights = 2 if cfg.draft_only else 4 if cfg.lora_rank else 6
   dense = weights * (layers + cfg.d_model * cfg.vocab_size)
   dense += 6 * cfg.n_layers * adapter_params_per_layer(cfg) + draft_flops_per_token(cfg)
-  return dense + attention_flops_per_token(cfg, seq_len, causal) / (3 if cfg.draft_only else 1)
+  attention = attention_flops_per_token(cfg, seq_len, causal)
+  if reference:  # one more forward, no gradient
+    dense += 2 * (layers + cfg.d_model * cfg.vocab_size)
+    attention += attention / 3
+  return dense + attention / (3 if cfg.draft_only else 1)
 
 
 def throughput(cfg: ModelConfig, seq_len: int, tokens_per_sec: float, n_devices: int,
-               device_kind: str) -> dict[str, float]:
+               device_kind: str, reference: bool = False) -> dict[str, float]:
   """{'tflops_per_device', and 'mfu' where the device's peak is known}: the model's FLOPs
   (flops_per_token) at `tokens_per_sec` over `n_devices`, against the bf16 peak."""
-  tflops = flops_per_token(cfg, seq_len) * tokens_per_sec / n_devices / 1e12
+  tflops = flops_per_token(cfg, seq_len, reference=reference) * tokens_per_sec / n_devices / 1e12
   peak = peak_tflops(device_kind)
   return {'tflops_per_device': tflops, **({'mfu': tflops / peak} if peak else {})}

@@ -105,10 +105,12 @@ class Console:
 
 def format_line(record: dict, train_steps: int) -> str:
   parts = [f'step {record["step"]:>{len(str(train_steps))}}/{train_steps}']
-  formats = {'loss': '.4f', 'eval_loss': '.4f', 'eval_bits_per_byte': '.3f', 'grad_norm': '.3f',
+  formats = {'loss': '.4f', 'reward_accuracy': '.0%', 'reward_margin': '.3f', 'eval_loss': '.4f',
+             'eval_reward_accuracy': '.0%', 'eval_bits_per_byte': '.3f', 'grad_norm': '.3f',
              'learning_rate': '.2e', 'tokens_per_sec': ',.0f', 'step_time_s': '.3f',
              'tflops_per_device': '.3g', 'mfu': '.1%', 'peak_memory_gib': '.2f'}
-  labels = {'eval_bits_per_byte': 'bits/byte', 'learning_rate': 'lr', 'tokens_per_sec': 'tok/s',
+  labels = {'eval_bits_per_byte': 'bits/byte', 'reward_accuracy': 'reward acc',
+            'reward_margin': 'margin', 'eval_reward_accuracy': 'eval reward acc', 'learning_rate': 'lr', 'tokens_per_sec': 'tok/s',
             'step_time_s': 's/step', 'tflops_per_device': 'TFLOP/s/device', 'mfu': 'MFU',
             'peak_memory_gib': 'peak GiB'}
   for key, fmt in formats.items():

@@ -207,6 +207,15 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
                                        'config.lm_eval.include_path: /nonexistent/tasks is not a '
                                        'directory'),
     'lm-eval interval negative': (['--config.lm_eval.every=-5'], 'config.lm_eval.every=-5'),
+    'DPO beta 0': (['--config.data.record=preference', '--config.dpo.beta=0'],
+                   'config.dpo.beta=0'),
+    'DPO label smoothing 0.5': (['--config.data.record=preference',
+                                 '--config.dpo.label_smoothing=0.5'],
+                                'config.dpo.label_smoothing=0.5'),
+    'DPO over pipeline stages': (['--config.data.record=preference', '--config.mesh.stage=2'],
+                                 'set config.mesh.stage=1'),
+    'DPO on every token': (['--config.data.record=preference', '--config.data.train_on=all'],
+                           "config.data.train_on='all': DPO compares the answers"),
 }
 
 
@@ -671,6 +680,34 @@ def _(p):
   result = p.run(*p.train(p.path('x'), 1, f'--config.data.paths={path}',
                           '--config.data.record=messages', '--config.data.validation_fraction=0.2'))
   warned = [line for line in lines(result.stderr) if 'skipped 2 of 14 records (line 13' in line]
+  verdict = survived(result)
+  return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
+
+
+def good_pair(i: int) -> str:
+  return json.dumps({'prompt': f'Two and {i}? ', 'chosen': f'{i + 2}.', 'rejected': f'{i + 3}.'})
+
+
+@case('data: preference records that hold no pair')
+def _(p):
+  path = chat_records(p, [good_chat(i) for i in range(4)])
+  workdir = p.path('x')
+  return refused(p.run(*p.train(workdir, 1, f'--config.data.paths={path}',
+                                '--config.data.record=preference')),
+                 "none of the 4 records of its 1 record file(s) holds what "
+                 "config.data.record='preference' reads", [workdir])
+
+
+@case('data: preference records, some bad')
+def _(p):
+  bad = [json.dumps({'prompt': 'Q', 'chosen': 'same', 'rejected': 'same'}),
+         json.dumps({'prompt': 'Q', 'chosen': 'a'})]
+  path = chat_records(p, [good_pair(i) for i in range(12)] + bad)
+  result = p.run(*p.train(p.path('x'), 1, f'--config.data.paths={path}',
+                          '--config.data.record=preference',
+                          '--config.data.validation_fraction=0.2'))
+  warned = [line for line in lines(result.stderr)
+            if 'skipped 2 of 14 records (line 13: fields' in line]
   verdict = survived(result)
   return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
 

@@ -257,7 +257,7 @@ def reduce(g_d, spec, dim: int, scheme: str, block: int):
 
 
 def apart(h: Hierarchy, mesh, gradients, master, batch, dtype, reduce_dtype):
-  """gradients(compute, batch_shard, total) → ((loss, (ce, z-loss, router stats, draft sums)),
+  """gradients(compute, batch_shard, total) → ((loss, (loss terms, router stats, draft sums)),
   grads), run by the data replicas apart: with `h.split` the compute copy is gathered across data
   from the master's shards once (in `dtype`, the compute dtype, where quantized); each replica
   runs its own rows in a region manual over data, its gradients kept in its shards; their sum is
@@ -279,18 +279,18 @@ def apart(h: Hierarchy, mesh, gradients, master, batch, dtype, reduce_dtype):
 
   def region(compute, batch):
     total = jnp.maximum(jax.lax.psum(batch['weights'].sum(), AXIS), 1.0)
-    (loss, (ce, zl, router, drafted)), grads = gradients(compute, batch, total)
+    (loss, (terms, router, drafted)), grads = gradients(compute, batch, total)
     # Summed across data in the reduction dtype, as inside the replica (norm scales in fp32).
     grads = jax.tree.map(lambda g, matrix: (g.astype(reduce_dtype) if matrix else g)[None],
                          grads, h.matrix)
-    return jax.lax.psum((loss, ce, zl, drafted), AXIS), router, grads
+    return jax.lax.psum((loss, terms, drafted), AXIS), router, grads
 
   compute = jax.tree.map(compute_copy, master, h.specs, h.dims, h.blocks, h.matrix)
-  (loss, ce, zl, drafted), router, grads_d = jax.shard_map(
+  (loss, terms, drafted), router, grads_d = jax.shard_map(
       region, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P(), P(AXIS)),
       axis_names={AXIS}, check_vma=False)(compute, batch)
   grads = jax.tree.map(
       lambda w, g_d, spec, dim, block, matrix: reduce(
           g_d, spec, dim, h.gradients if matrix else 'exact', block).astype(w.dtype),
       master, grads_d, h.specs, h.dims, h.blocks, h.matrix)
-  return (loss, (ce, zl, router, drafted)), grads
+  return (loss, (terms, router, drafted)), grads

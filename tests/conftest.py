@@ -213,13 +213,15 @@ FAST = (
     'test_lora.py::test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does',
     'test_lora.py::test_lora_settings_are_checked_before_anything_is_built',
     'test_evaluation.py::test_a_random_models_scores_are_its_own_log_softmax',
+    'test_dpo.py::test_a_pair_takes_a_row_chosen_then_rejected_each_from_position_zero',
+    'test_dpo.py::test_preference_settings_and_records_are_checked_before_anything_is_built',
 )
 
 
 LONGEST = {'test_gpu_compile.py': 282, 'test_checkpoint.py': 214, 'test_distributed.py': 104,
            'test_benchmarks.py': 103, 'test_notebook.py': 87, 'test_moe.py': 65,
            'test_plan.py': 64, 'test_context_parallel.py': 61, 'test_training.py': 57,
-           'test_pipeline.py': 54, 'test_evaluation.py': 70,
+           'test_pipeline.py': 54, 'test_evaluation.py': 70, 'test_dpo.py': 50,
            'test_kernels.py': 48, 'test_generate.py': 46, 'test_speculate.py': 39,
            'test_sharding.py': 38, 'test_chat.py': 37, 'test_hierarchical.py': 36,
            'test_kv_cache.py': 32, 'test_huggingface.py': 30, 'test_configs.py': 30,

@@ -1,4 +1,5 @@
-"""Evaluation: a fixed pass over the validation split, reported as loss and bits per byte.
+"""Evaluation: a fixed pass over the validation split, reported as loss and bits per byte; on
+preference pairs, as DPO's loss and how often the held-out chosen answer wins (reward accuracy).
 
 Bits per byte = total nats / ln 2 / bytes of text the targets stand for (EOS targets count their
 loss and no bytes), which compares runs with different tokenizers on the same text.
@@ -7,36 +8,46 @@ loss and no bytes), which compares runs with different tokenizers on the same te
 import math
 
 import jax
-import numpy as np
 
 from data import pipeline
 from training import programs
+from training.step import prefers
 
 
 class Evaluator:
-  """`evaluator(params)` → {'eval_loss', 'eval_bits_per_byte', 'eval_tokens'}; every call reads
-  the same batches: the first config.eval_batches of the split, or all of it when that is 0."""
+  """`evaluator(state)` → {'eval_loss', 'eval_bits_per_byte', 'eval_tokens'} (on preference
+  pairs {'eval_loss', 'eval_reward_accuracy', 'eval_reward_margin', 'eval_pairs'}); every call
+  reads the same batches: the first config.eval_batches of the split, or all of it when that is 0."""
 
   def __init__(self, setup, validation, batch_sharding):
     """`validation`: the split's documents as token ids (data/tokens.py), read with the tokenizer
     of setup's run."""
     run, tokenizer = setup.run, setup.run.tokenizer
+    self.pairs = prefers(setup)
     self.docs = pipeline.documents(validation, seed=None)
     self.shape = (run.batch_size, run.seq_len)
-    self.n_batches = run.eval_batches or pipeline.pass_length(self.docs, *self.shape)
+    self.n_batches = run.eval_batches or pipeline.pass_length(self.docs, *self.shape, self.pairs)
     self.sharding, self.pad_id = batch_sharding, tokenizer.pad_id
     self.step = programs.compile_eval_step(setup, *self.shape, tokenizer.token_bytes(),
                                            run.microbatches)
 
-  def __call__(self, params) -> dict:
+  def __call__(self, state) -> dict:
     # A pass is short: it runs in this process, since starting workers would cost more.
     batches = pipeline.Batches(self.docs, batch_sharding=self.sharding, batch_size=self.shape[0],
-                               seq_len=self.shape[1], pad_id=self.pad_id, epochs=1)
-    totals = np.zeros(3, np.float64)  # nats, tokens, bytes
+                               seq_len=self.shape[1], pad_id=self.pad_id, epochs=1,
+                               pairs=self.pairs)
+    reference = getattr(state, 'reference', None)
+    totals = {}
     for _ in range(self.n_batches):
       # Waiting for each batch bounds the work in flight (XLA:CPU deadlocks with hundreds queued).
-      sums = jax.device_get(self.step(params, next(batches)))
-      totals += [sums['nats'], sums['tokens'], sums['bytes']]
-    nats, tokens, n_bytes = totals
+      sums = jax.device_get(self.step(state.params, reference, next(batches)))
+      totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
+    if self.pairs:
+      pairs = max(totals['pairs'], 1)
+      return {'eval_loss': totals['loss'] / pairs,
+              'eval_reward_accuracy': totals['reward_accuracy'] / pairs,
+              'eval_reward_margin': totals['reward_margin'] / pairs,
+              'eval_pairs': int(totals['pairs'])}
+    nats, tokens, n_bytes = totals['nats'], totals['tokens'], totals['bytes']
     return {'eval_loss': nats / max(tokens, 1), 'eval_bits_per_byte': nats / math.log(2) /
             max(n_bytes, 1), 'eval_tokens': int(tokens)}

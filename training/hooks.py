@@ -164,7 +164,8 @@ class LogMetrics(Hook):
     run = setup.run
     self.tokens_per_step = run.batch_size * run.seq_len
     self.speed = lambda tokens_per_sec: flops.throughput(
-        setup.model_cfg, run.seq_len, tokens_per_sec, setup.mesh.size, device_kind)
+        setup.model_cfg, run.seq_len, tokens_per_sec, setup.mesh.size, device_kind,
+        reference=run.data.record == 'preference')
     self.since, self.since_step = time.perf_counter(), start_step
 
   def after(self, step):
@@ -196,7 +197,7 @@ class Evaluate(Hook):
       return
     if step.stopping:  # a stop's grace period is for saving: the resumed run evaluates it (Save)
       return
-    self.report({'step': step.done, **self.evaluator(step.state.params)})
+    self.report({'step': step.done, **self.evaluator(step.state)})
     self.clock.restart_clock()
 
 

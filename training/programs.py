@@ -69,12 +69,15 @@ def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: floa
 def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V,
                       microbatches: int = 1):
   batch = abstract_batch(setup.mesh, batch_size, seq_len)
+  reference = getattr(setup.state_shardings, 'reference', None)  # DPO's, where the state has one
   jitted = jax.jit(make_eval_step(setup, token_bytes_V, microbatches),
-                   in_shardings=(setup.state_shardings.params,
+                   in_shardings=(setup.state_shardings.params, reference,
                                  jax.tree.map(lambda x: x.sharding, batch)),
                    out_shardings=sharding.replicated(setup.mesh))
   with jax.set_mesh(setup.mesh):
-    return jitted.lower(setup.abstract_state.params, batch).compile(compiler_options(setup))
+    return jitted.lower(setup.abstract_state.params,
+                        getattr(setup.abstract_state, 'reference', None),
+                        batch).compile(compiler_options(setup))
 
 
 def compile_and_plan(setup: Setup):

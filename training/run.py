@@ -35,6 +35,13 @@ class LossConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DpoConfig:
+  """DPO's loss on preference records (training/step.py: preference_sums)."""
+  beta: float  # β: the scale of the implicit reward β·(log π − log π_ref)
+  label_smoothing: float  # ε: the loss −(1−ε)·log σ(β·h) − ε·log σ(−β·h), h the reward margin
+
+
+@dataclasses.dataclass(frozen=True)
 class LmEvalConfig:
   """lm-eval's tasks scored during training (evaluation/during.py; the entry point adds the hook)."""
   tasks: str  # task or group names, comma-separated; '': none
@@ -67,7 +74,8 @@ class Start:
 
 # The config's sections and the typed form each becomes.
 SECTIONS = {'model': ModelConfig, 'mesh': MeshConfig, 'partition': PartitionConfig,
-            'optimizer': OptimizerConfig, 'loss': LossConfig, 'distributed': DistributedConfig,
+            'optimizer': OptimizerConfig, 'loss': LossConfig, 'dpo': DpoConfig,
+            'distributed': DistributedConfig,
             'plan': PlanConfig, 'data': DataConfig, 'lm_eval': LmEvalConfig}
 # What resolving found: not settings, never saved.
 RESOLVED = ('tokenizer', 'template', 'start', 'target')
@@ -96,6 +104,7 @@ class Run:
   partition: PartitionConfig
   optimizer: OptimizerConfig
   loss: LossConfig
+  dpo: DpoConfig
   distributed: DistributedConfig
   plan: PlanConfig
   data: DataConfig

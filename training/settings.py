@@ -70,7 +70,8 @@ RANGES = {
     'optimizer.min_lr_ratio': (lambda value: 0 <= value <= 1, 'in [0, 1]'),
     'optimizer.b1': SHARE, 'optimizer.b2': SHARE, 'optimizer.eps': _at_least(0),
     'optimizer.weight_decay': _at_least(0), 'optimizer.grad_clip': _at_least(0),
-    'loss.z_loss': _at_least(0),
+    'loss.z_loss': _at_least(0), 'dpo.beta': POSITIVE,
+    'dpo.label_smoothing': (lambda value: 0 <= value < 0.5, 'in [0, 0.5)'),
     'distributed.num_processes': _at_least(0), 'distributed.process_id': _at_least(-1),
     'distributed.initialization_timeout_s': POSITIVE,
     'distributed.heartbeat_timeout_s': POSITIVE,
@@ -255,6 +256,23 @@ def check_sections(run: Run) -> None:
                      'lower draft_heads or raise seq_len')
   hierarchical.check_partition(run.partition, run.mesh, model)
   tokens.check_settings(run.data)
+  if run.data.record == 'preference':
+    check_preference(run)
+
+
+def check_preference(run: Run) -> None:
+  """What DPO (config.data.record='preference') does not run with yet, said before anything
+  starts."""
+  if run.mesh.stage != 1:
+    raise ValueError("config.data.record='preference' (DPO) scores each pair's answers whole in a "
+                     'row, which pipeline stages split among themselves; set config.mesh.stage=1')
+  if run.model.draft_heads:
+    raise ValueError("config.data.record='preference' (DPO) trains the model on pairs, where draft "
+                     'heads have no next tokens to learn; set config.model.draft_heads=0')
+  if run.data.train_on != 'answers':
+    raise ValueError(f"config.data.train_on={run.data.train_on!r}: DPO compares the answers of a "
+                     "pair (config.data.record='preference'), never the prompt; set "
+                     "config.data.train_on=answers")
 
 
 def check_start(run: Run) -> None:

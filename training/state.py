@@ -36,6 +36,20 @@ class TrainState:
   bad_steps: jax.Array  # int32 scalar: steps not applied because their loss or gradient was not finite
 
 
+@flax.struct.dataclass
+class PreferenceState(TrainState):
+  """A DPO run's state where every parameter trains: with `reference`, the parameters it started
+  from, which the loss measures the policy against (training/step.py: reference_logps); saved with
+  the state, so a resumed run compares against the same model. Under LoRA the frozen base stands
+  for it and a TrainState is enough."""
+  reference: nnx.State
+
+
+def holds_reference(run: Run) -> bool:
+  """Whether a run's state keeps DPO's reference model: preference records on a base that trains."""
+  return run.data.record == 'preference' and not run.model.frozen_base
+
+
 def trained(cfg: ModelConfig, params):
   """(the parameters the optimizer trains, the frozen rest): under LoRA the adapters (and draft
   heads) and the base; with draft_only the draft heads and the rest; else all of them and
@@ -83,8 +97,11 @@ class Setup:
         params = (fresh if params is None else
                   nnx.merge_state(split_adapters(fresh, ADDED)[0], params))
       zero = jnp.zeros((), jnp.int32)
-      return TrainState(step=zero, params=params, opt_state=tx.init(trained(cfg, params)[0]),
-                        bad_steps=zero)
+      state = TrainState(step=zero, params=params, opt_state=tx.init(trained(cfg, params)[0]),
+                         bad_steps=zero)
+      if holds_reference(self.run):  # DPO's reference: the parameters the run starts from
+        return PreferenceState(**vars(state), reference=jax.tree.map(jnp.copy, params))
+      return state
 
     with jax.set_mesh(self.mesh):
       return jax.jit(init, out_shardings=self.state_shardings)(params)
@@ -158,6 +175,14 @@ def build(run: Run) -> Setup:
                                opt_state=opt_shardings, bad_steps=sharding.replicated(mesh))
   abstract_state = TrainState(step=scalar, params=abstract_params, opt_state=abstract_opt,
                               bad_steps=scalar)
+  if holds_reference(run):  # DPO's reference model, sharded as the parameters
+    if hierarchy is not None:
+      raise ValueError("config.data.record='preference' (DPO) with every parameter training "
+                       f'across config.mesh.data={mesh.shape["data"]} replicas run apart is not '
+                       'supported yet; set config.mesh.data=1 (fsdp spans the devices), or train '
+                       'LoRA adapters (config.model.lora_rank), whose frozen base is the reference')
+    state_shardings = PreferenceState(**vars(state_shardings), reference=param_shardings)
+    abstract_state = PreferenceState(**vars(abstract_state), reference=abstract_params)
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract_state, state_shardings)
   return Setup(run=run, model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,

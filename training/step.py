@@ -21,52 +21,59 @@ from training.state import Setup, TrainState, trained
 
 def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   """(state, batch) → (state, metrics). `z_loss`: the weight of log(Z)²; `microbatches`: slices
-  of the batch the step runs in turn (pipeline stages take them themselves)."""
+  of the batch the step runs in turn (pipeline stages take them themselves). On preference
+  records (config.data.record='preference') the loss is DPO's (preference_sums)."""
   cfg, graphdef = setup.model_cfg, setup.graphdef
   scanned = 1 if pipeline_stages(setup) > 1 else microbatches  # slices the step runs in turn
+  dpo = setup.run.dpo if prefers(setup) else None
 
-  def loss_of(params, frozen, batch, total, share):
-    """(loss, (ce, z-loss, router stats, draft sums)) of `batch`, its terms over the weight
+  def loss_of(params, frozen, reference, batch, total, share):
+    """(loss, (its terms, router stats, draft sums)) of `batch`, its terms over the weight
     `total` of the whole batch (`share` of which it is: its router terms count that much)."""
     with nnx.logical_axis_rules(sharding.activation_rules()):  # activations pinned while traced
+      if dpo:  # the reference model's log-probabilities of the answers, no gradient
+        batch = {**batch, 'reference': reference_logps(setup, params, frozen, reference, batch)}
       model = nnx.merge(graphdef, params, frozen)
+      then = (functools.partial(preference_sums, dpo=dpo) if dpo else
+              functools.partial(loss_sums, z_loss=z_loss))
       sums, stats = model(batch['inputs'], batch['positions'], batch.get('segment_ids'),
-                          microbatches if scanned == 1 else 1,
-                          then=functools.partial(loss_sums, z_loss=z_loss), rows=batch)
-    ce = sums['nats'] / total  # next-token cross-entropy, per weighted token
-    zl = z_loss * sums['log_z2'] / total  # keeps the softmax normaliser near 1
+                          microbatches if scanned == 1 else 1, then=then, rows=batch)
     aux = share * moe.aux_loss(stats, cfg)  # the routers' balancing losses (0: dense)
     drafted = sums.get('draft', {})  # the draft heads' sums: their loss reaches only them
     heads = drafted['nats'].sum() / total if drafted else 0.0
-    loss = sums['loss'] / total + aux + heads  # sums['loss']: ce's and zl's, with the gradient
-    return loss, (ce, zl, jax.tree.map(lambda a: a * share, stats), drafted)
+    loss = sums['loss'] / total + aux + heads  # sums['loss']: the one with the gradient
+    terms = ({k: v / total for k, v in sums.items() if k != 'pairs'} if dpo else
+             {'loss': sums['nats'] / total,  # next-token cross-entropy, per weighted token
+              'z_loss': z_loss * sums['log_z2'] / total})  # keeps the normaliser near 1
+    return loss, (terms, jax.tree.map(lambda a: a * share, stats), drafted)
 
-  def gradients(params, frozen, batch, total=None):
+  def gradients(params, frozen, reference, batch, total=None):
     """((loss, parts), gradients) of the batch, accumulated over `scanned` microbatches by a
     scan (only one's activations live at a time): the same as one pass over the batch."""
-    total = jnp.maximum(batch['weights'].sum(), 1.0) if total is None else total
+    total = batch_weight(batch, dpo) if total is None else total
     grad_of = jax.value_and_grad(loss_of, has_aux=True)
     if scanned == 1:
-      return grad_of(params, frozen, batch, total, 1.0)
+      return grad_of(params, frozen, reference, batch, total, 1.0)
     slices = split_microbatches(batch, scanned)
-    shapes = jax.eval_shape(grad_of, params, frozen, jax.tree.map(lambda x: x[0], slices), total,
-                            1 / scanned)
+    shapes = jax.eval_shape(grad_of, params, frozen, reference,
+                            jax.tree.map(lambda x: x[0], slices), total, 1 / scanned)
 
     def accumulate(carry, microbatch):
-      return jax.tree.map(jnp.add, carry,
-                          grad_of(params, frozen, microbatch, total, 1 / scanned)), None
+      return jax.tree.map(jnp.add, carry, grad_of(params, frozen, reference, microbatch, total,
+                                                  1 / scanned)), None
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     return jax.lax.scan(accumulate, zeros, slices)[0]
 
   def train_step(state: TrainState, batch):
     batch = context_layout(setup, batch)  # ring attention's zigzag rows, else as it is
     params, frozen = trained(cfg, state.params)  # what the optimizer holds; the frozen rest
+    reference = getattr(state, 'reference', None)  # DPO's, where no frozen base stands for it
     if setup.hierarchy is None:
-      (loss, (ce, zl, router, drafted)), grads = gradients(params, frozen, batch)
+      (loss, (terms, router, drafted)), grads = gradients(params, frozen, reference, batch)
     else:  # data replicas run apart, their gradients summed across data once a step
-      (loss, (ce, zl, router, drafted)), grads = hierarchical.apart(
+      (loss, (terms, router, drafted)), grads = hierarchical.apart(
           setup.hierarchy, setup.mesh, lambda compute, rows, total: gradients(
-              compute, frozen, rows, total), params, batch, cfg.dtype, cfg.reduce_dtype)
+              compute, frozen, None, rows, total), params, batch, cfg.dtype, cfg.reduce_dtype)
     grad_norm, norms = gradient_norms(cfg, grads)
     old_opt_state = state.opt_state
     if setup.opt_compute_shardings is not None:  # kept in host memory: brought in for the update
@@ -80,13 +87,13 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     bad_steps = state.bad_steps + jnp.where(finite, 0, 1).astype(jnp.int32)
-    metrics = {'loss': ce, 'z_loss': zl, 'grad_norm': grad_norm,
+    metrics = {**terms, 'grad_norm': grad_norm,
                'learning_rate': setup.schedule(state.step - state.bad_steps),
                'skipped': ~finite, 'bad_steps': bad_steps, **moe.metrics(router),
                **norms, **draft_metrics(drafted)}
-    return TrainState(step=state.step + 1, params=keep_if_bad(params, state.params),
-                      opt_state=keep_if_bad(opt_state, old_opt_state),
-                      bad_steps=bad_steps), metrics
+    return state.replace(step=state.step + 1, params=keep_if_bad(params, state.params),
+                         opt_state=keep_if_bad(opt_state, old_opt_state),
+                         bad_steps=bad_steps), metrics
   return train_step
 
 
@@ -100,6 +107,58 @@ def loss_sums(out, rows, z_loss: float) -> dict:
   if out.model.cfg.draft_heads:
     sums['draft'] = draft_sums(out.draft_losses(rows['targets']), rows)
   return sums
+
+
+def prefers(setup: Setup) -> bool:
+  """Whether the run trains on preference pairs, by DPO's loss."""
+  return setup.run.data.record == 'preference'
+
+
+def pair_rows_B(rows):
+  """[B] 1.0 where a row holds a whole pair (answers of both: segment 1 chosen, 2 rejected; an
+  evaluation pass pads its last batch with empty rows), else 0."""
+  answers = lambda segment: (rows['weights'] * (rows['segment_ids'] == segment)).sum(1) > 0
+  return (answers(1) & answers(2)).astype(jnp.float32)
+
+
+def batch_weight(batch, dpo) -> jax.Array:
+  """What a batch's sums are divided by: its weighted tokens, or with DPO its pairs."""
+  return jnp.maximum(pair_rows_B(batch).sum() if dpo else batch['weights'].sum(), 1.0)
+
+
+def answer_logps(out, rows):
+  """log p of each weighted target, 0 elsewhere, fp32 [B, L]: the answers' tokens."""
+  return -out.token_losses(rows['targets'])[0] * rows['weights']
+
+
+def reference_logps(setup: Setup, params, frozen, reference, batch):
+  """DPO's reference model's answer_logps of the batch, no gradient: the run's starting model,
+  `reference` (held in the state), or under LoRA the frozen base with its adapters at zero
+  (which adds nothing to a projection), so no second copy is held."""
+  if reference is None:
+    reference = nnx.merge_state(jax.tree.map(jnp.zeros_like, params), frozen)
+  model = nnx.merge(setup.graphdef, reference)
+  logps_BL, _ = model(batch['inputs'], batch['positions'], batch.get('segment_ids'),
+                      then=answer_logps, rows=batch)
+  return jax.lax.stop_gradient(logps_BL)
+
+
+def preference_sums(out, rows, dpo) -> dict:
+  """DPO's sums over a batch's pairs (Rafailov et al. 2023), fp32: with h the margin
+  β·((log π − log π_ref)(chosen) − (log π − log π_ref)(rejected)), the loss
+  −(1−ε)·log σ(h) − ε·log σ(−h) (ε the label smoothing), and for the metrics how often h > 0
+  (reward accuracy), h itself, each answer's implicit reward β·(log π − log π_ref), and the pairs.
+  rows['reference']: the reference's answer_logps. Sums, so microbatches add theirs."""
+  gain_BL = answer_logps(out, rows) - rows['reference']
+  chosen_B = dpo.beta * jnp.where(rows['segment_ids'] == 1, gain_BL, 0.0).sum(1)
+  rejected_B = dpo.beta * jnp.where(rows['segment_ids'] == 2, gain_BL, 0.0).sum(1)
+  margin_B, pair_B = chosen_B - rejected_B, pair_rows_B(rows)
+  eps = dpo.label_smoothing
+  loss_B = -(1 - eps) * jax.nn.log_sigmoid(margin_B) - eps * jax.nn.log_sigmoid(-margin_B)
+  summed = lambda x_B: jax.lax.stop_gradient((x_B * pair_B).sum())
+  return {'loss': (loss_B * pair_B).sum(), 'reward_accuracy': summed(margin_B > 0),
+          'reward_margin': summed(margin_B), 'chosen_reward': summed(chosen_B),
+          'rejected_reward': summed(rejected_B), 'pairs': summed(jnp.ones_like(margin_B))}
 
 
 def context_layout(setup: Setup, batch: dict) -> dict:
@@ -171,9 +230,11 @@ def balanced(setup: Setup, params, router: dict):
 
 
 def make_eval_step(setup: Setup, token_bytes_V, microbatches: int = 1):
-  """Sums over the batch's weighted targets: nats, tokens, and the bytes of text they stand for
-  (`token_bytes_V[id]`, from the tokenizer), so a pass can report loss and bits per byte.
-  `microbatches` matter only to pipeline stages (the batch runs whole otherwise)."""
+  """(params, reference, batch) → sums over the batch's weighted targets: nats, tokens, and the
+  bytes of text they stand for (`token_bytes_V[id]`, from the tokenizer), so a pass can report
+  loss and bits per byte; on preference records DPO's (preference_sums) against `reference`
+  (the state's, or None: the frozen base). `microbatches` matter only to pipeline stages (the
+  batch runs whole otherwise)."""
   microbatches = microbatches if pipeline_stages(setup) > 1 else 1
   token_bytes_V = jnp.asarray(token_bytes_V, jnp.float32)
   graphdef = setup.graphdef
@@ -187,9 +248,15 @@ def make_eval_step(setup: Setup, token_bytes_V, microbatches: int = 1):
             'tokens': weights_BL.sum(),
             'bytes': (token_bytes_V[rows['targets']] * weights_BL).sum()}
 
-  def eval_step(params, batch):
+  if prefers(setup):
+    scored = functools.partial(preference_sums, dpo=setup.run.dpo)
+
+  def eval_step(params, reference, batch):
     batch = context_layout(setup, batch)
     with nnx.logical_axis_rules(sharding.activation_rules()):
+      if prefers(setup):
+        batch = {**batch, 'reference': reference_logps(setup, *trained(setup.model_cfg, params),
+                                                       reference, batch)}
       model = nnx.merge(graphdef, params)
       return model(batch['inputs'], batch['positions'], batch.get('segment_ids'), microbatches,
                    then=scored, rows=batch)[0]
