@@ -27,7 +27,9 @@ from absl import app, flags
 
 from runtime import cli
 
-_OUTPUT = flags.DEFINE_string('output', None, 'The .jsonl file to write.', required=True)
+# Checked in main, not marked required: importing this module (a test reads its records) must not
+# make absl's flag parsing elsewhere (grain's workers parse flags) demand --output.
+_OUTPUT = flags.DEFINE_string('output', None, 'The .jsonl file to write (required).')
 _MAX = flags.DEFINE_integer('max_records', 5000, 'At most this many conversations.')
 _KIND = flags.DEFINE_enum('kind', 'messages', ['messages', 'preference'],
                           'messages: chats; preference: pairs of a chosen and a rejected answer.')
@@ -103,6 +105,9 @@ def write(output: pathlib.Path, limit: int, kind: str = 'messages') -> int:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not _OUTPUT.value:
+    raise ValueError('--output is required: the .jsonl file to write, e.g. '
+                     '--output=/tmp/stdlib-chat.jsonl')
   if _MAX.value < 2:
     raise ValueError(f'--max_records={_MAX.value} must be at least 2 (a train and a validation '
                      'record)')

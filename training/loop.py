@@ -143,7 +143,7 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
   scores = tasks(setup, report, log_metrics) if tasks else None
   skipped = data_state or {}  # what a stop skipped at the step resumed from comes first
   if evaluate and skipped.get(hooks.EVALUATE_FIRST):
-    report({'step': start_step, **evaluate(state.params)})
+    report({'step': start_step, **evaluate(state)})
   if scores and skipped.get(hooks.SCORE_FIRST):
     scores.score(start_step, state.params)
   log_metrics.restart_clock()
