@@ -120,14 +120,15 @@ def test_a_pair_takes_a_row_chosen_then_rejected_each_from_position_zero():
   assert not cut.next_row()['weights'].any()  # then the pass ends
 
 
-def test_dpo_starts_at_ln2_and_is_the_formula_in_value_and_gradient_sharded_or_not():
-  config = dpo_config()
-  setup, middle, batch, first, second = two_steps(config, jax.devices()[:1])
+def test_dpo_starts_at_ln2_and_is_the_formula_in_value_and_gradient_over_fsdp_and_tensor():
+  config = dpo_config(fsdp=4, tensor=2)
+  setup, middle, batch, first, second = two_steps(config)
   assert isinstance(middle, PreferenceState)
   assert first['loss'] == pytest.approx(math.log(2), rel=1e-6)  # the policy is its reference
   assert first['reward_accuracy'] == 0 and first['reward_margin'] == 0
   beta, eps = config.dpo.beta, config.dpo.label_smoothing
-  # After a step the policy has moved: the second step's loss and gradient are the formula's.
+  # After a step the policy has moved: the second step's loss and gradient are the formula's,
+  # computed from the full logits on one device.
   loss, grads = jax.value_and_grad(direct_loss, argnums=1)(
       setup.graphdef, middle.params, middle.reference, jax.device_get(batch), beta, eps)
   assert second['loss'] == pytest.approx(float(loss), rel=1e-5)
@@ -138,16 +139,11 @@ def test_dpo_starts_at_ln2_and_is_the_formula_in_value_and_gradient_sharded_or_n
   # The reference stays what the run started from.
   np.testing.assert_array_equal(np.asarray(middle.reference['embed'][...]),
                                 np.asarray(setup.init_state().params['embed'][...]))
-  # Sharded over fsdp and tensor: the same steps.
-  _, _, _, first8, second8 = two_steps(dpo_config(fsdp=4, tensor=2))
-  for key in ('loss', 'grad_norm', 'reward_margin', 'reward_accuracy'):
-    assert first8[key] == pytest.approx(first[key], rel=1e-5, abs=1e-7), key
-    assert second8[key] == pytest.approx(second[key], rel=1e-4), key
 
 
 def test_under_lora_the_reference_is_the_base_without_adapters_and_no_copy_is_held():
-  config = dpo_config(lora=True, fsdp=4, tensor=2)
-  setup, middle, batch, first, second = two_steps(config)
+  config = dpo_config(lora=True)  # on one device: the formula unsharded too
+  setup, middle, batch, first, second = two_steps(config, jax.devices()[:1])
   assert type(middle) is TrainState  # the frozen base stands for the reference
   assert first['loss'] == pytest.approx(math.log(2), rel=1e-6)
   adapters, frozen = trained(setup.model_cfg, middle.params)
