@@ -27,3 +27,8 @@ class DataConfig:
   tokenize: str
   workers: int
   prefetch: int
+
+  @property
+  def preference(self) -> bool:
+    """Whether records are preference pairs, trained on by DPO (config.dpo)."""
+    return self.record == 'preference'

@@ -231,5 +231,5 @@ def train_batches(train_documents, run, batch_sharding, state=None) -> Batches:
   return Batches(docs, batch_sharding=batch_sharding, batch_size=run.batch_size,
                  seq_len=run.seq_len, pad_id=run.tokenizer.pad_id, workers=run.data.workers,
                  prefetch=run.data.prefetch, state=state,
-                 pairs=run.data.record == 'preference')
+                 pairs=run.data.preference)
 

@@ -97,7 +97,7 @@ def make_plan(compiled, setup) -> Plan:
   kind = sharding.local_device(devices).device_kind
   hlo = compiled.as_text()
   flops = flops_lib.flops_per_token(setup.model_cfg, run.seq_len,
-                                    reference=run.data.record == 'preference') * tokens / n
+                                    reference=run.data.preference) * tokens / n
   gpu = gpus.find(kind)  # the compiled program's, which the time model describes
   predicted = timing.predict(hlo, gpu or gpus.NOMINAL)
   return Plan(

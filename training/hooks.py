@@ -165,7 +165,7 @@ class LogMetrics(Hook):
     self.tokens_per_step = run.batch_size * run.seq_len
     self.speed = lambda tokens_per_sec: flops.throughput(
         setup.model_cfg, run.seq_len, tokens_per_sec, setup.mesh.size, device_kind,
-        reference=run.data.record == 'preference')
+        reference=run.data.preference)
     self.since, self.since_step = time.perf_counter(), start_step
 
   def after(self, step):

@@ -256,7 +256,7 @@ def check_sections(run: Run) -> None:
                      'lower draft_heads or raise seq_len')
   hierarchical.check_partition(run.partition, run.mesh, model)
   tokens.check_settings(run.data)
-  if run.data.record == 'preference':
+  if run.data.preference:
     check_preference(run)
 
 

@@ -47,7 +47,7 @@ class PreferenceState(TrainState):
 
 def holds_reference(run: Run) -> bool:
   """Whether a run's state keeps DPO's reference model: preference records on a base that trains."""
-  return run.data.record == 'preference' and not run.model.frozen_base
+  return run.data.preference and not run.model.frozen_base
 
 
 def trained(cfg: ModelConfig, params):

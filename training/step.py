@@ -111,7 +111,7 @@ def loss_sums(out, rows, z_loss: float) -> dict:
 
 def prefers(setup: Setup) -> bool:
   """Whether the run trains on preference pairs, by DPO's loss."""
-  return setup.run.data.record == 'preference'
+  return setup.run.data.preference
 
 
 def pair_rows_B(rows):
