@@ -500,12 +500,12 @@ def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
   """With an evaluation and an lm-eval task every step, a SIGINT always lands on an evaluation
   step; its grace period is for saving, and the resumed run evaluates and scores that step first:
   each step is evaluated and scored once."""
-  every_step = ['--config.eval_every=1', '--config.eval_batches=1', '--config.train_steps=16',
+  every_step = ['--config.eval_every=1', '--config.eval_batches=1', '--config.train_steps=10',
                 '--config.lm_eval.tasks=stdlib_next_line', '--config.lm_eval.every=1',
                 '--config.lm_eval.limit=2']
   process = subprocess.Popen(command(tmp_path) + every_step, cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=ENV)
-  read_until(process, 'step  6/')
+  read_until(process, 'step  3/')
   process.send_signal(signal.SIGINT)
   stopped = read_until(process, 'stopped by SIGINT after step ')
   assert process.wait(timeout=60) == 0
@@ -515,9 +515,9 @@ def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
   assert resumed.returncode == 0 and f'resuming from step {step} ' in resumed.stdout, (
       resumed.stdout[-3000:] + resumed.stderr[-3000:])  # an abort's reason, for the reruns
   records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').open()]
-  assert sorted(r['step'] for r in records if 'eval_loss' in r) == list(range(1, 17))
-  assert sorted(r['step'] for r in records if 'stdlib_next_line/acc' in r) == list(range(1, 17))
-  assert sorted(r['step'] for r in records if 'loss' in r) == list(range(1, 17))
+  assert sorted(r['step'] for r in records if 'eval_loss' in r) == list(range(1, 11))
+  assert sorted(r['step'] for r in records if 'stdlib_next_line/acc' in r) == list(range(1, 11))
+  assert sorted(r['step'] for r in records if 'loss' in r) == list(range(1, 11))
 
 
 def test_when_every_checkpoint_is_damaged_the_run_says_where_they_went_and_never_restarts(
