@@ -27,9 +27,11 @@ def main(argv):
     from training import dry_run
     dry_run.plan(config)
   else:
+    from training import settings
+    run = settings.resolve(config)  # every setting checked before lm-eval and the data stack load
     from evaluation import during
     from training import loop
-    loop.run(config, tasks=during.TaskScores)
+    loop.train(run, tasks=during.TaskScores)
 
 
 if __name__ == '__main__':
