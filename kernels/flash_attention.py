@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -286,6 +287,8 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
         out_shape=[jax.ShapeDtypeStruct(q.shape, st.dtype(q)),
                    jax.ShapeDtypeStruct((B, N, Lp), jnp.float32)],
         name='flash_attention_fwd', **st.launch())
+  # the remat policies that keep attention (model/transformer.py) save these two by this name
+  o, lse = checkpoint_name(o, 'attention_kernel'), checkpoint_name(lse, 'attention_kernel')
   return o, (q, k, v, q_seg, kv_seg, q_pos, o, lse)
 
 

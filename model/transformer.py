@@ -23,13 +23,31 @@ def _offload(names):
       offload_src='device', offload_dst='pinned_host')
 
 
+# jax's cuDNN attention (jax.nn.dot_product_attention) is a custom VJP whose forward primitive
+# returns the output and the softmax statistics its backward reads; ours tags the same two
+# (kernels/flash_attention.py). Saving a named output alone leaves the statistics to recompute,
+# so the backward would run the attention forward again.
+CUDNN_FORWARD = 'dot_product_attention_fwd_wrapper'
+
+
+def _with_attention_kernel(policy):
+  """`policy`, also keeping the attention kernel's output and softmax statistics (cuDNN's or
+  ours), so that the backward pass runs attention's backward alone, not its forward again."""
+  def keep(prim, *avals, **params):
+    return prim.name == CUDNN_FORWARD or policy(prim, *avals, **params)
+  return keep
+
+
 # What each layer keeps for the backward pass (the rest is recomputed); docs/memory.md has the table.
 REMAT = {
     'none': None,  # everything
     'full': _policies.nothing_saveable,  # only the layer's input
     'dots': _policies.save_only_these_names('projection'),  # every projection's output
+    'dots_attention': _with_attention_kernel(
+        _policies.save_only_these_names('projection', 'attention_kernel')),
     'save_qkv_proj': _policies.save_only_these_names(*_QKV),
-    'save_attention': _policies.save_only_these_names(*_ATTENTION),
+    'save_attention': _with_attention_kernel(
+        _policies.save_only_these_names(*_ATTENTION, 'attention_kernel')),
     'offload_dots': _offload(('projection',)),
     'offload_qkv_proj': _offload(_QKV),
     'offload_attention': _offload(_ATTENTION),

@@ -83,6 +83,52 @@ def test_unrolled_and_rematerialised_layers_compute_the_same(variant):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def launches(jaxpr, kernel: str) -> int:
+  """How many times a pass through `jaxpr` launches the Pallas kernel `kernel` (a scan's body
+  counted once, a cond's costliest branch)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'pallas_call':
+      n += eqn.params['name'] == kernel
+    elif eqn.primitive.name == 'cond':
+      n += max(launches(branch.jaxpr, kernel) for branch in eqn.params['branches'])
+    else:  # scan, remat, custom_vjp bodies
+      n += sum(launches(getattr(v, 'jaxpr', v), kernel) for v in eqn.params.values()
+               if hasattr(getattr(v, 'jaxpr', v), 'eqns'))
+  return n
+
+
+def test_policies_keeping_attention_run_our_kernels_forward_once():
+  """Our kernel's output and softmax statistics kept (model/transformer.py REMAT), the backward
+  pass runs its backward alone; `dots` runs its forward again first. The gradients are the same."""
+  x = tokens(3, (2, 32))
+  blocks = dict(attention='pallas', attention_block_q=16, attention_block_k=16)
+  ref_loss, ref_grads = loss_and_grads(make_model(**blocks), x)
+  for policy, forwards in [('dots', 2), ('dots_attention', 1), ('save_attention', 1)]:
+    model = make_model(remat_policy=policy, **blocks)
+    graphdef, params = nnx.split(model)
+    f = lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+    program = jax.make_jaxpr(jax.value_and_grad(f))(params).jaxpr
+    layers = 1 if model.cfg.scan_layers else model.cfg.n_layers  # a scan holds one layer's body
+    assert launches(program, 'flash_attention_fwd') == forwards * layers, policy
+    if policy == 'dots':  # its gradients: test_unrolled_and_rematerialised_layers_compute_the_same
+      continue
+    loss, grads = jax.value_and_grad(f)(params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_keeping_attention_with_xla_named_is_refused_and_with_auto_on_a_cpu_is_dots():
+  from training import settings
+  config = tiny_config()
+  config.model.remat_policy = 'dots_attention'
+  assert settings.resolve(config).model.attention == 'xla'  # auto's choice here: dots' program
+  config.model.attention = 'xla'
+  with pytest.raises(ValueError, match="remat_policy='dots_attention'.*attention='xla' runs none"):
+    settings.resolve(config)
+
+
 def test_bf16_compute_keeps_fp32_params_and_tied_head_has_no_unembed():
   model = make_model(compute_dtype='bfloat16', tie_embeddings=True)
   assert not hasattr(model, 'unembed')

@@ -2,6 +2,7 @@
 efficiencies of planning/gpus.py say; programs the GPU compiler built for H100s that are not here
 are charged as the model's docstring says."""
 
+import functools
 import json
 
 import pytest
@@ -275,6 +276,11 @@ def test_a_gemm_only_program_takes_its_flops_at_the_gemm_efficiency(h100):
   assert predicted.seconds == pytest.approx(gemm_s(8192, 8192, 8192) + LAUNCH, rel=1e-9)
 
 
+@functools.cache
+def _compiled_for_h100(changes: tuple):
+  return compiled_for_h100(**dict(changes))
+
+
 def compiled_for_h100(**changes):
   """A 2-layer model big enough that its GEMMs are compute-bound, compiled for one H100."""
   config = tiny_config()
@@ -288,7 +294,7 @@ def compiled_for_h100(**changes):
 
 
 def test_remat_full_is_predicted_slower_than_dots_by_its_recomputed_flops(h100):
-  dots, dots_plan = compiled_for_h100(remat_policy='dots')
+  dots, dots_plan = _compiled_for_h100((('remat_policy', 'dots'),))
   full, full_plan = compiled_for_h100(remat_policy='full')
   fast, slow = timing.predict(dots, H100), timing.predict(full, H100)
   recomputed = full_plan.matmul_flops - dots_plan.matmul_flops
@@ -303,6 +309,23 @@ def test_remat_full_is_predicted_slower_than_dots_by_its_recomputed_flops(h100):
   assert abs(slow.breakdown['fusion'] - fast.breakdown['fusion']) < 0.1 * extra_gemm_s
   assert slow.seconds > fast.seconds
   assert full_plan.time['seconds'] == pytest.approx(slow.seconds)  # the plan carries it
+
+
+def test_dots_attention_keeps_cudnns_forward_for_the_backward(h100):
+  """`dots` runs cuDNN's attention forward twice (the backward recomputes it for its softmax
+  statistics); `dots_attention` keeps its output and statistics, so once, and the time model
+  charges one forward less, for the bytes kept."""
+  dots, dots_plan = _compiled_for_h100((('remat_policy', 'dots'),))
+  kept, kept_plan = _compiled_for_h100((('remat_policy', 'dots_attention'),))
+  for kernel in ('fmhaSoftmax', 'fmhaSoftmaxBackward'):  # the scanned layer's; a batch's packed
+    count = lambda hlo: hlo.count(f'custom_call_target="__cudnn${kernel}"')  # rows: its dense
+    assert (count(dots), count(kept)) == ((2, 1) if kernel == 'fmhaSoftmax' else (1, 1))  # mask
+  forwards = lambda hlo: [k.seconds * k.runs for k in timing.predict(hlo, H100).kernels
+                          if k.part == 'attention' and k.op.endswith('attention_fwd')]
+  assert len(forwards(dots)) == 2 and len(forwards(kept)) == 1
+  attention = lambda plan: plan.time['breakdown']['attention']['s']
+  assert attention(dots_plan) - attention(kept_plan) == pytest.approx(forwards(kept)[0])
+  assert kept_plan.temp_bytes > dots_plan.temp_bytes
 
 
 def banked(part: str, what: str) -> str:
