@@ -60,6 +60,28 @@ def write_whole(path: pathlib.Path, text: str) -> None:
         f'config.workdir: writing {path} failed ({e})') from None
 
 
+def _held(workdir: pathlib.Path, f) -> ValueError:
+  f.seek(0)
+  holder = f.read().strip() or 'a process that has not written its name yet'
+  return ValueError(f'config.workdir={str(workdir)!r} is in use by another run ({holder}); '
+                    'wait for it to end or stop it, or give this run another --config.workdir')
+
+
+def check_free(workdir: str, enabled: bool = True) -> None:
+  """ValueError naming the run that holds `workdir`, if one does; creates nothing. Asked before a
+  run reads the workdir's checkpoints, which a live holder may be writing (process 0 of a job:
+  another's would find its own job's process 0 holding it)."""
+  path = pathlib.Path(workdir).expanduser() / LOCK_FILE
+  if not enabled or not path.is_file():
+    return
+  with path.open('r') as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # held by another run
+      raise _held(pathlib.Path(workdir), f) from None
+    fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @contextlib.contextmanager
 def hold(workdir: pathlib.Path, enabled: bool = True):
   """Holds `workdir` for the duration (process 0 of a job; the others pass enabled=False), or
@@ -72,11 +94,7 @@ def hold(workdir: pathlib.Path, enabled: bool = True):
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:  # held by another run
-      f.seek(0)
-      holder = f.read().strip() or 'a process that has not written its name yet'
-      raise ValueError(f'config.workdir={str(workdir)!r} is in use by another run ({holder}); '
-                       'wait for it to end or stop it, or give this run another '
-                       '--config.workdir') from None
+      raise _held(workdir, f) from None
     f.seek(0)
     f.truncate()
     f.write(f'pid {os.getpid()} on {socket.gethostname()}, since '

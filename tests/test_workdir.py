@@ -41,6 +41,18 @@ def test_a_held_workdir_is_refused_in_the_same_process_too(tmp_path):
     pass
 
 
+def test_a_held_workdir_is_told_before_its_checkpoints_are_read(tmp_path):
+  """check_free, asked before a run reads the workdir's checkpoints (which the holder may be
+  writing): the holder named while it holds, nothing said or created otherwise."""
+  workdir_lib.check_free(str(tmp_path / 'new'))
+  assert not (tmp_path / 'new').exists()
+  with workdir_lib.hold(tmp_path):
+    with pytest.raises(ValueError, match=r"config.workdir=.* is in use by another run \(pid "):
+      workdir_lib.check_free(str(tmp_path))
+    workdir_lib.check_free(str(tmp_path), enabled=False)  # a job's other processes
+  workdir_lib.check_free(str(tmp_path))
+
+
 def test_bad_data_paths_fail_before_the_workdir_is_created(tmp_path):
   config = tiny_config(fsdp=8)
   config.workdir, config.data.paths = str(tmp_path / 'run'), str(tmp_path / 'no-such-corpus')

@@ -69,7 +69,9 @@ def train(run: Run, tasks=None) -> list[dict]:
   # The data's files, every record rendered with the run's chat template.
   corpus_lib.check_source(run.data, run.template)
   # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
-  # only): checked before its data is prepared, and again once the workdir is held.
+  # only): checked before its data is prepared, and again once the workdir is held; never while
+  # a live run holds it (and may be writing a checkpoint).
+  workdir_lib.check_free(run.workdir, enabled=jax.process_index() == 0)
   checkpoints = pathlib.Path(run.workdir).expanduser() / 'checkpoints'
   reader = (checkpoint_lib.Checkpointer(checkpoints, read_only=True) if checkpoints.is_dir()
             else None)
