@@ -32,8 +32,8 @@ def test_mfu_matches_a_hand_count():
 
 def test_a_run_reports_tflops_to_stdout_metrics_and_tensorboard_and_traces_steps(tmp_path, capsys):
   c = tiny_config(fsdp=8)
-  c.workdir, c.train_steps, c.log_every, c.eval_every = str(tmp_path), 8, 2, 4
-  c.profile_steps, c.profile_start = 2, 3
+  c.workdir, c.train_steps, c.log_every, c.eval_every = str(tmp_path), 4, 2, 4
+  c.profile_steps, c.profile_start = 1, 3
   records = loop.run(c)
   out = capsys.readouterr().out
   assert 'TFLOP/s/device' in out and 'MFU' not in out  # no known peak for a CPU

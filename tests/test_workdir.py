@@ -3,20 +3,29 @@ workdir before the settings are known to be good."""
 
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from runtime import workdir as workdir_lib
 from tests.conftest import tiny_config
-from tests.test_checkpoint import ENV, REPO, command, read_until, start
+from tests.test_checkpoint import ENV, REPO, command, read_until
 from training import loop
 
 
+# A holder that is only the hold: a live training run holding it is the fault probe's case
+# ('workdir: held by a live run'), which trains first.
+HOLDER = ('import pathlib, sys, time; from runtime import workdir\n'
+          'with workdir.hold(pathlib.Path(sys.argv[1])):\n'
+          '  print("held", flush=True); time.sleep(600)')
+
+
 def test_a_second_run_on_a_live_workdir_stops_at_once_naming_the_holder(tmp_path):
-  first = start(tmp_path)
+  first = subprocess.Popen([sys.executable, '-c', HOLDER, str(tmp_path)], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
   try:
-    read_until(first, 'step  2/')
+    read_until(first, 'held')
     t0 = time.perf_counter()
     second = subprocess.run(command(tmp_path), cwd=REPO, capture_output=True, text=True,
                             timeout=300, env=ENV)
@@ -24,10 +33,11 @@ def test_a_second_run_on_a_live_workdir_stops_at_once_naming_the_holder(tmp_path
     assert time.perf_counter() - t0 < 60  # refused before compiling, not after training
     assert f'pid {first.pid} on ' in second.stderr and str(tmp_path) in second.stderr
     assert 'Traceback' not in second.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [workdir_lib.LOCK_FILE]  # nothing made
   finally:
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=60)
-  with workdir_lib.hold(tmp_path):  # the killed run left no stale lock
+  with workdir_lib.hold(tmp_path):  # the killed holder left no stale lock
     pass
 
 
