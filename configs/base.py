@@ -152,9 +152,10 @@ def get_config() -> ml_collections.ConfigDict:
   # A .jsonl, .jsonl.gz or .parquet file in `paths` holds a document a record (docs/fine-tuning.md):
   d.record = 'text'  # text | prompt_completion | messages (chat: [{"role", "content"}, …])
   # | preference: a prompt, a chosen and a rejected answer, trained on by DPO (config.dpo)
-  d.prompt_field = 'prompt'  # prompt_completion and preference: the record's fields
+  # | chat_preference: the same pair as conversations (prompt: messages; each answer: messages)
+  d.prompt_field = 'prompt'  # prompt_completion and the preference kinds: the record's fields
   d.completion_field = 'completion'
-  d.chosen_field = 'chosen'  # preference: the answer preferred, and the one not
+  d.chosen_field = 'chosen'  # the preference kinds: the answer preferred, and the one not
   d.rejected_field = 'rejected'
   d.messages_field = 'messages'  # messages: the record's field
   d.chat_template = 'auto'  # auto: the tokenizer's own (tokenizer_config.json), else fallback | fallback | a .jinja file

@@ -13,6 +13,12 @@ at steps 50 and 100, eval loss 0.048, in about 30 seconds on a 2-core CPU. On a 
 init_from at it (hf:DIR or a meshlm run), paths at your pairs (`prompt`, `chosen`, `rejected`
 fields; .jsonl or .parquet), and take a learning rate near 5e-7 (full) or 5e-6 (LoRA).
 
+The same pairs as conversations (TRL's conversational form, rendered by the chat template):
+  python -m data.stdlib_chat --kind=chat_preference --output=/tmp/stdlib-chat-preference.jsonl
+  python train.py --config=configs/dpo.py --config.data.record=chat_preference \
+      --config.data.paths=/tmp/stdlib-chat-preference.jsonl --config.workdir=/tmp/meshlm-dpo-chat
+Should reach: held-out reward accuracy 97% at steps 50 and 100, eval loss 0.079.
+
 The same with LoRA adapters (the reference is then the frozen base, no copy held):
   python train.py --config=configs/dpo.py --config.model.lora_rank=16 --config.init_from=random \
       --config.optimizer.learning_rate=1e-2 --config.workdir=/tmp/meshlm-dpo-lora

@@ -6,6 +6,8 @@
 - `preference`: the prompt with the chosen answer, then the prompt with the rejected one, each
   as `prompt_completion` lays it out, as one `[2, n]` array whose weights' second bit marks the
   rejected sequence (data/packing.py lays a pair out in a row of its own).
+- `chat_preference`: a pair whose prompt and answers are conversations: the prompt's turns with
+  each answer's, rendered as `messages` are; each answer's assistant turns weigh 1, the prompt's 0.
 - `messages`: the conversation rendered by a Jinja chat template as transformers renders it (the
   same sandbox, options, filters and variables): the tokenizer's own, from its
   tokenizer_config.json or the chat_template.jinja beside it, else FALLBACK, a ChatML layout in
@@ -67,7 +69,8 @@ class Template:
 
   def __call__(self, stored: str) -> None:
     try:
-      answer_spans(self.source, json.loads(stored)['messages'], self.special_tokens)
+      for conversation in conversations(json.loads(stored)):
+        answer_spans(self.source, conversation, self.special_tokens)
     except TemplateError as e:
       raise records.BadRecord(f'the chat template refuses it ({str(e)[:120]})') from None
 
@@ -107,8 +110,8 @@ def owned(tokenizer, data_config, workdir) -> Template | None:
   kept = pathlib.Path(workdir).expanduser() / KEPT if workdir else None
   if kept is None or not kept.is_file():
     named = template_source(tokenizer, data_config.chat_template)
-    return named if data_config.record == 'messages' else None
-  if data_config.record != 'messages':
+    return named if data_config.record in records.CHAT_KINDS else None
+  if data_config.record not in records.CHAT_KINDS:
     return None
   mine = Template(kept.read_text(), str(kept), dict(getattr(tokenizer, 'special_tokens', {})))
   try:
@@ -206,6 +209,13 @@ def render(source: str, messages, special_tokens: dict, add_generation_prompt: b
     env.answers, env.rendered = None, []
 
 
+def conversations(record: dict) -> list[list[dict]]:
+  """A stored chat record's conversations: its messages, or a pair's prompt with each answer."""
+  if 'messages' in record:
+    return [record['messages']]
+  return [record['prompt'] + record[answer] for answer in ('chosen', 'rejected')]
+
+
 def answer_spans(source: str, messages, special_tokens: dict) -> tuple[str, list[tuple[int, int]]]:
   """The rendered conversation, and the (start, end) characters of each assistant turn: those its
   {% generation %} blocks mark, else what rendering each adds to the conversation before it with
@@ -247,12 +257,13 @@ class Encoder:
                train_on: str = 'answers'):
     """`template`: the run's (`owned`), which chat records are rendered with."""
     self.tokenizer, self.record = tokenizer, record
-    self.masked = record == 'preference' or (record != 'text' and train_on == 'answers')
-    if record == 'messages' and template is None:
+    self.masked = record in records.PREFERENCE_KINDS or (record != 'text' and
+                                                         train_on == 'answers')
+    self.chat = record in records.CHAT_KINDS
+    if self.chat and template is None:
       raise ValueError('chat records render with a template: pass chat.owned(...) or '
                        'chat.template_source(...)')
-    self.source, self.origin = ((template.source, template.origin) if record == 'messages'
-                                else ('', ''))
+    self.source, self.origin = (template.source, template.origin) if self.chat else ('', '')
 
   @property
   def key(self) -> str:
@@ -267,9 +278,11 @@ class Encoder:
     if self.record == 'prompt_completion':
       text = record['prompt'] + record['completion']
       return text, [(len(record['prompt']), len(text))]
+    return self._rendered(record['messages'])
+
+  def _rendered(self, conversation):
     try:
-      return answer_spans(self.source, record['messages'],
-                          getattr(self.tokenizer, 'special_tokens', {}))
+      return answer_spans(self.source, conversation, getattr(self.tokenizer, 'special_tokens', {}))
     except TemplateError as e:
       # Preparation skips what the run's template refuses (Template): only a corpus read without
       # that check (prepared with another template) reaches here.
@@ -297,7 +310,7 @@ class Encoder:
     its template renders it, BOS or not (ChatML has none), as transformers' apply_chat_template
     gives a served model its prompt."""
     tok, templated = self.tokenizer, self.record != 'text'
-    head = ([] if self.record == 'messages' or (templated and len(ids) and ids[0] == tok.bos_id)
+    head = ([] if self.chat or (templated and len(ids) and ids[0] == tok.bos_id)
             else [tok.bos_id])
     tail = [] if templated and len(ids) and ids[-1] == tok.eos_id else [tok.eos_id]
     tokens = np.concatenate([np.asarray(head, np.int32), ids, np.asarray(tail, np.int32)])
@@ -310,14 +323,19 @@ class Encoder:
 
   def _pair(self, record: dict) -> np.ndarray:
     """A preference record's two sequences as one array: ids; weights, + 2 on the rejected one."""
-    texts = [record['prompt'] + record[answer] for answer in ('chosen', 'rejected')]
-    spans = [[(len(record['prompt']), len(text))] for text in texts]
+    if self.chat:  # the answers' assistant turns: those after the prompt's
+      turns = sum(m['role'] == 'assistant' for m in record['prompt'])
+      rendered = [self._rendered(conversation) for conversation in conversations(record)]
+      texts, spans = [text for text, _ in rendered], [s[turns:] for _, s in rendered]
+    else:
+      texts = [record['prompt'] + record[answer] for answer in ('chosen', 'rejected')]
+      spans = [[(len(record['prompt']), len(text))] for text in texts]
     chosen, rejected = (self._with_ends(ids, weights) for ids, weights in self._encode(texts, spans))
     return np.concatenate([chosen, rejected + np.array([[0], [2]], np.int32)], axis=1)
 
   def __call__(self, stored: list[bytes]) -> list[np.ndarray]:
     tok = self.tokenizer
-    if self.record == 'preference':
+    if self.record in records.PREFERENCE_KINDS:
       return [self._pair(json.loads(s.decode('utf-8'))) for s in stored]
     if self.record == 'text':
       return [self._with_ends(ids, None) for ids in tok.encode_batch(stored)]

@@ -31,4 +31,4 @@ class DataConfig:
   @property
   def preference(self) -> bool:
     """Whether records are preference pairs, trained on by DPO (config.dpo)."""
-    return self.record == 'preference'
+    return self.record in ('preference', 'chat_preference')  # data/records.py PREFERENCE_KINDS

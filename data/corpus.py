@@ -178,8 +178,9 @@ def _scan_records(root: pathlib.Path, files, fields: records.Fields, renders=Non
     raise ValueError(
         f'config.data.paths: none of the {sum(s.total for s in skipped)} records of its '
         f'{len(files)} record file(s) holds what config.data.record={fields.kind!r} reads '
-        f'(first: {first}); set config.data.record and the field it reads (text_key, '
-        'prompt_field, completion_field or messages_field) to what the records hold')
+        f'(first: {first}); set config.data.record (one of {", ".join(records.KINDS)}) and the '
+        'fields it reads (text_key, prompt_field, completion_field, messages_field, chosen_field, '
+        'rejected_field) to what the records hold')
   return scores, digests, longest, [f'config.data.paths: {s}' for s in skipped if s.count]
 
 
@@ -207,7 +208,7 @@ def _fingerprint(paths: str, files, validation_fraction: float, fields=None,
   h = hashlib.sha256(repr(validation_fraction).encode())
   if fields:
     h.update(f'{fields.key()}\n'.encode())
-  if fields and fields.kind == 'messages' and renders is not None:  # what it skips depends on it
+  if fields and fields.kind in records.CHAT_KINDS and renders is not None:  # it decides the skips
     h.update(f'{renders.key}\n'.encode())
   for f in files:
     st = f.stat()
@@ -250,7 +251,7 @@ def text_files_builder(data_config, warn: bool = True, renders=None) -> TextFile
   (data/chat.py: Template), if given, and skipped where it refuses them."""
   root, files = find_files(data_config.paths)
   fields = _record_fields(data_config, files)
-  renders = renders if fields and fields.kind == 'messages' else None
+  renders = renders if fields and fields.kind in records.CHAT_KINDS else None
   name = _fingerprint(data_config.paths, files, data_config.validation_fraction, fields, renders)
   with _quiet_tfds():
     builder = TextFiles(data_dir=data_dir(data_config), config=TextFilesConfig(name=name))

@@ -7,9 +7,13 @@ holds: what `config.data.record` says a record is, read from the fields it names
                      assistant's turns (data/chat.py renders them)
   preference         {prompt_field: str, chosen_field: str, rejected_field: str}  a pair of
                      answers to one prompt, the first preferred: trained on by DPO
+  chat_preference    {prompt_field: [messages], chosen_field: [messages] or str, rejected_field:
+                     likewise}  the same pair in conversations (TRL's conversational form): the
+                     prompt's turns, then each answer's, rendered by the chat template
 
 A record is stored as its text (`text`) or as canonical JSON of what was read
-(`{"prompt", "completion"}`, `{"messages"}` or `{"prompt", "chosen", "rejected"}`), so a corpus's prepared form does not depend on its
+(`{"prompt", "completion"}`, `{"messages"}` or `{"prompt", "chosen", "rejected"}`, a chat pair's
+each a list of messages), so a corpus's prepared form does not depend on its
 files' field names. A record that is not JSON, lacks its field or holds the wrong type is skipped
 and counted: `read` reports each file's count with the first bad record's line (or row).
 """
@@ -19,7 +23,9 @@ import gzip
 import json
 import pathlib
 
-KINDS = ('text', 'prompt_completion', 'messages', 'preference')
+KINDS = ('text', 'prompt_completion', 'messages', 'preference', 'chat_preference')
+CHAT_KINDS = ('messages', 'chat_preference')  # rendered by the run's chat template (data/chat.py)
+PREFERENCE_KINDS = ('preference', 'chat_preference')  # pairs, trained on by DPO
 SUFFIXES = ('.jsonl', '.jsonl.gz', '.parquet')
 ROLES = ('system', 'user', 'assistant', 'tool')
 
@@ -63,7 +69,9 @@ class Fields:
     """What changes the stored form: part of the prepared dataset's name."""
     return {'text': f'text:{self.text}', 'messages': f'messages:{self.messages}',
             'prompt_completion': f'prompt_completion:{self.prompt},{self.completion}',
-            'preference': f'preference:{self.prompt},{self.chosen},{self.rejected}'}[self.kind]
+            'preference': f'preference:{self.prompt},{self.chosen},{self.rejected}',
+            'chat_preference': f'chat_preference:{self.prompt},{self.chosen},{self.rejected}',
+            }[self.kind]
 
 
 class BadRecord(Exception):
@@ -78,7 +86,8 @@ def _string(record: dict, field: str) -> str:
   return record[field]
 
 
-def _messages(record: dict, field: str) -> list[dict]:
+def _turns(record: dict, field: str) -> list[dict]:
+  """The field's messages, each {"role", "content"} with a known role."""
   if field not in record:
     raise BadRecord(f'no field {field!r}')
   messages = record[field]
@@ -92,6 +101,25 @@ def _messages(record: dict, field: str) -> list[dict]:
     if m['role'] not in ROLES:
       raise BadRecord(f'{field}[{i}] has role {m["role"]!r}, not one of {ROLES}')
     out.append({'role': m['role'], 'content': m['content']})
+  return out
+
+
+def _answer(record: dict, field: str) -> list[dict]:
+  """A chat pair's answer: its messages, the first the assistant's (a string is that message)."""
+  if isinstance(record.get(field), str):
+    turns = [{'role': 'assistant', 'content': record[field]}]
+  else:
+    turns = _turns(record, field)
+  if turns[0]['role'] != 'assistant':
+    raise BadRecord(f'{field}[0] has role {turns[0]["role"]!r}: an answer starts with the '
+                    "assistant's turn")
+  if not any(m['content'].strip() for m in turns if m['role'] == 'assistant'):
+    raise BadRecord(f'field {field!r}: every assistant message is blank, nothing to compare')
+  return turns
+
+
+def _messages(record: dict, field: str) -> list[dict]:
+  out = _turns(record, field)
   if not any(m['role'] == 'assistant' for m in out):
     raise BadRecord(f'field {field!r} has no assistant message to train on')
   if not any(m['content'].strip() for m in out if m['role'] == 'assistant'):
@@ -113,6 +141,17 @@ def stored(record, fields: Fields) -> str:
     if not completion.strip():
       raise BadRecord(f'field {fields.completion!r} is blank: nothing to train on')
     return json.dumps({'prompt': prompt, 'completion': completion}, ensure_ascii=False)
+  if fields.kind == 'chat_preference':
+    prompt = _turns(record, fields.prompt)
+    if prompt[-1]['role'] == 'assistant':
+      raise BadRecord(f'field {fields.prompt!r} ends with an assistant message: the prompt is the '
+                      'conversation before the answers')
+    chosen, rejected = _answer(record, fields.chosen), _answer(record, fields.rejected)
+    if chosen == rejected:
+      raise BadRecord(f'fields {fields.chosen!r} and {fields.rejected!r} are the same answer: '
+                      'nothing to prefer')
+    return json.dumps({'prompt': prompt, 'chosen': chosen, 'rejected': rejected},
+                      ensure_ascii=False)
   if fields.kind == 'preference':
     prompt = _string(record, fields.prompt)
     chosen, rejected = _string(record, fields.chosen), _string(record, fields.rejected)

@@ -3,12 +3,15 @@ their docstrings, as JSON Lines of `{"messages": [{"role", "content"}, …]}`.
 
   python -m data.stdlib_chat --output=/tmp/stdlib-chat.jsonl
   python -m data.stdlib_chat --kind=preference --output=/tmp/stdlib-preference.jsonl
+  python -m data.stdlib_chat --kind=chat_preference --output=/tmp/stdlib-chat-preference.jsonl
 
 Each public function or method with a docstring gives one conversation: the user asks what
 `module.name(arguments)` does, the assistant answers with the docstring's first paragraph; every
 fourth has a system prompt. With --kind=preference each is a pair instead, `{"prompt", "chosen",
 "rejected"}` (configs/dpo.py): the question as the prompt, the docstring's paragraph chosen, and
-the same words in reverse order rejected, a preference a model can learn from the text alone. The
+the same words in reverse order rejected, a preference a model can learn from the text alone.
+With --kind=chat_preference the same pairs are conversations (TRL's conversational form): the
+prompt the user's turn (after the system prompt, every fourth), each answer the assistant's. The
 functions come in sorted order of their files, so the file is
 the same on every machine with the same Python. It is written beside --output and linked into
 place when whole, never over another file: one already there with the same records is left as it
@@ -31,8 +34,9 @@ from runtime import cli
 # make absl's flag parsing elsewhere (grain's workers parse flags) demand --output.
 _OUTPUT = flags.DEFINE_string('output', None, 'The .jsonl file to write (required).')
 _MAX = flags.DEFINE_integer('max_records', 5000, 'At most this many conversations.')
-_KIND = flags.DEFINE_enum('kind', 'messages', ['messages', 'preference'],
-                          'messages: chats; preference: pairs of a chosen and a rejected answer.')
+_KIND = flags.DEFINE_enum('kind', 'messages', ['messages', 'preference', 'chat_preference'],
+                          'messages: chats; preference: pairs of a chosen and a rejected answer; '
+                          'chat_preference: the pairs as conversations.')
 
 SYSTEM = 'You answer questions about Python in one short paragraph.'
 
@@ -75,6 +79,10 @@ def record(count: int, messages: list[dict], kind: str) -> dict:
             'rejected': ' '.join(reversed(answer.split()))}
   if count % 4 == 0:
     messages = [{'role': 'system', 'content': SYSTEM}, *messages]
+  if kind == 'chat_preference':
+    prompt, answer = messages[:-1], messages[-1]['content']
+    return {'prompt': prompt, 'chosen': [{'role': 'assistant', 'content': answer}],
+            'rejected': [{'role': 'assistant', 'content': ' '.join(reversed(answer.split()))}]}
   return {'messages': messages}
 
 
@@ -112,7 +120,7 @@ def main(argv):
     raise ValueError(f'--max_records={_MAX.value} must be at least 2 (a train and a validation '
                      'record)')
   count = write(pathlib.Path(_OUTPUT.value).expanduser(), _MAX.value, _KIND.value)
-  what = 'pairs' if _KIND.value == 'preference' else 'conversations'
+  what = 'conversations' if _KIND.value == 'messages' else 'pairs'
   print(f'{count} {what} → {_OUTPUT.value} (Python {sys.version.split()[0]})')
 
 

@@ -715,6 +715,38 @@ def _(p):
   return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
 
 
+def good_chat_pair(i: int) -> str:
+  return json.dumps({'prompt': [{'role': 'user', 'content': f'Two and {i}?'}],
+                     'chosen': [{'role': 'assistant', 'content': f'{i + 2}.'}],
+                     'rejected': f'{i + 3}.'})
+
+
+@case('data: chat pairs given as plain preference records')
+def _(p):
+  path = chat_records(p, [good_chat_pair(i) for i in range(4)])
+  workdir = p.path('x')
+  return refused(p.run(*p.train(workdir, 1, f'--config.data.paths={path}',
+                                '--config.data.record=preference')),
+                 "none of the 4 records of its 1 record file(s) holds what "
+                 "config.data.record='preference' reads", [workdir])
+
+
+@case('data: chat pairs, some bad')
+def _(p):
+  bad = [json.dumps({'prompt': [{'role': 'user', 'content': 'Q'}],
+                     'chosen': [{'role': 'assistant', 'content': 'A'}],
+                     'rejected': [{'role': 'user', 'content': 'B'}]}),
+         json.dumps({'prompt': 'Q', 'chosen': 'a', 'rejected': 'b'})]
+  path = chat_records(p, [good_chat_pair(i) for i in range(12)] + bad)
+  result = p.run(*p.train(p.path('x'), 1, f'--config.data.paths={path}',
+                          '--config.data.record=chat_preference',
+                          '--config.data.validation_fraction=0.2'))
+  warned = [line for line in lines(result.stderr)
+            if "skipped 2 of 14 records (line 13: rejected[0] has role 'user'" in line]
+  verdict = survived(result)
+  return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
+
+
 def tokens_dir_copy(p) -> pathlib.Path:
   """A copy of the prepared corpora, in which the cases below prepare token ids."""
   p.template  # noqa: B018  (trained once, which prepares the corpus)

@@ -120,6 +120,44 @@ def test_a_pair_takes_a_row_chosen_then_rejected_each_from_position_zero():
   assert not cut.next_row()['weights'].any()  # then the pass ends
 
 
+def test_a_chat_pair_is_its_prompts_conversation_with_each_answer_as_the_template_renders_it():
+  """record='chat_preference' (TRL's conversational pairs): each sequence is the prompt's turns with
+  one answer's, rendered by the run's chat template as a `messages` record is; the answer's
+  assistant turns weigh 1, the prompt's (an earlier assistant turn too) 0."""
+  config = dpo_config()
+  config.data.record = 'chat_preference'
+  run = settings.resolve(config, jax.devices()[:1])
+  template = run.template  # owned for chat pairs, as for conversations
+  assert template is not None and template.origin
+  fields = records.Fields.of(run.data)
+  prompt = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'},
+            {'role': 'assistant', 'content': 'Hello.'}, {'role': 'user', 'content': 'Sum 2+2?'}]
+  pair = {'prompt': prompt, 'chosen': '4.', 'rejected': [{'role': 'assistant', 'content': '5.'}]}
+  stored = records.stored(pair, fields)
+  template(stored)  # it renders both conversations
+  doc = chat.Encoder(run.tokenizer, 'chat_preference', template)([stored.encode()])[0]
+  ids, weights = doc
+  rejected = (weights & 2) > 0
+  for answer, side in (('4.', ~rejected), ('5.', rejected)):
+    conversation = prompt + [{'role': 'assistant', 'content': answer}]
+    messages = chat.Encoder(run.tokenizer, 'messages', template)(
+        [json.dumps({'messages': conversation}).encode()])[0]
+    np.testing.assert_array_equal(ids[side], messages[0])  # the same tokens as a conversation
+    trained = ids[side][(weights[side] & 1) > 0]
+    # only the last turn: the earlier assistant turn 'Hello.' is the prompt's
+    assert answer in run.tokenizer.decode(trained.tolist())
+    assert 'Hello.' not in run.tokenizer.decode(trained.tolist())
+    assert (weights[side] & 1).sum() < (messages[1] > 0).sum()
+  for bad, why in (({'prompt': 'Q', 'chosen': 'a', 'rejected': 'b'}, "'prompt' is not a non-empty"),
+                   ({**pair, 'prompt': prompt[:3]}, 'ends with an assistant message'),
+                   ({**pair, 'chosen': [{'role': 'user', 'content': 'a'}]},
+                    "chosen\\[0\\] has role 'user'"),
+                   ({**pair, 'rejected': '4.'}, 'the same answer'),
+                   ({**pair, 'chosen': ' '}, 'every assistant message is blank')):
+    with pytest.raises(records.BadRecord, match=why):
+      records.stored(bad, fields)
+
+
 def test_dpo_starts_at_ln2_and_is_the_formula_in_value_and_gradient_over_fsdp_and_tensor():
   config = dpo_config(fsdp=4, tensor=2)
   setup, middle, batch, first, second = two_steps(config)
