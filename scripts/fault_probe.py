@@ -215,8 +215,6 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'DPO label smoothing 0.5': (['--config.data.record=preference',
                                  '--config.dpo.label_smoothing=0.5'],
                                 'config.dpo.label_smoothing=0.5'),
-    'DPO over pipeline stages': (['--config.data.record=preference', '--config.mesh.stage=2'],
-                                 'set config.mesh.stage=1'),
     'DPO on every token': (['--config.data.record=preference', '--config.data.train_on=all'],
                            "config.data.train_on='all': DPO compares the answers"),
 }

@@ -158,8 +158,12 @@ def test_a_chat_pair_is_its_prompts_conversation_with_each_answer_as_the_templat
       records.stored(bad, fields)
 
 
-def test_dpo_starts_at_ln2_and_is_the_formula_in_value_and_gradient_over_fsdp_and_tensor():
-  config = dpo_config(fsdp=4, tensor=2)
+@pytest.mark.parametrize('mesh', [dict(fsdp=4, tensor=2), dict(stage=2, fsdp=4)],
+                         ids=['fsdp-tensor', 'stages-fsdp'])
+def test_dpo_starts_at_ln2_and_is_the_formula_in_value_and_gradient(mesh):
+  """Over FSDP and tensor parallelism, and over pipeline stages, where each stage scores its
+  share of the pairs (the reference's too: training/step.py reference_logps)."""
+  config = dpo_config(**mesh)
   setup, middle, batch, first, second = two_steps(config)
   assert isinstance(middle, PreferenceState)
   assert first['loss'] == pytest.approx(math.log(2), rel=1e-6)  # the policy is its reference
@@ -192,8 +196,7 @@ def test_under_lora_the_reference_is_the_base_without_adapters_and_no_copy_is_he
 
 
 def test_preference_settings_and_records_are_checked_before_anything_is_built(tmp_path):
-  for changes, match in (({'mesh.stage': 2}, 'config.mesh.stage=1'),
-                         ({'model.draft_heads': 2}, 'draft_heads=0'),
+  for changes, match in (({'model.draft_heads': 2}, 'draft_heads=0'),
                          ({'data.train_on': 'all'}, "train_on='all'"),
                          ({'dpo.beta': 0.0}, 'config.dpo.beta'),
                          ({'dpo.label_smoothing': 0.5}, 'config.dpo.label_smoothing')):

@@ -268,9 +268,6 @@ def check_sections(run: Run) -> None:
 def check_preference(run: Run) -> None:
   """What DPO (config.data.record='preference') does not run with yet, said before anything
   starts."""
-  if run.mesh.stage != 1:
-    raise ValueError("config.data.record='preference' (DPO) scores each pair's answers whole in a "
-                     'row, which pipeline stages split among themselves; set config.mesh.stage=1')
   if run.model.draft_heads:
     raise ValueError("config.data.record='preference' (DPO) trains the model on pairs, where draft "
                      'heads have no next tokens to learn; set config.model.draft_heads=0')

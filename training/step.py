@@ -32,7 +32,8 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
     `total` of the whole batch (`share` of which it is: its router terms count that much)."""
     with nnx.logical_axis_rules(sharding.activation_rules()):  # activations pinned while traced
       if dpo:  # the reference model's log-probabilities of the answers, no gradient
-        batch = {**batch, 'reference': reference_logps(setup, params, frozen, reference, batch)}
+        batch = {**batch, 'reference': reference_logps(
+            setup, params, frozen, reference, batch, microbatches if scanned == 1 else 1)}
       model = nnx.merge(graphdef, params, frozen)
       then = (functools.partial(preference_sums, dpo=dpo) if dpo else
               functools.partial(loss_sums, z_loss=z_loss))
@@ -131,15 +132,25 @@ def answer_logps(out, rows):
   return -out.token_losses(rows['targets'])[0] * rows['weights']
 
 
-def reference_logps(setup: Setup, params, frozen, reference, batch):
+def reference_logps(setup: Setup, params, frozen, reference, batch, microbatches: int = 1):
   """DPO's reference model's answer_logps of the batch, no gradient: the run's starting model,
   `reference` (held in the state), or under LoRA the frozen base with its adapters at zero
-  (which adds nothing to a projection), so no second copy is held."""
+  (which adds nothing to a projection), so no second copy is held. Under pipeline stages each
+  stage scores its share of the rows (the model sums the stages' results), so each puts its
+  rows' log-probabilities in their places of a [B, L] of zeros."""
   if reference is None:
     reference = nnx.merge_state(jax.tree.map(jnp.zeros_like, params), frozen)
   model = nnx.merge(setup.graphdef, reference)
+  then, rows = answer_logps, batch
+  if pipeline_stages(setup) > 1:
+    B, L = batch['inputs'].shape
+    rows = {**batch, 'row': jnp.broadcast_to(jnp.arange(B)[:, None], (B, L))}
+
+    def then(out, share):
+      logps_bL = answer_logps(out, share)
+      return jnp.zeros((B, L), logps_bL.dtype).at[share['row'][:, 0]].set(logps_bL)
   logps_BL, _ = model(batch['inputs'], batch['positions'], batch.get('segment_ids'),
-                      then=answer_logps, rows=batch)
+                      microbatches, then=then, rows=rows)
   return jax.lax.stop_gradient(logps_BL)
 
 
@@ -256,7 +267,7 @@ def make_eval_step(setup: Setup, token_bytes_V, microbatches: int = 1):
     with nnx.logical_axis_rules(sharding.activation_rules()):
       if prefers(setup):
         batch = {**batch, 'reference': reference_logps(setup, *trained(setup.model_cfg, params),
-                                                       reference, batch)}
+                                                       reference, batch, microbatches)}
       model = nnx.merge(graphdef, params)
       return model(batch['inputs'], batch['positions'], batch.get('segment_ids'), microbatches,
                    then=scored, rows=batch)[0]
