@@ -256,13 +256,16 @@ def reduce(g_d, spec, dim: int, scheme: str, block: int):
   return _pin(summed, _with_data(spec, ndim, dim))
 
 
-def apart(h: Hierarchy, mesh, gradients, master, batch, dtype, reduce_dtype):
-  """gradients(compute, batch_shard, total) → ((loss, (loss terms, router stats, draft sums)),
-  grads), run by the data replicas apart: with `h.split` the compute copy is gathered across data
-  from the master's shards once (in `dtype`, the compute dtype, where quantized); each replica
-  runs its own rows in a region manual over data, its gradients kept in its shards; their sum is
-  reduce-scattered to the master's shards once (or, the parameters replicated over data,
-  all-reduced once). The losses are the whole batch's: `total`, the weight they divide by, is.
+def apart(h: Hierarchy, mesh, gradients, master, batch, dtype, reduce_dtype, reference=None,
+          weight=None):
+  """gradients(compute, reference, batch_shard, total) → ((loss, (loss terms, router stats, draft
+  sums)), grads), run by the data replicas apart: with `h.split` the compute copy is gathered
+  across data from the master's shards once (in `dtype`, the compute dtype, where quantized); each
+  replica runs its own rows in a region manual over data, its gradients kept in its shards; their
+  sum is reduce-scattered to the master's shards once (or, the parameters replicated over data,
+  all-reduced once). The losses are the whole batch's: `total`, the weight they divide by (the
+  sum of `weight` of each replica's rows, default their weights' sum), is. `reference`: parameters laid out as `master` that
+  the loss reads without a gradient (DPO's reference model), given a compute copy the same way.
 
   The region is untyped (check_vma=False): the copy is the same on every replica, and typed so,
   autodiff would sum each use's gradient over the replicas there and then, every microbatch.
@@ -277,18 +280,22 @@ def apart(h: Hierarchy, mesh, gradients, master, batch, dtype, reduce_dtype):
     return to_compute(w, spec, dim, scheme, cast, block).astype(
         reduce_dtype if matrix else w.dtype)
 
-  def region(compute, batch):
-    total = jnp.maximum(jax.lax.psum(batch['weights'].sum(), AXIS), 1.0)
-    (loss, (terms, router, drafted)), grads = gradients(compute, batch, total)
+  def region(compute, reference, batch):
+    mine = weight(batch) if weight else batch['weights'].sum()
+    total = jnp.maximum(jax.lax.psum(mine, AXIS), 1.0)
+    (loss, (terms, router, drafted)), grads = gradients(compute, reference, batch, total)
     # Summed across data in the reduction dtype, as inside the replica (norm scales in fp32).
     grads = jax.tree.map(lambda g, matrix: (g.astype(reduce_dtype) if matrix else g)[None],
                          grads, h.matrix)
     return jax.lax.psum((loss, terms, drafted), AXIS), router, grads
 
   compute = jax.tree.map(compute_copy, master, h.specs, h.dims, h.blocks, h.matrix)
+  if reference is not None:
+    reference = jax.lax.stop_gradient(
+        jax.tree.map(compute_copy, reference, h.specs, h.dims, h.blocks, h.matrix))
   (loss, terms, drafted), router, grads_d = jax.shard_map(
-      region, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P(), P(AXIS)),
-      axis_names={AXIS}, check_vma=False)(compute, batch)
+      region, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(P(), P(), P(AXIS)),
+      axis_names={AXIS}, check_vma=False)(compute, reference, batch)
   grads = jax.tree.map(
       lambda w, g_d, spec, dim, block, matrix: reduce(
           g_d, spec, dim, h.gradients if matrix else 'exact', block).astype(w.dtype),

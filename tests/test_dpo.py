@@ -158,14 +158,19 @@ def test_a_chat_pair_is_its_prompts_conversation_with_each_answer_as_the_templat
       records.stored(bad, fields)
 
 
-@pytest.mark.parametrize('mesh', [dict(fsdp=4, tensor=2), dict(stage=2, fsdp=4)],
-                         ids=['fsdp-tensor', 'stages-fsdp'])
+@pytest.mark.parametrize('mesh', [dict(fsdp=4, tensor=2), dict(stage=2, fsdp=4),
+                                  dict(data=2, fsdp=4)],
+                         ids=['fsdp-tensor', 'stages-fsdp', 'replicas-apart'])
 def test_dpo_starts_at_ln2_and_is_the_formula_in_value_and_gradient(mesh):
-  """Over FSDP and tensor parallelism, and over pipeline stages, where each stage scores its
-  share of the pairs (the reference's too: training/step.py reference_logps)."""
+  """Over FSDP and tensor parallelism; over pipeline stages, where each stage scores its share of
+  the pairs (the reference's too: training/step.py reference_logps); and over data replicas that
+  run apart (sharding/hierarchical.py apart), each with the reference's compute copy."""
   config = dpo_config(**mesh)
+  if mesh.get('data', 1) > 1:
+    config.microbatches = 1  # 8 pairs over 8 devices
   setup, middle, batch, first, second = two_steps(config)
   assert isinstance(middle, PreferenceState)
+  assert (setup.hierarchy is not None) == (mesh.get('data', 1) > 1)  # the replicas run apart
   assert first['loss'] == pytest.approx(math.log(2), rel=1e-6)  # the policy is its reference
   assert first['reward_accuracy'] == 0 and first['reward_margin'] == 0
   beta, eps = config.dpo.beta, config.dpo.label_smoothing
@@ -204,10 +209,6 @@ def test_preference_settings_and_records_are_checked_before_anything_is_built(tm
     c.update_from_flattened_dict(changes)
     with pytest.raises(ValueError, match=match):
       build(settings.resolve(c))
-  c = dpo_config(data=2)
-  c.microbatches = 1
-  with pytest.raises(ValueError, match='config.mesh.data=1'):
-    build(settings.resolve(c))
   fields = records.Fields.of(settings.resolve(dpo_config(), jax.devices()[:1]).data)
   for bad, why in (({'prompt': 'Q', 'chosen': 'a'}, "no field 'rejected'"),
                    ({'prompt': 'Q', 'chosen': 'a', 'rejected': ' '}, "'rejected' is blank"),

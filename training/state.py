@@ -176,11 +176,6 @@ def build(run: Run) -> Setup:
   abstract_state = TrainState(step=scalar, params=abstract_params, opt_state=abstract_opt,
                               bad_steps=scalar)
   if holds_reference(run):  # DPO's reference model, sharded as the parameters
-    if hierarchy is not None:
-      raise ValueError("config.data.record='preference' (DPO) with every parameter training "
-                       f'across config.mesh.data={mesh.shape["data"]} replicas run apart is not '
-                       'supported yet; set config.mesh.data=1 (fsdp spans the devices), or train '
-                       'LoRA adapters (config.model.lora_rank), whose frozen base is the reference')
     state_shardings = PreferenceState(**vars(state_shardings), reference=param_shardings)
     abstract_state = PreferenceState(**vars(abstract_state), reference=abstract_params)
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -73,8 +73,9 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
       (loss, (terms, router, drafted)), grads = gradients(params, frozen, reference, batch)
     else:  # data replicas run apart, their gradients summed across data once a step
       (loss, (terms, router, drafted)), grads = hierarchical.apart(
-          setup.hierarchy, setup.mesh, lambda compute, rows, total: gradients(
-              compute, frozen, None, rows, total), params, batch, cfg.dtype, cfg.reduce_dtype)
+          setup.hierarchy, setup.mesh, lambda compute, reference, rows, total: gradients(
+              compute, frozen, reference, rows, total), params, batch, cfg.dtype,
+          cfg.reduce_dtype, reference, weight=pair_rows_sum if dpo else None)
     grad_norm, norms = gradient_norms(cfg, grads)
     old_opt_state = state.opt_state
     if setup.opt_compute_shardings is not None:  # kept in host memory: brought in for the update
@@ -120,6 +121,11 @@ def pair_rows_B(rows):
   evaluation pass pads its last batch with empty rows), else 0."""
   answers = lambda segment: (rows['weights'] * (rows['segment_ids'] == segment)).sum(1) > 0
   return (answers(1) & answers(2)).astype(jnp.float32)
+
+
+def pair_rows_sum(rows) -> jax.Array:
+  """The pairs among `rows` (data replicas apart add theirs for the batch's weight)."""
+  return pair_rows_B(rows).sum()
 
 
 def batch_weight(batch, dpo) -> jax.Array:
