@@ -127,8 +127,9 @@ def served(preset: str, target: str, module: str, **model) -> Served:
   return model._replace(abstract=model.on_device(abstract))
 
 
-def plan(preset: str, batch: int, slots: int, target: str) -> dict:
-  """Each kind's decode step compiled for `target` GPUs: memory and the time model's step."""
+def plan(preset: str, batch: int, slots: int, target: str, kinds=kv_cache.KINDS) -> dict:
+  """Each kind's (of `kinds`) decode step compiled for `target` GPUs: memory and the time
+  model's step."""
   model = served(preset, target, 'benchmarks.kv_cache')
   cfg, gpu, device, graphdef, abstract = model[:5]
   on_device, step = model.on_device, model.decode_step
@@ -140,7 +141,7 @@ def plan(preset: str, batch: int, slots: int, target: str) -> dict:
         f'{"tokens/s":>9}')
   weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
   rows = {}
-  for kind in kv_cache.KINDS:
+  for kind in kinds:
     cache = on_device(jax.eval_shape(
         lambda s, kind=kind: nnx.merge(graphdef, s).init_cache(batch, slots, kind), abstract))
     compiled = jax.jit(step, donate_argnums=3).lower(abstract, tokens, tokens, cache).compile()

@@ -77,7 +77,8 @@ def test_the_cache_and_speculation_plans_compile_decode_steps_for_h100():
   from benchmarks import kv_cache as benchmark
   from configs import llama
   from model import ModelConfig, kv_cache
-  f = benchmark.plan('125m', batch=2, slots=256, target='H100')
+  # three kinds of six (the rest's bytes and losses: test_generate's run of the benchmark)
+  f = benchmark.plan('125m', batch=2, slots=256, target='H100', kinds=('full', 'int8', 'int4'))
   assert f['deviceless'] and f['compiled_for'] == 'NVIDIA H100 80GB HBM3'
   c = llama.get_config('125m')
   c.model.param_dtype = 'bfloat16'
