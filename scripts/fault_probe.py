@@ -665,52 +665,32 @@ def good_chat(i: int) -> str:
                                   {'role': 'assistant', 'content': f'{i + 2}.'}]})
 
 
-@case('data: chat records that hold no conversation')
-def _(p):
-  path = chat_records(p, [json.dumps({'text': f'document {i}'}) for i in range(4)])
-  workdir = p.path('x')
-  return refused(p.run(*p.train(workdir, 1, f'--config.data.paths={path}',
-                                '--config.data.record=messages')),
-                 "none of the 4 records of its 1 record file(s) holds what "
-                 "config.data.record='messages' reads", [workdir])
+def none_holds(rows, record):
+  """A case: a record file none of whose 4 records holds what `record` reads, refused naming it."""
+  def probe(p):
+    path, workdir = chat_records(p, rows), p.path('x')
+    return refused(p.run(*p.train(workdir, 1, f'--config.data.paths={path}',
+                                  f'--config.data.record={record}')),
+                   "none of the 4 records of its 1 record file(s) holds what "
+                   f"config.data.record={record!r} reads", [workdir])
+  return probe
 
 
-@case('data: chat records, some bad')
-def _(p):
-  path = chat_records(p, [good_chat(i) for i in range(12)] + ['{"messages": [', json.dumps({'messages': 'hi'})])
-  result = p.run(*p.train(p.path('x'), 1, f'--config.data.paths={path}',
-                          '--config.data.record=messages', '--config.data.validation_fraction=0.2'))
-  warned = [line for line in lines(result.stderr) if 'skipped 2 of 14 records (line 13' in line]
-  verdict = survived(result)
-  return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
+def some_bad(rows, record, warning):
+  """A case: 12 good records and 2 bad ones after them: trained on, the bad counted in one line."""
+  def probe(p):
+    path = chat_records(p, rows)
+    result = p.run(*p.train(p.path('x'), 1, f'--config.data.paths={path}',
+                            f'--config.data.record={record}',
+                            '--config.data.validation_fraction=0.2'))
+    warned = [line for line in lines(result.stderr) if warning in line]
+    verdict = survived(result)
+    return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
+  return probe
 
 
 def good_pair(i: int) -> str:
   return json.dumps({'prompt': f'Two and {i}? ', 'chosen': f'{i + 2}.', 'rejected': f'{i + 3}.'})
-
-
-@case('data: preference records that hold no pair')
-def _(p):
-  path = chat_records(p, [good_chat(i) for i in range(4)])
-  workdir = p.path('x')
-  return refused(p.run(*p.train(workdir, 1, f'--config.data.paths={path}',
-                                '--config.data.record=preference')),
-                 "none of the 4 records of its 1 record file(s) holds what "
-                 "config.data.record='preference' reads", [workdir])
-
-
-@case('data: preference records, some bad')
-def _(p):
-  bad = [json.dumps({'prompt': 'Q', 'chosen': 'same', 'rejected': 'same'}),
-         json.dumps({'prompt': 'Q', 'chosen': 'a'})]
-  path = chat_records(p, [good_pair(i) for i in range(12)] + bad)
-  result = p.run(*p.train(p.path('x'), 1, f'--config.data.paths={path}',
-                          '--config.data.record=preference',
-                          '--config.data.validation_fraction=0.2'))
-  warned = [line for line in lines(result.stderr)
-            if 'skipped 2 of 14 records (line 13: fields' in line]
-  verdict = survived(result)
-  return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
 
 
 def good_chat_pair(i: int) -> str:
@@ -719,30 +699,27 @@ def good_chat_pair(i: int) -> str:
                      'rejected': f'{i + 3}.'})
 
 
-@case('data: chat pairs given as plain preference records')
-def _(p):
-  path = chat_records(p, [good_chat_pair(i) for i in range(4)])
-  workdir = p.path('x')
-  return refused(p.run(*p.train(workdir, 1, f'--config.data.paths={path}',
-                                '--config.data.record=preference')),
-                 "none of the 4 records of its 1 record file(s) holds what "
-                 "config.data.record='preference' reads", [workdir])
-
-
-@case('data: chat pairs, some bad')
-def _(p):
-  bad = [json.dumps({'prompt': [{'role': 'user', 'content': 'Q'}],
-                     'chosen': [{'role': 'assistant', 'content': 'A'}],
-                     'rejected': [{'role': 'user', 'content': 'B'}]}),
-         json.dumps({'prompt': 'Q', 'chosen': 'a', 'rejected': 'b'})]
-  path = chat_records(p, [good_chat_pair(i) for i in range(12)] + bad)
-  result = p.run(*p.train(p.path('x'), 1, f'--config.data.paths={path}',
-                          '--config.data.record=chat_preference',
-                          '--config.data.validation_fraction=0.2'))
-  warned = [line for line in lines(result.stderr)
-            if "skipped 2 of 14 records (line 13: rejected[0] has role 'user'" in line]
-  verdict = survived(result)
-  return verdict if verdict[0] != 'GOOD' or len(warned) == 1 else ('UGLY', 'no one-line count')
+CASES['data: chat records that hold no conversation'] = none_holds(
+    [json.dumps({'text': f'document {i}'}) for i in range(4)], 'messages')
+CASES['data: chat records, some bad'] = some_bad(
+    [good_chat(i) for i in range(12)] + ['{"messages": [', json.dumps({'messages': 'hi'})],
+    'messages', 'skipped 2 of 14 records (line 13')
+CASES['data: preference records that hold no pair'] = none_holds(
+    [good_chat(i) for i in range(4)], 'preference')
+CASES['data: preference records, some bad'] = some_bad(
+    [good_pair(i) for i in range(12)] + [
+        json.dumps({'prompt': 'Q', 'chosen': 'same', 'rejected': 'same'}),
+        json.dumps({'prompt': 'Q', 'chosen': 'a'})],
+    'preference', 'skipped 2 of 14 records (line 13: fields')
+CASES['data: chat pairs given as plain preference records'] = none_holds(
+    [good_chat_pair(i) for i in range(4)], 'preference')
+CASES['data: chat pairs, some bad'] = some_bad(
+    [good_chat_pair(i) for i in range(12)] + [
+        json.dumps({'prompt': [{'role': 'user', 'content': 'Q'}],
+                    'chosen': [{'role': 'assistant', 'content': 'A'}],
+                    'rejected': [{'role': 'user', 'content': 'B'}]}),
+        json.dumps({'prompt': 'Q', 'chosen': 'a', 'rejected': 'b'})],
+    'chat_preference', "skipped 2 of 14 records (line 13: rejected[0] has role 'user'")
 
 
 def tokens_dir_copy(p) -> pathlib.Path:
