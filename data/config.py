@@ -4,6 +4,8 @@ the chat template is checked where it is read (data/chat.py: owned)."""
 
 import dataclasses
 
+from data import records
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -31,4 +33,4 @@ class DataConfig:
   @property
   def preference(self) -> bool:
     """Whether records are preference pairs, trained on by DPO (config.dpo)."""
-    return self.record in ('preference', 'chat_preference')  # data/records.py PREFERENCE_KINDS
+    return self.record in records.PREFERENCE_KINDS
