@@ -306,7 +306,9 @@ def _experts_grads(settings, residuals, g_BLD):
     gate_RF, up_RF = gate.reshape(r.rows, -1), up.reshape(r.rows, -1)
     mm = functools.partial(grouped_matmul, group_sizes_G=r.sizes_e, implementation=impl,
                            filled=r.filled)
-    dw = functools.partial(grouped_matmul_dw, group_sizes_G=r.sizes_e, out_dtype=jnp.float32,
+    # Written by the kernel in the dtype they are reduced in: its fp32 sums rounded once, as a
+    # cast after would round them, without a layer's fp32 [E, D, F] gradients held for it.
+    dw = functools.partial(grouped_matmul_dw, group_sizes_G=r.sizes_e, out_dtype=reduce_dtype,
                            implementation=impl, filled=r.filled)
     dh_RF = mm(ge_RD, jnp.swapaxes(wd, 1, 2)).astype(jnp.float32)
     sig_RF = jax.nn.sigmoid(gate_RF.astype(jnp.float32))
