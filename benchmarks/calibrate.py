@@ -30,6 +30,8 @@ after every row (a machine taken away mid-part leaves the rows it finished):
   --out_dir/calibrate_<part>-<device>.programs.json.gz  each row's program as the GPU compiled it
                                                       (optimized HLO) and the kernels the device ran
                                                       in --profile_calls more calls (JAX's profiler)
+A step row also keeps the memory its GPU's compile planned: `python -m benchmarks.memory_truth`
+sets it beside this machine's deviceless compile of the same step.
 The bank makes the time model testable without a GPU: --check re-predicts its programs. Off a GPU (the CPU test runs tiny shapes) the model is gpus.NOMINAL's and the
 ratios mean nothing.
 """
@@ -293,14 +295,29 @@ def override(config, assignment: str) -> None:
   config[leaf] = value
 
 
-def step_row(gpu, path: str, attention: str, precision: str, variant: str = 'preset') -> dict:
+def step_config(path: str, attention: str, precision: str, variant: str = 'preset'):
+  """(config, packed) of a step row: the config at `path` with its attention, matmul precision
+  and the variant's overrides (`packed`: a batch with segment ids)."""
   config = load_config(path)
   config.model.attention, config.model.matmul_precision = attention, precision
   assignments = [] if variant == 'preset' else variant.split('+')
-  packed = 'packed' in assignments
   for assignment in assignments:
     if assignment != 'packed':
       override(config, assignment)
+  return config, 'packed' in assignments
+
+
+def memory(compiled) -> dict:
+  """A compiled program's memory plan per device (XLA's buffer assignment), bytes: arguments,
+  outputs, temporaries, outputs in place of donated arguments, and the total (all − donated)."""
+  m = compiled.memory_analysis()
+  sizes = {'argument': m.argument_size_in_bytes, 'output': m.output_size_in_bytes,
+           'temp': m.temp_size_in_bytes, 'alias': m.alias_size_in_bytes}
+  return {**sizes, 'total': sizes['argument'] + sizes['output'] + sizes['temp'] - sizes['alias']}
+
+
+def step_row(gpu, path: str, attention: str, precision: str, variant: str = 'preset') -> dict:
+  config, packed = step_config(path, attention, precision, variant)
   prepared = inputs.prepare(config, packed=packed)
   predicted = timing.predict(prepared.train_step.as_text(), gpu)
   state, times = prepared.state, []
@@ -325,7 +342,7 @@ def step_row(gpu, path: str, attention: str, precision: str, variant: str = 'pre
           'mfu': model_flops * tokens / n / measured / gpu.peak_bf16_flops,
           'predicted_mfu': model_flops * tokens / n / predicted.seconds / gpu.peak_bf16_flops,
           'predicted_breakdown': predicted.breakdown, 'compile_s': prepared.compile_s,
-          PROGRAM: banked}
+          'devices': n, 'memory': memory(prepared.train_step), PROGRAM: banked}
 
 
 PARTS = {'gemm': gemm_rows, 'copy': copy_rows, 'host': host_rows, 'attention': attention_rows, 'steps': step_rows}

@@ -134,6 +134,22 @@ def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):
   steps = parts['steps_base']['rows']
   assert [r['matmul_precision'] for r in steps] == ['default', 'fp8']
   assert all(set(r['predicted_breakdown']) == set(timing.PARTS) for r in steps)
+  for m in (r['memory'] for r in steps):  # the memory the step's compile planned
+    assert m['total'] == m['argument'] + m['output'] + m['temp'] - m['alias'] > 0
+
+  # memory_truth sets a banked step's memory beside a deviceless compile of the same step; a
+  # row banked without memory (as before calibrate kept it) is skipped. This bank is the CPU's,
+  # named an H100's: the plumbing, not the ratio, is what a CPU can check.
+  banked = json.loads((tmp_path / 'calibrate_steps_base-cpu.json').read_text())
+  del banked['rows'][1]['memory']
+  as_h100 = tmp_path / 'calibrate_steps_base-h100.json'
+  as_h100.write_text(json.dumps(banked))
+  truth = figures('memory_truth', f'--files={as_h100}', config=())
+  assert truth['skipped'] == 1 and [r['what'] for r in truth['compared']] == [steps[0]['what']]
+  row = truth['compared'][0]
+  here = row['deviceless']
+  assert row['gpu'] == steps[0]['memory'] and row['ratio'] == here['total'] / row['gpu']['total']
+  assert here['total'] == here['argument'] + here['output'] + here['temp'] - here['alias'] > 0
 
 
 def test_calibrate_stops_a_part_past_its_budget(tmp_path):
