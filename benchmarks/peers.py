@@ -67,6 +67,7 @@ class Preset:
   config: object  # meshlm's ConfigDict
   gpus: int
   maxtext: tuple[str, ...]  # MaxText settings naming the same model
+  expert: int = 1  # experts split over this many GPUs (the expert axis), FSDP over the rest
 
 
 # MaxText's model files where it has the model; Llama-3.2-1B's shapes over its llama3-8b otherwise.
@@ -83,6 +84,9 @@ PRESETS = {
     # them as a loop of tiles whose trip count depends on the routing, which no model can charge.
     'mixtral-8x7b': lambda: Preset(moe.get_config('mixtral-8x7b'), moe.GPUS['mixtral-8x7b'],
                                    ('model_name=mixtral-8x7b', 'megablox=false')),
+    # The layout docs/moe.md plans Mixtral at: its experts split over 8 GPUs in both systems
+    'mixtral-8x7b-ep8': lambda: Preset(moe.get_config('mixtral-8x7b'), moe.GPUS['mixtral-8x7b'],
+                                       ('model_name=mixtral-8x7b', 'megablox=false'), expert=8),
 }
 # meshlm's policy: MaxText's that saves the same (dots_attention: the nearest, above)
 REMAT = {'dots': 'minimal', 'dots_attention': 'minimal', 'full': 'full'}
@@ -135,7 +139,8 @@ def maxtext_settings(preset: Preset, out: pathlib.Path) -> list[str]:
           'weight_dtype=float32', f'remat_policy={REMAT[c.model.remat_policy]}',
           f'per_device_batch_size={c.batch_size / c.microbatches / preset.gpus}',
           f'gradient_accumulation_steps={c.microbatches}', f'max_target_length={c.seq_len}',
-          f'ici_fsdp_parallelism={preset.gpus}', 'internal_compile=true',
+          f'ici_fsdp_parallelism={preset.gpus // preset.expert}',
+          f'ici_expert_parallelism={preset.expert}', 'internal_compile=true',
           f'internal_compile_num_devices={preset.gpus}', 'dataset_type=synthetic',
           'enable_checkpointing=false', 'run_name=peers', f'base_output_directory={out}']
 
@@ -170,6 +175,8 @@ def meshlm_program(preset: Preset) -> tuple[dict, str]:
     holder[key] = type(holder[key])(value) if not isinstance(holder[key], bool) else (
         value.lower() in ('1', 'true'))
   config.plan.target, config.plan.devices, config.dry_run = 'H100', preset.gpus, True
+  if preset.expert > 1:
+    config.mesh.fsdp, config.mesh.expert = preset.gpus // preset.expert, preset.expert
   setup = build(settings.resolve(config, log=lambda *_: None))
   compiled, plan = compile_and_plan(setup)
   return ({'argument_bytes': plan.argument_bytes, 'output_bytes': plan.output_bytes,
@@ -218,7 +225,7 @@ def main(argv):
     raise SystemExit(f'--presets: {unknown} are not of {list(PRESETS)}')
   print(f'H100 (deviceless), jaxlib {jax.__version__}, MaxText {MAXTEXT}; per GPU a step, '
         'predicted by the time model; GiB and seconds')
-  head = (f'{"preset":<14}{"system":<9}{"GiB":>7}{"step":>8}{"tok/s":>8}{"MFU":>7}{"GEMM":>7}'
+  head = (f'{"preset":<18}{"system":<9}{"GiB":>7}{"step":>8}{"tok/s":>8}{"MFU":>7}{"GEMM":>7}'
           f'{"attn":>7}{"fusion":>7}{"rest":>7}{"comm":>7}  {"reduce-scatter":<16}all-gather')
   print(head)
   results = []
@@ -229,7 +236,7 @@ def main(argv):
     try:
       theirs, their_hlo = maxtext_program(preset)
     except RuntimeError as e:
-      print(f'{name:<14}{"MaxText":<9}{e}')
+      print(f'{name:<18}{"MaxText":<9}{e}')
       results.append({'preset': name, 'gpus': preset.gpus, 'maxtext_error': str(e),
                       'meshlm': figures(ours, our_hlo, preset, flops)})
       continue
@@ -244,17 +251,17 @@ def main(argv):
         with gzip.open(kept / f'{name}-{system}.hlo.txt.gz', 'wt') as f:
           f.write(hlo)
     for system, r in rows.items():
-      print(f'{name:<14}{system:<9}{r["total_bytes"] / 2**30:>7.2f}{r["step_s"]:>8.3f}'
+      print(f'{name:<18}{system:<9}{r["total_bytes"] / 2**30:>7.2f}{r["step_s"]:>8.3f}'
             f'{r["tokens_per_s_per_gpu"]:>8.0f}{r["mfu"]:>7.1%}{r["gemm_s"]:>7.3f}'
             f'{r["attention_s"]:>7.3f}{r["fusion_s"]:>7.3f}{r["rest_s"]:>7.3f}'
             f'{r["exposed_communication_s"]:>7.3f}  {sent(r, "reduce-scatter"):<16}'
             f'{sent(r, "all-gather")}', flush=True)
     ratio = rows['meshlm']['step_s'] / rows['MaxText']['step_s']
     memory = rows['meshlm']['total_bytes'] / rows['MaxText']['total_bytes']
-    print(f'{"":<14}meshlm ÷ MaxText: step {ratio:.3f}, memory {memory:.3f}')
+    print(f'{"":<18}meshlm ÷ MaxText: step {ratio:.3f}, memory {memory:.3f}')
     for system, r in rows.items():
       if r['loops_of_unknown_trips']:
-        print(f'{"":<14}{system}: {r["loops_of_unknown_trips"]} loop(s) whose trip count depends '
+        print(f'{"":<18}{system}: {r["loops_of_unknown_trips"]} loop(s) whose trip count depends '
               'on the data, each charged once: its step is undercounted, not comparable')
     results.append({'preset': name, 'gpus': preset.gpus, 'mesh': ours['mesh'],
                     'batch_size': ours['batch_size'], 'seq_len': ours['seq_len'],

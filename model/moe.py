@@ -22,9 +22,9 @@ over the FSDP axes; over `expert` each gradient is already whole, as its tokens 
 Dropless by default: every assignment is computed, however uneven the experts' loads. With a
 capacity factor c, an expert takes at most ⌈c · t·k / E⌉ of a device's t tokens (GShard's
 per-group capacity: the first in token order are kept); the rest are dropped (weight 0) and
-counted. The experts' side of an all-to-all holds R rows: the worst case (P·A when dropless) by
-default, so nothing is lost, or config.model.expert_buffer × A, where the rows past it are
-dropped and counted too.
+counted. The experts' side of an all-to-all holds R rows: the worst case by default, so nothing
+is lost (P·t·min(k, E_l) when dropless, E_l experts a device: a token's k experts are distinct), or
+config.model.expert_buffer × A, where the rows past it are dropped and counted too.
 """
 
 import functools
@@ -142,11 +142,13 @@ class Routes(NamedTuple):
 
 
 def routes(sorted_A, sizes_E, axis: str | None, cap: int | None, buffer: float,
-           rows_multiple: int):
-  """Routes for a device whose assignments, in dispatch's order, chose experts `sorted_A`,
-  `sizes_E` of them kept for each expert. The expert side's buffer holds R rows, rounded up to a
-  multiple of `rows_multiple`: the worst case when `buffer` is 0, so none is lost (P·A when
-  dropless, P·E_l·cap with a capacity); else `buffer` × A, A being what each device receives on
+           rows_multiple: int, per_token: int):
+  """Routes for a device whose assignments (`per_token` a token), in dispatch's order, chose
+  experts `sorted_A`, `sizes_E` of them kept for each expert. The expert side's buffer holds R
+  rows, rounded up to a multiple of `rows_multiple`: the worst case when `buffer` is 0, so none is
+  lost (P·t·min(k, E_l) when dropless: a token's k experts are distinct, so it sends a device of
+  E_l experts at most min(k, E_l) rows; P·E_l·cap with a capacity, if fewer); else `buffer` × A,
+  A being what each device receives on
   average when the experts are balanced. A device fills its buffer with its sources' rows in
   source order, each source's in expert order, and drops those past R: the later sources' and,
   of a source's, the later experts'."""
@@ -156,7 +158,8 @@ def routes(sorted_A, sizes_E, axis: str | None, cap: int | None, buffer: float,
     return Routes(None, kept_A, None, None, None, None, None, sizes_E, A, A)
   P = jax.lax.axis_size(axis)
   E_l = sizes_E.shape[0] // P
-  chunk = A if cap is None else min(A, E_l * cap)
+  most = A // per_token * min(per_token, E_l)  # the most rows one source sends one device
+  chunk = most if cap is None else min(most, E_l * cap)
   R = P * chunk if not buffer else min(P * chunk, math.ceil(buffer * A))
   R = -(-R // rows_multiple) * rows_multiple
   sent_PE = sizes_E.reshape(P, E_l)
@@ -201,7 +204,7 @@ def _local_routes(settings, axis, experts_tk, b: int):
   cap = capacity(t, k, n_experts, factor)
   order_A, inverse_A, sizes_E = dispatch(experts_tk, n_experts, cap)
   return order_A, inverse_A, routes(experts_tk.reshape(-1)[order_A], sizes_E, axis, cap, buffer,
-                                    b)
+                                    b, k)
 
 
 def _hidden(gate_AF, up_AF):

@@ -181,6 +181,38 @@ def test_experts_over_an_expert_axis_drop_only_what_a_capacity_or_buffer_says(fi
   assert float(dropped) == pytest.approx((~taken).mean())
 
 
+def test_dropless_over_an_expert_axis_holds_the_worst_case_and_no_more():
+  """Over data=2 × expert=4, one expert a device and two a token: every token choosing expert 0
+  sends device 0 one row from each token of each source, the most it can receive (a token's
+  experts are distinct), so its buffer holds P·t rows, not P·t·k, and drops none: the output
+  and every gradient equal the loop over experts."""
+  module = layer(expert_matmul='ragged_dot')
+  module.router[...] = module.router[...].at[0, 0].set(50.0)
+  x_BLD = jax.random.normal(jax.random.key(5), (8, 6, 64)).at[..., 0].set(4.0)
+  chosen = np.asarray(moe.route(x_BLD.reshape(-1, 64) @ module.router[...], None, K, 'softmax',
+                                True)[1])
+  assert (chosen == 0).any(axis=1).all()  # every token sends expert 0 a row
+  mesh = sharding.make_mesh(tiny_config(data=2, expert=4).mesh)
+
+  def on_mesh(m, x_BLD):
+    with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
+      return m(x_BLD)
+
+  with jax.set_mesh(mesh):
+    (_, y), grads = value_and_grads(lambda m, x: on_mesh(m, x)[0], module, x_BLD)
+    forward = jax.jit(lambda x: on_mesh(module, x))
+    dropped, hlo = forward(x_BLD)[1]['dropped'], forward.lower(x_BLD).compile().as_text()
+  assert float(dropped) == 0
+  (_, y_ref), grads_ref = value_and_grads(loop_reference, module, x_BLD)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  t = 6  # tokens a device: each sends each device at most t rows, [P, t, D] padded on a CPU
+  exchanges = [c.arrays[0][1] for c in collectives.executed(hlo) if c.op == 'all-to-all'
+               and c.arrays[0][1][-1] == 64]
+  assert exchanges and all(shape[-2:] == (t, 64) for shape in exchanges), exchanges
+
+
 def test_the_router_losses_are_their_formulas():
   module = layer()
   x_BLD = jax.random.normal(jax.random.key(4), (2, 24, 64))
