@@ -144,6 +144,18 @@ def numpy_taken(experts_Tk, devices: int, rows: int):
   return taken
 
 
+def over_expert_4(module, x_BLD):
+  """(output, gradients, share dropped, compiled HLO) of `module` over data=2 × expert=4."""
+  def on_mesh(m, x_BLD):
+    with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
+      return m(x_BLD)
+
+  with jax.set_mesh(sharding.make_mesh(tiny_config(data=2, expert=4).mesh)):
+    (_, y), grads = value_and_grads(lambda m, x: on_mesh(m, x)[0], module, x_BLD)
+    forward = jax.jit(lambda x: on_mesh(module, x))
+    return y, grads, forward(x_BLD)[1]['dropped'], forward.lower(x_BLD).compile().as_text()
+
+
 @pytest.mark.parametrize('field', ['capacity_factor', 'expert_buffer'])
 def test_experts_over_an_expert_axis_drop_only_what_a_capacity_or_buffer_says(field):
   """Over data=2 × expert=4: the output and every gradient equal the loop over experts with
@@ -161,16 +173,7 @@ def test_experts_over_an_expert_axis_drop_only_what_a_capacity_or_buffer_says(fi
   else:
     taken = np.concatenate([numpy_taken(chosen[g:g + 4 * t], 4, t * K) for g in (0, 24)])
   assert 0 < (~taken).sum()
-  mesh = sharding.make_mesh(tiny_config(data=2, expert=4).mesh)
-
-  def on_mesh(m, x_BLD):
-    with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
-      return m(x_BLD)
-
-  with jax.set_mesh(mesh):
-    (_, y), grads = value_and_grads(lambda m, x: on_mesh(m, x)[0], module, x_BLD)
-    forward = jax.jit(lambda x: on_mesh(module, x))
-    dropped, hlo = forward(x_BLD)[1]['dropped'], forward.lower(x_BLD).compile().as_text()
+  y, grads, dropped, hlo = over_expert_4(module, x_BLD)
   (_, y_ref), grads_ref = value_and_grads(lambda m, x: loop_reference(m, x, ~taken), module, x_BLD)
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
@@ -192,16 +195,7 @@ def test_dropless_over_an_expert_axis_holds_the_worst_case_and_no_more():
   chosen = np.asarray(moe.route(x_BLD.reshape(-1, 64) @ module.router[...], None, K, 'softmax',
                                 True)[1])
   assert (chosen == 0).any(axis=1).all()  # every token sends expert 0 a row
-  mesh = sharding.make_mesh(tiny_config(data=2, expert=4).mesh)
-
-  def on_mesh(m, x_BLD):
-    with nnx.logical_axis_rules(sharding.ACTIVATION_RULES):
-      return m(x_BLD)
-
-  with jax.set_mesh(mesh):
-    (_, y), grads = value_and_grads(lambda m, x: on_mesh(m, x)[0], module, x_BLD)
-    forward = jax.jit(lambda x: on_mesh(module, x))
-    dropped, hlo = forward(x_BLD)[1]['dropped'], forward.lower(x_BLD).compile().as_text()
+  y, grads, dropped, hlo = over_expert_4(module, x_BLD)
   assert float(dropped) == 0
   (_, y_ref), grads_ref = value_and_grads(loop_reference, module, x_BLD)
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
