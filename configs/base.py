@@ -68,6 +68,9 @@ def get_config() -> ml_collections.ConfigDict:
   m.virtual_stages = 1  # pipeline chunks per stage, interleaved (docs/parallelism.md); shapes params
   m.prefetch_weights = False  # start each layer's weight all-gathers in the layer before (XLA's
   # collective pipeliner; one more layer's weights held): where they cross nodes (docs/parallelism.md)
+  m.scheduler_memory = 0.95  # GPUs: the share of the memory beside a step's inputs and outputs
+  # that XLA's scheduler may plan to fill while it overlaps communication with compute (0.95 is
+  # XLA's own); less trades overlap for memory, the same numbers computed (docs/memory.md)
   m.head_chunk = 4096  # tokens a device's head and loss take at once: logits never whole (docs/memory.md); 0: all
   # Mixture of experts (docs/moe.md): experts > 0 gives the layers routed SwiGLU experts.
   m.experts = 0  # routed experts per MoE layer; 0: a dense model
@@ -206,7 +209,7 @@ EFFECTS = {field: kind for kind, names in {
         model.matmul_precision model.attention model.attention_block_q model.attention_block_k
         model.cudnn_segments
         model.context_parallel model.scan_layers model.remat_policy model.head_chunk
-        model.prefetch_weights
+        model.prefetch_weights model.scheduler_memory
         model.expert_matmul mesh.data mesh.stage mesh.fsdp mesh.expert mesh.tensor
         mesh.sequence mesh.auto partition.hierarchical partition.weights partition.gradients
         optimizer.offload_state""",

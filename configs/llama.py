@@ -17,9 +17,8 @@ Plan on any machine, compiled for the H100s each preset is meant for (GPUS below
   python train.py --config=configs/llama.py:8b-128k --config.dry_run=True \
       --config.plan.target=H100 --config.plan.devices=8
   python -m benchmarks.partition --config=configs/llama.py:70b --devices=32,64  # 4, 8 nodes
-With memory to spare, the 8b's layers unrolled (--config.model.scan_layers=False) are predicted
-at 3.00 s a step for 48.3 GiB a GPU, against 3.24 s for 45.7 GiB scanned (docs/time-model.md);
-the 1b's are unrolled (UNROLLED below).
+The 1b's and the 8b's layers are unrolled (UNROLLED below); scanned
+(--config.model.scan_layers=True) the 8b is predicted at 3.24 s a step for 45.7 GiB a GPU.
 Start from the weights they mirror (docs/huggingface.md), which brings
 the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
   python train.py --config=configs/llama.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B
@@ -27,9 +26,10 @@ Should reach: the loss falls as the default run's does (without init_from they t
 byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 tokenizer.json gives
 them their real vocabulary). Compiled for H100 (cudnn attention, gradients reduced in bf16 across
 GPUs), a step needs 8.7 GiB (125m, dots), 48.4 GiB (1b, dots_attention: cuDNN's output and
-softmax statistics kept, so its forward runs once) and 45.7 GiB a GPU (8b, dots over 4
-microbatches, FSDP over 8), within the 59.7 GiB JAX's allocator takes of each. The time model
-predicts (the dry run prints it) 85.1 ms, 524 ms and 3.24 s a step: MFU 31%, 52% and 53%
+softmax statistics kept, so its forward runs once) and 45.4 GiB a GPU (8b, dots over 4
+microbatches, FSDP over 8, XLA's scheduler within 67% of the memory beside its inputs and
+outputs), within the 59.7 GiB JAX's allocator takes of each. The time model predicts (the dry run
+prints it) 85.1 ms, 524 ms and 3.01 s a step: MFU 31%, 52% and 57%
 (jaxlib 0.11.2, the model fitted to an H200's measurements; docs/time-model.md, docs/memory.md).
 Measured on one H200: the 125m's step 71.4 ms, the 1b's 561 ms scanned and 528 ms unrolled
 (benchmarks/results/calibrate_steps_*-h200.json); on one H100 the 1b's 523.5 ms with
@@ -62,8 +62,8 @@ PRESETS = {
 }
 RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches: the fastest the
           # time model predicts of those that fit the preset's H100s (docs/memory.md). The 8b
-          # keeps dots: dots_attention is predicted 3.14 s against 3.24 for 48.3 GiB against
-          # 45.7, more than MaxText's 46.3 (benchmarks/peers.py)
+          # keeps dots: dots_attention (scanned) is predicted 3.14 s against 3.24 for 48.3 GiB
+          # against 45.7, more than MaxText's 46.3 (benchmarks/peers.py)
     '125m': (32, 1024, 'dots', 1),
     '1b': (8, 4096, 'dots_attention', 1),
     '8b': (32, 8192, 'dots', 4),
@@ -71,9 +71,14 @@ RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches:
 }
 # Layers unrolled (config.model.scan_layers=False) where a GPU measured it faster and it fits: on
 # an H200 the 1b took 528 ms a step against 561 ms scanned, for 1.7 GiB more
-# (benchmarks/results/calibrate_steps_1b-h200.json). The 8b's unrolled plan needs more memory than
-# the scanned one and more than MaxText's; the 70b's is slower; the 125m's is not measured.
-UNROLLED = {'1b'}
+# (benchmarks/results/calibrate_steps_1b-h200.json). The 8b's too, as predicted (no GPU has run
+# it yet), with its head 1024 tokens at a time and XLA's scheduler within 67% of the memory
+# beside the step's inputs and outputs (config.model.scheduler_memory): predicted 3.011 s for 45.44 GiB against 3.236 s for 45.73
+# scanned (46.71 GiB at the scheduler's default 95%; docs/memory.md). The 70b's is slower; the
+# 125m's is not measured.
+UNROLLED = {'1b', '8b'}
+HEAD_CHUNK = {'8b': 1024}  # tokens the head takes at once, where not configs/base.py's
+SCHEDULER_MEMORY = {'8b': 0.67}  # config.model.scheduler_memory, where not XLA's 0.95
 # Each layer's weight gathers started in the layer before (config.model.prefetch_weights), where
 # they cross nodes and the plan is faster for it: the 70b on 32 H100s, predicted 12.25 against
 # 13.10 s, for 2.9 GiB more. The 8b over 16 is slower for it (docs/parallelism.md).
@@ -91,6 +96,9 @@ def get_config(preset: str = '1b'):
     c.workdir = f'/tmp/meshlm-{preset}'
     c.batch_size, c.seq_len = mesh['data'] * mesh['fsdp'], seq_len  # one row per batch shard
     c.model.remat_policy, c.microbatches = 'full', 1  # dots needs 63 GiB a GPU here
+    defaults = base.get_config().model  # one row a device: the 8b's step tuning is not this one's
+    for key in ('scan_layers', 'head_chunk', 'scheduler_memory'):
+      c.model[key] = defaults[key]
     c.model.context_parallel = 'ring'  # so attention='auto' takes our kernel
     c.mesh.update(mesh)
     return c
@@ -105,6 +113,8 @@ def get_config(preset: str = '1b'):
   c.batch_size, c.seq_len, c.model.remat_policy, c.microbatches = RUNS[preset]
   c.model.update(PRESETS[preset])
   c.model.scan_layers = preset not in UNROLLED
+  c.model.head_chunk = HEAD_CHUNK.get(preset, c.model.head_chunk)
+  c.model.scheduler_memory = SCHEDULER_MEMORY.get(preset, c.model.scheduler_memory)
   c.model.prefetch_weights = preset in PREFETCHED
   c.optimizer.learning_rate = 3e-4
   c.optimizer.warmup_steps = 500

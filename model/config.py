@@ -51,6 +51,7 @@ class ModelConfig:
   virtual_stages: int
   head_chunk: int  # tokens a device's head and loss take at once (model/head.py); 0: all
   prefetch_weights: bool  # FSDP's weight gathers a layer early (training/programs.py)
+  scheduler_memory: float  # GPUs: what XLA's scheduler may plan to fill (training/programs.py)
   # Mixture of experts (model/moe.py); experts = 0: every layer's MLP is dense.
   experts: int
   experts_per_token: int

@@ -192,6 +192,22 @@ def usable_memory_bytes(gpu: GPU) -> int:
   return int(gpu.memory_bytes * memory_fraction())
 
 
+# XLA's scheduler plans within this share of the memory beside a step's inputs and outputs, unless
+# told otherwise (xla_gpu_memory_limit_slop_factor; config.model.scheduler_memory).
+XLA_SCHEDULER_MEMORY = 0.95
+
+
+def described_memory_bytes(gpu: GPU) -> int:
+  """The device memory a compile-only GPU is described with: what makes XLA's scheduler plan for
+  the memory it gets on a real GPU. There jaxlib hands XLA its allocator's limit
+  (`usable_memory_bytes`, PyClient's compile sets `device_memory_size` from it), and XLA's
+  scheduler and rematerialization plan within it less the program's inputs and outputs; a
+  compile-only client has no allocator, so XLA takes 80% of the described memory instead
+  (gpu_hlo_schedule.cc: GetSchedulerMemoryLimit). Described as usable ÷ 0.8, both plan within
+  the same bytes."""
+  return -(-usable_memory_bytes(gpu) * 100 // 80)  # rounded up: XLA's 80% of it rounds down
+
+
 def target_config(gpu: GPU) -> str:
   """`gpu` as XLA's GpuTargetConfigProto text, for jax.experimental.topologies."""
   major, minor = gpu.compute_capability
@@ -211,7 +227,7 @@ def target_config(gpu: GPU) -> str:
   memory_bandwidth: {int(gpu.memory_bandwidth)}
   l2_cache_size: {gpu.l2_bytes}
   clock_rate_ghz: {gpu.clock_ghz}
-  device_memory_size: {gpu.memory_bytes}
+  device_memory_size: {described_memory_bytes(gpu)}
   registers_per_core_limit: {gpu.registers_per_sm}
   registers_per_block_limit: {gpu.registers_per_sm}
   runtime_version: "{CUDA_VERSION}"

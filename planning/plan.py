@@ -69,6 +69,8 @@ class Plan:
   optimizer_bytes: int = 0  # and the optimizer state (under LoRA, the adapters' alone)
   prefetch_weights: bool = False  # each layer's weight gathers start a layer early
                                   # (config.model.prefetch_weights, training/programs.py)
+  scheduler_memory: float | None = None  # GPUs: what XLA's scheduler planned within, as a share
+                                         # of the memory beside the step's inputs and outputs
 
   @property
   def collective_bytes(self) -> int:
@@ -130,7 +132,9 @@ def make_plan(compiled, setup) -> Plan:
       param_bytes=_device_bytes(setup.abstract_state.params),
       optimizer_bytes=_device_bytes(setup.abstract_state.opt_state),
       # as training/programs.py compiles it: the option is XLA's GPU compiler's, any GPU's
-      prefetch_weights=devices[0].platform == 'gpu' and setup.model_cfg.prefetch_weights)
+      prefetch_weights=devices[0].platform == 'gpu' and setup.model_cfg.prefetch_weights,
+      scheduler_memory=(setup.model_cfg.scheduler_memory if devices[0].platform == 'gpu'
+                        else None))
 
 
 def _device_bytes(abstract) -> int:
@@ -219,6 +223,9 @@ def report(plan: Plan) -> None:
               if plan.mesh.get('stage', 1) > 1 else '')),
           *([('weight gathers', "a layer early (XLA's collective pipeliner, "
                                 'config.model.prefetch_weights)')] if plan.prefetch_weights else []),
+          *([('XLA scheduler', f'plans within {plan.scheduler_memory:.0%} of the memory beside '
+                               'inputs and outputs (config.model.scheduler_memory)')]
+            if plan.scheduler_memory not in (None, gpus.XLA_SCHEDULER_MEMORY) else []),
           ('arguments / device', readable_bytes(plan.argument_bytes)),
           ('state / device', f'parameters {readable_bytes(plan.param_bytes)}, optimizer '
                              f'{readable_bytes(plan.optimizer_bytes)} (wherever they live)'),

@@ -195,6 +195,8 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
                                 'config.model.cudnn_segments=-1'),
     'weight prefetch not a yes or no': (['--config.model.prefetch_weights=sometimes'],
                                         'config.model.prefetch_weights=sometimes'),
+    'XLA scheduler given more than the memory': (['--config.model.scheduler_memory=1.5'],
+                                                 'config.model.scheduler_memory=1.5'),
     'offloaded state planned for a GPU here': (['--config.dry_run=True', '--config.plan.target=H100',
                                                 '--config.optimizer.offload_state=True'],
                                                'the deviceless compiler has no host memory'),

@@ -19,7 +19,7 @@ from kernels.flash_attention import default_blocks
 from planning import communication, gpu_compiler, gpus, timing
 from sharding import collectives, hlo
 from tests.conftest import f32_shapes
-from training import dry_run, loop, settings
+from training import dry_run, loop, programs, settings
 from training.programs import compile_and_plan
 from training.state import build
 
@@ -169,7 +169,15 @@ def test_dry_run_plans_for_h100s_from_train_py(h100):
   assert figures['memory_bytes'] == gpus.usable_memory_bytes(H100)  # as the other presets'
   assert 0.1 < figures['time']['mfu'] < gpus.GEMM_EFFICIENCY and figures['compiled_flops'] is None
   assert figures['collectives']['reduce-scatter']['count'] > 0
+  assert figures['scheduler_memory'] == 0.67  # the preset's: configs/llama.py
+  assert 'plans within 67% of the memory beside inputs and outputs' in result.stdout
   assert 'Traceback' not in result.stderr and 'plugin' not in result.stderr.lower()
+
+
+def test_the_scheduler_share_goes_to_xla_where_it_is_not_xlas_own(h100):
+  eight, seventy = built(preset('8b', 'auto')), built(preset('70b', 'auto'))
+  assert programs.compiler_options(eight)['xla_gpu_memory_limit_slop_factor'] == 67
+  assert 'xla_gpu_memory_limit_slop_factor' not in programs.compiler_options(seventy)
 
 
 def test_without_the_gpu_compiler_the_plan_is_a_labelled_cpu_stand_in(monkeypatch, capsys,
@@ -187,6 +195,18 @@ def test_without_the_gpu_compiler_the_plan_is_a_labelled_cpu_stand_in(monkeypatc
   config.plan.devices = 4  # another count than the devices here needs the GPU compiler
   with pytest.raises(ValueError, match='config.plan.devices=4 needs the GPU compiler'):
     dry_run.plan(config)
+
+
+@pytest.mark.parametrize('fraction', [None, '0.9'])
+def test_xla_schedules_a_compile_only_gpu_within_what_jax_gives_a_real_one(monkeypatch, fraction):
+  """On a GPU, jaxlib hands XLA its allocator's limit and XLA's scheduler plans within that; a
+  compile-only device has no allocator, and XLA takes 80% of the memory it is described with."""
+  if fraction:
+    monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', fraction)
+  for gpu in gpus.GPUS.values():
+    described = int(re.search(r'device_memory_size: (\d+)', gpus.target_config(gpu)).group(1))
+    allocator = int(gpu.memory_bytes * float(fraction or gpus.DEFAULT_MEMORY_FRACTION))
+    assert described * 80 // 100 == allocator, gpu.name  # XLA's integer arithmetic
 
 
 def test_plan_target_is_for_planning_only_and_must_be_known():

@@ -83,6 +83,7 @@ BAD = [
     (dict(model=dict(attention='cudnn')), 'config.model.attention'),
     (dict(model=dict(n_kv_heads=3)), 'config.model.n_heads'),
     (dict(train_steps=0), 'config.train_steps'),
+    (dict(model=dict(scheduler_memory=0.0)), 'config.model.scheduler_memory=0.0 must be in'),
     (dict(model=dict(draft_only=True)), 'config.model.draft_heads'),
     (dict(microbatches=2, mesh=dict(stage=2), model=dict(draft_heads=2)), 'config.mesh.stage=1'),
     (dict(mesh=dict(sequence=2), model=dict(draft_heads=2, context_parallel='ring',

@@ -5,6 +5,7 @@ run and read. What a step computes is training/step.py's."""
 import jax
 import numpy as np
 
+from planning import gpus
 from planning import plan as plan_lib
 import sharding
 from training.state import Setup
@@ -35,22 +36,36 @@ DEVICELESS_COMPILER_OPTIONS = {'xla_gpu_autotune_level': 0}
 # layer. XLA's collective pipeliner moves each layer's gathers into the iteration before, under
 # the previous layer's compute, for one more layer's gathered weights. Where the gathers cross
 # nodes, waiting on them is the step's largest cost: the 70b on 32 H100s, predicted 13.10 ->
-# 12.25 s, +2.9 GiB. It does not always pay: the 8b over 16 (4 microbatches, whose loop XLA
-# pipelines too) 6.16 -> 6.39 s, Mixtral over 16 7.12 -> 7.52 s (docs/parallelism.md). So it is a
-# preset's choice (configs/llama.py: 70b), made from the plans.
+# 12.25 s, +2.9 GiB. It does not always pay: with 4 microbatches XLA pipelines their loop too,
+# and the 8b preset (layers unrolled) over 16 plans 5.14 -> 9.80 s and 37 -> 81 GiB, over 8
+# 3.01 -> 6.10 s (docs/parallelism.md). So it is a preset's choice (configs/llama.py: 70b), made
+# from the plans.
 PREFETCH_COMPILER_OPTIONS = {'xla_gpu_pipeline_all_gather': 'COLLECTIVE_PIPELINING_MODE_ON'}
+# config.model.scheduler_memory: XLA's scheduler (and its rematerialization) plans a step within
+# (the memory JAX's allocator holds − the step's inputs and outputs) × this share, 0.95 by default
+# (xla_gpu_memory_limit_slop_factor; docs/gpus-without-a-gpu.md says why a compile for GPUs that
+# are not there plans within the same bytes). Within less, it starts fewer collectives early and
+# holds fewer buffers at once: the 8b with its layers unrolled plans 46.71 GiB and 3.006 s at
+# 0.95, 45.44 GiB and 3.011 s at 0.67 (docs/memory.md).
+
+
+def scheduler_options(share: float) -> dict:
+  return ({} if share == gpus.XLA_SCHEDULER_MEMORY
+          else {'xla_gpu_memory_limit_slop_factor': round(100 * share)})
 
 
 def compiler_options(setup: Setup) -> dict:
   """XLA options for this setup's programs: FP8_COMPILER_OPTIONS for fp8 projections on GPUs,
   DEVICELESS_COMPILER_OPTIONS for GPUs that are not there (the run's target says which),
-  PREFETCH_COMPILER_OPTIONS where config.model.prefetch_weights says so."""
+  PREFETCH_COMPILER_OPTIONS where config.model.prefetch_weights says so, and the scheduler's share
+  of the memory (config.model.scheduler_memory)."""
   if setup.mesh.devices.flat[0].platform != 'gpu':
     return {}
   fp8 = setup.model_cfg.matmul_precision == 'fp8'
   return {**(FP8_COMPILER_OPTIONS if fp8 else {}),
           **(DEVICELESS_COMPILER_OPTIONS if setup.run.target.deviceless else {}),
-          **(PREFETCH_COMPILER_OPTIONS if setup.model_cfg.prefetch_weights else {})}
+          **(PREFETCH_COMPILER_OPTIONS if setup.model_cfg.prefetch_weights else {}),
+          **scheduler_options(setup.model_cfg.scheduler_memory)}
 
 
 def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
