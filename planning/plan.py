@@ -102,6 +102,7 @@ def make_plan(compiled, setup) -> Plan:
                                     reference=run.data.preference) * tokens / n
   gpu = gpus.find(kind)  # the compiled program's, which the time model describes
   predicted = timing.predict(hlo, gpu or gpus.NOMINAL)
+  on_gpu = devices[0].platform == 'gpu'  # XLA's GPU options apply (training/programs.py)
   return Plan(
       device=target.name, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
@@ -131,10 +132,8 @@ def make_plan(compiled, setup) -> Plan:
       time=predicted_time(predicted, gpu, tokens / n, flops),
       param_bytes=_device_bytes(setup.abstract_state.params),
       optimizer_bytes=_device_bytes(setup.abstract_state.opt_state),
-      # as training/programs.py compiles it: the option is XLA's GPU compiler's, any GPU's
-      prefetch_weights=devices[0].platform == 'gpu' and setup.model_cfg.prefetch_weights,
-      scheduler_memory=(setup.model_cfg.scheduler_memory if devices[0].platform == 'gpu'
-                        else None))
+      prefetch_weights=on_gpu and setup.model_cfg.prefetch_weights,
+      scheduler_memory=setup.model_cfg.scheduler_memory if on_gpu else None)
 
 
 def _device_bytes(abstract) -> int:
