@@ -14,8 +14,10 @@ import tempfile
 
 # Tests compile far more than they compute: without LLVM's optimisations a tiny step compiles in
 # about half the time (4.6 s against 8.5 s for configs/base.py) and runs about 3× slower, which
-# pays for itself up to some 20 steps. The processes tests start inherit it; the one that trains
-# 100 steps (tests/test_notebook.py) takes it out (FAST_COMPILE).
+# pays for itself up to some 20 steps. So in this process, whose programs are compiled once and
+# run a few steps; not in the processes tests start, which run train.py for tens of steps and
+# share a compilation cache, so that each program is compiled once and run again and again
+# (tests/test_checkpoint.py: 237 → 204 CPU-seconds). FAST_COMPILE is taken out below.
 FAST_COMPILE = ' --xla_backend_optimization_level=0'
 for inherited in ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
                   'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'):  # set below for the subprocesses
@@ -44,7 +46,8 @@ assert jax.device_count() == 8, 'tests expect 8 CPU devices (XLA_FLAGS was set t
 
 # Set after jax read its configuration: the environment is for the processes tests start.
 CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
-os.environ.update(JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
+os.environ.update(XLA_FLAGS=os.environ['XLA_FLAGS'].replace(FAST_COMPILE, '').strip(),
+                  JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
 # This process has one of its own: tests build the same tiny steps again and again (each
@@ -217,17 +220,17 @@ FAST = (
 )
 
 
-LONGEST = {'test_gpu_compile.py': 282, 'test_checkpoint.py': 214, 'test_distributed.py': 104,
-           'test_benchmarks.py': 103, 'test_notebook.py': 87, 'test_moe.py': 65,
-           'test_plan.py': 64, 'test_context_parallel.py': 61, 'test_training.py': 57,
-           'test_pipeline.py': 54, 'test_evaluation.py': 70, 'test_dpo.py': 50,
-           'test_kernels.py': 48, 'test_generate.py': 46, 'test_speculate.py': 39,
-           'test_sharding.py': 38, 'test_chat.py': 37, 'test_hierarchical.py': 36,
-           'test_kv_cache.py': 32, 'test_huggingface.py': 30, 'test_configs.py': 30,
-           'test_data.py': 29, 'test_tokens.py': 26, 'test_model.py': 25, 'test_cli.py': 24,
-           'test_lora.py': 20, 'test_timing.py': 19, 'test_fp8.py': 15, 'test_workdir.py': 14,
-           'test_head.py': 14, 'test_grouped_matmul.py': 11, 'test_preemption.py': 8,
-           'test_instruments.py': 6, 'test_structure.py': 5, 'test_embedding.py': 4}
+LONGEST = {'test_gpu_compile.py': 419, 'test_checkpoint.py': 280, 'test_distributed.py': 129,
+           'test_benchmarks.py': 122, 'test_evaluation.py': 91, 'test_dpo.py': 82,
+           'test_notebook.py': 79, 'test_moe.py': 75, 'test_pipeline.py': 70, 'test_plan.py': 69,
+           'test_kernels.py': 67, 'test_context_parallel.py': 61, 'test_generate.py': 52,
+           'test_training.py': 50, 'test_model.py': 48, 'test_chat.py': 44, 'test_timing.py': 42,
+           'test_sharding.py': 38, 'test_huggingface.py': 37, 'test_kv_cache.py': 36,
+           'test_speculate.py': 34, 'test_cli.py': 34, 'test_data.py': 31, 'test_configs.py': 30,
+           'test_hierarchical.py': 27, 'test_tokens.py': 22, 'test_lora.py': 18, 'test_fp8.py': 16,
+           'test_head.py': 13, 'test_grouped_matmul.py': 10, 'test_preemption.py': 8,
+           'test_instruments.py': 8, 'test_structure.py': 6, 'test_embedding.py': 4,
+           'test_workdir.py': 2}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by it

@@ -2,22 +2,18 @@
 promise: quickstart.ipynb the mesh, a falling loss, a plot, sampled text; finetune.ipynb a chat
 corpus and its template, LoRA, the exports, an answer."""
 
-import os
 import pathlib
 
 import nbclient
 import nbformat
 
-from tests.conftest import FAST_COMPILE
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_quickstart_notebook_runs(monkeypatch):
+def test_quickstart_notebook_runs():
   notebook = nbformat.read(REPO / 'notebooks' / 'quickstart.ipynb', as_version=4)
-  # The kernel inherits this process's environment: 8 CPU devices, the tests' TFDS data dir; and
-  # XLA's optimisations, for its 100 steps.
-  monkeypatch.setenv('XLA_FLAGS', os.environ['XLA_FLAGS'].replace(FAST_COMPILE, ''))
+  # The kernel inherits this process's environment: 8 CPU devices, the tests' TFDS data dir, and
+  # XLA's optimisations (tests/conftest.py), for its 100 steps.
   nbclient.NotebookClient(notebook, timeout=600, kernel_name='python3',
                           resources={'metadata': {'path': str(REPO)}}).execute()
   outputs = [o for cell in notebook.cells if cell.cell_type == 'code' for o in cell.outputs]
