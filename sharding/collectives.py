@@ -18,6 +18,7 @@ group (an MoE layer's tokens over balanced experts, model/moe.py).
 """
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -131,11 +132,12 @@ def in_computation(lines: list[str], devices: int, executions: int = 1):
   return found
 
 
-def executed(hlo_text: str) -> list[Collective]:
+@functools.lru_cache(maxsize=4)  # a plan asks of one program several times (summary, crossing)
+def executed(hlo_text: str) -> tuple[Collective, ...]:
   """Every collective of the program, with how many times one execution of it runs each."""
   computations, times, devices = hlo.runs(hlo_text)
-  return [c for name, count in times.items()
-          for _, _, c in in_computation(computations.get(name, []), devices, count)]
+  return tuple(c for name, count in times.items()
+               for _, _, c in in_computation(computations.get(name, []), devices, count))
 
 
 def summary(hlo_text: str) -> dict[str, dict]:
