@@ -200,8 +200,10 @@ def test_corrupted_bytes_fail_the_checksums_and_are_not_trained_from(tmp_path):
   biggest.write_bytes(bytes(data))
   config = tiny_run(tmp_path, train_steps=4)
   setup = build(settings.resolve(config))
-  with pytest.warns(CheckpointWarning, match=r'checkpoints/4 is damaged \(1 of \d+ arrays differ '
-                                             r'from their checksums: '):
+  # The 64 bytes land in one array's chunk or straddle two: where depends on the order in which
+  # orbax's writes filled the file (2 of 40 in one CI run).
+  with pytest.warns(CheckpointWarning, match=r'checkpoints/4 is damaged \([12] of \d+ arrays '
+                                             r'differ from their checksums: '):
     step, _, _ = Checkpointer(tmp_path / 'checkpoints').restore_latest(setup.abstract_state,
                                                                         config.model)
   assert step == 2 and (tmp_path / 'checkpoints-damaged' / '4').is_dir()
