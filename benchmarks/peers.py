@@ -19,9 +19,10 @@ gradient_accumulation_steps) and GPUs are meshlm's (configs/llama.py RUNS and GP
 every parameter over every GPU (fsdp), compute in bf16 with fp32 weights, and run cuDNN's fused
 attention through JAX (meshlm's attention='cudnn', MaxText's cudnn_flash_jax). meshlm's remat
 'dots' saves every projection's output: MaxText's 'minimal' saves the same tensors by its names;
-'full' is 'full' in both. meshlm's 'dots_attention' (the 1b's) also keeps cuDNN's attention output
-and softmax statistics, which no MaxText policy names: MaxText runs its 'minimal' there, the
-nearest, and each system's memory shows what the extra residuals cost. Everything else is each system's default, which is the point: meshlm's
+'full' is 'full' in both. meshlm's 'dots_attention' also keeps cuDNN's attention output and
+softmax statistics, which no MaxText policy names, and the '_except_out' variants (the 8b's and
+the 1b's) redo the output projection rather than keep its output: MaxText runs its 'minimal'
+there, the nearest, and each system's memory and step show what the difference costs. Everything else is each system's default, which is the point: meshlm's
 chunked head and its gradient reduction dtype (config.model.grad_reduce_dtype), MaxText's own.
 
 Per GPU: memory (arguments + outputs + temporaries − donated), the predicted step, tokens/s and MFU
@@ -89,7 +90,8 @@ PRESETS = {
                                        ('model_name=mixtral-8x7b', 'megablox=false'), expert=8),
 }
 # meshlm's policy: MaxText's that saves the same (dots_attention: the nearest, above)
-REMAT = {'dots': 'minimal', 'dots_attention': 'minimal', 'full': 'full'}
+REMAT = {'dots': 'minimal', 'dots_attention': 'minimal', 'dots_except_out': 'minimal',
+         'dots_attention_except_out': 'minimal', 'full': 'full'}
 
 _PRESETS = flags.DEFINE_string('presets', ','.join(PRESETS), 'Comma-separated, of PRESETS.')
 _ENV = flags.DEFINE_string('maxtext_env', None, "MaxText's environment; default beside this one.")

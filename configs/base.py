@@ -63,8 +63,8 @@ def get_config() -> ml_collections.ConfigDict:
                          # takes the dense document mask that step (docs/attention.md); 0: always
   m.context_parallel = 'all_gather'  # all_gather | ring: attention over a sequence split (docs/parallelism.md)
   m.scan_layers = True  # False unrolls the layer scan (same parameters, longer compile)
-  m.remat_policy = 'none'  # none | full | dots | dots_attention | save_qkv_proj | save_attention |
-                           # offload_* (docs/memory.md)
+  m.remat_policy = 'none'  # none | full | dots | dots_attention | dots[_attention]_except_out |
+                           # save_qkv_proj | save_attention | offload_* (docs/memory.md)
   m.virtual_stages = 1  # pipeline chunks per stage, interleaved (docs/parallelism.md); shapes params
   m.prefetch_weights = False  # start each layer's weight all-gathers in the layer before (XLA's
   # collective pipeliner; one more layer's weights held): where they cross nodes (docs/parallelism.md)

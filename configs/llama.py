@@ -18,25 +18,26 @@ Plan on any machine, compiled for the H100s each preset is meant for (GPUS below
       --config.plan.target=H100 --config.plan.devices=8
   python -m benchmarks.partition --config=configs/llama.py:70b --devices=32,64  # 4, 8 nodes
 The 1b's and the 8b's layers are unrolled (UNROLLED below); scanned
-(--config.model.scan_layers=True) the 8b is predicted at 3.24 s a step for 45.7 GiB a GPU.
+(--config.model.scan_layers=True) the 8b was predicted at 3.24 s a step for 45.7 GiB a GPU
+(remat dots, jaxlib 0.11.2).
 Start from the weights they mirror (docs/huggingface.md), which brings
 the checkpoint's tokenizer and settings (Llama 3.1's rope scaling, for one):
   python train.py --config=configs/llama.py:1b --config.init_from=hf:/path/to/Llama-3.2-1B
 Should reach: the loss falls as the default run's does (without init_from they train
 byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 tokenizer.json gives
 them their real vocabulary). Compiled for H100 (cudnn attention, gradients reduced in bf16 across
-GPUs), a step needs 8.7 GiB (125m, dots), 48.4 GiB (1b, dots_attention: cuDNN's output and
-softmax statistics kept, so its forward runs once) and 45.4 GiB a GPU (8b, dots over 4
-microbatches, FSDP over 8, XLA's scheduler within 67% of the memory beside its inputs and
-outputs), within the 59.7 GiB JAX's allocator takes of each. The time model predicts (the dry run
-prints it) 85.1 ms, 524 ms and 3.01 s a step: MFU 31%, 52% and 57%
-(jaxlib 0.11.2, the model fitted to an H200's measurements; docs/time-model.md, docs/memory.md).
+GPUs), a step needs 8.7 GiB (125m, dots), 44.8 GiB (1b, dots_attention_except_out: cuDNN's
+output and softmax statistics kept, so its forward runs once, and the output projection redone
+from them) and 43.4 GiB a GPU (8b, dots_except_out over 4 microbatches, FSDP over 8), within the
+59.7 GiB JAX's allocator takes of each. The time model predicts (the dry run prints it) 84.6 ms,
+524 ms and 3.04 s a step: MFU 31%, 52% and 56% (jaxlib 0.12.0.1, the model fitted to an H200's
+and an H100's measurements; docs/time-model.md, docs/memory.md).
 Measured on one H200: the 125m's step 71.4 ms, the 1b's 561 ms scanned and 528 ms unrolled
 (benchmarks/results/calibrate_steps_*-h200.json); on one H100 the 1b's 523.5 ms with
-dots_attention against 543.1 ms with dots (calibrate_steps_1b-h100.json).
+dots_attention against 543.1 ms with dots (calibrate_steps_1b-h100.json; jax 0.11.2).
 On jaxlib 0.10.2 the 8b-128k (full) needed 25.4 GiB. The 70b, FSDP over 32 H100s (remat full),
-each layer's weights gathered during the layer before, needs 54.4 GiB a GPU and is predicted at
-12.2 s a step (MFU 30%), 42% of it waiting on the links between nodes: docs/parallelism.md has
+each layer's weights gathered during the layer before, needs 53.9 GiB a GPU and is predicted at
+11.9 s a step (MFU 31%), 40% of it waiting on the links between nodes: docs/parallelism.md has
 it under each partition across nodes. MaxText's steps,
 compiled beside them by the same XLA: benchmarks/peers.py (docs/time-model.md).
 On GPU, compare the benchmark's measured MFU with those and with the peers' 33–50% (MaxText,
@@ -61,23 +62,25 @@ PRESETS = {
                 rope_high_freq_factor=4.0, rope_original_length=8192),
 }
 RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches: the fastest the
-          # time model predicts of those that fit the preset's H100s (docs/memory.md). The 8b
-          # keeps dots: dots_attention (scanned) is predicted 3.14 s against 3.24 for 48.3 GiB
-          # against 45.7, more than MaxText's 46.3 (benchmarks/peers.py)
+          # time model predicts of those that fit the preset's H100s within MaxText's memory for
+          # the same step (benchmarks/peers.py; docs/memory.md). The 1b and the 8b leave the
+          # output projection's output to recompute (_except_out: a matmul a layer for 2 GiB a
+          # GPU); the 8b recomputes attention too (dots_attention costs it 2 GiB more again)
     '125m': (32, 1024, 'dots', 1),
-    '1b': (8, 4096, 'dots_attention', 1),
-    '8b': (32, 8192, 'dots', 4),
+    '1b': (8, 4096, 'dots_attention_except_out', 1),
+    '8b': (32, 8192, 'dots_except_out', 4),
     '70b': (32, 8192, 'full', 1),
 }
 # Layers unrolled (config.model.scan_layers=False) where a GPU measured it faster and it fits: on
 # an H200 the 1b took 528 ms a step against 561 ms scanned, for 1.7 GiB more
 # (benchmarks/results/calibrate_steps_1b-h200.json). The 8b's too, as predicted (no GPU has run
 # it yet), with its head 1024 tokens at a time and XLA's scheduler within 67% of the memory
-# beside the step's inputs and outputs (config.model.scheduler_memory): predicted 3.011 s for 45.44 GiB against 3.236 s for 45.73
-# scanned (46.71 GiB at the scheduler's default 95%; docs/memory.md). The 70b's is slower; the
-# 125m's is not measured.
+# beside the step's inputs and outputs (config.model.scheduler_memory; 0.24 GiB less than its
+# default 95% on jaxlib 0.12, the same step). The 70b's is slower; the 125m's is not measured.
 UNROLLED = {'1b', '8b'}
-HEAD_CHUNK = {'8b': 1024}  # tokens the head takes at once, where not configs/base.py's
+# Tokens the head takes at once, where not configs/base.py's: the 1b's 2048 plans 1.5 GiB less
+# than 4096 for 0.4 ms (jaxlib 0.12, one H100)
+HEAD_CHUNK = {'1b': 2048, '8b': 1024}
 SCHEDULER_MEMORY = {'8b': 0.67}  # config.model.scheduler_memory, where not XLA's 0.95
 # Each layer's weight gathers started in the layer before (config.model.prefetch_weights), where
 # they cross nodes and the plan is faster for it: the 70b on 32 H100s, predicted 12.25 against

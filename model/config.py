@@ -7,8 +7,9 @@ import jax.numpy as jnp
 from kernels.attention import IMPLEMENTATIONS
 from kernels.grouped_matmul import IMPLEMENTATIONS as EXPERT_MATMULS
 
-REMAT_POLICIES = ('none', 'full', 'dots', 'dots_attention', 'save_qkv_proj', 'save_attention',
-                  'offload_dots', 'offload_qkv_proj', 'offload_attention')
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_attention', 'dots_except_out',
+                  'dots_attention_except_out', 'save_qkv_proj', 'save_attention', 'offload_dots',
+                  'offload_qkv_proj', 'offload_attention')
 DTYPES = ('float32', 'bfloat16', 'float16')
 CONTEXT_PARALLEL = ('all_gather', 'ring')  # kernels/context_parallel.py
 ROPE_TYPES = ('default', 'llama3')  # transformers' names: plain RoPE, Llama 3.1's rescaling

@@ -51,6 +51,9 @@ class Draft(nnx.Param):
   """A draft head's parameter (model/draft.py): added to a base model, as an adapter is."""
 
 
+# The output projection's name: a remat policy may leave it to recompute from attention's output
+# (one matmul a layer) rather than keep it (model/transformer.py: REMAT).
+OUT = 'out_projection'
 ADDED = (LoRA, Draft)  # parameters a base model's checkpoint does not hold: they start afresh
 
 
@@ -115,7 +118,8 @@ def weight(p: nnx.Param, cfg: ModelConfig):
   return p[...].astype(cfg.reduce_dtype)
 
 
-def project(spec: str, x, p: nnx.Param, cfg: ModelConfig, lora: Adapter | None = None):
+def project(spec: str, x, p: nnx.Param, cfg: ModelConfig, lora: Adapter | None = None,
+            name: str = 'projection'):
   """matmul of x by a layer's weight p (plus its adapter's output, under LoRA). Under a remat
   policy the backward recomputes the forward, the weight's FSDP gather included, so the backward
   uses that gather rather than make its own; without one, the backward gathers again rather than
@@ -126,8 +130,9 @@ def project(spec: str, x, p: nnx.Param, cfg: ModelConfig, lora: Adapter | None =
   out = multiply(spec, x, w, x.dtype, None if cfg.remat_policy == 'none' else w.astype(x.dtype))
   if lora is not None:
     out = out + lora(spec, x)
-  # Remat policies cannot see the dots inside a custom_vjp: the name lets them save its output.
-  return checkpoint_name(out, 'projection')
+  # Remat policies cannot see the dots inside a custom_vjp: the name lets them save its output
+  # (model/transformer.py: REMAT; attention's output projection is 'out_projection').
+  return checkpoint_name(out, name)
 
 
 class RMSNorm(nnx.Module):
@@ -254,7 +259,7 @@ class Attention(nnx.Module):
                for name, new in (('k', k_BTKH), ('v', v_BTKH))}
       k_BSKH, v_BSKH = (kv_cache.read(cache[name], layer, cfg.dtype) for name in ('k', 'v'))
     out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
-    return project('btnh,nhd->btd', out_BTNH, self.wo, cfg, self.wo_lora), cache
+    return project('btnh,nhd->btd', out_BTNH, self.wo, cfg, self.wo_lora, OUT), cache
 
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
     cfg = self.cfg
@@ -306,7 +311,7 @@ class Attention(nnx.Module):
     out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
     out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
                                'attention_out')
-    return project('blnh,nhd->bld', out_BLNH, self.wo, self.cfg, self.wo_lora)
+    return project('blnh,nhd->bld', out_BLNH, self.wo, self.cfg, self.wo_lora, OUT)
 
 
 class MLP(nnx.Module):

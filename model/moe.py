@@ -4,7 +4,8 @@ GEMMs run grouped (kernels/grouped_matmul.py), plus optional shared experts ever
 Parameters (logical axes; sharding/rules.py):
   router[embed, expert_scores]           logits in fp32 (every token's device needs all E)
   router_bias[expert_scores]             sigmoid router only: moves the choice, not the weights
-  w_gate, w_up[experts, expert_embed, mlp], w_down[experts, mlp, expert_embed]
+  w_gate, w_up[experts, expert_embed, mlp], w_down[experts, expert_mlp, expert_out]
+                                         (w_down's FSDP share on its width: sharding/rules.py)
   shared.*                               an MLP of width shared_experts × expert width
 
 Routing is computed on the whole batch as XLA lays it out. The experts run per device
@@ -45,7 +46,7 @@ from model.layers import MLP, constrain, gathered, param, weight
 
 TOKENS = ('batch', 'length')
 GATE_UP = ('experts', 'expert_embed', 'mlp')
-DOWN = ('experts', 'mlp', 'expert_embed')
+DOWN = ('experts', 'expert_mlp', 'expert_out')
 
 
 class RouterBias(nnx.Param):
@@ -322,7 +323,7 @@ def _experts_grads(settings, residuals, g_BLD):
               + mm(d_up_RF, jnp.swapaxes(wu, 1, 2))).astype(x_tD.dtype)
     grads = [dw(xe_RD, d_gate_RF), dw(xe_RD, d_up_RF), dw(_hidden(gate_RF, up_RF), ge_RD)]
     grads = [_reduce(g.astype(reduce_dtype), dim, scatter, summed)
-             for g, dim in zip(grads, (1, 1, 2))]
+             for g, dim in zip(grads, (1, 1, 1))]  # each one's FSDP-split dimension
     dxs_AD = from_experts(dxe_RD, r, t * k).astype(jnp.float32)
     dx_tD = dxs_AD[inverse_A].reshape(t, k, D).sum(axis=1)
     d_weights_tk = jnp.where(kept_A, d_weight_A, 0.0)[inverse_A].reshape(t, k)

@@ -191,6 +191,11 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'attention kept with no kernel to keep': (['--config.model.attention=xla',
                                                '--config.model.remat_policy=dots_attention'],
                                               "remat_policy='dots_attention'"),
+    'attention kept, out projection redone, no kernel': (
+        ['--config.model.attention=xla', '--config.model.remat_policy=dots_attention_except_out'],
+        "remat_policy='dots_except_out'"),
+    'remat policy misspelt': (['--config.model.remat_policy=dots_except'],
+                              'config.model.remat_policy'),
     'cudnn segments negative': (['--config.model.cudnn_segments=-1'],
                                 'config.model.cudnn_segments=-1'),
     'weight prefetch not a yes or no': (['--config.model.prefetch_weights=sometimes'],

@@ -15,7 +15,10 @@ ACTIVATION_RULES say how the computation is split. Keeping them apart makes each
   - Expert: 'experts' → expert in both tables: each device holds E/expert of an MoE layer's
     experts, and the tokens travel to them by all-to-all (model/moe.py). Everywhere else the
     axis is one more FSDP axis: 'batch' and the dense weights' 'embed' are split over it too, so
-    an expert's own model dimension has a name of its own, 'expert_embed'.
+    an expert's own model dimension has a name of its own, 'expert_embed'. W_down's FSDP share
+    falls on its width instead ('expert_mlp', after tensor's split; its model dimension
+    'expert_out' whole): gathered and reduce-scattered along the major dimension of a layer's
+    slice, XLA needs no transposed fp32 copy of the whole stack (3.5 GiB a GPU for Mixtral).
   - Pipeline: 'layers' → stage in both tables. Each stage holds its consecutive layers of every
     stacked parameter; the model finds the axis (sharding.mesh_axis('layers')) and runs its
     schedule over it (model/pipeline.py). Embedding and head are replicated over stages. With
@@ -24,7 +27,8 @@ ACTIVATION_RULES say how the computation is split. Keeping them apart makes each
 Sharded shapes, in scaling-book notation: Wq[layers_stage, D_(fsdp,sequence,expert), N_tensor, H]
 (or Wq[virtual, layers_stage, …]), Wgate[D_(fsdp,sequence,expert), F_tensor],
 x[B_(data,fsdp,expert), L_sequence, D]; an MoE layer's experts
-W_gate[E_expert, D_(fsdp,sequence), F_tensor] (model/moe.py).
+W_gate[E_expert, D_(fsdp,sequence), F_tensor], W_down[E_expert, F_(tensor,fsdp,sequence), D]
+(model/moe.py).
 """
 
 import math
@@ -41,6 +45,8 @@ PARAM_RULES = (
     ('vocab', 'tensor'),
     ('embed', ('fsdp', 'sequence', 'expert')),  # outside the experts `expert` is FSDP's too
     ('expert_embed', ('fsdp', 'sequence')),  # an expert's model dimension: `expert` splits E
+    ('expert_mlp', ('tensor', 'fsdp', 'sequence')),  # W_down's width: FSDP's share within tensor's
+    ('expert_out', None),  # W_down's model dimension
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),
     ('head_dim', None),
@@ -60,6 +66,8 @@ ACTIVATION_RULES = (
     ('kv_length', None),
     ('embed', None),
     ('expert_embed', None),
+    ('expert_mlp', 'tensor'),
+    ('expert_out', None),
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),
     ('head_dim', None),

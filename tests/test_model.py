@@ -100,11 +100,13 @@ def launches(jaxpr, kernel: str) -> int:
 
 def test_policies_keeping_attention_run_our_kernels_forward_once():
   """Our kernel's output and softmax statistics kept (model/transformer.py REMAT), the backward
-  pass runs its backward alone; `dots` runs its forward again first. The gradients are the same."""
+  pass runs its backward alone; `dots` runs its forward again first, and so does
+  `dots_except_out`, which recomputes the output projection from it. The gradients are the same."""
   x = tokens(3, (2, 32))
   blocks = dict(attention='pallas', attention_block_q=16, attention_block_k=16)
   ref_loss, ref_grads = loss_and_grads(make_model(**blocks), x)
-  for policy, forwards in [('dots', 2), ('dots_attention', 1), ('save_attention', 1)]:
+  for policy, forwards in [('dots', 2), ('dots_attention', 1), ('save_attention', 1),
+                           ('dots_except_out', 2), ('dots_attention_except_out', 1)]:
     model = make_model(remat_policy=policy, **blocks)
     graphdef, params = nnx.split(model)
     f = lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
@@ -119,13 +121,34 @@ def test_policies_keeping_attention_run_our_kernels_forward_once():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_keeping_attention_with_xla_named_is_refused_and_with_auto_on_a_cpu_is_dots():
+def test_except_out_policies_keep_one_array_a_layer_less(capsys):
+  """`dots_except_out` keeps what `dots` keeps less one [layers, B, L, D] array: the output
+  projection's output, which the backward recomputes (the FLOPs it costs: test_timing.py)."""
+  x = tokens(3, (2, 32))
+  kept = {}
+  for policy in ('dots', 'dots_except_out'):
+    model = make_model(remat_policy=policy)
+    graphdef, params = nnx.split(model)
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2), params)
+    kept[policy] = capsys.readouterr().out.splitlines()
+  cfg = model.cfg
+  per_layer = f'f32[{cfg.n_layers},2,32,{cfg.d_model}] output of scan'
+  count = lambda lines: sum(line.startswith(per_layer) for line in lines)
+  assert count(kept['dots']) == count(kept['dots_except_out']) + 1 >= 2  # and the layer's input
+  assert len(kept['dots']) == len(kept['dots_except_out']) + 1
+
+
+@pytest.mark.parametrize('policy', ['dots_attention', 'dots_attention_except_out'])
+def test_keeping_attention_with_xla_named_is_refused_and_with_auto_on_a_cpu_is_dots(policy):
   from training import settings
   config = tiny_config()
-  config.model.remat_policy = 'dots_attention'
+  config.model.remat_policy = policy
   assert settings.resolve(config).model.attention == 'xla'  # auto's choice here: dots' program
   config.model.attention = 'xla'
-  with pytest.raises(ValueError, match="remat_policy='dots_attention'.*attention='xla' runs none"):
+  lean = policy.removeprefix('dots_attention')
+  with pytest.raises(ValueError, match=f"remat_policy='{policy}'.*attention='xla' runs none.*"
+                                       f"remat_policy='dots{lean}'$"):
     settings.resolve(config)
 
 

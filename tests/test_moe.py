@@ -290,6 +290,26 @@ def one_device(small_corpus):
   return train(mesh_config(), jax.devices()[:1], small_corpus, steps, keep={SHORT, steps})
 
 
+def test_w_down_is_split_along_its_width_by_tensor_then_fsdp():
+  """W_down[layers, E, F, D] lives as F_(tensor, fsdp, sequence) (sharding/rules.py): each device
+  holds its tensor share's fsdp slice of the width and the whole model dimension, W_gate its
+  fsdp share of D. Checked on the actual shards."""
+  config = moe_config(expert=2, fsdp=2, tensor=2)
+  setup = build(settings.resolve(config, jax.devices()))
+  mlp = setup.init_state().params['blocks']['mlp']
+  w_down, w_gate = mlp['w_down'][...], mlp['w_gate'][...]
+  L, E, F, D = w_down.shape
+  mesh = setup.mesh
+  for shard in w_down.addressable_shards:
+    assert shard.data.shape == (L, E // 2, F // 4, D)
+    coords = {axis: int(np.argwhere(mesh.devices == shard.device)[0][i])
+              for i, axis in enumerate(mesh.axis_names)}
+    part = coords['tensor'] * 2 + coords['fsdp']
+    assert shard.index[2] == slice(part * F // 4, (part + 1) * F // 4)
+    np.testing.assert_array_equal(shard.data, np.asarray(w_down)[shard.index])
+  assert {s.data.shape for s in w_gate.addressable_shards} == {(L, E // 2, D // 2, F // 2)}
+
+
 @pytest.mark.parametrize('name', list(MESHES))
 def test_a_tiny_moe_trains_on_a_mesh_as_on_one_device(name, one_device, small_corpus):
   """Losses, gradient norms, router losses and parameters; two microbatches, each with its own

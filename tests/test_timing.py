@@ -328,6 +328,19 @@ def test_dots_attention_keeps_cudnns_forward_for_the_backward(h100):
   assert kept_plan.temp_bytes > dots_plan.temp_bytes
 
 
+def test_dots_except_out_runs_the_output_projection_again_and_is_charged_for_it(h100):
+  """`dots_except_out` leaves the output projection's output to the backward, which runs that
+  matmul again (from attention's output, which `dots` recomputes anyway): exactly its FLOPs more
+  in the compiled program, which the time model charges to the GEMMs (what it keeps, and so
+  writes and reads no more: test_model.py; here the two nearly cancel)."""
+  dots, dots_plan = _compiled_for_h100((('remat_policy', 'dots'),))
+  lean, lean_plan = compiled_for_h100(remat_policy='dots_except_out')
+  tokens, d_model, width, layers = 8 * 1024, 1024, 8 * 128, 2  # compiled_for_h100's model
+  assert lean_plan.matmul_flops - dots_plan.matmul_flops == 2 * tokens * width * d_model * layers
+  gemm_s = lambda hlo: timing.predict(hlo, H100).breakdown['gemm']
+  assert gemm_s(lean) > gemm_s(dots)
+
+
 def banked(part: str, what: str) -> str:
   """The optimized HLO a GPU compiled for a row of benchmarks/results (benchmarks/bank.py)."""
   import gzip

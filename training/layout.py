@@ -41,7 +41,8 @@ from training.programs import compile_and_plan
 from training.run import Run
 from training.state import build
 
-POLICIES = ('full', 'dots', 'dots_attention', 'none')  # keeping the least first
+POLICIES = ('full', 'dots_except_out', 'dots', 'dots_attention_except_out', 'dots_attention',
+            'none')  # keeping the least first
 
 
 @dataclasses.dataclass
@@ -157,7 +158,7 @@ def search(run: Run, log=print) -> list[Candidate]:
         context_choices(run, mesh), partition_choices(run, mesh), prefetch_choices(run, mesh)):
       fewest = mesh['stage']  # a pipeline needs a microbatch for every stage
       for policy in POLICIES:
-        if policy == 'dots_attention' and with_layout(
+        if policy.startswith('dots_attention') and with_layout(
             run, mesh, context, 'dots', fewest, partition, prefetch).model.attention == 'xla':
           continue  # no attention kernel whose output to keep: dots' program
         microbatches, fitted, previous = fewest, None, None
