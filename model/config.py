@@ -10,6 +10,9 @@ from kernels.grouped_matmul import IMPLEMENTATIONS as EXPERT_MATMULS
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_attention', 'dots_except_out',
                   'dots_attention_except_out', 'save_qkv_proj', 'save_attention', 'offload_dots',
                   'offload_qkv_proj', 'offload_attention')
+# Those that keep the `dots` set plus an attention kernel's output and statistics: with no kernel
+# (attention='xla') they are refused by name, and each has its `dots` twin (drop '_attention').
+KEEPS_KERNEL = ('dots_attention', 'dots_attention_except_out')
 DTYPES = ('float32', 'bfloat16', 'float16')
 CONTEXT_PARALLEL = ('all_gather', 'ring')  # kernels/context_parallel.py
 ROPE_TYPES = ('default', 'llama3')  # transformers' names: plain RoPE, Llama 3.1's rescaling

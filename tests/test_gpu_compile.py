@@ -16,6 +16,7 @@ import pytest
 from configs import llama
 import kernels
 from kernels.flash_attention import default_blocks
+from model.config import KEEPS_KERNEL
 from planning import communication, gpu_compiler, gpus, timing
 from sharding import collectives, hlo
 from tests.conftest import f32_shapes
@@ -122,8 +123,7 @@ def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
     layers = ((2 if config.model.prefetch_weights else 1) if config.model.scan_layers
               else config.model.n_layers)
     # forward, (again,) backward: a policy keeping attention keeps its forward's outputs
-    policy = config.model.remat_policy
-    calls = 2 if policy.startswith('dots_attention') or policy == 'save_attention' else 3
+    calls = 2 if config.model.remat_policy in KEEPS_KERNEL + ('save_attention',) else 3
     assert packed.count(str(config.model.cudnn_segments)) == calls * layers
     assert hlo.count('"__cudnn$fmhaScaleBiasSoftmax') == calls * layers and ' conditional(' in hlo
     # ... and the time model charges the layout a step takes: the packed one

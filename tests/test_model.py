@@ -10,6 +10,7 @@ from flax import nnx
 
 import kernels
 from model import ModelConfig, Transformer
+from model.config import KEEPS_KERNEL
 from tests.conftest import tiny_config
 
 
@@ -139,16 +140,16 @@ def test_except_out_policies_keep_one_array_a_layer_less(capsys):
   assert len(kept['dots']) == len(kept['dots_except_out']) + 1
 
 
-@pytest.mark.parametrize('policy', ['dots_attention', 'dots_attention_except_out'])
+@pytest.mark.parametrize('policy', KEEPS_KERNEL)
 def test_keeping_attention_with_xla_named_is_refused_and_with_auto_on_a_cpu_is_dots(policy):
   from training import settings
   config = tiny_config()
   config.model.remat_policy = policy
   assert settings.resolve(config).model.attention == 'xla'  # auto's choice here: dots' program
   config.model.attention = 'xla'
-  lean = policy.removeprefix('dots_attention')
+  twin = policy.replace('_attention', '')
   with pytest.raises(ValueError, match=f"remat_policy='{policy}'.*attention='xla' runs none.*"
-                                       f"remat_policy='dots{lean}'$"):
+                                       f"remat_policy='{twin}'$"):
     settings.resolve(config)
 
 

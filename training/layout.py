@@ -31,7 +31,7 @@ import math
 
 import jax
 
-from model.config import CONTEXT_PARALLEL
+from model.config import CONTEXT_PARALLEL, KEEPS_KERNEL
 from planning import communication, gpus, timing
 from planning import plan as plan_lib
 from sharding import AXES, hierarchical
@@ -158,7 +158,7 @@ def search(run: Run, log=print) -> list[Candidate]:
         context_choices(run, mesh), partition_choices(run, mesh), prefetch_choices(run, mesh)):
       fewest = mesh['stage']  # a pipeline needs a microbatch for every stage
       for policy in POLICIES:
-        if policy.startswith('dots_attention') and with_layout(
+        if policy in KEEPS_KERNEL and with_layout(
             run, mesh, context, 'dots', fewest, partition, prefetch).model.attention == 'xla':
           continue  # no attention kernel whose output to keep: dots' program
         microbatches, fitted, previous = fewest, None, None

@@ -33,6 +33,7 @@ from configs import base, effects
 from data import chat, tokenizers, tokens
 from data.config import DataConfig
 from interop import huggingface
+from model.config import KEEPS_KERNEL
 from planning import target as target_lib
 from runtime import checkpoint, distributed
 from runtime import workdir as workdir_lib
@@ -255,12 +256,12 @@ def check_sections(run: Run) -> None:
                      f'k + 1 after each position, which needs rows of at least '
                      f'{model.draft_heads + 2} tokens, and config.seq_len={run.seq_len}; '
                      'lower draft_heads or raise seq_len')
-  if model.remat_policy.startswith('dots_attention') and model.attention == 'xla':  # named so;
-    # auto's choice on a CPU keeps what dots (dots_except_out) keeps: the same program
-    lean = model.remat_policy.removeprefix('dots_attention')
+  if model.remat_policy in KEEPS_KERNEL and model.attention == 'xla':  # named so; auto's choice
+    # on a CPU keeps what its dots twin keeps: the same program
+    twin = model.remat_policy.replace('_attention', '')
     raise ValueError(f"config.model.remat_policy='{model.remat_policy}' keeps an attention "
                      "kernel's output and softmax statistics, and attention='xla' runs none; set "
-                     f"--config.model.attention=cudnn or pallas, or remat_policy='dots{lean}'")
+                     f"--config.model.attention=cudnn or pallas, or remat_policy='{twin}'")
   hierarchical.check_partition(run.partition, run.mesh, model)
   tokens.check_settings(run.data)
   if run.data.preference:
