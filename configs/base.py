@@ -125,6 +125,12 @@ def get_config() -> ml_collections.ConfigDict:
   o.weight_decay = 0.1  # not applied to norm scales
   o.grad_clip = 1.0  # global-norm clipping; 0 turns it off
   o.offload_state = False  # keep Adam's moments in pinned host memory between steps (ZeRO-Offload)
+  # Where the state lives between steps (docs/memory.md: tiers): 'device', 'host' or 'nvme:DIR'
+  # (each process its own files under DIR). Off the device, the step computes the gradients and
+  # training/tiers.py updates the state a group at a time, streaming it in and out (ZeRO-Infinity).
+  o.master_tier = 'device'  # the fp32 master weights
+  o.mu_tier = 'device'  # Adam's first moment
+  o.nu_tier = 'device'  # Adam's second moment
 
   c.loss = ml_collections.ConfigDict()
   c.loss.z_loss = 1e-4  # weight of log(Z)^2, keeps the softmax normaliser near 1
@@ -212,7 +218,7 @@ EFFECTS = {field: kind for kind, names in {
         model.prefetch_weights model.scheduler_memory
         model.expert_matmul mesh.data mesh.stage mesh.fsdp mesh.expert mesh.tensor
         mesh.sequence mesh.auto partition.hierarchical partition.weights partition.gradients
-        optimizer.offload_state""",
+        optimizer.offload_state optimizer.master_tier optimizer.mu_tier optimizer.nu_tier""",
     'none': """workdir log_every eval_every eval_batches checkpoint_every keep_checkpoints
         dry_run max_bad_steps profile_steps profile_start distributed.coordinator_address
         distributed.num_processes distributed.process_id distributed.initialization_timeout_s

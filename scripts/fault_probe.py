@@ -224,6 +224,16 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
                                 'config.dpo.label_smoothing=0.5'),
     'DPO on every token': (['--config.data.record=preference', '--config.data.train_on=all'],
                            "config.data.train_on='all': DPO compares the answers"),
+    'state tier misspelt': (['--config.optimizer.mu_tier=disk'],
+                            "config.optimizer.mu_tier='disk' is not a tier"),
+    'NVMe tier in a relative directory': (['--config.optimizer.nu_tier=nvme:state'],
+                                          'give the NVMe directory as an absolute path'),
+    'state tiers beside offload_state': (['--config.optimizer.offload_state=True',
+                                          '--config.optimizer.mu_tier=host'],
+                                         'config.optimizer.offload_state=True keeps the moments'),
+    'state tiers under LoRA': (['--config.model.lora_rank=4', '--config.init_from=random',
+                                '--config.optimizer.mu_tier=host'],
+                               'lora_rank=4 trains adapters small enough for the devices'),
 }
 
 
@@ -401,6 +411,48 @@ def _(p):
   process.send_signal(signal.SIGKILL)
   process.wait()
   return resumed(p.run(*p.train(workdir, 12)), ['resuming from step 3'], workdir, 12)
+
+
+def on_nvme(directory) -> list[str]:
+  return [f'--config.optimizer.{name}=nvme:{directory}'
+          for name in ('master_tier', 'mu_tier', 'nu_tier')]
+
+
+@case('tiers: the NVMe directory under a file')
+def _(p):
+  file = p.path('file')
+  file.write_text('mine')
+  workdir = p.path('refused')
+  verdict = refused(p.run(*p.train(workdir), *on_nvme(file / 'state')), 'cannot be written here',
+                    [workdir])
+  return verdict if file.read_text() == 'mine' else ('BAD', 'the file was changed')
+
+
+@case('tiers: a disk that refuses the NVMe files')
+def _(p):
+  nvme = p.path('nvme')
+  nvme.mkdir()
+  # Once whole, so that the corpus is prepared and the step in the compilation cache: then the
+  # tier's files are the first large ones the limited run writes.
+  first = survived(p.run(*p.train(p.path('whole')), *on_nvme(nvme)))
+  if first[0] != 'GOOD':
+    return first
+  verdict = refused(p.run(*p.train(p.path('run')), *on_nvme(nvme), file_size_limit=50_000),
+                    "config.optimizer.master_tier: writing the NVMe tier's")
+  return verdict if not list(nvme.iterdir()) else ('BAD', f'left {list(nvme.rglob("*"))}')
+
+
+@case('tiers: SIGKILL mid-run with the state on NVMe, then resume')
+def _(p):
+  workdir, nvme = p.path('killed'), p.path('nvme')
+  nvme.mkdir()
+  process = p.start(*p.train(workdir, 12), *on_nvme(nvme))
+  read_until(process, 'step  5/')
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  verdict = resumed(p.run(*p.train(workdir, 12), *on_nvme(nvme)), ['resuming from step 3'],
+                    workdir, 12)
+  return verdict if not list(nvme.iterdir()) else ('BAD', f'left {list(nvme.rglob("*"))}')
 
 
 @case('signal: SIGINT on an evaluation step')

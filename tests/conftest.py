@@ -227,7 +227,8 @@ LONGEST = {'test_gpu_compile.py': 419, 'test_checkpoint.py': 280, 'test_distribu
            'test_training.py': 50, 'test_model.py': 48, 'test_chat.py': 44, 'test_timing.py': 42,
            'test_sharding.py': 38, 'test_huggingface.py': 37, 'test_kv_cache.py': 36,
            'test_speculate.py': 34, 'test_cli.py': 34, 'test_data.py': 31, 'test_configs.py': 30,
-           'test_hierarchical.py': 27, 'test_tokens.py': 22, 'test_lora.py': 18, 'test_fp8.py': 16,
+           'test_tiers.py': 28, 'test_hierarchical.py': 27, 'test_tokens.py': 22,
+           'test_lora.py': 18, 'test_fp8.py': 16,
            'test_head.py': 13, 'test_grouped_matmul.py': 10, 'test_preemption.py': 8,
            'test_instruments.py': 8, 'test_structure.py': 6, 'test_embedding.py': 4,
            'test_workdir.py': 2}

@@ -22,7 +22,7 @@ from runtime import distributed
 from runtime import workdir as workdir_lib
 from runtime.preemption import StopSignals
 import sharding
-from training import hooks, settings
+from training import hooks, settings, tiers
 from training.evaluation import Evaluator
 from training.programs import compile_and_plan
 from training.run import Run
@@ -66,6 +66,9 @@ def train(run: Run, tasks=None) -> list[dict]:
   if tasks:
     tasks.check(run)
   setup = build(run)  # every model and mesh error surfaces here, before any work
+  if run.optimizer.tiered:  # what the optimizer state's tiers do not run with; their disks' room
+    tiers.check(setup)
+    tiers.check_room(setup)
   # The data's files, every record rendered with the run's chat template.
   corpus_lib.check_source(run.data, run.template)
   # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
@@ -125,12 +128,17 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
   train_step, the_plan = compile_and_plan(setup)
   plan_lib.check_fits(the_plan)  # before the state is allocated
   start_step, state, data_state = initial_state(setup, checkpointer, log)
+  engine = tiers.Engine(setup, train_step) if run.optimizer.tiered else None
+  if engine:  # the optimizer state leaves the devices for its tiers; the engine updates it
+    state, train_step = engine.load(state), engine
   # Finished is known only once restored: a damaged newest checkpoint was set aside just now.
   if start_step >= run.train_steps:
     log(f'the run in {workdir} is finished: checkpoint {start_step} is its last step '
         f'(config.train_steps={run.train_steps}); raise config.train_steps to train on, '
         'or sample.py / export.py it')
     writer.close()
+    if engine:
+      engine.close()
     return []
   writer.drop_after(start_step)  # the steps after the checkpoint (or all, from 0) are logged again
   batches = pipeline.train_batches(documents.train, run, batch_sharding, state=data_state)
@@ -152,7 +160,8 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
   save = (hooks.Save(run.checkpoint_every, checkpointer, guard, batches,
                      {**run.as_dict(), 'trained_on': read},
                      {**({hooks.EVALUATE_FIRST: run.eval_every} if evaluate else {}),
-                      **({hooks.SCORE_FIRST: run.lm_eval.every} if scores else {})})
+                      **({hooks.SCORE_FIRST: run.lm_eval.every} if scores else {})},
+                     **({'whole': engine.whole} if engine else {}))
           if checkpointer else None)
   trace = StepTrace(workdir / 'profile', start_step + run.profile_start, run.profile_steps)
   around_steps = [hooks.Trace(trace), guard, hooks.Progress(console), log_metrics,
@@ -179,6 +188,8 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
       hook.close(state)
     writer.close()
     batches.close()
+    if engine:
+      engine.close()
   return report.records
 
 

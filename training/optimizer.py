@@ -1,7 +1,11 @@
 """AdamW with linear warmup + cosine decay and global-norm clipping (draft heads clipped apart
-from the model they draft for, so that they never change how it trains)."""
+from the model they draft for, so that they never change how it trains), and where its state
+lives between steps: the fp32 master weights and each of Adam's moments on the devices (the
+compiled step updates them), in host memory, or in files on NVMe (training/tiers.py updates
+them outside the step, a group at a time)."""
 
 import dataclasses
+import pathlib
 
 import jax
 import optax
@@ -23,6 +27,43 @@ class OptimizerConfig:
   weight_decay: float
   grad_clip: float
   offload_state: bool
+  master_tier: str = 'device'  # where the fp32 master weights live: TIERS
+  mu_tier: str = 'device'  # Adam's first moment
+  nu_tier: str = 'device'  # Adam's second moment
+
+  def __post_init__(self):
+    for name in TIERED:
+      tier(getattr(self, name), f'config.optimizer.{name}')
+    if self.offload_state and self.tiered:
+      raise ValueError('config.optimizer.offload_state=True keeps the moments in pinned host '
+                       'memory inside the compiled step, and the tiers (master_tier, mu_tier, '
+                       "nu_tier) keep the state outside it; use one: mu_tier='host', "
+                       "nu_tier='host' and offload_state=False, or the tiers at 'device'")
+
+  @property
+  def tiered(self) -> bool:
+    """Whether any of the state lives off the devices: then training/tiers.py updates it."""
+    return any(getattr(self, name) != DEVICE for name in TIERED)
+
+
+DEVICE, HOST, NVME = 'device', 'host', 'nvme'
+TIERED = ('master_tier', 'mu_tier', 'nu_tier')  # the settings that place the state
+
+
+def tier(value: str, setting: str) -> tuple[str, pathlib.Path | None]:
+  """(kind, directory) of a tier setting: 'device', 'host' or 'nvme:DIR' (DIR absolute, on a
+  local disk); ValueError naming `setting` otherwise."""
+  if value in (DEVICE, HOST):
+    return value, None
+  kind, _, directory = str(value).partition(':')
+  if kind == NVME and directory.strip():
+    path = pathlib.Path(directory.strip()).expanduser()
+    if not path.is_absolute():
+      raise ValueError(f'{setting}={value!r}: give the NVMe directory as an absolute path, '
+                       f"such as 'nvme:/local_nvme/meshlm'")
+    return NVME, path
+  raise ValueError(f"{setting}={value!r} is not a tier: use 'device', 'host' or 'nvme:DIR' (a "
+                   'directory on a local NVMe disk)')
 
 
 def make_schedule(opt_config, train_steps: int) -> optax.Schedule:
@@ -54,11 +95,23 @@ def make_optimizer(opt_config, schedule, draft_heads: bool = False) -> optax.Gra
   """AdamW, after clipping the gradients' global norm to opt_config.grad_clip (0: no clipping);
   with `draft_heads`, the heads' and the rest's each to it, so that the heads never change the
   model's updates."""
-  adamw = optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
-                      weight_decay=opt_config.weight_decay, mask=decay_mask)
+  adamw = make_adamw(opt_config, schedule)
+  clip = clipping(opt_config, draft_heads)
+  return adamw if clip is None else optax.chain(clip, adamw)
+
+
+def make_adamw(opt_config, schedule, mask=decay_mask) -> optax.GradientTransformation:
+  """AdamW alone: elementwise, so training/tiers.py runs it a group of the state at a time
+  (`mask` then that group's decay_mask)."""
+  return optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
+                     weight_decay=opt_config.weight_decay, mask=mask)
+
+
+def clipping(opt_config, draft_heads: bool = False) -> optax.GradientTransformation | None:
+  """The global-norm clipping that comes before AdamW (stateless), or None without it."""
   if opt_config.grad_clip <= 0:
-    return adamw
+    return None
   clip = optax.clip_by_global_norm(opt_config.grad_clip)
   if draft_heads:
     clip = optax.multi_transform({'model': clip, 'draft': clip}, drafts_apart)
-  return optax.chain(clip, adamw)
+  return clip

@@ -8,8 +8,9 @@ import numpy as np
 from planning import gpus
 from planning import plan as plan_lib
 import sharding
-from training.state import Setup
-from training.step import make_eval_step, make_train_step
+from training import optimizer, tiers
+from training.state import Setup, trained
+from training.step import make_eval_step, make_gradient_step, make_train_step
 
 BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
               'segment_ids': np.int32, 'weights': np.float32}
@@ -81,6 +82,36 @@ def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: floa
     return jitted.lower(setup.abstract_state, batch).compile(compiler_options(setup))
 
 
+def compile_gradient_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
+                          microbatches: int = 1):
+  """Ahead-of-time compiled step without its update, for a run whose optimizer state lives off
+  the devices (training/tiers.py): (the devices' state: no optimizer state, batch) → (gradients,
+  clipped as the optimizer clips them, in the parameters' shardings; whether the step is finite;
+  the next step count; the bad steps; metrics)."""
+  batch = abstract_batch(setup.mesh, batch_size, seq_len)
+  gradient_step = make_gradient_step(setup, z_loss, microbatches)
+  clip = optimizer.clipping(setup.run.optimizer)
+
+  def step(state, batch):
+    grads, _, finite, metrics = gradient_step(state, batch)
+    if clip is not None:
+      grads = clip.update(grads, clip.init(grads))[0]
+    return grads, finite, state.step + 1, metrics['bad_steps'], metrics
+  shardings = device_state(setup.state_shardings)
+  replicated = sharding.replicated(setup.mesh)
+  jitted = jax.jit(step, in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
+                   out_shardings=(trained(setup.model_cfg, setup.state_shardings.params)[0],
+                                  replicated, replicated, replicated, replicated))
+  with jax.set_mesh(setup.mesh):
+    return jitted.lower(device_state(setup.abstract_state), batch).compile(
+        compiler_options(setup))
+
+
+def device_state(state):
+  """What a tiered run's devices hold of a state: all but the optimizer state."""
+  return state.replace(opt_state=None)
+
+
 def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V,
                       microbatches: int = 1):
   batch = abstract_batch(setup.mesh, batch_size, seq_len)
@@ -97,8 +128,12 @@ def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V
 
 def compile_and_plan(setup: Setup):
   """(compiled train step, its planning.plan.Plan for the run's target) for the devices of
-  setup's mesh: compiling needs only the abstract state."""
+  setup's mesh: compiling needs only the abstract state. Where the optimizer state lives off the
+  devices, the step is compile_gradient_step's, which training/tiers.py completes."""
   run = setup.run
-  compiled = compile_train_step(setup, run.batch_size, run.seq_len, run.loss.z_loss,
-                                microbatches=run.microbatches)
+  if run.optimizer.tiered:
+    tiers.check(setup)
+  compile_step = compile_gradient_step if run.optimizer.tiered else compile_train_step
+  compiled = compile_step(setup, run.batch_size, run.seq_len, run.loss.z_loss,
+                          microbatches=run.microbatches)
   return compiled, plan_lib.make_plan(compiled, setup)

@@ -23,6 +23,32 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
   """(state, batch) → (state, metrics). `z_loss`: the weight of log(Z)²; `microbatches`: slices
   of the batch the step runs in turn (pipeline stages take them themselves). On preference
   records (config.data.record='preference') the loss is DPO's (preference_sums)."""
+  cfg = setup.model_cfg
+  gradient_step = make_gradient_step(setup, z_loss, microbatches)
+
+  def train_step(state: TrainState, batch):
+    grads, router, finite, metrics = gradient_step(state, batch)
+    params, frozen = trained(cfg, state.params)
+    old_opt_state = state.opt_state
+    if setup.opt_compute_shardings is not None:  # kept in host memory: brought in for the update
+      old_opt_state = jax.device_put(old_opt_state, setup.opt_compute_shardings)
+    updates, opt_state = setup.tx.update(grads, old_opt_state, params)
+    params = balanced(setup, nnx.merge_state(optax.apply_updates(params, updates), frozen),
+                      router)
+    # A step whose loss or gradient is not finite is not applied: parameters and optimizer state
+    # (its step count too, so the schedule waits) stay as they were. The selects fuse into the
+    # update's elementwise loops, so they cost no extra memory.
+    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return state.replace(step=state.step + 1, params=keep_if_bad(params, state.params),
+                         opt_state=keep_if_bad(opt_state, old_opt_state),
+                         bad_steps=metrics['bad_steps']), metrics
+  return train_step
+
+
+def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
+  """(state, batch) → (the trained parameters' gradients, the routers' statistics, whether the
+  step is finite, its metrics): the step up to its update, which make_train_step applies (or,
+  with the state off the devices, training/tiers.py). Arguments as make_train_step's."""
   cfg, graphdef = setup.model_cfg, setup.graphdef
   scanned = 1 if pipeline_stages(setup) > 1 else microbatches  # slices the step runs in turn
   dpo = setup.run.dpo if prefers(setup) else None
@@ -65,7 +91,9 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     return jax.lax.scan(accumulate, zeros, slices)[0]
 
-  def train_step(state: TrainState, batch):
+  def gradient_step(state: TrainState, batch):
+    """(the trained parameters' gradients, the router's statistics, whether the step is finite,
+    the step's metrics): everything of a step but the update."""
     batch = context_layout(setup, batch)  # ring attention's zigzag rows, else as it is
     params, frozen = trained(cfg, state.params)  # what the optimizer holds; the frozen rest
     reference = getattr(state, 'reference', None)  # DPO's, where no frozen base stands for it
@@ -77,26 +105,15 @@ def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
               compute, frozen, reference, rows, total), params, batch, cfg.dtype,
           cfg.reduce_dtype, reference, weight=pair_rows_sum if dpo else None)
     grad_norm, norms = gradient_norms(cfg, grads)
-    old_opt_state = state.opt_state
-    if setup.opt_compute_shardings is not None:  # kept in host memory: brought in for the update
-      old_opt_state = jax.device_put(old_opt_state, setup.opt_compute_shardings)
-    updates, opt_state = setup.tx.update(grads, old_opt_state, params)
-    params = balanced(setup, nnx.merge_state(optax.apply_updates(params, updates), frozen),
-                      router)
-    # A step whose loss or gradient is not finite is not applied: parameters and optimizer state
-    # (its step count too, so the schedule waits) stay as they were. The selects fuse into the
-    # update's elementwise loops, so they cost no extra memory.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     bad_steps = state.bad_steps + jnp.where(finite, 0, 1).astype(jnp.int32)
     metrics = {**terms, 'grad_norm': grad_norm,
                'learning_rate': setup.schedule(state.step - state.bad_steps),
                'skipped': ~finite, 'bad_steps': bad_steps, **moe.metrics(router),
                **norms, **draft_metrics(drafted)}
-    return state.replace(step=state.step + 1, params=keep_if_bad(params, state.params),
-                         opt_state=keep_if_bad(opt_state, old_opt_state),
-                         bad_steps=bad_steps), metrics
-  return train_step
+    return grads, router, finite, metrics
+
+  return gradient_step
 
 
 def loss_sums(out, rows, z_loss: float) -> dict:

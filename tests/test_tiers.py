@@ -1,0 +1,168 @@
+"""The optimizer state off the devices (training/tiers.py): a run with its master weights and
+Adam's moments in host memory or in NVMe files equals the all-device run bit for bit, saves the
+same checkpoints, resumes onto any placement, and refuses what it cannot do in one line."""
+
+import errno
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import tiny_config
+from runtime import faults
+from runtime.checkpoint import Checkpointer
+import sharding
+from training import loop, programs, settings, tiers
+from training.state import build
+
+STEPS = 20
+
+
+def run_config(workdir, mesh=None, **optimizer):
+  c = tiny_config(**(mesh or {'fsdp': 8}))
+  c.workdir, c.eval_every, c.log_every, c.checkpoint_every = str(workdir), 0, 1, STEPS // 2
+  c.train_steps = STEPS
+  c.optimizer.update(optimizer)
+  return c
+
+
+def on_nvme(directory):
+  return {name: f'nvme:{directory}' for name in ('master_tier', 'mu_tier', 'nu_tier')}
+
+
+def final_state(workdir, config):
+  step, state, _ = Checkpointer(workdir / 'checkpoints').restore_latest(
+      build(settings.resolve(config)).abstract_state, config.model)
+  assert step == STEPS
+  return state
+
+
+def assert_same_arrays(state, reference):
+  paths = jax.tree_util.tree_flatten_with_path(reference)[0]
+  assert jax.tree.structure(state) == jax.tree.structure(reference)
+  for (path, want), got in zip(paths, jax.tree.leaves(state)):
+    assert np.array_equal(np.asarray(got), np.asarray(want)), jax.tree_util.keystr(path)
+
+
+def losses(records):
+  return [(r['step'], r['loss'], r['grad_norm']) for r in records if 'loss' in r]
+
+
+@pytest.fixture(scope='module')
+def all_device(tmp_path_factory):
+  """The reference: STEPS steps with the whole state on the devices (checkpoints at 10, 20)."""
+  workdir = tmp_path_factory.mktemp('all-device')
+  config = run_config(workdir)
+  return workdir, loop.run(config), final_state(workdir, config)
+
+
+@pytest.fixture(scope='module')
+def on_nvme_run(tmp_path_factory):
+  workdir, nvme = tmp_path_factory.mktemp('nvme-run'), tmp_path_factory.mktemp('nvme')
+  config = run_config(workdir, **on_nvme(nvme))
+  return workdir, nvme, loop.run(config), final_state(workdir, config)
+
+
+def test_master_weights_and_both_moments_on_nvme_equal_the_all_device_run_bit_for_bit(
+    all_device, on_nvme_run):
+  _, records, reference = all_device
+  _, nvme, tiered_records, state = on_nvme_run
+  assert losses(tiered_records) == losses(records) and len(losses(records)) == STEPS
+  assert_same_arrays(state, reference)  # parameters, both moments, the counts: the checkpoint
+  assert list(nvme.iterdir()) == []  # the files were the run's scratch, removed at its end
+
+
+@pytest.mark.parametrize('placement', ['to the devices', 'to host memory'])
+def test_a_checkpoint_resumes_onto_another_placement_exactly(all_device, on_nvme_run, tmp_path,
+                                                             placement):
+  """A tiered run's checkpoint resumed with the state on the devices, and an all-device run's
+  resumed with it in host memory: steps 11-20 as the all-device run took them."""
+  source = on_nvme_run[0] if placement == 'to the devices' else all_device[0]
+  workdir = tmp_path / 'resumed'
+  shutil.copytree(source, workdir)
+  shutil.rmtree(workdir / 'checkpoints' / str(STEPS))  # back to step 10
+  optimizer = ({} if placement == 'to the devices' else
+               {'master_tier': 'host', 'mu_tier': 'host', 'nu_tier': 'host'})
+  config = run_config(workdir, **optimizer)
+  records = loop.run(config)
+  assert losses(records) == losses(all_device[1])[STEPS // 2:]
+  assert_same_arrays(final_state(workdir, config), all_device[2])
+
+
+def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_splits_update_as_one(
+    tmp_path, monkeypatch):
+  """Groups of 3 kB (a stacked parameter's shard cut into slices of rows, one parameter alone in
+  a group) on data=2 × fsdp=2 × tensor=2, where each distinct shard is updated on one device and
+  copied to its replica: three steps equal the compiled all-device step's, state and all."""
+  mesh = {'data': 2, 'fsdp': 2, 'tensor': 2}
+  reference = build(settings.resolve(run_config(tmp_path / 'device', mesh)))
+  B, L = 8, 32
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(0, 259, (B, L)).astype(np.int32)
+  batch = jax.device_put({'inputs': inputs, 'targets': np.roll(inputs, -1, 1),
+                          'positions': np.tile(np.arange(L, dtype=np.int32), (B, 1)),
+                          'segment_ids': np.ones((B, L), np.int32),
+                          'weights': np.ones((B, L), np.float32)},
+                         sharding.batch_sharding(reference.mesh))
+  step = programs.compile_train_step(reference, B, L, 1e-4)
+  state = reference.init_state()
+  for _ in range(3):
+    state, _ = step(state, batch)
+
+  monkeypatch.setattr(tiers, 'GROUP_BYTES', 3000)
+  setup = build(settings.resolve(run_config(
+      tmp_path / 'tiered', mesh, master_tier=f'nvme:{tmp_path}/nvme', mu_tier='host')))
+  engine = tiers.Engine(setup, programs.compile_gradient_step(setup, B, L, 1e-4))
+  shards = engine.shards
+  assert any(len(s.devices) > 1 for s in shards)  # replicas over data: copied, not updated twice
+  cut = {p.shard for group in engine.groups for p in group
+         if (p.start, p.stop) != (0, shards[p.shard].rows)}
+  assert cut and any(len(group) == 1 for group in engine.groups)
+  try:
+    tiered = engine.load(setup.init_state())
+    for _ in range(3):
+      tiered, _ = engine(tiered, batch)
+    assert_same_arrays(engine.whole(tiered), state)
+  finally:
+    engine.close()
+
+
+@pytest.mark.parametrize('setting, value, expected', [
+    ('mu_tier', 'nvme:relative/dir', 'give the NVMe directory as an absolute path'),
+    ('nu_tier', 'disk', "config.optimizer.nu_tier='disk' is not a tier"),
+    ('offload_state', True, 'use one'),
+])
+def test_a_tier_setting_it_cannot_use_is_named_before_anything_is_built(tmp_path, setting,
+                                                                        value, expected):
+  config = run_config(tmp_path / 'w', mu_tier='host')
+  config.optimizer[setting] = value
+  with pytest.raises(ValueError, match=expected):
+    settings.resolve(config)
+  assert not (tmp_path / 'w').exists()
+
+
+def test_what_tiers_do_not_run_with_yet_and_a_directory_they_cannot_write_are_refused(tmp_path):
+  config = run_config(tmp_path / 'w', mu_tier='host')
+  config.model.lora_rank, config.init_from = 4, 'random'
+  with pytest.raises(ValueError, match='lora_rank=4 .* do not run with yet'):
+    loop.run(config)
+  blocked = tmp_path / 'a-file'
+  blocked.write_text('mine')
+  config = run_config(tmp_path / 'w', mu_tier=f'nvme:{blocked}/state')
+  with pytest.raises(ValueError, match='cannot be written here'):
+    loop.run(config)
+  assert blocked.read_text() == 'mine' and not (tmp_path / 'w').exists()
+
+
+def test_a_disk_that_refuses_the_tier_files_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+  setup = build(settings.resolve(run_config(tmp_path / 'w', **on_nvme(tmp_path / 'nvme'))))
+
+  def full(fd, offset, length):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(os, 'posix_fallocate', full)
+  with pytest.raises(faults.Fault, match=r'config\.optimizer\.master_tier: writing the NVMe '
+                                          r"tier's .*No space left on device; free space"):
+    tiers.Engine(setup, None)
+  assert list((tmp_path / 'nvme').iterdir()) == []

@@ -1,0 +1,469 @@
+"""The optimizer state off the devices (config.optimizer.master_tier, mu_tier, nu_tier: 'host' or
+'nvme:DIR'; ZeRO-Offload's and ZeRO-Infinity's tiers). The compiled program computes a step's
+gradients, clipped as the optimizer clips them (training/step.py: make_gradient_step); `Engine`
+then updates the state a group at a time (GROUP_BYTES of it: whole parameters, or a slice of a
+stacked one's layers): the group read from its tier and brought to the device that owns each shard,
+updated there by the same optax AdamW as the all-device step's (elementwise, so a group's update is
+the whole one's, bit for bit), and written back, the next group's read and the last one's write in
+flight meanwhile. Each process keeps one copy of each distinct shard its devices hold, updated on
+the first of them and copied to the rest.
+
+The devices keep the parameters the step reads (in config.model.param_dtype) and the step count;
+checkpoints hold the whole state as an all-device run's (`Engine.whole`), so a run resumes onto
+any placement. The files under nvme:DIR are the run's scratch, never its record: a run starts
+them from its checkpoint (or its fresh state) and removes them when it ends.
+
+  engine = Engine(setup, compiled_gradients)   # programs.compile_gradient_step's
+  state = engine.load(state)                   # the whole state: its moments leave the devices
+  state, metrics = engine(state, batch)        # a step, as the compiled train step's
+"""
+
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import os
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from runtime import faults
+from training import optimizer
+from training.optimizer import DEVICE, HOST, NVME
+from training.state import Setup, trained
+
+# The state a group holds (master weights and both moments, fp32): large enough that NVMe reads
+# and writes are long and sequential (a stacked leaf's rows are contiguous in its file), small
+# enough that two groups in flight and one updating are a small share of a device's memory.
+GROUP_BYTES = 1 << 30
+KINDS = ('master', 'mu', 'nu')  # what a tier holds, by the setting that places it
+SETTING = {'master': 'master_tier', 'mu': 'mu_tier', 'nu': 'nu_tier'}
+
+
+def placements(opt_config) -> dict[str, tuple[str, pathlib.Path | None]]:
+  """{'master': (tier, directory), 'mu': …, 'nu': …} of config.optimizer."""
+  return {kind: optimizer.tier(getattr(opt_config, SETTING[kind]),
+                               f'config.optimizer.{SETTING[kind]}') for kind in KINDS}
+
+
+def check(setup: Setup) -> None:
+  """What the tiers do not run with yet, said before anything is compiled: ValueError naming
+  the setting."""
+  run, cfg = setup.run, setup.model_cfg
+  why = (f'config.model.lora_rank={cfg.lora_rank} trains adapters small enough for the devices'
+         if cfg.lora_rank else
+         f'config.model.draft_heads={cfg.draft_heads} clips the heads apart' if cfg.draft_heads else
+         'config.model.router_bias_rate steps the routers\' bias inside the step'
+         if cfg.router_bias_rate else
+         "config.data.record='preference' (DPO) keeps a reference model in the state"
+         if run.data.preference else None)
+  if why:
+    raise ValueError(f'{why}, which the optimizer state\'s tiers (config.optimizer.master_tier, '
+                     "mu_tier, nu_tier) do not run with yet; set them to 'device'")
+
+
+def check_room(setup: Setup) -> None:
+  """Each NVMe directory can be made here and has room for this process's share of what it
+  holds: ValueError naming it otherwise (training only: a plan writes nothing)."""
+  need = {}
+  for kind, (tier, directory) in placements(setup.run.optimizer).items():
+    if tier == NVME:
+      need[directory] = need.get(directory, 0) + _process_bytes(setup)
+  for directory, size in need.items():
+    _check_directory(directory, size)
+
+
+def _check_directory(directory: pathlib.Path, size: int) -> None:
+  where = directory
+  while not where.exists():  # its nearest existing parent decides whether it can be made
+    where = where.parent
+  if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
+    raise ValueError(f"config.optimizer: the NVMe tier's directory {directory} cannot be written "
+                     f'here ({where} is not a writable directory); name one this user can write')
+  free = shutil.disk_usage(where).free
+  if free < size:
+    raise ValueError(f"config.optimizer: the NVMe tier's directory {directory} has "
+                     f'{free / 2**30:.2f} GiB free, and this process\'s share of the state there '
+                     f'needs {size / 2**30:.2f} GiB; free some, or name a larger disk')
+
+
+def _process_bytes(setup: Setup) -> int:
+  """The bytes of one kind of state (master weights or a moment) this process keeps."""
+  return sum(shard.nbytes for shard in _shards(setup))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  """One distinct shard of a trained parameter among this process's devices."""
+  leaf: int  # the parameter's place among the trained ones, in jax.tree order
+  index: tuple  # its slices of the parameter
+  devices: tuple  # the devices holding it: the first updates it, the rest get copies
+  shape: tuple
+  dtype: np.dtype
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+  @property
+  def rows(self) -> int:
+    return self.shape[0] if self.shape else 1
+
+
+def _key(index) -> tuple:
+  return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _shards(setup: Setup) -> list[Shard]:
+  """Every distinct shard of the trained parameters on this process's devices, leaf by leaf."""
+  params = trained(setup.model_cfg, setup.abstract_state.params)[0]
+  out = []
+  for leaf, p in enumerate(jax.tree.leaves(params)):
+    devices = {}
+    for device, index in p.sharding.addressable_devices_indices_map(p.shape).items():
+      devices.setdefault(_key(index), (index, []))[1].append(device)
+    for index, holders in devices.values():
+      shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, p.shape))
+      out.append(Shard(leaf, index, tuple(sorted(holders, key=lambda d: d.id)), shape, p.dtype))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """Rows [start, stop) of a shard (all of a scalar's): what a group updates of it."""
+  shard: int
+  start: int
+  stop: int
+
+
+def groups(shards: list[Shard], group_bytes: int) -> list[list[Part]]:
+  """The shards cut into groups of about `group_bytes` of state (three copies: master weights
+  and both moments), a stacked leaf's rows split where one shard holds more."""
+  out, group, size = [], [], 0
+  for i, shard in enumerate(shards):
+    row = 3 * shard.nbytes // shard.rows
+    step = max(1, group_bytes // max(row, 1))
+    for start in range(0, shard.rows, step):
+      stop = min(shard.rows, start + step)
+      if group and size + (stop - start) * row > group_bytes:
+        out.append(group)
+        group, size = [], 0
+      group.append(Part(i, start, stop))
+      size += (stop - start) * row
+  return out + ([group] if group else [])
+
+
+def _rows(x, part: Part, shard: Shard):
+  return x if not shard.shape or (part.start, part.stop) == (0, shard.rows) else \
+      x[part.start:part.stop]
+
+
+class DeviceTier:
+  """A kind of state on the devices: each shard on the device that updates it."""
+
+  def __init__(self, shards):
+    self.shards, self.arrays, self.pending = shards, {}, {}
+
+  def put(self, i: int, data) -> None:
+    self.arrays[i] = jax.device_put(data, self.shards[i].devices[0], may_alias=False)
+
+  def read(self, part: Part):
+    return _rows(self.arrays[part.shard], part, self.shards[part.shard])
+
+  def write(self, part: Part, value) -> None:
+    self.pending.setdefault(part.shard, []).append(value)
+
+  def commit(self) -> None:
+    """The written parts made the shards (after every group: a part read is never overwritten
+    before its group has read it)."""
+    for i, parts in self.pending.items():
+      self.arrays[i] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    self.pending = {}
+
+  def full(self, i: int):
+    return self.arrays[i]
+
+  def close(self) -> None:
+    self.arrays = {}
+
+
+class HostTier(DeviceTier):
+  """A kind of state in this process's memory, one numpy array a shard."""
+
+  def put(self, i: int, data) -> None:
+    self.arrays[i] = np.array(data, dtype=self.shards[i].dtype)
+
+  def read(self, part: Part):
+    return jax.device_put(_rows(self.arrays[part.shard], part, self.shards[part.shard]),
+                          self.shards[part.shard].devices[0])
+
+  def write(self, part: Part, value) -> None:
+    _rows(self.arrays[part.shard], part, self.shards[part.shard])[...] = np.asarray(value)
+
+  def commit(self) -> None:
+    pass
+
+
+class NvmeTier(HostTier):
+  """A kind of state in files under an NVMe directory: one a parameter, its distinct shards on
+  this process one after another (a shard's rows contiguous), read and written through numpy's
+  memory maps. The files' blocks are allocated when made, so a full disk is an error there,
+  never a fault of a write through the map."""
+
+  def __init__(self, shards, directory: pathlib.Path, kind: str):
+    super().__init__(shards)
+    try:
+      self._make(shards, directory, kind)
+    except OSError as e:  # the disk refused (full, read-only, not ours): one line naming it
+      raise faults.on_disk(e, f"config.optimizer.{SETTING[kind]}: writing the NVMe tier's "
+                              f'{directory}') or e from None
+
+  def _make(self, shards, directory: pathlib.Path, kind: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    by_leaf = {}
+    for i, shard in enumerate(shards):
+      by_leaf.setdefault(shard.leaf, []).append(i)
+    self.files = []
+    for leaf, members in by_leaf.items():
+      shape = (len(members), *shards[members[0]].shape)
+      path = directory / f'{kind}-{leaf:04d}.bin'
+      size = int(np.prod(shape)) * np.dtype(shards[members[0]].dtype).itemsize
+      with open(path, 'wb') as f:
+        if size:
+          os.posix_fallocate(f.fileno(), 0, size)
+      stack = np.memmap(path, dtype=shards[members[0]].dtype, mode='r+', shape=shape)
+      self.files.append(stack)
+      for j, i in enumerate(members):
+        self.arrays[i] = stack[j]
+
+  def put(self, i: int, data) -> None:
+    self.arrays[i][...] = np.asarray(data)
+
+  def close(self) -> None:
+    self.arrays, self.files = {}, []
+
+
+def scratch(directory: pathlib.Path, workdir: str) -> pathlib.Path:
+  """This process's directory under an NVMe tier's: named after the run's workdir (one run holds
+  it at a time), so runs sharing a disk never share files."""
+  tag = hashlib.sha256(str(pathlib.Path(workdir).expanduser().resolve()).encode()).hexdigest()[:12]
+  return directory / f'meshlm-{tag}' / f'process-{jax.process_index()}'
+
+
+class Engine:
+  """A tiered run's train step: (state, batch) → (state, metrics), as the compiled one's; the
+  state it takes and returns is the devices' (parameters, step, bad steps; no optimizer state)."""
+
+  def __init__(self, setup: Setup, compiled_gradients):
+    self.setup, self.compiled = setup, compiled_gradients
+    self.shards = _shards(setup)
+    self.groups = groups(self.shards, GROUP_BYTES)
+    self.tiers, placed = {}, placements(setup.run.optimizer)
+    self.scratch = sorted({scratch(directory, setup.run.workdir)
+                           for tier, directory in placed.values() if tier == NVME})
+    try:
+      for kind, (tier, directory) in placed.items():
+        self.tiers[kind] = (
+            NvmeTier(self.shards, scratch(directory, setup.run.workdir) / kind, kind)
+            if tier == NVME else (HostTier if tier == HOST else DeviceTier)(self.shards))
+    except BaseException:  # a disk that refused: nothing of this run's left on it
+      self._remove_scratch()
+      raise
+    self.params = trained(setup.model_cfg, setup.abstract_state.params)[0]
+    self.decays = jax.tree.leaves(optimizer.decay_mask(self.params))
+    self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix='meshlm-tiers')
+    self.count = 0  # updates applied: AdamW's step count
+
+  def load(self, whole):
+    """The devices' state from a whole one (initialised or restored): each shard of the master
+    weights and moments put on its tier, the devices keeping the parameters and step count."""
+    leaves = jax.tree.leaves(trained(self.setup.model_cfg, whole.params)[0])
+    moments = _moments(whole.opt_state)
+    for i, shard in enumerate(self.shards):
+      device = shard.devices[0]
+      for kind, source in (('master', leaves), ('mu', moments['mu']), ('nu', moments['nu'])):
+        data = next(s.data for s in source[shard.leaf].addressable_shards if s.device == device)
+        self.tiers[kind].put(i, data)
+    self.count = int(whole.step) - int(whole.bad_steps)
+    for x in jax.tree.leaves(whole.opt_state):  # the devices' copies are done with
+      x.delete()
+    return whole.replace(opt_state=None)
+
+  def whole(self, state):
+    """The whole state, as an all-device run's (what a checkpoint saves)."""
+    abstract = self.setup.abstract_state
+    arrays = {kind: self._gathered(kind) for kind in ('mu', 'nu')}
+
+    def leaf(path, x):
+      names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+      if 'mu' in names or 'nu' in names:
+        kind = 'mu' if 'mu' in names else 'nu'
+        return arrays[kind][self._leaf_of(path, kind)]
+      if names and names[-1] == 'count':  # AdamW's and its schedule's
+        return jax.device_put(np.int32(self.count), x.sharding)
+      raise ValueError(f'training/tiers.py does not know the optimizer state leaf {path}')
+    return state.replace(opt_state=jax.tree_util.tree_map_with_path(leaf, abstract.opt_state))
+
+  def _leaf_of(self, path, kind) -> int:
+    """The trained parameter a moment's leaf at `path` mirrors."""
+    at = next(i for i, k in enumerate(path) if getattr(k, 'name', None) == kind)
+    rest = jax.tree_util.keystr(path[at + 1:])
+    if not hasattr(self, '_names'):
+      self._names = {jax.tree_util.keystr(p): i for i, (p, _) in
+                     enumerate(jax.tree_util.tree_flatten_with_path(self.params)[0])}
+    return self._names[rest]
+
+  def _gathered(self, kind) -> list:
+    """Each trained parameter's `kind` as a global array in the parameter's sharding."""
+    tier, params = self.tiers[kind], jax.tree.leaves(self.params)
+    by_index = {(s.leaf, _key(s.index)): i for i, s in enumerate(self.shards)}
+    return [jax.make_array_from_callback(
+        p.shape, p.sharding, lambda index, leaf=leaf: np.asarray(
+            tier.full(by_index[leaf, _key(index)])), dtype=p.dtype)
+        for leaf, p in enumerate(params)]
+
+  def __call__(self, state, batch):
+    grads, finite, step, bad_steps, metrics = self.compiled(state, batch)
+    if bool(finite):
+      state = state.replace(params=self._update(state.params, grads))
+      self.count += 1
+    return state.replace(step=step, bad_steps=bad_steps), metrics
+
+  def _update(self, params, grads):
+    """The parameters after AdamW's update, a group at a time (module docstring)."""
+    grad_leaves = jax.tree.leaves(grads)
+    grad_of = lambda i: next(s.data for s in grad_leaves[self.shards[i].leaf].addressable_shards
+                             if s.device == self.shards[i].devices[0])
+    master = self.tiers['master']
+    if type(master) is DeviceTier:
+      leaves = jax.tree.leaves(trained(self.setup.model_cfg, params)[0])
+      for i, shard in enumerate(self.shards):  # the devices' parameters are the master weights
+        master.arrays[i] = next(s.data for s in leaves[shard.leaf].addressable_shards
+                                if s.device == shard.devices[0])
+    copies = DeviceTier(self.shards)
+    count = np.int32(self.count)
+    reading = self.pool.submit(self._read, self.groups[0])
+    writing = None
+    for g, group in enumerate(self.groups):
+      inputs = reading.result()
+      if g + 1 < len(self.groups):
+        reading = self.pool.submit(self._read, self.groups[g + 1])
+      outputs = {}
+      for device, parts in _by_device(group, self.shards).items():
+        arrays = [[_rows(grad_of(p.shard), p, self.shards[p.shard]) for p in parts],
+                  *[[inputs[kind][p] for p in parts] for kind in KINDS]]
+        decays = [self.decays[self.shards[p.shard].leaf] for p in parts]
+        new = _updated(self.setup.run.optimizer, self.setup.schedule, decays, arrays,
+                       jax.device_put(count, device))
+        for kind, values in zip(KINDS, new):
+          outputs.setdefault(kind, {}).update(zip(parts, values))
+      for p, value in outputs['master'].items():
+        copies.write(p, value)
+      if writing is not None:
+        writing.result()  # one group's write in flight at a time
+      writing = self.pool.submit(self._write, group, outputs)
+    if writing is not None:
+      writing.result()
+    for tier in self.tiers.values():
+      tier.commit()
+    copies.commit()
+    return self._params_from(params, copies)
+
+  def _read(self, group):
+    return {kind: {p: self.tiers[kind].read(p) for p in group} for kind in KINDS}
+
+  def _write(self, group, outputs):
+    for kind in KINDS:
+      for p in group:
+        self.tiers[kind].write(p, outputs[kind][p])
+
+  def _params_from(self, params, copies: DeviceTier):
+    """The devices' parameters with the trained ones' shards from `copies` (each on its first
+    device, copied to the others holding it)."""
+    trained_params, frozen = trained(self.setup.model_cfg, params)
+    leaves, treedef = jax.tree.flatten(trained_params)
+    per_leaf = {}
+    for i, shard in enumerate(self.shards):
+      value = copies.full(i)
+      for device in shard.devices:
+        per_leaf.setdefault(shard.leaf, []).append(
+            value if device == shard.devices[0] else jax.device_put(value, device))
+    new = [jax.make_array_from_single_device_arrays(x.shape, x.sharding, per_leaf[leaf])
+           for leaf, x in enumerate(leaves)]
+    return nnx.merge_state(jax.tree.unflatten(treedef, new), frozen)
+
+  def close(self) -> None:
+    """Ends the engine: its threads, and its NVMe files (the run's record is its checkpoints)."""
+    self.pool.shutdown(wait=True)
+    for tier in self.tiers.values():
+      tier.close()
+    self._remove_scratch()
+
+  def _remove_scratch(self) -> None:
+    for directory in self.scratch:
+      shutil.rmtree(directory, ignore_errors=True)
+      try:
+        directory.parent.rmdir()  # the run's, once no process of it has files there
+      except OSError:
+        pass
+
+
+def _by_device(group, shards) -> dict:
+  out = {}
+  for p in group:
+    out.setdefault(shards[p.shard].devices[0], []).append(p)
+  return out
+
+
+def _moments(opt_state) -> dict[str, list]:
+  """{'mu': [leaves], 'nu': [leaves]}: Adam's moments in the trained parameters' order."""
+  out = {'mu': [], 'nu': []}
+  for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+    for kind in out:
+      if kind in names:
+        out[kind].append(x)
+  return out
+
+
+def _updated(opt_config, schedule, decays: list, arrays: list, count) -> tuple:
+  """(master, mu, nu) of each part after AdamW, from `arrays` [grads, master, mu, nu] (lists,
+  a part each). One part alone is updated as two halves of its elements: with several parameters
+  in one program XLA divides by Adam's bias corrections, as in the all-device step, but with one
+  it multiplies by their reciprocals instead, which rounds otherwise (one ulp, on some elements).
+  Elementwise, the halves' update is the part's."""
+  if len(decays) > 1:
+    return _adamw(opt_config, schedule, tuple(decays))(*arrays, count)
+  shape, size = arrays[0][0].shape, arrays[0][0].size
+  half = (size + 1) // 2 if size > 1 else size
+  halves = [[x.reshape(-1)[:half], x.reshape(-1)[half:] if size > 1 else x.reshape(-1)]
+            for (x,) in arrays]  # a single element is updated twice, as its own pair
+  new = _adamw(opt_config, schedule, (decays[0], decays[0]))(*halves, count)
+  return tuple([(jnp.concatenate(v) if size > 1 else v[0]).reshape(shape)] for v in new)
+
+
+@functools.cache
+def _adamw(opt_config, schedule, decays: tuple):
+  """(grads, master, mu, nu, count) → (master, mu, nu) for a device's parts of a group (lists,
+  each part's weight decay as `decays` says): the optax AdamW of training/optimizer.py."""
+  tx = optimizer.make_adamw(opt_config, schedule, mask=list(decays))
+
+  @jax.jit
+  def update(grads, master, mu, nu, count):
+    state = jax.eval_shape(tx.init, master)
+
+    def filled(path, _):
+      names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+      if 'mu' in names or 'nu' in names:
+        return (mu if 'mu' in names else nu)[path[-1].idx]
+      return count
+    state = jax.tree_util.tree_map_with_path(filled, state)
+    updates, state = tx.update(grads, state, master)
+    moments = _moments(state)
+    return optax.apply_updates(master, updates), moments['mu'], moments['nu']
+  return update
