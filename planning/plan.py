@@ -27,7 +27,7 @@ import math
 import jax
 
 from planning import flops as flops_lib
-from planning import gpu_compiler, gpus, timing
+from planning import gpu_compiler, gpus, offload, timing
 from reporting import metrics
 from sharding import collectives
 import sharding
@@ -71,6 +71,10 @@ class Plan:
                                   # (config.model.prefetch_weights, training/programs.py)
   scheduler_memory: float | None = None  # GPUs: what XLA's scheduler planned within, as a share
                                          # of the memory beside the step's inputs and outputs
+  tiers: dict | None = None  # the optimizer state off the devices (planning/offload.py: TierCost)
+  update_bytes: int = 0  # with tiers, a device's peak while the update runs after the step: the
+                         # step's inputs and outputs (the gradients), the new parameters, three
+                         # groups' shares
 
   @property
   def collective_bytes(self) -> int:
@@ -78,8 +82,13 @@ class Plan:
     return sum(c['bytes'] for c in self.collectives.values())
 
   @property
+  def peak_bytes(self) -> int:
+    """A device's peak over the step and, with tiers, the update after it."""
+    return max(self.total_bytes, self.update_bytes)
+
+  @property
   def fits(self) -> bool | None:
-    return None if self.memory_bytes is None else self.total_bytes <= self.memory_bytes
+    return None if self.memory_bytes is None else self.peak_bytes <= self.memory_bytes
 
   def as_dict(self) -> dict:
     """The plan as its JSON line has it."""
@@ -103,6 +112,14 @@ def make_plan(compiled, setup) -> Plan:
   gpu = gpus.find(kind)  # the compiled program's, which the time model describes
   predicted = timing.predict(hlo, gpu or gpus.NOMINAL)
   on_gpu = devices[0].platform == 'gpu'  # XLA's GPU options apply (training/programs.py)
+  tiers = offload.cost(setup, gpu, target.gpus_per_node)
+  time = predicted_time(predicted, gpu, tokens / n, flops, tiers)
+  param_bytes = _device_bytes(setup.abstract_state.params)
+  update_bytes = 0
+  if tiers:
+    owned_share = tiers.owned_bytes / max(_node_bytes(setup), 1)
+    update_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes + param_bytes
+                    + int(3 * tiers.group_bytes * owned_share))
   return Plan(
       device=target.name, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
@@ -129,11 +146,20 @@ def make_plan(compiled, setup) -> Plan:
           hlo, lambda device: device // target.gpus_per_node),
       gpus_per_node=target.gpus_per_node, partition=partition_name(run.partition),
       memory_bytes=target.memory_bytes, memory_source=target.memory_source,
-      time=predicted_time(predicted, gpu, tokens / n, flops),
-      param_bytes=_device_bytes(setup.abstract_state.params),
+      time=time, param_bytes=param_bytes,
       optimizer_bytes=_device_bytes(setup.abstract_state.opt_state),
       prefetch_weights=on_gpu and setup.model_cfg.prefetch_weights,
-      scheduler_memory=setup.model_cfg.scheduler_memory if on_gpu else None)
+      scheduler_memory=setup.model_cfg.scheduler_memory if on_gpu else None,
+      tiers=dataclasses.asdict(tiers) if tiers else None, update_bytes=update_bytes)
+
+
+def _node_bytes(setup) -> int:
+  """One kind of state's bytes a node updates, its distinct shards (planning/offload.py)."""
+  gpus_per_node = setup.run.target.gpus_per_node
+  owned = offload.owned_bytes(setup.checkpoint_state.params, list(setup.mesh.devices.flat),
+                              gpus_per_node)
+  return max(sum(b for d, b in owned.items() if d // gpus_per_node == node)
+             for node in {d // gpus_per_node for d in owned})
 
 
 def _device_bytes(abstract) -> int:
@@ -151,15 +177,23 @@ def partition_name(partition) -> str:
 
 
 def predicted_time(predicted: timing.StepTime, gpu: gpus.GPU | None, tokens: float,
-                   flops: float) -> dict | None:
+                   flops: float, tiers: offload.TierCost | None = None) -> dict | None:
   """The time model's step for a program compiled for `gpu`, with the tokens/s a device and MFU
   it implies (`tokens` and `flops` per device); None for a device not in planning/gpus.py, whose
-  program the model does not describe."""
+  program the model does not describe. With the optimizer state on tiers, the update after the
+  program is a part of the step ('tiers', planning/offload.py)."""
   if gpu is None:
     return None
-  return {**predicted.table(), 'gpu': gpu.name,
-          'tokens_per_s_per_device': tokens / predicted.seconds,
-          'mfu': flops / predicted.seconds / gpu.peak_bf16_flops}
+  table = predicted.table()
+  if tiers:
+    seconds = table['seconds'] + tiers.update_s
+    table['breakdown'] = {part: {'s': t['s'], 'share': t['s'] / seconds}
+                          for part, t in table['breakdown'].items()}
+    table['breakdown']['tiers'] = {'s': tiers.update_s, 'share': tiers.update_s / seconds}
+    table['seconds'] = seconds
+  return {**table, 'gpu': gpu.name,
+          'tokens_per_s_per_device': tokens / table['seconds'],
+          'mfu': flops / table['seconds'] / gpu.peak_bf16_flops}
 
 
 def check_fits(plan: Plan) -> None:
@@ -167,9 +201,13 @@ def check_fits(plan: Plan) -> None:
   if plan.fits is False:
     fused = ('use a fused attention that never stores the [L, S] scores (config.model.attention='
              'cudnn or pallas), ' if plan.attention == 'xla' else '')
+    update = (f'; the update after it, the optimizer state streamed from its tiers, '
+              f'{readable_bytes(plan.update_bytes)}' if plan.update_bytes > plan.total_bytes
+              else '')
     raise ValueError(
         f'the train step needs {readable_bytes(plan.total_bytes)} per device (arguments '
-        f'{readable_bytes(plan.argument_bytes)}, temporaries {readable_bytes(plan.temp_bytes)}) '
+        f'{readable_bytes(plan.argument_bytes)}, temporaries {readable_bytes(plan.temp_bytes)}'
+        f'{update}) '
         f'but a {plan.device} has {readable_bytes(plan.memory_bytes)} ({plan.memory_source}); '
         f'{fused}recompute more (config.model.remat_policy={plan.remat_policy!r} → full), shard '
         'the state over more devices (config.mesh.fsdp), or split the batch (config.microbatches='
@@ -234,6 +272,7 @@ def report(plan: Plan) -> None:
           ('total / device', f'{readable_bytes(plan.total_bytes)} of {readable_bytes(plan.memory_bytes)}: '
                              + {True: 'fits', False: 'does NOT fit', None: 'device memory unknown'}
                              [plan.fits] + _stand_in(plan)),
+          *tier_rows(plan),
           ('memory available', plan.memory_source),
           ('host memory / device', readable_bytes(plan.host_bytes)),
           ('FLOPs / device / step', f'{plan.flops:.3e}{xla_flops}'),
@@ -257,7 +296,28 @@ UNFITTED = {'communication': 'collectives at priors (NCCL on NVLink and NICs): o
                              'time them'}
 PART_NAMES = {'gemm': 'GEMMs', 'attention': 'attention', 'fusion': 'other fusions',
               'other': 'other kernels', 'communication': 'exposed communication',
-              'launch': 'launch gaps'}
+              'launch': 'launch gaps',
+              'tiers': 'the optimizer state streamed (its tiers, after the step)'}
+
+
+def tier_rows(plan: Plan) -> list[tuple[str, str]]:
+  """The rows of the optimizer state's tiers: where it lives, what each tier holds, the update's
+  peak and its traffic."""
+  t = plan.tiers
+  if not t:
+    return []
+  seconds = lambda s: 'not predicted' if s is None else readable_seconds(s)
+  where = ', '.join(f'{kind} {tier}' for kind, tier in t['placement'].items())
+  return [('optimizer state tiers', where),
+          ('  held / node', f'host memory {readable_bytes(t["host_bytes_per_node"])}, NVMe '
+                            f'{readable_bytes(t["nvme_bytes_per_node"])}'),
+          ('  update after the step', f'peak {readable_bytes(plan.update_bytes)} / device; the '
+                                      f'busiest device reads and writes '
+                                      f'{readable_bytes(t["pcie_bytes"])} over PCIe '
+                                      f'({seconds(t["pcie_s"])}), a node its NVMe '
+                                      f'{readable_bytes(t["nvme_bytes_per_node"])} each way '
+                                      f'({seconds(t["nvme_s"])} at '
+                                      f'{offload.NVME_BANDWIDTH / 1e9:.0f} GB/s)')]
 
 
 def time_rows(time: dict | None, kernels: int = 10) -> list[tuple[str, str]]:

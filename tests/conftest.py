@@ -177,6 +177,8 @@ FAST = (
     'test_workdir.py::test_bad_data_paths_fail_before_the_workdir_is_created',
     'test_workdir.py::test_a_second_run_on_a_live_workdir_stops_at_once_naming_the_holder',
     'test_checkpoint.py::test_checksums_do_not_depend_on_the_sharding',
+    'test_tiers.py::test_a_tier_setting_it_cannot_use_is_named_before_anything_is_built',
+    'test_tiers.py::test_a_disk_that_refuses_the_tier_files_is_one_line_and_leaves_nothing',
     'test_checkpoint.py::test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint',
     'test_checkpoint.py::test_a_resumed_run_that_changes_its_data_or_model_is_refused_before_'
     'compiling',
@@ -224,14 +226,13 @@ LONGEST = {'test_gpu_compile.py': 419, 'test_checkpoint.py': 280, 'test_distribu
            'test_benchmarks.py': 122, 'test_evaluation.py': 91, 'test_dpo.py': 82,
            'test_notebook.py': 79, 'test_moe.py': 75, 'test_pipeline.py': 70, 'test_plan.py': 69,
            'test_kernels.py': 67, 'test_context_parallel.py': 61, 'test_generate.py': 52,
-           'test_training.py': 50, 'test_model.py': 48, 'test_chat.py': 44, 'test_timing.py': 42,
-           'test_sharding.py': 38, 'test_huggingface.py': 37, 'test_kv_cache.py': 36,
-           'test_speculate.py': 34, 'test_cli.py': 34, 'test_data.py': 31, 'test_configs.py': 30,
-           'test_tiers.py': 28, 'test_hierarchical.py': 27, 'test_tokens.py': 22,
-           'test_lora.py': 18, 'test_fp8.py': 16,
-           'test_head.py': 13, 'test_grouped_matmul.py': 10, 'test_preemption.py': 8,
-           'test_instruments.py': 8, 'test_structure.py': 6, 'test_embedding.py': 4,
-           'test_workdir.py': 2}
+           'test_training.py': 50, 'test_tiers.py': 50, 'test_model.py': 48, 'test_chat.py': 44,
+           'test_timing.py': 42, 'test_sharding.py': 38, 'test_huggingface.py': 37,
+           'test_kv_cache.py': 36, 'test_speculate.py': 34, 'test_cli.py': 34, 'test_data.py': 31,
+           'test_configs.py': 30, 'test_hierarchical.py': 27, 'test_tokens.py': 22,
+           'test_lora.py': 18, 'test_fp8.py': 16, 'test_head.py': 13, 'test_grouped_matmul.py': 10,
+           'test_preemption.py': 8, 'test_instruments.py': 8, 'test_structure.py': 6,
+           'test_embedding.py': 4, 'test_workdir.py': 2}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by it

@@ -45,6 +45,12 @@ class OptimizerConfig:
     """Whether any of the state lives off the devices: then training/tiers.py updates it."""
     return any(getattr(self, name) != DEVICE for name in TIERED)
 
+  @property
+  def master_on_devices(self) -> bool:
+    """Whether the devices' parameters are the master weights (else a copy in the compute
+    dtype, which is what the step reads of them)."""
+    return self.master_tier == DEVICE
+
 
 DEVICE, HOST, NVME = 'device', 'host', 'nvme'
 TIERED = ('master_tier', 'mu_tier', 'nu_tier')  # the settings that place the state

@@ -4,11 +4,12 @@ run and read. What a step computes is training/step.py's."""
 
 import jax
 import numpy as np
+import optax
 
 from planning import gpus
 from planning import plan as plan_lib
 import sharding
-from training import optimizer, tiers
+from training import tiers
 from training.state import Setup, trained
 from training.step import make_eval_step, make_gradient_step, make_train_step
 
@@ -85,31 +86,26 @@ def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: floa
 def compile_gradient_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
                           microbatches: int = 1):
   """Ahead-of-time compiled step without its update, for a run whose optimizer state lives off
-  the devices (training/tiers.py): (the devices' state: no optimizer state, batch) → (gradients,
-  clipped as the optimizer clips them, in the parameters' shardings; whether the step is finite;
-  the next step count; the bad steps; metrics)."""
+  the devices (training/tiers.py): (the devices' state: no optimizer state, batch) → (gradients
+  in the parameters' shardings, their global norm (what clipping divides them by, a group at a
+  time in the update: clipped here they would be a second copy), whether the step is finite, the
+  next step count, the bad steps, metrics). With the master weights off the devices, the
+  parameters here are a compute-dtype copy and so are their gradients (summed over microbatches
+  in fp32)."""
   batch = abstract_batch(setup.mesh, batch_size, seq_len)
   gradient_step = make_gradient_step(setup, z_loss, microbatches)
-  clip = optimizer.clipping(setup.run.optimizer)
 
   def step(state, batch):
     grads, _, finite, metrics = gradient_step(state, batch)
-    if clip is not None:
-      grads = clip.update(grads, clip.init(grads))[0]
-    return grads, finite, state.step + 1, metrics['bad_steps'], metrics
-  shardings = device_state(setup.state_shardings)
+    return (grads, optax.tree.norm(grads), finite, state.step + 1, metrics['bad_steps'],
+            metrics)
   replicated = sharding.replicated(setup.mesh)
-  jitted = jax.jit(step, in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
+  jitted = jax.jit(step, in_shardings=(setup.state_shardings,
+                                       jax.tree.map(lambda x: x.sharding, batch)),
                    out_shardings=(trained(setup.model_cfg, setup.state_shardings.params)[0],
-                                  replicated, replicated, replicated, replicated))
+                                  *[replicated] * 5))
   with jax.set_mesh(setup.mesh):
-    return jitted.lower(device_state(setup.abstract_state), batch).compile(
-        compiler_options(setup))
-
-
-def device_state(state):
-  """What a tiered run's devices hold of a state: all but the optimizer state."""
-  return state.replace(opt_state=None)
+    return jitted.lower(setup.abstract_state, batch).compile(compiler_options(setup))
 
 
 def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V,

@@ -76,8 +76,13 @@ class Setup:
   graphdef: nnx.GraphDef
   tx: optax.GradientTransformation
   schedule: optax.Schedule
-  abstract_state: TrainState  # ShapeDtypeStructs, no memory
+  abstract_state: TrainState  # ShapeDtypeStructs, no memory: what the devices hold between steps
   state_shardings: TrainState  # NamedShardings, same tree
+  # What a checkpoint holds: abstract_state, or where the optimizer state lives off the devices
+  # (training/tiers.py) the whole state, whose parameters are the fp32 master weights, while the
+  # devices hold no optimizer state and, with the master weights off them too, a copy of the
+  # parameters in the compute dtype
+  checkpoint_state: TrainState
   opt_compute_shardings: object | None  # where the step computes the optimizer update, when
                                         # the state lives in host memory between steps
   seed: int
@@ -88,8 +93,11 @@ class Setup:
   def init_state(self, params=None) -> TrainState:
     """Initialise parameters (or start from `params`, already in their shardings: under LoRA the
     base's, the adapters initialised) and the optimizer state, directly into their shardings, at
-    step 0."""
+    step 0. Where the optimizer state lives off the devices, it is left out (None) and the
+    parameters are the master weights: training/tiers.py's Engine.load puts them on their tiers,
+    so the optimizer state is never whole on the devices."""
     cfg, tx, seed = self.model_cfg, self.tx, self.seed
+    off_devices = self.run.optimizer.tiered
 
     def init(params):
       if params is None or cfg.lora_rank or cfg.draft_heads:
@@ -97,8 +105,8 @@ class Setup:
         params = (fresh if params is None else
                   nnx.merge_state(split_adapters(fresh, ADDED)[0], params))
       zero = jnp.zeros((), jnp.int32)
-      state = TrainState(step=zero, params=params, opt_state=tx.init(trained(cfg, params)[0]),
-                         bad_steps=zero)
+      opt_state = None if off_devices else tx.init(trained(cfg, params)[0])
+      state = TrainState(step=zero, params=params, opt_state=opt_state, bad_steps=zero)
       if holds_reference(self.run):  # DPO's reference: the parameters the run starts from
         return PreferenceState(**vars(state), reference=jax.tree.map(jnp.copy, params))
       return state
@@ -180,8 +188,21 @@ def build(run: Run) -> Setup:
     abstract_state = PreferenceState(**vars(abstract_state), reference=abstract_params)
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract_state, state_shardings)
+  checkpoint_state = abstract_state
+  if run.optimizer.tiered:  # the devices' share (training/tiers.py)
+    if has_host_memory(sharding.local_device(devices)):  # a checkpoint's optimizer state is
+      checkpoint_state = checkpoint_state.replace(  # restored to host memory, never whole here
+          opt_state=jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+              a.shape, a.dtype, sharding=a.sharding.with_memory_kind('pinned_host')),
+              checkpoint_state.opt_state))
+    copy = (lambda a: a) if run.optimizer.master_on_devices else (
+        lambda a: jax.ShapeDtypeStruct(a.shape, model_cfg.dtype, sharding=a.sharding))
+    abstract_state = abstract_state.replace(params=jax.tree.map(copy, abstract_state.params),
+                                            opt_state=None)
+    state_shardings = state_shardings.replace(opt_state=None)
   return Setup(run=run, model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
                abstract_state=abstract_state, state_shardings=state_shardings,
+               checkpoint_state=checkpoint_state,
                opt_compute_shardings=opt_compute_shardings, seed=run.seed,
                hierarchy=hierarchy)
 
@@ -200,10 +221,10 @@ def check_checkpoints(checkpointer, setup, read: dict | None) -> None:
     for step in steps:  # the newest that reads; older ones are fallbacks
       if saved := checkpointer.saved_config(step):  # the settings first: they name the change
         checkpoint_lib.check_resume(saved, settings_now, checkpointer.directory / str(step), read)
-      if checkpointer.reads_as(setup.abstract_state, step, setting='config.workdir',
+      if checkpointer.reads_as(setup.checkpoint_state, step, setting='config.workdir',
                                model_config=run.model):
         return
-    base = base_params(setup.model_cfg, setup.abstract_state.params)
+    base = base_params(setup.model_cfg, setup.checkpoint_state.params)
     if run.start.kind == HF and not steps:
       huggingface.check_tensors(run.start.path, base, setup.model_cfg)
     elif run.start.kind == RUN and not steps:
@@ -219,12 +240,12 @@ def initial_state(setup, checkpointer, log):
   """(step, state, data state): resumed from the workdir's newest checkpoint that restores, else
   a new run from the parameters it starts from (run.start), or from scratch."""
   run = setup.run
-  restored = (checkpointer.restore_latest(setup.abstract_state, run.model)
+  restored = (checkpointer.restore_latest(setup.checkpoint_state, run.model)
               if checkpointer else None)
   if restored:
     log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')
     return restored
-  base = base_params(setup.model_cfg, setup.abstract_state.params)  # under LoRA, not adapters
+  base = base_params(setup.model_cfg, setup.checkpoint_state.params)  # under LoRA, not adapters
   if run.start.kind == HF:
     params = huggingface.load_params(run.start.path, base, setup.model_cfg)
     log(f'starting from the Hugging Face checkpoint {run.start.path} (fresh optimizer, step 0)')

@@ -52,6 +52,7 @@ def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
   cfg, graphdef = setup.model_cfg, setup.graphdef
   scanned = 1 if pipeline_stages(setup) > 1 else microbatches  # slices the step runs in turn
   dpo = setup.run.dpo if prefers(setup) else None
+  copy_of_master = setup.run.optimizer.tiered and not setup.run.optimizer.master_on_devices
 
   def loss_of(params, frozen, reference, batch, total, share):
     """(loss, (its terms, router stats, draft sums)) of `batch`, its terms over the weight
@@ -88,7 +89,11 @@ def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
     def accumulate(carry, microbatch):
       return jax.tree.map(jnp.add, carry, grad_of(params, frozen, reference, microbatch, total,
                                                   1 / scanned)), None
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    # Where the parameters here are a compute-dtype copy of master weights kept off the devices
+    # (training/tiers.py), their bf16 gradients are summed in fp32, as the master's would be
+    wider = (lambda dtype: jnp.promote_types(dtype, jnp.float32)
+             if copy_of_master and jnp.issubdtype(dtype, jnp.floating) else dtype)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, wider(a.dtype)), shapes)
     return jax.lax.scan(accumulate, zeros, slices)[0]
 
   def gradient_step(state: TrainState, batch):

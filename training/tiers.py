@@ -32,15 +32,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+from planning import offload
 from runtime import faults
 from training import optimizer
 from training.optimizer import DEVICE, HOST, NVME
-from training.state import Setup, trained
+from training.state import Setup, has_host_memory, trained
 
-# The state a group holds (master weights and both moments, fp32): large enough that NVMe reads
-# and writes are long and sequential (a stacked leaf's rows are contiguous in its file), small
-# enough that two groups in flight and one updating are a small share of a device's memory.
-GROUP_BYTES = 1 << 30
+GROUP_BYTES = offload.GROUP_BYTES  # the state a group holds (planning/offload.py says why)
 KINDS = ('master', 'mu', 'nu')  # what a tier holds, by the setting that places it
 SETTING = {'master': 'master_tier', 'mu': 'mu_tier', 'nu': 'nu_tier'}
 
@@ -94,7 +92,7 @@ def _check_directory(directory: pathlib.Path, size: int) -> None:
 
 def _process_bytes(setup: Setup) -> int:
   """The bytes of one kind of state (master weights or a moment) this process keeps."""
-  return sum(shard.nbytes for shard in _shards(setup))
+  return sum(shard.nbytes for shard in shards(setup))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +117,10 @@ def _key(index) -> tuple:
   return tuple((s.start, s.stop, s.step) for s in index)
 
 
-def _shards(setup: Setup) -> list[Shard]:
+def shards(setup: Setup) -> list[Shard]:
   """Every distinct shard of the trained parameters on this process's devices, leaf by leaf."""
-  params = trained(setup.model_cfg, setup.abstract_state.params)[0]
+  params = trained(setup.model_cfg, setup.checkpoint_state.params)[0]  # the master weights
+  order = {d: i for i, d in enumerate(setup.mesh.devices.flat)}  # the first in the mesh updates
   out = []
   for leaf, p in enumerate(jax.tree.leaves(params)):
     devices = {}
@@ -129,7 +128,7 @@ def _shards(setup: Setup) -> list[Shard]:
       devices.setdefault(_key(index), (index, []))[1].append(device)
     for index, holders in devices.values():
       shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, p.shape))
-      out.append(Shard(leaf, index, tuple(sorted(holders, key=lambda d: d.id)), shape, p.dtype))
+      out.append(Shard(leaf, index, tuple(sorted(holders, key=order.get)), shape, p.dtype))
   return out
 
 
@@ -172,6 +171,10 @@ class DeviceTier:
   def put(self, i: int, data) -> None:
     self.arrays[i] = jax.device_put(data, self.shards[i].devices[0], may_alias=False)
 
+  def zero(self, i: int) -> None:
+    shard = self.shards[i]
+    self.arrays[i] = jnp.zeros(shard.shape, shard.dtype, device=shard.devices[0])
+
   def read(self, part: Part):
     return _rows(self.arrays[part.shard], part, self.shards[part.shard])
 
@@ -197,6 +200,9 @@ class HostTier(DeviceTier):
 
   def put(self, i: int, data) -> None:
     self.arrays[i] = np.array(data, dtype=self.shards[i].dtype)
+
+  def zero(self, i: int) -> None:
+    self.arrays[i] = np.zeros(self.shards[i].shape, self.shards[i].dtype)
 
   def read(self, part: Part):
     return jax.device_put(_rows(self.arrays[part.shard], part, self.shards[part.shard]),
@@ -244,6 +250,9 @@ class NvmeTier(HostTier):
   def put(self, i: int, data) -> None:
     self.arrays[i][...] = np.asarray(data)
 
+  def zero(self, i: int) -> None:
+    pass  # the files were made anew: allocated blocks read as zeros
+
   def close(self) -> None:
     self.arrays, self.files = {}, []
 
@@ -261,7 +270,7 @@ class Engine:
 
   def __init__(self, setup: Setup, compiled_gradients):
     self.setup, self.compiled = setup, compiled_gradients
-    self.shards = _shards(setup)
+    self.shards = shards(setup)
     self.groups = groups(self.shards, GROUP_BYTES)
     self.tiers, placed = {}, placements(setup.run.optimizer)
     self.scratch = sorted({scratch(directory, setup.run.workdir)
@@ -274,30 +283,51 @@ class Engine:
     except BaseException:  # a disk that refused: nothing of this run's left on it
       self._remove_scratch()
       raise
-    self.params = trained(setup.model_cfg, setup.abstract_state.params)[0]
+    self.params = trained(setup.model_cfg, setup.checkpoint_state.params)[0]  # the master's
+    self.copy_dtypes = [x.dtype for x in  # what the devices hold of them
+                        jax.tree.leaves(trained(setup.model_cfg, setup.abstract_state.params)[0])]
     self.decays = jax.tree.leaves(optimizer.decay_mask(self.params))
     self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix='meshlm-tiers')
     self.count = 0  # updates applied: AdamW's step count
 
-  def load(self, whole):
-    """The devices' state from a whole one (initialised or restored): each shard of the master
-    weights and moments put on its tier, the devices keeping the parameters and step count."""
-    leaves = jax.tree.leaves(trained(self.setup.model_cfg, whole.params)[0])
-    moments = _moments(whole.opt_state)
+  def load(self, state):
+    """The devices' state from a restored whole one, or a fresh one without its optimizer state
+    (Setup.init_state's): each shard of the master weights and moments put on its tier (fresh
+    moments: zeros), the devices keeping the parameters and step count."""
+    leaves = jax.tree.leaves(trained(self.setup.model_cfg, state.params)[0])
+    moments = None if state.opt_state is None else _moments(state.opt_state)
     for i, shard in enumerate(self.shards):
       device = shard.devices[0]
-      for kind, source in (('master', leaves), ('mu', moments['mu']), ('nu', moments['nu'])):
-        data = next(s.data for s in source[shard.leaf].addressable_shards if s.device == device)
-        self.tiers[kind].put(i, data)
-    self.count = int(whole.step) - int(whole.bad_steps)
-    for x in jax.tree.leaves(whole.opt_state):  # the devices' copies are done with
+      shard_of = lambda leaf: next(s.data for s in leaf.addressable_shards if s.device == device)
+      self.tiers['master'].put(i, shard_of(leaves[shard.leaf]))
+      for kind in ('mu', 'nu'):
+        if moments is None:
+          self.tiers[kind].zero(i)
+        else:
+          self.tiers[kind].put(i, shard_of(moments[kind][shard.leaf]))
+    self.count = int(state.step) - int(state.bad_steps)
+    for x in jax.tree.leaves(state.opt_state):  # the devices' copies are done with
       x.delete()
-    return whole.replace(opt_state=None)
+    return state.replace(opt_state=None, params=self._copies(state.params))
+
+  def _copies(self, params):
+    """The devices' copy of the parameters: the master weights, or in the compute dtype where
+    the master weights live off the devices."""
+    trained_params, frozen = trained(self.setup.model_cfg, params)
+    leaves, treedef = jax.tree.flatten(trained_params)
+    return nnx.merge_state(jax.tree.unflatten(treedef, [
+        x if x.dtype == dtype else x.astype(dtype) for x, dtype in zip(leaves, self.copy_dtypes)]),
+        frozen)
 
   def whole(self, state):
     """The whole state, as an all-device run's (what a checkpoint saves)."""
-    abstract = self.setup.abstract_state
+    abstract = self.setup.checkpoint_state
     arrays = {kind: self._gathered(kind) for kind in ('mu', 'nu')}
+    params = state.params
+    if not self.setup.run.optimizer.master_on_devices:
+      frozen = trained(self.setup.model_cfg, params)[1]
+      params = nnx.merge_state(jax.tree.unflatten(jax.tree.structure(self.params),
+                                                  self._gathered('master')), frozen)
 
     def leaf(path, x):
       names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
@@ -307,7 +337,8 @@ class Engine:
       if names and names[-1] == 'count':  # AdamW's and its schedule's
         return jax.device_put(np.int32(self.count), x.sharding)
       raise ValueError(f'training/tiers.py does not know the optimizer state leaf {path}')
-    return state.replace(opt_state=jax.tree_util.tree_map_with_path(leaf, abstract.opt_state))
+    return state.replace(params=params,
+                         opt_state=jax.tree_util.tree_map_with_path(leaf, abstract.opt_state))
 
   def _leaf_of(self, path, kind) -> int:
     """The trained parameter a moment's leaf at `path` mirrors."""
@@ -319,23 +350,29 @@ class Engine:
     return self._names[rest]
 
   def _gathered(self, kind) -> list:
-    """Each trained parameter's `kind` as a global array in the parameter's sharding."""
+    """Each trained parameter's `kind` as a global array in the parameter's sharding, in pinned
+    host memory where the devices have it: a checkpoint's copy, which the devices may not hold
+    whole (runtime/checkpoint.py sums such arrays one at a time)."""
     tier, params = self.tiers[kind], jax.tree.leaves(self.params)
     by_index = {(s.leaf, _key(s.index)): i for i, s in enumerate(self.shards)}
+    host = has_host_memory(self.shards[0].devices[0]) if self.shards else False
     return [jax.make_array_from_callback(
-        p.shape, p.sharding, lambda index, leaf=leaf: np.asarray(
-            tier.full(by_index[leaf, _key(index)])), dtype=p.dtype)
-        for leaf, p in enumerate(params)]
+        p.shape, p.sharding.with_memory_kind('pinned_host') if host else p.sharding,
+        # a copy: JAX's CPU backend may take a host array as its buffer, and the tiers' arrays
+        # change in place while the checkpoint is written in the background
+        lambda index, leaf=leaf: np.array(tier.full(by_index[leaf, _key(index)]), copy=True),
+        dtype=p.dtype) for leaf, p in enumerate(params)]
 
   def __call__(self, state, batch):
-    grads, finite, step, bad_steps, metrics = self.compiled(state, batch)
+    grads, norm, finite, step, bad_steps, metrics = self.compiled(state, batch)
     if bool(finite):
-      state = state.replace(params=self._update(state.params, grads))
+      state = state.replace(params=self._update(state.params, grads, norm))
       self.count += 1
     return state.replace(step=step, bad_steps=bad_steps), metrics
 
-  def _update(self, params, grads):
-    """The parameters after AdamW's update, a group at a time (module docstring)."""
+  def _update(self, params, grads, norm):
+    """The parameters after clipping and AdamW's update, a group at a time (module docstring);
+    `norm`: the gradients' global norm."""
     grad_leaves = jax.tree.leaves(grads)
     grad_of = lambda i: next(s.data for s in grad_leaves[self.shards[i].leaf].addressable_shards
                              if s.device == self.shards[i].devices[0])
@@ -359,7 +396,7 @@ class Engine:
                   *[[inputs[kind][p] for p in parts] for kind in KINDS]]
         decays = [self.decays[self.shards[p.shard].leaf] for p in parts]
         new = _updated(self.setup.run.optimizer, self.setup.schedule, decays, arrays,
-                       jax.device_put(count, device))
+                       jax.device_put(count, device), jax.device_put(norm, device))
         for kind, values in zip(KINDS, new):
           outputs.setdefault(kind, {}).update(zip(parts, values))
       for p, value in outputs['master'].items():
@@ -389,7 +426,7 @@ class Engine:
     leaves, treedef = jax.tree.flatten(trained_params)
     per_leaf = {}
     for i, shard in enumerate(self.shards):
-      value = copies.full(i)
+      value = copies.full(i).astype(self.copy_dtypes[shard.leaf])
       for device in shard.devices:
         per_leaf.setdefault(shard.leaf, []).append(
             value if device == shard.devices[0] else jax.device_put(value, device))
@@ -431,30 +468,38 @@ def _moments(opt_state) -> dict[str, list]:
   return out
 
 
-def _updated(opt_config, schedule, decays: list, arrays: list, count) -> tuple:
+def _updated(opt_config, schedule, decays: list, arrays: list, count, norm) -> tuple:
   """(master, mu, nu) of each part after AdamW, from `arrays` [grads, master, mu, nu] (lists,
   a part each). One part alone is updated as two halves of its elements: with several parameters
   in one program XLA divides by Adam's bias corrections, as in the all-device step, but with one
   it multiplies by their reciprocals instead, which rounds otherwise (one ulp, on some elements).
   Elementwise, the halves' update is the part's."""
   if len(decays) > 1:
-    return _adamw(opt_config, schedule, tuple(decays))(*arrays, count)
+    return _adamw(opt_config, schedule, tuple(decays))(*arrays, count, norm)
   shape, size = arrays[0][0].shape, arrays[0][0].size
   half = (size + 1) // 2 if size > 1 else size
   halves = [[x.reshape(-1)[:half], x.reshape(-1)[half:] if size > 1 else x.reshape(-1)]
             for (x,) in arrays]  # a single element is updated twice, as its own pair
-  new = _adamw(opt_config, schedule, (decays[0], decays[0]))(*halves, count)
+  new = _adamw(opt_config, schedule, (decays[0], decays[0]))(*halves, count, norm)
   return tuple([(jnp.concatenate(v) if size > 1 else v[0]).reshape(shape)] for v in new)
 
 
 @functools.cache
 def _adamw(opt_config, schedule, decays: tuple):
-  """(grads, master, mu, nu, count) → (master, mu, nu) for a device's parts of a group (lists,
-  each part's weight decay as `decays` says): the optax AdamW of training/optimizer.py."""
+  """(grads, master, mu, nu, count, norm) → (master, mu, nu) for a device's parts of a group
+  (lists, each part's weight decay as `decays` says): the gradients clipped as optax's
+  clip_by_global_norm clips them (`norm` their global norm), then the optax AdamW of
+  training/optimizer.py."""
   tx = optimizer.make_adamw(opt_config, schedule, mask=list(decays))
+  max_norm = opt_config.grad_clip
+
+  def clipped(t, norm):  # optax.clip_by_global_norm's clip_fn, its arithmetic as it is there
+    return jax.lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm)
 
   @jax.jit
-  def update(grads, master, mu, nu, count):
+  def update(grads, master, mu, nu, count, norm):
+    if max_norm > 0:
+      grads = [clipped(t, norm) for t in grads]
     state = jax.eval_shape(tx.init, master)
 
     def filled(path, _):
