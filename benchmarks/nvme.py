@@ -12,13 +12,19 @@ them back (and checking that every random byte came back):
   buffered    numpy tofile/fromfile through the page cache (then fsync), one thread
   tensorstore a zarr3 array of --block_mib chunks on tensorstore's file kvstore (its own threads;
               orbax's storage layer)
+  tier        the NVMe tier's own files (training/tiers.py: NvmeTier): the bytes as one
+              parameter's shard, written a group of rows at a time through its memory map (then
+              msync), its map closed, read back a group at a time as the update reads them (a
+              memory map's rows, put on the device)
 Time: each way's median of --repeats rounds. A small --gib on a machine with much free memory
 still measures the disk: every read starts from a dropped cache and every write ends in fsync.
 Goal (issue 52): the tier's own reads and writes at ≥ 70% of dd's on the same directory.
 """
 
+import gc
 import mmap
 import os
+import pathlib
 import shutil
 import statistics
 import subprocess
@@ -37,7 +43,8 @@ _DIR = flags.DEFINE_string('dir', '', 'The directory measured (a temporary folde
 _GIB = flags.DEFINE_float('gib', 2.0, 'Bytes written and read by each way, GiB.')
 _BLOCK_MIB = flags.DEFINE_integer('block_mib', 64, 'One write or read, MiB (a multiple of 4 KiB).')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Rounds of each way; the median is reported.')
-_WAYS = flags.DEFINE_list('ways', ['dd', 'direct', 'buffered', 'tensorstore'], 'Ways measured.')
+_WAYS = flags.DEFINE_list('ways', ['dd', 'direct', 'buffered', 'tensorstore', 'tier'],
+                          'Ways measured.')
 _OUT = flags.DEFINE_string('out', '', 'Also write the figures here as JSON.')
 
 
@@ -145,7 +152,43 @@ def tensorstore(data: np.ndarray, folder: str, block: int) -> tuple[float, float
   return seconds, seconds_read
 
 
-WAYS = {'dd': dd, 'direct': direct, 'buffered': buffered, 'tensorstore': tensorstore}
+def tier(data: np.ndarray, folder: str, block: int) -> tuple[float, float]:
+  import jax
+  from training import tiers
+  rows = data.nbytes // block
+  matrix = data.reshape(rows, block // data.itemsize)
+  shard = tiers.Shard(leaf=0, index=(slice(None), slice(None)), devices=(jax.devices()[0],),
+                      shape=matrix.shape, dtype=matrix.dtype)
+  step = max(1, tiers.GROUP_BYTES // 3 // block)  # a group's rows of one kind of state
+  parts = [tiers.Part(0, start, min(rows, start + step)) for start in range(0, rows, step)]
+  store = tiers.NvmeTier([shard], pathlib.Path(folder) / 'tier', 'master')  # made at a run's start
+  path = str(pathlib.Path(folder) / 'tier' / 'master-0000.bin')
+
+  def write():
+    for part in parts:
+      store.write(part, matrix[part.start:part.stop])
+    store.files[0].flush()
+  seconds, _ = timed(write)
+  store.close()  # its map dropped, or the page cache keeps the mapped pages
+  del store
+  gc.collect()
+  evict(path)
+  back = np.empty_like(matrix)
+  device = jax.devices()[0]
+
+  def read():  # as HostTier.read: a part's rows of the memory map, put on the device
+    mapped = np.memmap(path, dtype=matrix.dtype, mode='r', shape=(1, *matrix.shape))
+    for part in parts:
+      back[part.start:part.stop] = np.asarray(
+          jax.device_put(mapped[0, part.start:part.stop], device))
+  seconds_read, _ = timed(read)
+  if not np.array_equal(back, matrix):
+    raise RuntimeError(f'{path}: the bytes read back differ from those written')
+  return seconds, seconds_read
+
+
+WAYS = {'dd': dd, 'direct': direct, 'buffered': buffered, 'tensorstore': tensorstore,
+        'tier': tier}
 
 
 def main(argv):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_config
+from tests.test_checkpoint import poison
 from planning import offload
 from runtime import faults
 from runtime.checkpoint import Checkpointer
@@ -36,7 +37,7 @@ def on_nvme(directory):
 def final_state(workdir, config):
   step, state, _ = Checkpointer(workdir / 'checkpoints').restore_latest(
       build(settings.resolve(config)).checkpoint_state, config.model)
-  assert step == STEPS
+  assert step == config.train_steps
   return state
 
 
@@ -96,7 +97,8 @@ def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_spli
     tmp_path, monkeypatch):
   """Groups of 3 kB (a stacked parameter's shard cut into slices of rows, one parameter alone in
   a group) on data=2 × fsdp=2 × tensor=2, where each distinct shard is updated on one device and
-  copied to its replica: three steps equal the compiled all-device step's, state and all."""
+  copied to its replica, two microbatches a step: three steps equal the compiled all-device
+  step's, state and all."""
   mesh = {'data': 2, 'fsdp': 2, 'tensor': 2}
   reference = build(settings.resolve(run_config(tmp_path / 'device', mesh)))
   B, L = 8, 32
@@ -107,7 +109,7 @@ def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_spli
                           'segment_ids': np.ones((B, L), np.int32),
                           'weights': np.ones((B, L), np.float32)},
                          sharding.batch_sharding(reference.mesh))
-  step = programs.compile_train_step(reference, B, L, 1e-4)
+  step = programs.compile_train_step(reference, B, L, 1e-4, microbatches=2)
   state = reference.init_state()
   for _ in range(3):
     state, _ = step(state, batch)
@@ -115,7 +117,7 @@ def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_spli
   monkeypatch.setattr(tiers, 'GROUP_BYTES', 3000)
   setup = build(settings.resolve(run_config(
       tmp_path / 'tiered', mesh, master_tier=f'nvme:{tmp_path}/nvme', mu_tier='host')))
-  engine = tiers.Engine(setup, programs.compile_gradient_step(setup, B, L, 1e-4))
+  engine = tiers.Engine(setup, programs.compile_gradient_step(setup, B, L, 1e-4, microbatches=2))
   shards = engine.shards
   assert any(len(s.devices) > 1 for s in shards)  # replicas over data: copied, not updated twice
   cut = {p.shard for group in engine.groups for p in group
@@ -217,3 +219,22 @@ def test_in_bf16_the_devices_hold_a_bf16_copy_of_master_weights_kept_off_them(tm
   assert {x.dtype for x in jax.tree.leaves(setup.abstract_state.params)} == {np.dtype('bfloat16')}
   saved = final_state(tmp_path / 'master', config)
   assert {x.dtype for x in jax.tree.leaves(saved.params)} == {np.dtype('float32')}
+
+
+def test_a_non_finite_step_is_skipped_on_the_tiers_as_on_the_devices(tmp_path, monkeypatch):
+  """A step whose loss is NaN (step 3 of 6) updates nothing on the tiers either: the bad-step
+  count, the losses and the final checkpoint (AdamW's count one short) are the all-device run's."""
+  monkeypatch.setattr(loop.pipeline, 'train_batches', poison({3}))
+  runs = []
+  for name, optimizer in (('device', {}), ('tiered', on_nvme(tmp_path / 'nvme'))):
+    config = run_config(tmp_path / name, **optimizer)
+    config.train_steps, config.checkpoint_every, config.max_bad_steps = 6, 6, 2
+    with pytest.warns(RuntimeWarning, match='step 3: the loss or gradient is not finite'):
+      records = loop.run(config)
+    runs.append((records, final_state(tmp_path / name, config)))
+  (records, reference), (tiered_records, state) = runs
+  assert [r['bad_steps'] for r in tiered_records] == [0, 0, 1, 1, 1, 1]
+  assert np.isnan(tiered_records[2]['loss'])
+  assert [r['loss'] for r in tiered_records if r['step'] != 3] == [
+      r['loss'] for r in records if r['step'] != 3]
+  assert_same_arrays(state, reference)
