@@ -92,11 +92,16 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path
   assert scores == pytest.approx(reference_scores[0], rel=1e-3, abs=1e-6)
 
   # Process 1's part of checkpoint 6 damaged: both processes find it so (each reads its own
-  # shards), set it aside once, resume from step 3 and train as before.
+  # shards), set it aside once, resume from step 3 and train as before: here with Adam's moments
+  # off the devices (training/tiers.py), each process keeping its own shards, in memory and in
+  # files (the master weights stay: off the devices, a bf16 copy would train a little otherwise).
   for f in (tmp_path / 'two' / 'checkpoints' / str(STEPS) / 'state').rglob('*'):
     if f.is_file() and 'ocdbt.process_1/d/' in str(f):
       f.write_bytes(f.read_bytes()[:f.stat().st_size // 3])
-  processes = launch('configs/base.py', default_overrides(tmp_path / 'two'), logs=tmp_path)
+  nvme = tmp_path / 'nvme'
+  tiers = {'optimizer.mu_tier': 'host', 'optimizer.nu_tier': f'nvme:{nvme}'}
+  processes = launch('configs/base.py', {**default_overrides(tmp_path / 'two'), **tiers},
+                     logs=tmp_path)
   codes = [p.wait(timeout=600) for p in processes]
   logs = [(tmp_path / f'process{i}.txt').read_text() for i in range(2)]
   assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
@@ -106,6 +111,7 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path
   assert sorted(again) == list(range(1, STEPS + 1))
   for step in range(4, STEPS + 1):
     assert again[step] == pytest.approx(reference[step], rel=2e-4), step
+  assert not nvme.exists() or list(nvme.iterdir()) == []  # the processes' files removed
 
   # Both processes' data rows went into the checkpoint: one process resumes it exactly.
   shutil.rmtree(tmp_path / 'two' / 'checkpoints' / str(STEPS))

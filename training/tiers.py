@@ -384,6 +384,7 @@ class Engine:
                                 if s.device == shard.devices[0])
     copies = DeviceTier(self.shards)
     count = np.int32(self.count)
+    norm = np.asarray(norm.addressable_data(0))  # replicated; this process's copy, on the host
     reading = self.pool.submit(self._read, self.groups[0])
     writing = None
     for g, group in enumerate(self.groups):
