@@ -31,6 +31,7 @@ KINDS = {'master': 'master_tier', 'mu': 'mu_tier', 'nu': 'nu_tier'}
 class TierCost:
   placement: dict  # {'master': 'device' | 'host' | 'nvme:DIR', 'mu': …, 'nu': …}
   owned_bytes: int  # one kind's bytes the busiest device updates (its distinct shards)
+  node_bytes: int  # and the busiest node
   host_bytes_per_node: int  # what a node's host memory holds of the state (the kinds on host)
   nvme_bytes_per_node: int  # what a node's NVMe directory holds (the kinds on nvme:), all of
                             # which each step reads and writes back
@@ -66,10 +67,21 @@ def cost(setup, gpu, gpus_per_node: int) -> TierCost | None:
     nvme_s = 2 * nvme / NVME_BANDWIDTH
     first_group = GROUP_BYTES * (busiest / node if node else 0)
     update_s = max(pcie_s, nvme_s) + first_group / gpu.host_bandwidth
-  return TierCost(placement=placement, owned_bytes=busiest,
+  return TierCost(placement=placement, owned_bytes=busiest, node_bytes=node,
                   host_bytes_per_node=node * on('host'), nvme_bytes_per_node=nvme,
                   pcie_bytes=pcie, group_bytes=GROUP_BYTES, update_s=update_s, pcie_s=pcie_s,
                   nvme_s=nvme_s)
+
+
+def distinct_shards(devices_indices: dict, order: dict, node_of=lambda device: 0) -> list:
+  """[(index, holders)]: each distinct shard of an array among `devices_indices` (a sharding's
+  {device: index}), once a node (each node keeps its own copy), with the devices holding it in
+  `order` ({device: place in the mesh}): the first updates it (training/tiers.py)."""
+  held = {}
+  for device, index in devices_indices.items():
+    key = (node_of(device), tuple((s.start, s.stop, s.step) for s in index))
+    held.setdefault(key, (index, []))[1].append(device)
+  return [(index, tuple(sorted(holders, key=order.get))) for index, holders in held.values()]
 
 
 def owned_bytes(abstract_params, devices: list, gpus_per_node: int) -> dict[int, int]:
@@ -79,12 +91,8 @@ def owned_bytes(abstract_params, devices: list, gpus_per_node: int) -> dict[int,
   order = {d: i for i, d in enumerate(devices)}
   owned = dict.fromkeys(order.values(), 0)
   for x in jax.tree.leaves(abstract_params):
-    first = {}
-    for device, index in x.sharding.devices_indices_map(x.shape).items():
-      key = (order[device] // gpus_per_node,
-             tuple((s.start, s.stop, s.step) for s in index))
-      first[key] = min(first.get(key, order[device]), order[device])
     size = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-    for device in first.values():
-      owned[device] += size
+    for _, holders in distinct_shards(x.sharding.devices_indices_map(x.shape), order,
+                                      lambda device: order[device] // gpus_per_node):
+      owned[order[holders[0]]] += size
   return owned

@@ -117,7 +117,7 @@ def make_plan(compiled, setup) -> Plan:
   param_bytes = _device_bytes(setup.abstract_state.params)
   update_bytes = 0
   if tiers:
-    owned_share = tiers.owned_bytes / max(_node_bytes(setup), 1)
+    owned_share = tiers.owned_bytes / max(tiers.node_bytes, 1)
     update_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes + param_bytes
                     + int(3 * tiers.group_bytes * owned_share))
   return Plan(
@@ -151,15 +151,6 @@ def make_plan(compiled, setup) -> Plan:
       prefetch_weights=on_gpu and setup.model_cfg.prefetch_weights,
       scheduler_memory=setup.model_cfg.scheduler_memory if on_gpu else None,
       tiers=dataclasses.asdict(tiers) if tiers else None, update_bytes=update_bytes)
-
-
-def _node_bytes(setup) -> int:
-  """One kind of state's bytes a node updates, its distinct shards (planning/offload.py)."""
-  gpus_per_node = setup.run.target.gpus_per_node
-  owned = offload.owned_bytes(setup.checkpoint_state.params, list(setup.mesh.devices.flat),
-                              gpus_per_node)
-  return max(sum(b for d, b in owned.items() if d // gpus_per_node == node)
-             for node in {d // gpus_per_node for d in owned})
 
 
 def _device_bytes(abstract) -> int:

@@ -9,9 +9,11 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.conftest import tiny_config
 from tests.test_checkpoint import poison
+from inference import sampling
 from planning import offload
 from runtime import faults
 from runtime.checkpoint import Checkpointer
@@ -74,6 +76,10 @@ def test_master_weights_and_both_moments_on_nvme_equal_the_all_device_run_bit_fo
   assert losses(tiered_records) == losses(records) and len(losses(records)) == STEPS
   assert_same_arrays(state, reference)  # parameters, both moments, the counts: the checkpoint
   assert list(nvme.iterdir()) == []  # the files were the run's scratch, removed at its end
+  # sample.py and export.py read the run's fp32 master weights, whatever its tiers
+  loaded = sampling.load(str(on_nvme_run[0]))
+  for got, want in zip(jax.tree.leaves(nnx.state(loaded.model)), jax.tree.leaves(state.params)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize('placement', ['to the devices', 'to host memory'])

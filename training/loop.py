@@ -66,8 +66,7 @@ def train(run: Run, tasks=None) -> list[dict]:
   if tasks:
     tasks.check(run)
   setup = build(run)  # every model and mesh error surfaces here, before any work
-  if run.optimizer.tiered:  # what the optimizer state's tiers do not run with; their disks' room
-    tiers.check(setup)
+  if run.optimizer.tiered:  # the room on the optimizer state's disks
     tiers.check_room(setup)
   # The data's files, every record rendered with the run's chat template.
   corpus_lib.check_source(run.data, run.template)

@@ -9,7 +9,6 @@ import optax
 from planning import gpus
 from planning import plan as plan_lib
 import sharding
-from training import tiers
 from training.state import Setup, trained
 from training.step import make_eval_step, make_gradient_step, make_train_step
 
@@ -127,8 +126,6 @@ def compile_and_plan(setup: Setup):
   setup's mesh: compiling needs only the abstract state. Where the optimizer state lives off the
   devices, the step is compile_gradient_step's, which training/tiers.py completes."""
   run = setup.run
-  if run.optimizer.tiered:
-    tiers.check(setup)
   compile_step = compile_gradient_step if run.optimizer.tiered else compile_train_step
   compiled = compile_step(setup, run.batch_size, run.seq_len, run.loss.z_loss,
                           microbatches=run.microbatches)

@@ -266,6 +266,25 @@ def check_sections(run: Run) -> None:
   tokens.check_settings(run.data)
   if run.data.preference:
     check_preference(run)
+  if run.optimizer.tiered:
+    check_tiers(run)
+
+
+def check_tiers(run: Run) -> None:
+  """What the optimizer state's tiers (training/tiers.py) do not run with yet, said before
+  anything starts."""
+  model = run.model
+  why = (f'config.model.lora_rank={model.lora_rank} trains adapters small enough for the devices'
+         if model.lora_rank else
+         f'config.model.draft_heads={model.draft_heads} clips the heads apart'
+         if model.draft_heads else
+         "config.model.router_bias_rate steps the routers' bias inside the step"
+         if model.router_bias_rate else
+         "config.data.record='preference' (DPO) keeps a reference model in the state"
+         if run.data.preference else None)
+  if why:
+    raise ValueError(f"{why}, which the optimizer state's tiers (config.optimizer.master_tier, "
+                     "mu_tier, nu_tier) do not run with yet; set them to 'device'")
 
 
 def check_preference(run: Run) -> None:

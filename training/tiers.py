@@ -1,16 +1,16 @@
 """The optimizer state off the devices (config.optimizer.master_tier, mu_tier, nu_tier: 'host' or
 'nvme:DIR'; ZeRO-Offload's and ZeRO-Infinity's tiers). The compiled program computes a step's
-gradients, clipped as the optimizer clips them (training/step.py: make_gradient_step); `Engine`
-then updates the state a group at a time (GROUP_BYTES of it: whole parameters, or a slice of a
-stacked one's layers): the group read from its tier and brought to the device that owns each shard,
-updated there by the same optax AdamW as the all-device step's (elementwise, so a group's update is
-the whole one's, bit for bit), and written back, the next group's read and the last one's write in
-flight meanwhile. Each process keeps one copy of each distinct shard its devices hold, updated on
-the first of them and copied to the rest.
+gradients and their global norm (training/programs.py: compile_gradient_step); `Engine` then
+updates the state a group at a time (GROUP_BYTES of it: whole parameters, or a slice of a stacked
+one's layers): the group read from its tier and brought to the device that owns each shard,
+clipped and updated there by the same optax AdamW as the all-device step's (elementwise, so a
+group's update is the whole one's, bit for bit), and written back, the next group's read and the
+last one's write in flight meanwhile. Each process keeps one copy of each distinct shard its
+devices hold, updated on the first of them and copied to the rest.
 
-The devices keep the parameters the step reads (in config.model.param_dtype) and the step count;
-checkpoints hold the whole state as an all-device run's (`Engine.whole`), so a run resumes onto
-any placement. The files under nvme:DIR are the run's scratch, never its record: a run starts
+The devices keep the parameters the step reads (the master weights, or with them off the devices
+a copy in the compute dtype) and the step count; checkpoints hold the whole state as an
+all-device run's (`Engine.whole`), so a run resumes onto any placement. The files under nvme:DIR are the run's scratch, never its record: a run starts
 them from its checkpoint (or its fresh state) and removes them when it ends.
 
   engine = Engine(setup, compiled_gradients)   # programs.compile_gradient_step's
@@ -47,22 +47,6 @@ def placements(opt_config) -> dict[str, tuple[str, pathlib.Path | None]]:
   """{'master': (tier, directory), 'mu': …, 'nu': …} of config.optimizer."""
   return {kind: optimizer.tier(getattr(opt_config, SETTING[kind]),
                                f'config.optimizer.{SETTING[kind]}') for kind in KINDS}
-
-
-def check(setup: Setup) -> None:
-  """What the tiers do not run with yet, said before anything is compiled: ValueError naming
-  the setting."""
-  run, cfg = setup.run, setup.model_cfg
-  why = (f'config.model.lora_rank={cfg.lora_rank} trains adapters small enough for the devices'
-         if cfg.lora_rank else
-         f'config.model.draft_heads={cfg.draft_heads} clips the heads apart' if cfg.draft_heads else
-         'config.model.router_bias_rate steps the routers\' bias inside the step'
-         if cfg.router_bias_rate else
-         "config.data.record='preference' (DPO) keeps a reference model in the state"
-         if run.data.preference else None)
-  if why:
-    raise ValueError(f'{why}, which the optimizer state\'s tiers (config.optimizer.master_tier, '
-                     "mu_tier, nu_tier) do not run with yet; set them to 'device'")
 
 
 def check_room(setup: Setup) -> None:
@@ -123,12 +107,10 @@ def shards(setup: Setup) -> list[Shard]:
   order = {d: i for i, d in enumerate(setup.mesh.devices.flat)}  # the first in the mesh updates
   out = []
   for leaf, p in enumerate(jax.tree.leaves(params)):
-    devices = {}
-    for device, index in p.sharding.addressable_devices_indices_map(p.shape).items():
-      devices.setdefault(_key(index), (index, []))[1].append(device)
-    for index, holders in devices.values():
+    for index, holders in offload.distinct_shards(
+        p.sharding.addressable_devices_indices_map(p.shape), order):
       shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, p.shape))
-      out.append(Shard(leaf, index, tuple(sorted(holders, key=order.get)), shape, p.dtype))
+      out.append(Shard(leaf, index, holders, shape, p.dtype))
   return out
 
 
@@ -286,6 +268,8 @@ class Engine:
     self.params = trained(setup.model_cfg, setup.checkpoint_state.params)[0]  # the master's
     self.copy_dtypes = [x.dtype for x in  # what the devices hold of them
                         jax.tree.leaves(trained(setup.model_cfg, setup.abstract_state.params)[0])]
+    self.names = {jax.tree_util.keystr(path): leaf for leaf, (path, _) in
+                  enumerate(jax.tree_util.tree_flatten_with_path(self.params)[0])}
     self.decays = jax.tree.leaves(optimizer.decay_mask(self.params))
     self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix='meshlm-tiers')
     self.count = 0  # updates applied: AdamW's step count
@@ -330,11 +314,10 @@ class Engine:
                                                   self._gathered('master')), frozen)
 
     def leaf(path, x):
-      names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-      if 'mu' in names or 'nu' in names:
-        kind = 'mu' if 'mu' in names else 'nu'
+      kind = _kind(path)
+      if kind in ('mu', 'nu'):
         return arrays[kind][self._leaf_of(path, kind)]
-      if names and names[-1] == 'count':  # AdamW's and its schedule's
+      if kind == 'count':
         return jax.device_put(np.int32(self.count), x.sharding)
       raise ValueError(f'training/tiers.py does not know the optimizer state leaf {path}')
     return state.replace(params=params,
@@ -343,11 +326,7 @@ class Engine:
   def _leaf_of(self, path, kind) -> int:
     """The trained parameter a moment's leaf at `path` mirrors."""
     at = next(i for i, k in enumerate(path) if getattr(k, 'name', None) == kind)
-    rest = jax.tree_util.keystr(path[at + 1:])
-    if not hasattr(self, '_names'):
-      self._names = {jax.tree_util.keystr(p): i for i, (p, _) in
-                     enumerate(jax.tree_util.tree_flatten_with_path(self.params)[0])}
-    return self._names[rest]
+    return self.names[jax.tree_util.keystr(path[at + 1:])]
 
   def _gathered(self, kind) -> list:
     """Each trained parameter's `kind` as a global array in the parameter's sharding, in pinned
@@ -382,7 +361,8 @@ class Engine:
       for i, shard in enumerate(self.shards):  # the devices' parameters are the master weights
         master.arrays[i] = next(s.data for s in leaves[shard.leaf].addressable_shards
                                 if s.device == shard.devices[0])
-    copies = DeviceTier(self.shards)
+    # the devices' new parameters: the master tier's own arrays where it is the devices'
+    copies = master if type(master) is DeviceTier else DeviceTier(self.shards)
     count = np.int32(self.count)
     norm = np.asarray(norm.addressable_data(0))  # replicated; this process's copy, on the host
     reading = self.pool.submit(self._read, self.groups[0])
@@ -400,16 +380,16 @@ class Engine:
                        jax.device_put(count, device), jax.device_put(norm, device))
         for kind, values in zip(KINDS, new):
           outputs.setdefault(kind, {}).update(zip(parts, values))
-      for p, value in outputs['master'].items():
-        copies.write(p, value)
+      if copies is not master:
+        for p, value in outputs['master'].items():
+          copies.write(p, value)
       if writing is not None:
         writing.result()  # one group's write in flight at a time
       writing = self.pool.submit(self._write, group, outputs)
     if writing is not None:
       writing.result()
-    for tier in self.tiers.values():
+    for tier in {id(t): t for t in (*self.tiers.values(), copies)}.values():
       tier.commit()
-    copies.commit()
     return self._params_from(params, copies)
 
   def _read(self, group):
@@ -458,14 +438,20 @@ def _by_device(group, shards) -> dict:
   return out
 
 
+def _kind(path) -> str | None:
+  """What an optax state's leaf at `path` is: 'mu' or 'nu' (Adam's moments), 'count' (AdamW's
+  and its schedule's step counts), else None."""
+  names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+  return next((kind for kind in ('mu', 'nu') if kind in names),
+              'count' if names and names[-1] == 'count' else None)
+
+
 def _moments(opt_state) -> dict[str, list]:
   """{'mu': [leaves], 'nu': [leaves]}: Adam's moments in the trained parameters' order."""
   out = {'mu': [], 'nu': []}
   for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-    for kind in out:
-      if kind in names:
-        out[kind].append(x)
+    if (kind := _kind(path)) in out:
+      out[kind].append(x)
   return out
 
 
@@ -504,10 +490,8 @@ def _adamw(opt_config, schedule, decays: tuple):
     state = jax.eval_shape(tx.init, master)
 
     def filled(path, _):
-      names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-      if 'mu' in names or 'nu' in names:
-        return (mu if 'mu' in names else nu)[path[-1].idx]
-      return count
+      kind = _kind(path)
+      return {'mu': mu, 'nu': nu}[kind][path[-1].idx] if kind in ('mu', 'nu') else count
     state = jax.tree_util.tree_map_with_path(filled, state)
     updates, state = tx.update(grads, state, master)
     moments = _moments(state)
