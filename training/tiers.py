@@ -10,8 +10,9 @@ devices hold, updated on the first of them and copied to the rest.
 
 The devices keep the parameters the step reads (the master weights, or with them off the devices
 a copy in the compute dtype) and the step count; checkpoints hold the whole state as an
-all-device run's (`Engine.whole`), so a run resumes onto any placement. The files under nvme:DIR are the run's scratch, never its record: a run starts
-them from its checkpoint (or its fresh state) and removes them when it ends.
+all-device run's (`Engine.whole`), so a run resumes onto any placement. The files under nvme:DIR
+are the run's scratch, never its record: a run starts them from its checkpoint (or its fresh
+state) and removes them when it ends.
 
   engine = Engine(setup, compiled_gradients)   # programs.compile_gradient_step's
   state = engine.load(state)                   # the whole state: its moments leave the devices
