@@ -33,8 +33,9 @@ from them) and 43.4 GiB a GPU (8b, dots_except_out over 4 microbatches, FSDP ove
 524 ms and 3.04 s a step: MFU 31%, 52% and 56% (jaxlib 0.12.0.1, the model fitted to an H200's
 and an H100's measurements; docs/time-model.md, docs/memory.md).
 Measured on one H200: the 125m's step 71.4 ms, the 1b's 561 ms scanned and 528 ms unrolled
-(benchmarks/results/calibrate_steps_*-h200.json); on one H100 the 1b's 523.5 ms with
-dots_attention against 543.1 ms with dots (calibrate_steps_1b-h100.json; jax 0.11.2).
+(benchmarks/results/calibrate_steps_*-h200.json); on one H100 the 1b preset's 530.0 ms, against
+523.5 ms keeping the output projection (dots_attention) and 543.1 ms with dots
+(calibrate_steps_1b-h100.json; jax 0.11.2).
 On jaxlib 0.10.2 the 8b-128k (full) needed 25.4 GiB. The 70b, FSDP over 32 H100s (remat full),
 each layer's weights gathered during the layer before, needs 53.9 GiB a GPU and is predicted at
 11.9 s a step (MFU 31%), 40% of it waiting on the links between nodes: docs/parallelism.md has
