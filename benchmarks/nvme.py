@@ -15,7 +15,8 @@ them back (and checking that every random byte came back):
   tier        the NVMe tier's own files (training/tiers.py: NvmeTier): the bytes as one
               parameter's shard, written a group of rows at a time through its memory map (then
               msync), its map closed, read back a group at a time as the update reads them (a
-              memory map's rows, put on the device)
+              group's range asked of the kernel whole, then its rows of the memory map put on the
+              device)
 Time: each way's median of --repeats rounds. A small --gib on a machine with much free memory
 still measures the disk: every read starts from a dropped cache and every write ends in fsync.
 Goal (issue 52): the tier's own reads and writes at ≥ 70% of dd's on the same directory.
@@ -49,13 +50,37 @@ _OUT = flags.DEFINE_string('out', '', 'Also write the figures here as JSON.')
 
 
 def evict(path: str) -> None:
-  """Drops a synced file's pages from the page cache, so the next read comes from the disk."""
+  """Drops a synced file's pages from the page cache, so the next read comes from the disk, and
+  checks that they went: the kernel keeps pages a live memory map holds (JAX's CPU arrays alias
+  a map's rows, for one), and a read of those would time the cache."""
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
   finally:
     os.close(fd)
+  held = resident(path)
+  if held > 0.01:
+    raise RuntimeError(f'{path}: {held:.0%} of it is still in the page cache after it was dropped '
+                       '(a memory map of it still alive?): its read would not measure the disk')
+
+
+def resident(path: str) -> float:
+  """The share of a file's pages in the page cache (mincore(2) over a map of it)."""
+  import ctypes
+  size = os.path.getsize(path)
+  if not size:
+    return 0.0
+  with open(path, 'rb') as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+    view = np.frombuffer(mapped, np.uint8)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vector = (ctypes.c_ubyte * pages)()
+    if ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(view.ctypes.data),
+                                                 ctypes.c_size_t(size), vector):
+      raise OSError(ctypes.get_errno(), f'mincore({path})')
+    held = np.frombuffer(vector, np.uint8) & 1
+    del view
+  return float(held.mean())
 
 
 def evict_tree(folder: str) -> None:
@@ -176,11 +201,16 @@ def tier(data: np.ndarray, folder: str, block: int) -> tuple[float, float]:
   back = np.empty_like(matrix)
   device = jax.devices()[0]
 
-  def read():  # as HostTier.read: a part's rows of the memory map, put on the device
+  def read():  # as NvmeTier.read: a part's range asked for whole, its rows of the map put on
+    fd = os.open(path, os.O_RDONLY)  # the device
     mapped = np.memmap(path, dtype=matrix.dtype, mode='r', shape=(1, *matrix.shape))
-    for part in parts:
-      back[part.start:part.stop] = np.asarray(
-          jax.device_put(mapped[0, part.start:part.stop], device))
+    try:
+      for part in parts:
+        tiers.will_need(fd, part.start * block, (part.stop - part.start) * block)
+        back[part.start:part.stop] = np.asarray(
+            jax.device_put(mapped[0, part.start:part.stop], device))
+    finally:
+      os.close(fd)
   seconds_read, _ = timed(read)
   if not np.array_equal(back, matrix):
     raise RuntimeError(f'{path}: the bytes read back differ from those written')
