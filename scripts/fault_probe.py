@@ -455,6 +455,32 @@ def _(p):
   return verdict if not list(nvme.iterdir()) else ('BAD', f'left {list(nvme.rglob("*"))}')
 
 
+@case('tiers: a state file on NVMe damaged mid-run, then resume')
+def _(p):
+  workdir, nvme = p.path('damaged'), p.path('nvme')
+  nvme.mkdir()
+  process = p.start(*p.train(workdir, 12), *on_nvme(nvme))
+  read_until(process, 'step  5/')
+  process.send_signal(signal.SIGSTOP)  # a bit of each of Adam's second moment's files flipped
+  for victim in nvme.glob('meshlm-*/process-0/nu/*.bin'):
+    with open(victim, 'r+b') as f:
+      f.seek(victim.stat().st_size // 2)
+      byte = f.read(1)
+      f.seek(-1, os.SEEK_CUR)
+      f.write(bytes([byte[0] ^ 0x10]))
+  process.send_signal(signal.SIGCONT)
+  out, _ = process.communicate(timeout=300)
+  said = lines(out)[-1:]
+  if process.returncode != 2 or 'Traceback' in out:
+    return 'BAD' if process.returncode == 0 else 'UGLY', f'exit {process.returncode}: {said}'
+  if not said or not said[0].startswith('error: config.optimizer.nu_tier: ') or (
+      'changed on disk' not in said[0]):
+    return 'UGLY', f'said {said}'
+  if list(nvme.iterdir()):
+    return 'BAD', f'left {list(nvme.rglob("*"))}'
+  return resumed(p.run(*p.train(workdir, 12), *on_nvme(nvme)), ['resuming from step'], workdir, 12)
+
+
 @case('signal: SIGINT on an evaluation step')
 def _(p):
   workdir = p.path('eval')

@@ -99,6 +99,42 @@ def test_a_checkpoint_resumes_onto_another_placement_exactly(all_device, on_nvme
   assert_same_arrays(final_state(workdir, config), all_device[2])
 
 
+def flip_a_bit(victim):
+  """One bit in the middle of a file, as a disk or another program could."""
+  with open(victim, 'r+b') as f:
+    f.seek(victim.stat().st_size // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_tier_file_damaged_between_steps_stops_the_run_before_anything_made_from_it_is_saved(
+    all_device, tmp_path, monkeypatch):
+  """A bit of Adam's second moment flipped on disk after step 12, read back at step 13: one line
+  naming the file, no checkpoint made from it, the tier's files gone; run again, it resumes from
+  step 10 exactly. (A checkpoint taking a damaged file: the groups' test below.)"""
+  after, kept = 12, [10]
+  workdir, nvme = tmp_path / 'w', tmp_path / 'nvme'
+  config = run_config(workdir, **on_nvme(nvme))
+  update = tiers.Engine.__call__
+
+  def damaging(engine, state, batch):
+    out = update(engine, state, batch)
+    if engine.count == after:
+      flip_a_bit(max(nvme.glob('meshlm-*/process-0/nu/nu-*.bin'), key=lambda f: f.stat().st_size))
+    return out
+  monkeypatch.setattr(tiers.Engine, '__call__', damaging)
+  with pytest.raises(faults.Fault, match=r'config\.optimizer\.nu_tier: \S+/nu-\d+\.bin changed on '
+                                          'disk since this run wrote it .* resume from the newest'):
+    loop.run(config)
+  assert sorted(int(c.name) for c in (workdir / 'checkpoints').iterdir()) == kept
+  assert list(nvme.iterdir()) == []
+  monkeypatch.undo()
+  records = loop.run(config)
+  assert losses(records) == losses(all_device[1])[kept[0]:]
+  assert_same_arrays(final_state(workdir, config), all_device[2])
+
+
 def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_splits_update_as_one(
     tmp_path, monkeypatch):
   """Groups of 3 kB (a stacked parameter's shard cut into slices of rows, one parameter alone in
@@ -134,6 +170,10 @@ def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_spli
     for _ in range(3):
       tiered, _ = engine(tiered, batch)
     assert_same_arrays(engine.whole(tiered), state)
+    flip_a_bit(max((tmp_path / 'nvme').glob('meshlm-*/process-0/master/*.bin'),
+                   key=lambda f: f.stat().st_size))  # damaged: no checkpoint may take it
+    with pytest.raises(faults.Fault, match=r'master_tier: \S+/master-\d+\.bin changed on disk'):
+      engine.whole(tiered)
   finally:
     engine.close()
 

@@ -198,6 +198,31 @@ class HostTier(DeviceTier):
     pass
 
 
+def _words(x, xp):
+  """An array's items as flat uint32 words (narrower ones widened, 8-byte ones split), on the
+  device (xp=jnp) or the host (xp=np)."""
+  size = np.dtype(x.dtype).itemsize
+  as_type = (lambda a, t: a.view(t)) if xp is np else jax.lax.bitcast_convert_type
+  flat = x.reshape(-1)
+  if size < 4:
+    return as_type(flat, {1: np.uint8, 2: np.uint16}[size]).astype(xp.uint32)
+  return as_type(flat, np.uint32).reshape(-1)
+
+
+def _sums(words, xp):
+  """Two sums modulo 2³², the second weighting each word by its place (so a swap shows):
+  integer sums in any order agree, so the device's and the host's are the same numbers."""
+  places = xp.arange(1, words.size + 1, dtype=xp.uint32)
+  return xp.stack([words.sum(dtype=xp.uint32), (words * places).sum(dtype=xp.uint32)])
+
+
+fingerprint = jax.jit(lambda x: _sums(_words(x, jnp), jnp))  # of a part on its device
+
+
+def host_fingerprint(x: np.ndarray) -> np.ndarray:
+  return _sums(_words(np.ascontiguousarray(x), np), np)
+
+
 def will_need(fd: int, offset: int, size: int) -> None:
   """Asks the kernel to read a file's range now (POSIX_FADV_WILLNEED): all of it queued at once,
   where touching it through a memory map faults it in a readahead window at a time, which read
@@ -213,10 +238,19 @@ class NvmeTier(HostTier):
   this process one after another (a shard's rows contiguous), read and written through numpy's
   memory maps, a part's range asked of the disk whole before it is read (`will_need`). The
   files' blocks are allocated when made, so a full disk is an error there, never a fault of a
-  write through the map."""
+  write through the map.
 
-  def __init__(self, shards, directory: pathlib.Path, kind: str):
+  A file is the run's only copy of its state between checkpoints, and nothing else guards it, so
+  each part carries a fingerprint of what was last written (computed on the device, where the
+  part is anyway): a part that reads back otherwise (`verify`, after each update, and before a
+  checkpoint takes a shard) stops the run with a Fault naming the file, before anything made
+  from it is saved."""
+
+  def __init__(self, shards, directory: pathlib.Path, kind: str, parts=()):
     super().__init__(shards)
+    self.kind, self.parts, self.expected, self.checks = kind, {}, {}, []
+    for part in parts:  # the engine's groups cut each shard so
+      self.parts.setdefault(part.shard, []).append(part)
     try:
       self._make(shards, directory, kind)
     except OSError as e:  # the disk refused (full, read-only, not ours): one line naming it
@@ -242,24 +276,58 @@ class NvmeTier(HostTier):
       self.fds.append(os.open(path, os.O_RDONLY))
       for j, i in enumerate(members):
         self.arrays[i] = stack[j]
-        self.where[i] = (self.fds[-1], j * shards[i].nbytes)  # its file, and its first byte
+        self.where[i] = (self.fds[-1], j * shards[i].nbytes, path)  # its file and first byte
 
   def read(self, part: Part):
-    fd, offset = self.where[part.shard]
+    fd, offset, _ = self.where[part.shard]
     row = self.shards[part.shard].nbytes // self.shards[part.shard].rows
     will_need(fd, offset + part.start * row, (part.stop - part.start) * row)
-    return super().read(part)
+    value = super().read(part)
+    if part in self.expected:
+      self.checks.append((part, jnp.array_equal(fingerprint(value), self.expected[part])))
+    return value
+
+  def write(self, part: Part, value) -> None:
+    self.expected[part] = fingerprint(value)
+    super().write(part, value)
 
   def put(self, i: int, data) -> None:
-    self.arrays[i][...] = np.asarray(data)
+    data = np.asarray(data)
+    self.arrays[i][...] = data
+    for part in self.parts.get(i, ()):
+      self.expected[part] = host_fingerprint(_rows(data, part, self.shards[i]))
 
   def zero(self, i: int) -> None:
-    pass  # the files were made anew: allocated blocks read as zeros
+    for part in self.parts.get(i, ()):  # the files were made anew: allocated blocks read as zeros
+      self.expected[part] = np.zeros(2, np.uint32)
+
+  def verify(self) -> None:
+    """Every part read since the last call read back as it was written: a Fault naming the file
+    otherwise."""
+    checks, self.checks = self.checks, []
+    for part, same in checks:
+      if not bool(same):
+        self._damaged(part)
+
+  def full(self, i: int):
+    for part in self.parts.get(i, ()):  # what a checkpoint takes is what this run wrote
+      if not np.array_equal(host_fingerprint(_rows(self.arrays[i], part, self.shards[i])),
+                            np.asarray(self.expected[part])):
+        self._damaged(part)
+    return self.arrays[i]
+
+  def _damaged(self, part: Part):
+    raise faults.Fault(
+        f'config.optimizer.{SETTING[self.kind]}: {self.where[part.shard][2]} changed on disk '
+        f'since this run wrote it (rows {part.start}:{part.stop} of a shard read back '
+        'otherwise): the disk or another program damaged it, and the run stopped before saving '
+        'anything made from it; check the disk, then run again to resume from the newest '
+        'checkpoint')
 
   def close(self) -> None:
     for fd in getattr(self, 'fds', []):
       os.close(fd)
-    self.arrays, self.files, self.fds, self.where = {}, [], [], {}
+    self.arrays, self.files, self.fds, self.where, self.checks = {}, [], [], {}, []
 
 
 def scratch(directory: pathlib.Path, workdir: str) -> pathlib.Path:
@@ -283,7 +351,8 @@ class Engine:
     try:
       for kind, (tier, directory) in placed.items():
         self.tiers[kind] = (
-            NvmeTier(self.shards, scratch(directory, setup.run.workdir) / kind, kind)
+            NvmeTier(self.shards, scratch(directory, setup.run.workdir) / kind, kind,
+                     [part for group in self.groups for part in group])
             if tier == NVME else (HostTier if tier == HOST else DeviceTier)(self.shards))
     except BaseException:  # a disk that refused: nothing of this run's left on it
       self._remove_scratch()
@@ -413,6 +482,8 @@ class Engine:
       writing.result()
     for tier in {id(t): t for t in (*self.tiers.values(), copies)}.values():
       tier.commit()
+      if isinstance(tier, NvmeTier):
+        tier.verify()  # before anything made from a damaged part leaves the engine
     return self._params_from(params, copies)
 
   def _read(self, group):
