@@ -73,8 +73,9 @@ class Plan:
                                          # of the memory beside the step's inputs and outputs
   tiers: dict | None = None  # the optimizer state off the devices (planning/offload.py: TierCost)
   update_bytes: int = 0  # with tiers, a device's peak while the update runs after the step: the
-                         # step's inputs and outputs (the gradients), the new parameters, three
-                         # groups' shares
+                         # step's inputs and outputs (the gradients), the new parameters (in
+                         # place of the old copy where the master weights are off the devices),
+                         # three groups' shares
 
   @property
   def collective_bytes(self) -> int:
@@ -118,7 +119,10 @@ def make_plan(compiled, setup) -> Plan:
   update_bytes = 0
   if tiers:
     owned_share = tiers.owned_bytes / max(tiers.node_bytes, 1)
-    update_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes + param_bytes
+    # tiers train every parameter; off the devices, the master weights' copy there is freed
+    # before the update makes the new one (training/tiers.py: Engine.__call__)
+    new_copy = param_bytes if run.optimizer.master_on_devices else 0
+    update_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes + new_copy
                     + int(3 * tiers.group_bytes * owned_share))
   return Plan(
       device=target.name, compiled_for=kind,

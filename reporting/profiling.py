@@ -27,6 +27,9 @@ class StepTrace:
 
   def stop(self, outputs=None) -> None:
     if self.active:
-      jax.block_until_ready(outputs)  # the traced steps run to the end inside the trace
+      # the traced steps run to the end inside the trace (a tiered step that failed in its
+      # update has freed the devices' old copy: nothing to wait for there)
+      jax.block_until_ready([x for x in jax.tree.leaves(outputs)
+                             if not (isinstance(x, jax.Array) and x.is_deleted())])
       jax.profiler.stop_trace()
       self.active = False

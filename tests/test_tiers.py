@@ -168,7 +168,9 @@ def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_spli
   try:
     tiered = engine.load(setup.init_state())
     for _ in range(3):
-      tiered, _ = engine(tiered, batch)
+      before, (tiered, _) = tiered, engine(tiered, batch)
+      # the devices' copy of the master weights: freed before the update made the new one
+      assert all(x.is_deleted() for x in jax.tree.leaves(before.params))
     assert_same_arrays(engine.whole(tiered), state)
     flip_a_bit(max((tmp_path / 'nvme').glob('meshlm-*/process-0/master/*.bin'),
                    key=lambda f: f.stat().st_size))  # damaged: no checkpoint may take it
@@ -244,7 +246,9 @@ def test_the_plan_counts_the_shards_the_engine_updates_and_charges_their_streams
   assert plan.tiers['nvme_bytes_per_node'] == state_bytes  # the master weights, one kind
   assert plan.tiers['host_bytes_per_node'] == state_bytes  # mu
   assert plan.tiers['pcie_bytes'] == 2 * max(engine_owned.values())
-  assert plan.update_bytes > plan.argument_bytes + plan.output_bytes
+  groups = int(3 * plan.tiers['group_bytes'] * plan.tiers['owned_bytes'] / plan.tiers['node_bytes'])
+  # the master weights off the devices: the update's new copy takes the place of the old
+  assert plan.update_bytes == plan.argument_bytes + plan.output_bytes + groups
 
 
 def test_in_bf16_the_devices_hold_a_bf16_copy_of_master_weights_kept_off_them(tmp_path):

@@ -437,6 +437,11 @@ class Engine:
   def __call__(self, state, batch):
     grads, norm, finite, step, bad_steps, metrics = self.compiled(state, batch)
     if bool(finite):
+      if not self.setup.run.optimizer.master_on_devices:
+        # the update makes the devices' new copy from the master weights and needs nothing of
+        # the old one: freed now, the two never share the devices (the plan's update_bytes)
+        for x in jax.tree.leaves(trained(self.setup.model_cfg, state.params)[0]):
+          x.delete()
       state = state.replace(params=self._update(state.params, grads, norm))
       self.count += 1
     return state.replace(step=step, bad_steps=bad_steps), metrics
