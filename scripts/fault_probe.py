@@ -442,12 +442,18 @@ def _(p):
   return verdict if not list(nvme.iterdir()) else ('BAD', f'left {list(nvme.rglob("*"))}')
 
 
-@case('tiers: SIGKILL mid-run with the state on NVMe, then resume')
-def _(p):
-  workdir, nvme = p.path('killed'), p.path('nvme')
+def tiered_at_step_5(p, name: str):
+  """(workdir, NVMe directory, process): a 12-step run with its state on NVMe, at step 5."""
+  workdir, nvme = p.path(name), p.path('nvme')
   nvme.mkdir()
   process = p.start(*p.train(workdir, 12), *on_nvme(nvme))
   read_until(process, 'step  5/')
+  return workdir, nvme, process
+
+
+@case('tiers: SIGKILL mid-run with the state on NVMe, then resume')
+def _(p):
+  workdir, nvme, process = tiered_at_step_5(p, 'killed')
   process.send_signal(signal.SIGKILL)
   process.wait()
   verdict = resumed(p.run(*p.train(workdir, 12), *on_nvme(nvme)), ['resuming from step 3'],
@@ -457,10 +463,7 @@ def _(p):
 
 @case('tiers: a state file on NVMe damaged mid-run, then resume')
 def _(p):
-  workdir, nvme = p.path('damaged'), p.path('nvme')
-  nvme.mkdir()
-  process = p.start(*p.train(workdir, 12), *on_nvme(nvme))
-  read_until(process, 'step  5/')
+  workdir, nvme, process = tiered_at_step_5(p, 'damaged')
   process.send_signal(signal.SIGSTOP)  # a bit of each of Adam's second moment's files flipped
   for victim in nvme.glob('meshlm-*/process-0/nu/*.bin'):
     with open(victim, 'r+b') as f:
