@@ -17,8 +17,12 @@ import tempfile
 # pays for itself up to some 20 steps. So in this process, whose programs are compiled once and
 # run a few steps; not in the processes tests start, which run train.py for tens of steps and
 # share a compilation cache, so that each program is compiled once and run again and again
-# (tests/test_checkpoint.py: 237 → 204 CPU-seconds). FAST_COMPILE is taken out below.
-FAST_COMPILE = ' --xla_backend_optimization_level=0'
+# (tests/test_checkpoint.py: 237 → 204 CPU-seconds). FAST_COMPILE is taken out below. The
+# programs this process compiles for GPUs that are not here are read, never run: ptxas assembles
+# them without its optimisations too (some 10% of such a compile; their HLO, memory and PTX are
+# the same, and a kernel's registers and spills are read by ptxas -v of its own:
+# planning/gpu_compiler.py: kernels).
+FAST_COMPILE = ' --xla_backend_optimization_level=0 --xla_gpu_disable_gpuasm_optimizations=true'
 for inherited in ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
                   'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'):  # set below for the subprocesses
   os.environ.pop(inherited, None)  # of a pytest that started this one (a pytest-xdist worker)
@@ -44,8 +48,18 @@ from configs import base  # noqa: E402
 
 assert jax.device_count() == 8, 'tests expect 8 CPU devices (XLA_FLAGS was set too late)'
 
+# The caches below are made once, by the first process of the session (pytest's own, or its
+# only one with -n 0), and shared with pytest-xdist's workers, which inherit its environment:
+# the two workers build many of the same tiny programs, each in the files it is given. Only the
+# process that made them removes them, once every worker has ended.
+CACHES = 'MESHLM_TEST_CACHES'
+MADE_CACHES = CACHES not in os.environ
+if MADE_CACHES:
+  os.environ[CACHES] = os.pathsep.join(tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
+                                       for _ in range(2))
+CACHE_DIR, OWN_CACHE_DIR = os.environ[CACHES].split(os.pathsep)
+
 # Set after jax read its configuration: the environment is for the processes tests start.
-CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
 os.environ.update(XLA_FLAGS=os.environ['XLA_FLAGS'].replace(FAST_COMPILE, '').strip(),
                   JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
@@ -53,7 +67,6 @@ os.environ.update(XLA_FLAGS=os.environ['XLA_FLAGS'].replace(FAST_COMPILE, '').st
 # This process has one of its own: tests build the same tiny steps again and again (each
 # loop.run jits anew), and a cached one loads in milliseconds. Never the processes' cache: a
 # program this process compiled, with the GPU compiler loaded, is not one for them to run.
-OWN_CACHE_DIR = tempfile.mkdtemp(prefix='meshlm-tests-xla-cache-')
 jax.config.update('jax_compilation_cache_dir', OWN_CACHE_DIR)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
@@ -222,17 +235,17 @@ FAST = (
 )
 
 
-LONGEST = {'test_gpu_compile.py': 419, 'test_checkpoint.py': 280, 'test_distributed.py': 129,
-           'test_benchmarks.py': 122, 'test_evaluation.py': 91, 'test_dpo.py': 82,
-           'test_notebook.py': 79, 'test_moe.py': 75, 'test_pipeline.py': 70, 'test_plan.py': 69,
-           'test_kernels.py': 67, 'test_context_parallel.py': 61, 'test_generate.py': 52,
-           'test_training.py': 50, 'test_tiers.py': 50, 'test_model.py': 48, 'test_chat.py': 44,
-           'test_timing.py': 42, 'test_sharding.py': 38, 'test_huggingface.py': 37,
-           'test_kv_cache.py': 36, 'test_speculate.py': 34, 'test_cli.py': 34, 'test_data.py': 31,
-           'test_configs.py': 30, 'test_hierarchical.py': 27, 'test_tokens.py': 22,
-           'test_lora.py': 18, 'test_fp8.py': 16, 'test_head.py': 13, 'test_grouped_matmul.py': 10,
-           'test_preemption.py': 8, 'test_instruments.py': 8, 'test_structure.py': 6,
-           'test_embedding.py': 4, 'test_workdir.py': 2}
+LONGEST = {'test_gpu_compile.py': 382, 'test_checkpoint.py': 208, 'test_distributed.py': 141,
+           'test_benchmarks.py': 123, 'test_tiers.py': 108, 'test_dpo.py': 91,
+           'test_evaluation.py': 85, 'test_notebook.py': 83, 'test_moe.py': 78, 'test_plan.py': 71,
+           'test_pipeline.py': 60, 'test_context_parallel.py': 52, 'test_generate.py': 48,
+           'test_timing.py': 48, 'test_kernels.py': 46, 'test_kv_cache.py': 46,
+           'test_training.py': 42, 'test_model.py': 39, 'test_cli.py': 35, 'test_chat.py': 34,
+           'test_huggingface.py': 33, 'test_speculate.py': 32, 'test_sharding.py': 30,
+           'test_configs.py': 27, 'test_data.py': 26, 'test_hierarchical.py': 23,
+           'test_lora.py': 21, 'test_tokens.py': 18, 'test_fp8.py': 14, 'test_head.py': 13,
+           'test_grouped_matmul.py': 12, 'test_preemption.py': 10, 'test_structure.py': 7,
+           'test_instruments.py': 4, 'test_embedding.py': 3, 'test_workdir.py': 2}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by it
@@ -258,8 +271,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session, exitstatus):
   shutil.rmtree(DATA_DIR, ignore_errors=True)
-  shutil.rmtree(CACHE_DIR, ignore_errors=True)
-  shutil.rmtree(OWN_CACHE_DIR, ignore_errors=True)
+  if MADE_CACHES:
+    shutil.rmtree(CACHE_DIR, ignore_errors=True)
+    shutil.rmtree(OWN_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')
