@@ -2,7 +2,8 @@
 datasets go to a temporary TFDS data dir (TFDS_DATA_DIR, also seen by subprocesses), removed at
 the end, so tests never write under the user's home. The processes tests start share a temporary
 persistent compilation cache: each compiles the same tiny steps again (a killed run and its
-restart, two processes of one job); this process has one of its own."""
+restart, two processes of one job); the test processes (pytest-xdist's workers) share one of
+their own."""
 
 import os
 import re
@@ -64,9 +65,9 @@ os.environ.update(XLA_FLAGS=os.environ['XLA_FLAGS'].replace(FAST_COMPILE, '').st
                   JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
-# This process has one of its own: tests build the same tiny steps again and again (each
-# loop.run jits anew), and a cached one loads in milliseconds. Never the processes' cache: a
-# program this process compiled, with the GPU compiler loaded, is not one for them to run.
+# The test processes have one of their own: tests build the same tiny steps again and again
+# (each loop.run jits anew), and a cached one loads in milliseconds. Never the started processes'
+# cache: a program compiled here, with the GPU compiler loaded, is not one for them to run.
 jax.config.update('jax_compilation_cache_dir', OWN_CACHE_DIR)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
