@@ -237,6 +237,7 @@ class _Static(NamedTuple):
   num_warps: int
   num_stages: int
   out_dtype: str | None = None  # o, dq, dk, dv in this dtype; None: their inputs' dtypes
+  hopper: bool = False  # the forward by kernels/flash_attention_hopper.py (Mosaic GPU, sm_90a)
 
   def kernel_args(self, H):
     return dict(causal=self.causal, scale=1 / math.sqrt(H), offset=self.S - self.L,
@@ -279,14 +280,25 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
   if positions:
     in_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
     args.append(q_pos)
-  with st.scope():
-    o, lse = pallas_for_platform(
-        kernel, args, grid=(B, N, Lp // bq), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
-                   pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, st.dtype(q)),
-                   jax.ShapeDtypeStruct((B, N, Lp), jnp.float32)],
-        name='flash_attention_fwd', **st.launch())
+  if st.hopper:  # the same o and lse from the Hopper kernel; the backward below is shared
+    if positions or (Lp, Sp) != (st.L, st.S) or st.out_dtype:
+      raise ValueError(f'flash_attention(hopper=True): L={st.L} and S={st.S} must be multiples '
+                       f'of block_q={bq} and block_k={bk}, without q_offset or attention_parts')
+    # Imported here: Mosaic GPU's Pallas adds some 0.3 s to every process that imports this file.
+    from kernels import flash_attention_hopper  # pylint: disable=import-outside-toplevel
+    with st.scope():
+      o, lse = flash_attention_hopper.forward(
+          q, k, v, q_seg, kv_seg, causal=st.causal, scale=1 / math.sqrt(H), block_q=bq,
+          block_k=bk, interpret=st.interpret)
+  else:
+    with st.scope():
+      o, lse = pallas_for_platform(
+          kernel, args, grid=(B, N, Lp // bq), in_specs=in_specs,
+          out_specs=[pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
+                     pl.BlockSpec((sq, sq, bq), lambda b, n, i: (b, n, i))],
+          out_shape=[jax.ShapeDtypeStruct(q.shape, st.dtype(q)),
+                     jax.ShapeDtypeStruct((B, N, Lp), jnp.float32)],
+          name='flash_attention_fwd', **st.launch())
   # the remat policies that keep attention (model/transformer.py) save these two by this name
   o, lse = checkpoint_name(o, 'attention_kernel'), checkpoint_name(lse, 'attention_kernel')
   return o, (q, k, v, q_seg, kv_seg, q_pos, o, lse)
@@ -352,7 +364,7 @@ _flash.defvjp(_forward, _backward)
 
 
 def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset, *, causal,
-             block_q, block_k, num_warps, num_stages, interpret, out_dtype=None):
+             block_q, block_k, num_warps, num_stages, interpret, out_dtype=None, hopper=False):
   """Checks, defaults, padding to whole blocks: (q, k, v, q_seg, kv_seg, q_pos, static)."""
   B, L, N, H = q_BLNH.shape
   defaults = default_blocks(H, q_BLNH.dtype)
@@ -373,13 +385,14 @@ def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset
     kv_seg = _pad(kv_segment_ids_BS.astype(jnp.int32), 1, Sp)
   if q_offset is not None:
     q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(Lp, dtype=jnp.int32)
-  static = _Static(causal, bq, bk, L, S, interpret, num_warps, num_stages, out_dtype)
+  static = _Static(causal, bq, bk, L, S, interpret, num_warps, num_stages, out_dtype, hopper)
   return q, k, v, q_seg, kv_seg, q_pos, static
 
 
 def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,
                     kv_segment_ids_BS=None, q_offset=None, block_q: int = 0, block_k: int = 0,
-                    num_warps: int = 0, num_stages: int = 0, interpret: bool | None = None):
+                    num_warps: int = 0, num_stages: int = 0, interpret: bool | None = None,
+                    hopper: bool = False):
   """Fused attention with the layout of jax.nn.dot_product_attention (see the module docstring).
 
   q_offset: causal only, the key index of query 0 (a traced int32 is fine, e.g. this device's
@@ -388,10 +401,15 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
   num_warps, num_stages: Triton launch settings on GPU. 0 takes default_blocks(head_dim).
   interpret: None (default) lowers with Triton for CUDA and in interpret mode for any other
   platform; True interprets everywhere, False uses Triton everywhere.
+  hopper: the forward by our Hopper kernel (kernels/flash_attention_hopper.py: Mosaic GPU's
+  warp-specialised TMA + wgmma, 64 query rows a block), the backward these Triton kernels'; its
+  interpret: None runs Mosaic GPU's interpreter unless the default backend is a GPU, False
+  lowers for sm_90a (a process compiling for GPUs that are not here says so).
   """
   *args, static = _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset,
-                           causal=causal, block_q=block_q, block_k=block_k, num_warps=num_warps,
-                           num_stages=num_stages, interpret=interpret)
+                           causal=causal, block_q=64 if hopper else block_q, block_k=block_k,
+                           num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                           hopper=hopper)
   return _flash(*args, static)[:, :q_BLNH.shape[1]]
 
 

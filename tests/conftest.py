@@ -123,6 +123,7 @@ FAST = (
     'test_kernels.py::test_matches_reference_values_and_gradients[True-1-False]',
     'test_kernels.py::test_matches_reference_values_and_gradients[True-4-True]',
     'test_kernels.py::test_sharded_over_batch_and_heads_equals_unsharded',
+    'test_flash_attention_hopper.py::test_matches_the_reference_in_values_and_log_sum_exp[True-1-True-128-128]',
     'test_head.py::test_losses_and_gradients_equal_the_plain_paths',
     'test_head.py::test_sharded_over_tokens_and_vocabulary_equals_one_device',
     'test_embedding.py::test_sharded_table_gradient_equals_one_devices',
@@ -275,6 +276,19 @@ def pytest_sessionfinish(session, exitstatus):
   if MADE_CACHES:
     shutil.rmtree(CACHE_DIR, ignore_errors=True)
     shutil.rmtree(OWN_CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope='session')
+def h100():
+  """One H100 that is not here, to compile for (planning/gpu_compiler.py)."""
+  from planning import gpus
+  assert gpu_compiler.in_this_process(), (
+      f'the GPU compiler is not installed; run `{gpu_compiler.INSTALL}` (the README test command '
+      'does)')
+  device, = gpu_compiler.devices(gpus.GPUS['H100'], 1)
+  assert device.device_kind == gpus.GPUS['H100'].device_kind
+  assert gpu_compiler.is_deviceless(device)
+  return device
 
 
 @pytest.fixture(scope='session')

@@ -28,16 +28,6 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 H100 = gpus.GPUS['H100']
 
 
-@pytest.fixture(scope='module')
-def h100():
-  assert gpu_compiler.in_this_process(), (
-      f'the GPU compiler is not installed; run `{gpu_compiler.INSTALL}` (the README test command '
-      'does)')
-  device, = gpu_compiler.devices(H100, 1)
-  assert device.device_kind == H100.device_kind and gpu_compiler.is_deviceless(device)
-  return device
-
-
 @pytest.mark.parametrize('head_dim', [64, 128, 256])
 @pytest.mark.parametrize('segments', [False, True])
 def test_flash_attention_compiles_for_h100_with_no_spills(h100, head_dim, segments):

@@ -255,13 +255,6 @@ def test_a_collective_spanning_nodes_goes_at_the_nics_speed():
         gathered_s(bandwidth, latency), rel=1e-12), groups
 
 
-@pytest.fixture(scope='module')
-def h100():
-  assert gpu_compiler.in_this_process(), f'the GPU compiler is not installed: `{gpu_compiler.INSTALL}`'
-  device, = gpu_compiler.devices(H100, 1)
-  return device
-
-
 def test_a_gemm_only_program_takes_its_flops_at_the_gemm_efficiency(h100):
   """Compiled for an H100: an 8192³ bf16 matmul is predicted at GEMM_EFFICIENCY of the peak, its
   output tiles' waves counted."""
