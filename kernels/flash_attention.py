@@ -237,7 +237,7 @@ class _Static(NamedTuple):
   num_warps: int
   num_stages: int
   out_dtype: str | None = None  # o, dq, dk, dv in this dtype; None: their inputs' dtypes
-  hopper: bool = False  # the forward by kernels/flash_attention_hopper.py (Mosaic GPU, sm_90a)
+  hopper: bool = False  # forward and backward by kernels/flash_attention_hopper.py (sm_90a)
 
   def kernel_args(self, H):
     return dict(causal=self.causal, scale=1 / math.sqrt(H), offset=self.S - self.L,
@@ -280,7 +280,7 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
   if positions:
     in_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
     args.append(q_pos)
-  if st.hopper:  # the same o and lse from the Hopper kernel; the backward below is shared
+  if st.hopper:  # the same o and lse from the Hopper kernel
     if positions or (Lp, Sp) != (st.L, st.S) or st.out_dtype:
       raise ValueError(f'flash_attention(hopper=True): L={st.L} and S={st.S} must be multiples '
                        f'of block_q={bq} and block_k={bk}, without q_offset or attention_parts')
@@ -315,6 +315,13 @@ def _backward(st: _Static, residuals, do, delta=None):
   segments, positions = q_seg is not None, q_pos is not None
   if delta is None:
     delta = jnp.einsum('blnh,blnh->bnl', o.astype(jnp.float32), do.astype(jnp.float32))
+  if st.hopper:  # the Hopper kernels: the same gradients from the same residuals
+    from kernels import flash_attention_hopper  # pylint: disable=import-outside-toplevel
+    with st.scope():
+      dq, dk, dv = flash_attention_hopper.backward(
+          q, k, v, do.astype(q.dtype), lse, delta, q_seg, kv_seg, causal=st.causal,
+          scale=1 / math.sqrt(H), interpret=st.interpret)
+    return dq, dk, dv, None, None, None
   common = dict(**st.kernel_args(H), segments=segments, positions=positions)
   sq = pl.squeezed
   extra = ([q_seg, kv_seg] if segments else []) + ([q_pos] if positions else [])
@@ -401,8 +408,8 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
   num_warps, num_stages: Triton launch settings on GPU. 0 takes default_blocks(head_dim).
   interpret: None (default) lowers with Triton for CUDA and in interpret mode for any other
   platform; True interprets everywhere, False uses Triton everywhere.
-  hopper: the forward by our Hopper kernel (kernels/flash_attention_hopper.py: Mosaic GPU's
-  warp-specialised TMA + wgmma, 64 query rows a block), the backward these Triton kernels'; its
+  hopper: forward and backward by our Hopper kernels (kernels/flash_attention_hopper.py: Mosaic
+  GPU's warp-specialised TMA + wgmma, 64 query rows a block); their
   interpret: None runs Mosaic GPU's interpreter unless the default backend is a GPU, False
   lowers for sm_90a (a process compiling for GPUs that are not here says so).
   """

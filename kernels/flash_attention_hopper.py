@@ -1,14 +1,15 @@
-"""Flash attention's forward for Hopper (sm_90a) in Pallas's Mosaic GPU backend: the first step of
-our own FlashAttention-3-class kernel (issue 51), beside kernels/flash_attention.py (Triton).
+"""Flash attention for Hopper (sm_90a) in Pallas's Mosaic GPU backend, forward and backward: our
+own FlashAttention-3-class kernels in the making, beside kernels/flash_attention.py (Triton).
 
   forward(q[B, L, N, H], k[B, S, K, H], v[B, S, K, H], q_seg[B, L], kv_seg[B, S], causal, scale)
     → o[B, L, N, H], lse[B, N, L]
+  backward(q, k, v, do, lse, delta, q_seg, kv_seg, causal, scale) → dq, dk, dv
 
-the same outputs, semantics and residuals as kernels/flash_attention.py's forward: causal is
+the same outputs, semantics and residuals as kernels/flash_attention.py's: causal is
 bottom-right aligned (queries are the last L of the S positions), query head n reads key/value
 head n // G (grouped-query heads, K/V never repeated), segment ids mask across packed documents,
-and a row with nothing to attend to gives zeros and lse = NEG. So its (o, lse) feed that file's
-backward kernels unchanged.
+and a row with nothing to attend to gives zeros and lse = NEG. So either file's backward takes
+either's (o, lse); `flash_attention(..., hopper=True)` runs these.
 
 What Hopper adds, and where it is used here:
 - warp specialisation: each block (grid L/bq × N × B) runs two warpgroups. The producer only
@@ -24,6 +25,10 @@ What Hopper adds, and where it is used here:
   choice) is a variant for a GPU to measure;
 - the online softmax in the log2 domain (one multiply folds in scale·log2 e, then exp2), and
   causal blocks split in two loops: the blocks wholly below the diagonal take no mask at all.
+- the backward as two such kernels, recomputing p = exp(s − lse) rather than storing it: dq
+  streams the key blocks a query block sees, dk/dv (grid S/64 × K × B) the query blocks of all
+  G query heads that see a key block, summing the group in registers (no atomics, no second
+  pass); pᵀ and dsᵀ are transposed views of the shared memory they are staged in.
 
 Shapes: L a multiple of block_q, S of block_k (kernels/flash_attention.py pads before its
 kernels), H a multiple of 64 up to 256, bf16 or fp16 in, fp32 inside. On CPU it runs in Mosaic
@@ -42,6 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 NEG = -1e30  # as kernels/flash_attention.py: a finite "minus infinity", never a NaN
 LOG2E, LN2 = math.log2(math.e), math.log(2)
 SWIZZLE = 128  # bytes: wgmma reads shared memory tiles of 8 rows × 128 bytes, swizzled
+SHARED_MEMORY = 227 * 1024  # bytes a block may have on an H100 (sm_90's opt-in maximum)
 
 
 def check(q_BLNH, k_BSKH, v_BSKH, *, block_q: int, block_k: int, stages: int) -> None:
@@ -67,11 +73,16 @@ def check(q_BLNH, k_BSKH, v_BSKH, *, block_q: int, block_k: int, stages: int) ->
   if stages < 1:
     raise ValueError(f'stages={stages}: at least one shared-memory slot')
   size = q_BLNH.dtype.itemsize
-  smem = (block_q * H * size + 2 * stages * block_k * H * size + block_q * block_k * size
-          + 4 * (block_q + stages * block_k + block_q))
-  if smem > 227 * 1024:
-    raise ValueError(f'block_k={block_k}, stages={stages} at head_dim={H} need {smem} bytes of '
-                     'shared memory, over the H100\'s 227 KiB: fewer stages or a smaller block_k')
+  _fits('the forward', block_k, stages, H,
+        (block_q * H + 2 * stages * block_k * H + block_q * block_k) * size
+        + 4 * (block_q + stages * block_k + block_q))
+
+
+def _fits(kernel, block_k, stages, H, smem):
+  if smem > SHARED_MEMORY:
+    raise ValueError(f'block_k={block_k}, stages={stages} at head_dim={H}: {kernel} needs {smem} '
+                     "bytes of shared memory, over the H100's 227 KiB: fewer stages or a smaller "
+                     'block_k')
 
 
 def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bool, scale: float,
@@ -100,30 +111,12 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
     q_bar, k_bar, v_bar, consumed = barriers
     i, head, b = lax.axis_index('q'), lax.axis_index('head'), lax.axis_index('batch')
     first_row = i * block_q
-    # Key blocks this query block sees: all, or (causal) up to the one holding its last row's
-    # diagonal; below `full` no key is past any row's diagonal, so those blocks need no mask.
-    if causal:
-      steps = jnp.clip(pl.cdiv(first_row + block_q + offset, block_k), 0, n_kv)
-      full = jnp.clip((first_row + offset + 1) // block_k, 0, steps)
-    else:
-      steps = full = jnp.int32(n_kv)
+    steps, full = _key_blocks(first_row, block_q, block_k, n_kv, causal, offset)
 
     @pl.when(lax.axis_index('wg') == 1)
     def _producer():
-      kv_head = head // group
-
-      @pl.loop(0, steps)
-      def _(step):
-        slot = lax.rem(step, stages)
-
-        @pl.when(step >= stages)
-        def _():  # the consumer is done with what this slot held
-          plgpu.barrier_wait(consumed.at[slot])
-        keys = pl.ds(step * block_k, block_k)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem.at[slot], k_bar.at[slot])
-        if segments:
-          plgpu.copy_gmem_to_smem(ks_ref.at[b, keys], ks_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_bar.at[slot])
+      _produce_keys(b, head // group, block_k, steps, stages, consumed, (k_ref, k_smem, k_bar),
+                    (v_ref, v_smem, v_bar), (ks_ref, ks_smem) if segments else None)
 
     @pl.when(lax.axis_index('wg') == 0)
     def _consumer():
@@ -143,20 +136,12 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(k_bar.at[slot])
 
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          return acc_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32)) * (scale * LOG2E)
-        visible = None
-        if diagonal:  # key c is seen by query row r when c ≤ r + offset
-          r = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-          c = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-          visible = c + step * block_k <= r + (first_row + offset)
-        if segments:
-          k_seg = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-          same = (lax.broadcast_in_dim(q_seg, s.shape, [0])
-                  == lax.broadcast_in_dim(k_seg, s.shape, [1]))
-          visible = same if visible is None else visible & same
+        s = _matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_k))
+        s = s * (scale * LOG2E)
+        k_seg = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)) if segments \
+            else None
+        visible = _visible(first_row, step * block_k, s.shape, offset if diagonal else None,
+                           q_seg, k_seg)
         if visible is not None:
           s = jnp.where(visible, s, NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -170,10 +155,7 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
         p_smem[...] = p.astype(dtype)
         plgpu.commit_smem()  # written by the threads, read by the tensor cores
 
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-          return acc_ref[...]
-        o = pl.run_scoped(pv, plgpu.ACC((block_q, H), jnp.float32))
+        o = _matmul(p_smem, v_smem.at[slot], (block_q, H))
         plgpu.barrier_arrive(consumed.at[slot])  # K, V and key ids of this slot are read
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o, m_new, l
 
@@ -203,10 +185,254 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
   args = (q_BLNH, k_BSKH, v_BSKH) + ((q_seg_BL.astype(jnp.int32), kv_seg_BS.astype(jnp.int32))
                                      if segments else ())
 
+  return _launch(kernel, args, out_type, scratch, (L // block_q, N, B), 'q', interpret)
+
+
+def _launch(kernel, args, out_type, scratch, grid, blocks, interpret):
+  """A grid of blocks of two warpgroups ('wg' 0 computes, 1 loads), named (`blocks`, 'head',
+  'batch'); interpreted where asked (None: unless the default backend is a GPU)."""
   if interpret is None:
     interpret = jax.default_backend() != 'gpu'
-  return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch,
-                      grid=(L // block_q, N, B), grid_names=('q', 'head', 'batch'),
-                      num_threads=2, thread_name='wg',
+  return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
+                      grid_names=(blocks, 'head', 'batch'), num_threads=2, thread_name='wg',
                       interpret=plgpu.InterpretGPUParams() if interpret else None,
                       compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
+
+
+def _key_blocks(first_row, block_q, block_k, n_kv, causal, offset):
+  """(steps, full): the key blocks a query block from `first_row` sees: all, or (causal, query r
+  at key r + offset) up to the one holding its last row's diagonal. Below `full` no key is past
+  any row's diagonal, so those blocks need no mask."""
+  if not causal:
+    return jnp.int32(n_kv), jnp.int32(n_kv)
+  steps = jnp.clip(pl.cdiv(first_row + block_q + offset, block_k), 0, n_kv)
+  return steps, jnp.clip((first_row + offset + 1) // block_k, 0, steps)
+
+
+def _produce_keys(b, kv_head, block_k, steps, stages, consumed, k, v, key_ids):
+  """The producer of the kernels that stream key blocks: K (and the key segment ids) complete
+  one barrier of the slot, V the other, so the consumer starts on Q·Kᵀ before V lands. k, v:
+  (gmem ref, smem ring, barrier ring); key_ids: (gmem ref, smem ring) or None."""
+  keys = lambda step: (b, pl.ds(step * block_k, block_k))
+  (k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar) = k, v
+  copies = [(lambda step: k_ref.at[(*keys(step), kv_head)], k_ring, k_bar),
+            (lambda step: v_ref.at[(*keys(step), kv_head)], v_ring, v_bar)]
+  if key_ids:
+    copies.insert(1, (lambda step: key_ids[0].at[keys(step)], key_ids[1], k_bar))
+  _produce(steps, stages, consumed, copies)
+
+
+def _produce(steps, stages, consumed, copies):
+  """The producer warpgroup's loop: for each step, once the consumer has freed its slot of the
+  ring (after the first `stages`), one TMA copy per (gmem ref of the step, smem ring, barrier
+  ring) in `copies` into that slot."""
+  @pl.loop(0, steps)
+  def _(step):
+    slot = lax.rem(step, stages)
+
+    @pl.when(step >= stages)
+    def _():  # the consumer is done with what this slot held
+      plgpu.barrier_wait(consumed.at[slot])
+    for source, ring, barriers in copies:
+      plgpu.copy_gmem_to_smem(source(step), ring.at[slot], barriers.at[slot])
+
+
+def _visible(rows_at, keys_at, shape, causal_offset, q_seg, k_seg):
+  """The mask of a [query rows, keys] block whose first row is query `rows_at` and first key
+  `keys_at` (None: everything visible): causal (key c seen by row r when c ≤ r + offset) and
+  same-segment, in the wgmma accumulator's layout."""
+  visible = None
+  if causal_offset is not None:
+    r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    visible = c + keys_at <= r + (rows_at + causal_offset)
+  if q_seg is not None:
+    same = (lax.broadcast_in_dim(q_seg, shape, [0]) == lax.broadcast_in_dim(k_seg, shape, [1]))
+    visible = same if visible is None else visible & same
+  return visible
+
+
+def _matmul(a_smem, b_smem, shape):
+  """a @ b on the tensor cores (wgmma, operands in shared memory) into fp32 registers."""
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
+    return acc_ref[...]
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None, kv_seg_BS=None,
+             *, causal: bool, scale: float, block: int = 64, stages: int = 2,
+             interpret: bool | None = None):
+  """(dq, dk, dv) in the inputs' dtype, from the forward's lse and delta = rowsum(do ⊙ o), as
+  kernels/flash_attention.py's backward computes them: p = exp(s − lse) recomputed block by
+  block, never stored. Two kernels, each a TMA producer and a wgmma consumer as the forward:
+    dq  (grid L/64 × N × B): a query block against the key blocks it sees,
+        dq = Σ_j ds_j k_j · scale, ds = p ⊙ (do·vᵀ − Δ);
+    dkv (grid S/64 × K × B): a key block against every query block of its G query heads that
+        sees it, dv = Σ pᵀ do, dk = Σ dsᵀ q · scale, summed over the group in registers.
+  The transposes pᵀ, dsᵀ are views of the shared memory p and ds are staged in, not copies."""
+  check(q_BLNH, k_BSKH, v_BSKH, block_q=block, block_k=block, stages=stages)
+  segments = q_seg_BL is not None
+  (B, L, N, H), (_, S, K, _) = q_BLNH.shape, k_BSKH.shape
+  size = q_BLNH.dtype.itemsize  # dq: q, do, a ring of k, v, ds; dkv: k, v, a ring of q, do, p, ds
+  _fits('the dq kernel', block, stages, H, ((2 + 2 * stages) * block * H + block ** 2) * size)
+  _fits('the dk/dv kernel', block, stages, H, ((2 + 2 * stages) * block * H + 2 * block ** 2) * size)
+  group, n_q, n_kv, offset = N // K, L // block, S // block, S - L
+  dtype = q_BLNH.dtype
+  tiles = (plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+  log2_scale = scale * LOG2E
+  row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  ids = ((q_seg_BL.astype(jnp.int32), kv_seg_BS.astype(jnp.int32)) if segments else ())
+  square = (block, block)
+
+  def probabilities(s, lse, visible):
+    p = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(lse * LOG2E, s.shape, [0]))
+    return p if visible is None else jnp.where(visible, p, 0.0)  # lse = NEG rows see nothing
+
+  def dq_kernel(*refs):
+    if segments:
+      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref, *scratch = refs
+    else:
+      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch = refs
+    (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, qs_smem, ks_smem,
+     q_bar, k_bar, v_bar, consumed) = scratch
+    i, head, b = lax.axis_index('q'), lax.axis_index('head'), lax.axis_index('batch')
+    first_row = i * block
+    steps, full = _key_blocks(first_row, block, block, n_kv, causal, offset)
+
+    @pl.when(lax.axis_index('wg') == 1)
+    def _producer():
+      _produce_keys(b, head // group, block, steps, stages, consumed, (k_ref, k_smem, k_bar),
+                    (v_ref, v_smem, v_bar), (ks_ref, ks_smem) if segments else None)
+
+    @pl.when(lax.axis_index('wg') == 0)
+    def _consumer():
+      rows = pl.ds(first_row, block)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem, q_bar)
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, head, rows], lse_smem, q_bar)
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, head, rows], delta_smem, q_bar)
+      if segments:
+        plgpu.copy_gmem_to_smem(qs_ref.at[b, rows], qs_smem, q_bar)
+      plgpu.barrier_wait(q_bar)
+      lse = plgpu.load(lse_smem, layout=row_layout)
+      delta = plgpu.load(delta_smem, layout=row_layout)
+      q_seg = plgpu.load(qs_smem, layout=row_layout) if segments else None
+
+      def step_(step, dq, diagonal: bool):
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        s = _matmul(q_smem, k_smem.at[slot].transpose((1, 0)), square)
+        k_seg = plgpu.load(ks_smem.at[slot], layout=col_layout) if segments else None
+        p = probabilities(s, lse, _visible(first_row, step * block, square,
+                                           offset if diagonal else None, q_seg, k_seg))
+        plgpu.barrier_wait(v_bar.at[slot])
+        dp = _matmul(do_smem, v_smem.at[slot].transpose((1, 0)), square)
+        ds_smem[...] = (p * (dp - lax.broadcast_in_dim(delta, square, [0]))).astype(dtype)
+        plgpu.commit_smem()
+        dq = dq + _matmul(ds_smem, k_smem.at[slot], (block, H))
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq
+
+      dq = plgpu.layout_cast(jnp.zeros((block, H), jnp.float32), plgpu.Layout.WGMMA)
+      dq = lax.fori_loop(0, full, lambda j, dq: step_(j, dq, diagonal=False), dq)
+      dq = lax.fori_loop(full, steps, lambda j, dq: step_(j, dq, diagonal=causal), dq)
+      q_smem[...] = (dq * scale).astype(dtype)  # Q is no longer read: its slot stages dq
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, head])
+      plgpu.wait_smem_to_gmem(0)
+
+  def dkv_kernel(*refs):
+    if segments:
+      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref, *scratch = refs
+    else:
+      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch = refs
+    (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, lse_smem, delta_smem, qs_smem, ks_smem,
+     kv_bar, q_bar, do_bar, consumed) = scratch
+    j, kv_head, b = lax.axis_index('k'), lax.axis_index('head'), lax.axis_index('batch')
+    first_key = j * block
+    # The first query block that sees key block j (causal), else 0; each of the G heads sharing
+    # this kv head brings its query blocks from there on.
+    first = jnp.clip((first_key - offset) // block, 0, n_q) if causal else jnp.int32(0)
+    per_head = n_q - first
+    steps = group * per_head
+    where = lambda t: (kv_head * group + lax.div(t, per_head),
+                       pl.ds((first + lax.rem(t, per_head)) * block, block))
+
+    @pl.when(lax.axis_index('wg') == 1)
+    def _producer():
+      def rows_of(ref):
+        return lambda t: ref.at[b, where(t)[1], where(t)[0]]
+
+      def row_vector(ref):
+        return lambda t: ref.at[b, where(t)[0], where(t)[1]]
+      copies = [(rows_of(q_ref), q_smem, q_bar), (row_vector(lse_ref), lse_smem, q_bar),
+                (rows_of(do_ref), do_smem, do_bar), (row_vector(delta_ref), delta_smem, do_bar)]
+      if segments:
+        copies.insert(2, (lambda t: qs_ref.at[b, where(t)[1]], qs_smem, q_bar))
+      _produce(steps, stages, consumed, copies)
+
+    @pl.when(lax.axis_index('wg') == 0)
+    def _consumer():
+      keys = pl.ds(first_key, block)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem, kv_bar)
+      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem, kv_bar)
+      if segments:
+        plgpu.copy_gmem_to_smem(ks_ref.at[b, keys], ks_smem, kv_bar)
+      plgpu.barrier_wait(kv_bar)
+      k_seg = plgpu.load(ks_smem, layout=col_layout) if segments else None
+
+      def step_(t, carry):
+        dk, dv = carry
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(q_bar.at[slot])
+        s = _matmul(q_smem.at[slot], k_smem.transpose((1, 0)), square)
+        lse = plgpu.load(lse_smem.at[slot], layout=row_layout)
+        q_seg = plgpu.load(qs_smem.at[slot], layout=row_layout) if segments else None
+        rows_at = (first + lax.rem(t, per_head)) * block
+        p = probabilities(s, lse, _visible(rows_at, first_key, square,
+                                           offset if causal else None, q_seg, k_seg))
+        p_smem[...] = p.astype(dtype)
+        plgpu.barrier_wait(do_bar.at[slot])
+        delta = plgpu.load(delta_smem.at[slot], layout=row_layout)
+        dp = _matmul(do_smem.at[slot], v_smem.transpose((1, 0)), square)
+        ds_smem[...] = (p * (dp - lax.broadcast_in_dim(delta, square, [0]))).astype(dtype)
+        plgpu.commit_smem()
+        dv = dv + _matmul(p_smem.transpose((1, 0)), do_smem.at[slot], (block, H))
+        dk = dk + _matmul(ds_smem.transpose((1, 0)), q_smem.at[slot], (block, H))
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dk, dv
+
+      zeros = plgpu.layout_cast(jnp.zeros((block, H), jnp.float32), plgpu.Layout.WGMMA)
+      dk, dv = lax.fori_loop(0, steps, step_, (zeros, zeros))
+      k_smem[...] = (dk * scale).astype(dtype)  # K and V are no longer read: they stage dk, dv
+      v_smem[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, keys, kv_head])
+      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, keys, kv_head])
+      plgpu.wait_smem_to_gmem(0)
+
+  tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=tiles)
+  vector = lambda *shape, dt=jnp.float32: plgpu.SMEM(shape, dt)
+  arrivals = 5 if segments else 4  # the query block's q, do, lse, delta (and segment ids)
+  dq_scratch = [tile(block, H), tile(block, H), tile(stages, block, H), tile(stages, block, H),
+                tile(block, block), vector(block), vector(block), vector(block, dt=jnp.int32),
+                vector(stages, block, dt=jnp.int32),
+                plgpu.Barrier(num_arrivals=arrivals),
+                plgpu.Barrier(num_arrivals=2 if segments else 1, num_barriers=stages),
+                plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)]
+  dq, = _launch(dq_kernel, (q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, *ids),
+                (jax.ShapeDtypeStruct(q_BLNH.shape, dtype),), dq_scratch, (n_q, N, B), 'q',
+                interpret)
+  dkv_scratch = [tile(block, H), tile(block, H), tile(stages, block, H),
+                 tile(stages, block, H), tile(block, block), tile(block, block),
+                 vector(stages, block), vector(stages, block),
+                 vector(stages, block, dt=jnp.int32), vector(block, dt=jnp.int32),
+                 plgpu.Barrier(num_arrivals=3 if segments else 2),
+                 plgpu.Barrier(num_arrivals=3 if segments else 2, num_barriers=stages),
+                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                 plgpu.Barrier(num_barriers=stages)]
+  dk, dv = _launch(dkv_kernel, (q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, *ids),
+                   (jax.ShapeDtypeStruct(k_BSKH.shape, dtype),) * 2, dkv_scratch,
+                   (n_kv, K, B), 'k', interpret)
+  return dq, dk, dv
