@@ -12,7 +12,8 @@ Parts, in the order they run (what a GPU shows of a whole step first), each stop
 10-minute command and all six fit 42 minutes:
   steps      the train steps of --step_configs (125m, 1b): bf16 with pallas and cudnn, then fp8;
              a part for each config (steps_125m, steps_1b)
-  attention  forward, and forward+backward, of pallas, cudnn and xla; head dims 64 and 128; keys
+  attention  forward, and forward+backward, of pallas (ours in Triton), hopper (ours in Mosaic
+             GPU, kernels/flash_attention_hopper.py), cudnn and xla; head dims 64 and 128; keys
              2k, 4k and 8k; causal; GQA 32/8 heads; --tokens a call
   gemm       bf16 and fp8 matmuls: squares 2k–8k and the presets' projection shapes
   copy       an element-wise pass over 64 MiB – 2 GiB (HBM bandwidth), and a chain of --chain small
@@ -68,7 +69,8 @@ _COPY_MIB = flags.DEFINE_list('copy_mib', ['64', '512', '2048'], 'Arrays passed 
 _HOST_MIB = flags.DEFINE_list('host_mib', ['256', '1024'], 'Arrays copied to and from host memory, '
                               'MiB.')
 _CHAIN = flags.DEFINE_integer('chain', 200, 'Dependent small matmuls of the launch-gap program.')
-_IMPLS = flags.DEFINE_list('impls', ['pallas', 'cudnn', 'xla'], 'Attention implementations.')
+_IMPLS = flags.DEFINE_list('impls', ['pallas', 'hopper', 'cudnn', 'xla'],
+                           'Attention implementations (hopper: ours in Mosaic GPU, sm_90a only).')
 _HEAD_DIMS = flags.DEFINE_list('head_dims', ['64', '128'], 'Attention head dims.')
 _SEQ_LENS = flags.DEFINE_list('seq_lens', ['2048', '4096', '8192'], 'Attention lengths.')
 _HEADS = flags.DEFINE_string('heads', '32/8', 'Query/kv heads.')
@@ -203,10 +205,13 @@ def attention_rows(gpu):
       q, ct = place((B, S, N, H), jnp.bfloat16), place((B, S, N, H), jnp.bfloat16, 3)
       k, v = place((B, S, K, H), jnp.bfloat16, 1), place((B, S, K, H), jnp.bfloat16, 2)
       for impl in _IMPLS.value:
-        if impl == 'cudnn' and jax.devices()[0].platform != 'gpu':
-          continue
-        call = lambda q, k, v, impl=impl: kernels.attention(q, k, v, causal=True,
-                                                                  implementation=impl)
+        if impl in ('cudnn', 'hopper') and jax.devices()[0].platform != 'gpu':
+          continue  # the CPU tests interpret ours in Mosaic GPU at their own shapes
+        if impl == 'hopper':
+          call = lambda q, k, v: kernels.flash_attention(q, k, v, causal=True, hopper=True)
+        else:
+          call = lambda q, k, v, impl=impl: kernels.attention(q, k, v, causal=True,
+                                                              implementation=impl)
         both = jax.grad(lambda q, k, v: (call(q, k, v).astype(jnp.float32) * ct).sum(), (0, 1, 2))
         what = f'{impl} attention H={H} S={S}'
         try:

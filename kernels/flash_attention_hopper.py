@@ -102,7 +102,7 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
   dtype = q_BLNH.dtype
   tiles = (plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE))
 
-  def kernel(*refs):
+  def flash_attention_hopper_fwd(*refs):
     if segments:
       q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *scratch = refs
     else:
@@ -185,12 +185,14 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
   args = (q_BLNH, k_BSKH, v_BSKH) + ((q_seg_BL.astype(jnp.int32), kv_seg_BS.astype(jnp.int32))
                                      if segments else ())
 
-  return _launch(kernel, args, out_type, scratch, (L // block_q, N, B), 'q', interpret)
+  return _launch(flash_attention_hopper_fwd, args, out_type, scratch, (L // block_q, N, B), 'q',
+                 interpret)
 
 
 def _launch(kernel, args, out_type, scratch, grid, blocks, interpret):
   """A grid of blocks of two warpgroups ('wg' 0 computes, 1 loads), named (`blocks`, 'head',
-  'batch'); interpreted where asked (None: unless the default backend is a GPU)."""
+  'batch'); interpreted where asked (None: unless the default backend is a GPU). The kernel's
+  name is the program's op name, which planning/timing.py charges as attention."""
   if interpret is None:
     interpret = jax.default_backend() != 'gpu'
   return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
@@ -276,7 +278,8 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
   (B, L, N, H), (_, S, K, _) = q_BLNH.shape, k_BSKH.shape
   size = q_BLNH.dtype.itemsize  # dq: q, do, a ring of k, v, ds; dkv: k, v, a ring of q, do, p, ds
   _fits('the dq kernel', block, stages, H, ((2 + 2 * stages) * block * H + block ** 2) * size)
-  _fits('the dk/dv kernel', block, stages, H, ((2 + 2 * stages) * block * H + 2 * block ** 2) * size)
+  _fits('the dk/dv kernel', block, stages, H,
+        ((2 + 2 * stages) * block * H + 2 * block ** 2) * size)
   group, n_q, n_kv, offset = N // K, L // block, S // block, S - L
   dtype = q_BLNH.dtype
   tiles = (plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE))
@@ -289,7 +292,7 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
     p = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(lse * LOG2E, s.shape, [0]))
     return p if visible is None else jnp.where(visible, p, 0.0)  # lse = NEG rows see nothing
 
-  def dq_kernel(*refs):
+  def flash_attention_hopper_dq(*refs):
     if segments:
       q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref, *scratch = refs
     else:
@@ -342,9 +345,10 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, head])
       plgpu.wait_smem_to_gmem(0)
 
-  def dkv_kernel(*refs):
+  def flash_attention_hopper_dkv(*refs):
     if segments:
-      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref, *scratch = refs
+      (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref,
+       *scratch) = refs
     else:
       q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch = refs
     (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, lse_smem, delta_smem, qs_smem, ks_smem,
@@ -421,7 +425,8 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
                 plgpu.Barrier(num_arrivals=arrivals),
                 plgpu.Barrier(num_arrivals=2 if segments else 1, num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)]
-  dq, = _launch(dq_kernel, (q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, *ids),
+  args = (q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, *ids)
+  dq, = _launch(flash_attention_hopper_dq, args,
                 (jax.ShapeDtypeStruct(q_BLNH.shape, dtype),), dq_scratch, (n_q, N, B), 'q',
                 interpret)
   dkv_scratch = [tile(block, H), tile(block, H), tile(stages, block, H),
@@ -432,7 +437,7 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
                  plgpu.Barrier(num_arrivals=3 if segments else 2, num_barriers=stages),
                  plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                  plgpu.Barrier(num_barriers=stages)]
-  dk, dv = _launch(dkv_kernel, (q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, *ids),
+  dk, dv = _launch(flash_attention_hopper_dkv, args,
                    (jax.ShapeDtypeStruct(k_BSKH.shape, dtype),) * 2, dkv_scratch,
                    (n_kv, K, B), 'k', interpret)
   return dq, dk, dv

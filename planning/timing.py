@@ -66,6 +66,7 @@ _ARITHMETIC = {'add', 'subtract', 'multiply', 'divide', 'exponential', 'log', 't
 _DIMS = re.compile(r'\b(lhs|rhs)_(batch|contracting)_dims=\{([0-9,]*)\}')
 _GEMM_DIMS = re.compile(r'"(lhs|rhs)_(batch|contracting)_dimensions":\[([^\]]*)\]')
 _FLASH = re.compile(r'flash_attention_(fwd|dq|dkv)')
+_HOPPER = re.compile(r'flash_attention_hopper_(fwd|dq|dkv)')  # ours in Mosaic GPU
 _GROUPED = re.compile(r'grouped_matmul(?:_dw)?(?:_filled(\d+))?/pallas_call')
 # cuDNN's scores [B, N, L, S], in its backend config: a deviceless compile writes the element type
 # first and the dims as numbers, the GPU's own compile the dims first, as strings
@@ -84,7 +85,7 @@ class Kernel:
   bytes: float  # HBM bytes one run reads and writes
   seconds: float  # one run, launch excluded
   runs: int = 0  # per run of the program
-  implementation: str = ''  # an attention's: cudnn or pallas
+  implementation: str = ''  # an attention's: cudnn, pallas or hopper
 
 
 @dataclasses.dataclass
@@ -288,6 +289,8 @@ class _Model:
     if (op == 'custom-call' and (flash := _FLASH.search(inst.op_name))
         and len(operand_arrays[0][0][1]) == 4):
       return self.attention(inst, 'pallas', operand_arrays, what, flash.group(1))
+    if op == 'custom-call' and (flash := _HOPPER.search(inst.op_name)):
+      return self.attention(inst, 'hopper', operand_arrays, what, flash.group(1))
     if op == 'custom-call' and (grouped := _GROUPED.search(inst.op_name)):
       return self.grouped(inst, operand_arrays, what, grouped)
     moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays)

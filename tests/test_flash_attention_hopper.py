@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kernels import flash_attention, flash_attention_hopper, xla_attention
+from planning import gpus, timing
 
 pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning')
 
@@ -137,3 +138,8 @@ def test_forward_and_backward_lower_for_h100_as_three_mosaic_gpu_kernels(h100, H
   hlo = lowered.compile().as_text()
   assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 3
   assert 'flash_attention_dq' not in hlo and 'flash_attention_fwd' not in hlo  # no Triton
+  # The time model charges the three as attention, at the prior planning/gpus.py holds for them
+  charged = [k for k in timing.predict(hlo, gpus.GPUS['H100']).kernels
+             if k.implementation == 'hopper']
+  assert sorted(k.op.split('/')[0].rsplit('_', 1)[-1] for k in charged) == [
+      'dkv', 'dq', 'fwd'] and all(k.part == 'attention' and k.seconds > 0 for k in charged)
