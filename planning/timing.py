@@ -67,6 +67,9 @@ _DIMS = re.compile(r'\b(lhs|rhs)_(batch|contracting)_dims=\{([0-9,]*)\}')
 _GEMM_DIMS = re.compile(r'"(lhs|rhs)_(batch|contracting)_dimensions":\[([^\]]*)\]')
 _FLASH = re.compile(r'flash_attention_(fwd|dq|dkv)')
 _HOPPER = re.compile(r'flash_attention_hopper_(fwd|dq|dkv)')  # ours in Mosaic GPU
+# Our kernels' mask scope (kernels/flash_attention.py: _Static.scope): `/unmasked/`, or
+# `jvp(unmasked)` and `transpose(jvp(unmasked))` where the kernel is differentiated
+_UNMASKED = re.compile(r'[/(]unmasked[/)]')
 _GROUPED = re.compile(r'grouped_matmul(?:_dw)?(?:_filled(\d+))?/pallas_call')
 # cuDNN's scores [B, N, L, S], in its backend config: a deviceless compile writes the element type
 # first and the dims as numbers, the GPU's own compile the dims first, as strings
@@ -379,7 +382,7 @@ class _Model:
       share = 1.0
     else:  # ours: q[B, L, N, H], k[B, S, K, H]
       (B, L, N, H), S = q, k[1]
-      causal = '/unmasked/' not in inst.op_name
+      causal = not _UNMASKED.search(inst.op_name)
       backward, share = part != 'fwd', BACKWARD_SHARE.get(part, 1.0)
     forward = 4 * B * N * L * S * H * ((1 - L / (2 * S)) if causal and L <= S else 1.0)
     flops = forward * (2.5 * share if backward else 1.0)

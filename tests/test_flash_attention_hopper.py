@@ -143,3 +143,26 @@ def test_forward_and_backward_lower_for_h100_as_three_mosaic_gpu_kernels(h100, H
              if k.implementation == 'hopper']
   assert sorted(k.op.split('/')[0].rsplit('_', 1)[-1] for k in charged) == [
       'dkv', 'dq', 'fwd'] and all(k.part == 'attention' and k.seconds > 0 for k in charged)
+
+
+def test_the_time_model_charges_unmasked_kernels_under_grad_for_every_key(h100):
+  """A non-causal call differentiated is named `jvp(unmasked)`: charged for all its keys, twice
+  a causal one's forward FLOPs, ours in Triton as ours in Mosaic GPU."""
+  place = jax.sharding.SingleDeviceSharding(h100)
+  q = jax.ShapeDtypeStruct((1, 1024, 8, 64), jnp.bfloat16, sharding=place)
+  kv = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16, sharding=place)
+
+  def forward_flops(causal, hopper):
+    def loss(q, k, v):
+      o = flash_attention(q, k, v, causal=causal, interpret=False, hopper=hopper, block_k=64)
+      return o.astype(jnp.float32).sum()
+    from planning import gpu_compiler
+    hlo = gpu_compiler.lower(h100, jax.jit(jax.grad(loss, (0, 1, 2))), q, kv, kv).compile()
+    [fwd] = [k for k in timing.predict(hlo.as_text(), gpus.GPUS['H100']).kernels
+             if k.part == 'attention' and 'fwd' in k.op]
+    return fwd.flops
+  for hopper in (False, True):
+    unmasked = forward_flops(False, hopper)
+    assert unmasked == 4 * 1024 * 1024 * 8 * 64
+    assert forward_flops(True, hopper) == pytest.approx(unmasked / 2, rel=1e-3)
+
