@@ -54,9 +54,9 @@ def get_config() -> ml_collections.ConfigDict:
   m.grad_reduce_dtype = 'auto'  # gradients are summed across devices in this; auto: the compute
                                # dtype on several GPUs, float32 on one and on CPUs (docs/precision.md)
   m.matmul_precision = 'default'  # default | fp8: the layers' projections on scaled fp8 (docs/precision.md)
-  m.attention = 'auto'  # auto | xla | cudnn | pallas (ours); auto: xla on CPU, on GPU the fused one
-                       # the time model predicts fastest (training/settings.py: with_attention)
-  m.attention_block_q = 0  # pallas query/key tile rows; 0: a default for the device and head_dim
+  m.attention = 'auto'  # auto | xla | cudnn | pallas (ours) | hopper (ours for sm_90a); auto: xla on
+                       # CPU, on GPU the fused one the time model predicts fastest (with_attention)
+  m.attention_block_q = 0  # our kernels' query/key tile rows; 0: a default for the head_dim
   m.attention_block_k = 0
   m.cudnn_segments = 16  # cuDNN: a batch whose packed rows hold ≤ this many documents (padding one
                          # more) attends within each, skipping the blocks between; a fuller row

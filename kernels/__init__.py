@@ -1,8 +1,9 @@
 """Attention implementations behind one dispatch point (`kernels.attention.attention`)."""
 
-from kernels.attention import DENSE_FALLBACK, attention, cached_attention, fused_for, xla_attention
+from kernels.attention import (DENSE_FALLBACK, OURS, attention, cached_attention, fused_for,
+                               xla_attention)
 from kernels.flash_attention import flash_attention
 from kernels.context_parallel import gathered_attention, ring_attention, zigzag_order
 
-__all__ = ['DENSE_FALLBACK', 'attention', 'cached_attention', 'flash_attention', 'fused_for', 'gathered_attention',
+__all__ = ['DENSE_FALLBACK', 'OURS', 'attention', 'cached_attention', 'flash_attention', 'fused_for', 'gathered_attention',
            'ring_attention', 'xla_attention', 'zigzag_order']

@@ -15,20 +15,36 @@ import numpy as np
 # JAX's cuDNN module has it, at the jax this project pins (pyproject.toml).
 from jax._src.cudnn import fused_attention_stablehlo as fused_attention
 
-from kernels.flash_attention import flash_attention
+from kernels.flash_attention import flash_attention, hopper_blocks
 from kernels.matmul import matmul
 
-IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
-FUSED = ('cudnn', 'pallas')  # never store the [L, S] scores; GPU only (pallas interprets on CPU)
+IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas', 'hopper')
+# Ours, in Triton (any NVIDIA GPU) and in Mosaic GPU (Hopper's sm_90a): run per shard, and over a
+# split length (context parallelism). Neither stores the [L, S] scores; both interpret on CPU.
+OURS = ('pallas', 'hopper')
+FUSED = ('cudnn', *OURS)
 
 
-def fused_for(head_dim: int, compute_dtype: str, length_split: bool) -> tuple[str, ...]:
-  """The fused implementations that run this attention on an NVIDIA GPU. cuDNN's flash
-  attention takes head dims up to 128 in multiples of 8, in bf16 or fp16, and cannot split the
-  length (XLA partitions it whole); ours takes any of these."""
+def hopper_refuses(head_dim: int, compute_dtype: str) -> str | None:
+  """Why our Hopper kernel cannot run this attention (None: it can): wgmma takes bf16 or fp16
+  operands, and the kernel head dims in multiples of 64 up to 256."""
+  if head_dim % 64 or head_dim > 256:
+    return f'head_dim={head_dim} (it takes multiples of 64 up to 256)'
+  if compute_dtype not in ('bfloat16', 'float16'):
+    return f'compute_dtype={compute_dtype!r} (it takes bfloat16 or float16)'
+  return None
+
+
+def fused_for(head_dim: int, compute_dtype: str, length_split: bool,
+              hopper: bool = False) -> tuple[str, ...]:
+  """The fused implementations that run this attention on an NVIDIA GPU, Hopper's (sm_90a)
+  when `hopper`. cuDNN's flash attention takes head dims up to 128 in multiples of 8, in bf16 or
+  fp16, and cannot split the length (XLA partitions it whole); ours in Triton takes any of these,
+  ours in Mosaic GPU what `hopper_refuses` does not refuse."""
   cudnn = (head_dim <= 128 and head_dim % 8 == 0 and compute_dtype in ('bfloat16', 'float16')
            and not length_split)
-  return FUSED if cudnn else ('pallas',)
+  ours = OURS if hopper and not hopper_refuses(head_dim, compute_dtype) else ('pallas',)
+  return (('cudnn',) if cudnn else ()) + ours
 
 
 def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_segment_ids_BS=None,
@@ -37,8 +53,9 @@ def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_s
   """Scaled dot-product attention with `implementation` in IMPLEMENTATIONS.
 
   `kv_segment_ids_BS` defaults to `segment_ids_BL` (self-attention over one packed row).
-  pallas only: `block_q`, `block_k` (0: the kernel's default for the head_dim). XLA cannot
-  partition a Pallas call: under a mesh, run it per shard (sharding.per_shard).
+  pallas and hopper (ours, kernels/flash_attention.py): `block_q`, `block_k` (0: the kernel's
+  default for the head_dim). XLA cannot partition a Pallas call: under a mesh, run it per shard
+  (sharding.per_shard).
   cudnn only: `cudnn_segments`, the most documents a packed row may hold for cuDNN's packed
   layout (0: always the dense mask; _cudnn_attention).
   """
@@ -50,9 +67,10 @@ def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_s
   if implementation == 'cudnn':
     return _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
                             kv_segment_ids_BS=kv_segment_ids_BS, segments=cudnn_segments)
-  if implementation == 'pallas':
+  if implementation in OURS:
     return flash_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
-                           kv_segment_ids_BS=kv_segment_ids_BS, block_q=block_q, block_k=block_k)
+                           kv_segment_ids_BS=kv_segment_ids_BS, block_q=block_q, block_k=block_k,
+                           hopper=implementation == 'hopper')
   raise ValueError(f'attention implementation {implementation!r} is not one of {IMPLEMENTATIONS}')
 
 

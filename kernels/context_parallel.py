@@ -69,15 +69,17 @@ class _Ring(NamedTuple):
   block_k: int
   interpret: bool | None
   reduce_dtype: str
+  hopper: bool
 
 
 def ring_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=None, *, causal: bool, axis_name: str,
                    block_q: int = 0, block_k: int = 0, interpret: bool | None = None,
-                   reduce_dtype: str = 'float32'):
+                   reduce_dtype: str = 'float32', hopper: bool = False):
   """Attention of this device's queries to every device's keys along `axis_name` (module
   docstring). Causal expects the zigzag layout (zigzag_order). Segment ids mark packed documents,
-  and travel with their keys. `reduce_dtype`: what dK, dV are summed in as they travel."""
-  st = _Ring(causal, axis_name, block_q, block_k, interpret, reduce_dtype)
+  and travel with their keys. `reduce_dtype`: what dK, dV are summed in as they travel. hopper:
+  every visit by our Hopper kernels (kernels/flash_attention_hopper.py)."""
+  st = _Ring(causal, axis_name, block_q, block_k, interpret, reduce_dtype, hopper)
   return _ring(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, st)
 
 
@@ -109,7 +111,7 @@ def _forward_visit(st, q, q_seg, kv, kind):
   """(o fp32, lse) of this device's queries against one visiting (k, v, segment ids)."""
   k, v, kv_seg = kv
   parts = functools.partial(attention_parts, block_q=st.block_q, block_k=st.block_k,
-                            interpret=st.interpret)
+                            interpret=st.interpret, hopper=st.hopper)
   if kind is None:
     return parts(q, k, v, causal=False, segment_ids_BL=q_seg, kv_segment_ids_BS=kv_seg)
 
@@ -171,7 +173,7 @@ def _backward_visit(st, q, q_seg, kv, o, lse, do, delta, kind):
   """(dq fp32, dk, dv fp32) of this device's queries' loss through one visiting (k, v)."""
   k, v, kv_seg = kv
   grads = functools.partial(attention_parts_grads, block_q=st.block_q, block_k=st.block_k,
-                            interpret=st.interpret)
+                            interpret=st.interpret, hopper=st.hopper)
   if kind is None:
     return grads(q, k, v, o, lse, do, delta, causal=False, segment_ids_BL=q_seg,
                  kv_segment_ids_BS=kv_seg)
@@ -236,11 +238,13 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def gathered_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=None, *, causal: bool,
                        axis_name: str, block_q: int = 0, block_k: int = 0,
-                       interpret: bool | None = None):
+                       interpret: bool | None = None, hopper: bool = False):
   """This device's queries against the keys and values of every device along `axis_name`,
-  all-gathered (module docstring); the plain layout, device r holding the r-th chunk."""
+  all-gathered (module docstring); the plain layout, device r holding the r-th chunk. hopper: by
+  our Hopper kernels, causal from the device's offset as the Triton kernel."""
   gather = lambda x: None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
   offset = jax.lax.axis_index(axis_name) * q_BLNH.shape[1] if causal else None
   return flash_attention(q_BLNH, gather(k_BLKH), gather(v_BLKH), causal=causal,
                          segment_ids_BL=segment_ids_BL, kv_segment_ids_BS=gather(segment_ids_BL),
-                         q_offset=offset, block_q=block_q, block_k=block_k, interpret=interpret)
+                         q_offset=offset, block_q=block_q, block_k=block_k, interpret=interpret,
+                         hopper=hopper)

@@ -61,6 +61,13 @@ def default_blocks(head_dim: int, dtype='bfloat16') -> tuple[int, int, int, int]
   return 128, 32, 8, 2
 
 
+def hopper_blocks(head_dim: int) -> tuple[int, int]:
+  """(block_q, block_k) of the Hopper kernels (kernels/flash_attention_hopper.py): one consumer
+  warpgroup's 64 query rows; 128 keys a step (FlashAttention-3's tile) up to head dim 128, 64
+  above, where two stages of K and V at 128 would pass the 227 KiB of shared memory."""
+  return 64, 128 if head_dim <= 128 else 64
+
+
 def pallas_for_platform(kernel, args, *, interpret, num_warps, num_stages, **call):
   """pl.pallas_call(kernel, **call)(*args), lowered with Triton when compiled for CUDA and in
   interpret mode for any other platform (or everywhere when `interpret` is True)."""
@@ -281,14 +288,15 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
     in_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
     args.append(q_pos)
   if st.hopper:  # the same o and lse from the Hopper kernel
-    if positions or (Lp, Sp) != (st.L, st.S) or st.out_dtype:
+    if (Lp, Sp) != (st.L, st.S):
       raise ValueError(f'flash_attention(hopper=True): L={st.L} and S={st.S} must be multiples '
-                       f'of block_q={bq} and block_k={bk}, without q_offset or attention_parts')
+                       f'of block_q={bq} and block_k={bk} (the Hopper kernel masks no padding)')
     # Imported here: Mosaic GPU's Pallas adds some 0.3 s to every process that imports this file.
     from kernels import flash_attention_hopper  # pylint: disable=import-outside-toplevel
     with st.scope():
       o, lse = flash_attention_hopper.forward(
-          q, k, v, q_seg, kv_seg, causal=st.causal, scale=1 / math.sqrt(H), block_q=bq,
+          q, k, v, q_seg, kv_seg, causal=st.causal, scale=1 / math.sqrt(H),
+          q_offset=q_pos[0] if positions else None, out_dtype=st.out_dtype, block_q=bq,
           block_k=bk, interpret=st.interpret)
   else:
     with st.scope():
@@ -320,7 +328,8 @@ def _backward(st: _Static, residuals, do, delta=None):
     with st.scope():
       dq, dk, dv = flash_attention_hopper.backward(
           q, k, v, do.astype(q.dtype), lse, delta, q_seg, kv_seg, causal=st.causal,
-          scale=1 / math.sqrt(H), interpret=st.interpret)
+          scale=1 / math.sqrt(H), q_offset=q_pos[0] if positions else None,
+          out_dtype=st.out_dtype, interpret=st.interpret)
     return dq, dk, dv, None, None, None
   common = dict(**st.kernel_args(H), segments=segments, positions=positions)
   sq = pl.squeezed
@@ -375,6 +384,9 @@ def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset
   """Checks, defaults, padding to whole blocks: (q, k, v, q_seg, kv_seg, q_pos, static)."""
   B, L, N, H = q_BLNH.shape
   defaults = default_blocks(H, q_BLNH.dtype)
+  if hopper:  # one consumer warpgroup's 64 rows; its own key tile
+    defaults = (*hopper_blocks(H), *defaults[2:])
+    block_q = 64
   block_q, block_k = block_q or defaults[0], block_k or defaults[1]
   num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -409,12 +421,12 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
   interpret: None (default) lowers with Triton for CUDA and in interpret mode for any other
   platform; True interprets everywhere, False uses Triton everywhere.
   hopper: forward and backward by our Hopper kernels (kernels/flash_attention_hopper.py: Mosaic
-  GPU's warp-specialised TMA + wgmma, 64 query rows a block); their
-  interpret: None runs Mosaic GPU's interpreter unless the default backend is a GPU, False
-  lowers for sm_90a (a process compiling for GPUs that are not here says so).
+  GPU's warp-specialised TMA + wgmma, 64 query rows a block, L and S in whole blocks); their
+  interpret: None runs Mosaic GPU's interpreter unless traced for a GPU (the platform of the
+  mesh in use, else the default backend), False lowers for sm_90a.
   """
   *args, static = _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset,
-                           causal=causal, block_q=64 if hopper else block_q, block_k=block_k,
+                           causal=causal, block_q=block_q, block_k=block_k,
                            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                            hopper=hopper)
   return _flash(*args, static)[:, :q_BLNH.shape[1]]
@@ -422,13 +434,14 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
 
 def attention_parts(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,
                     kv_segment_ids_BS=None, block_q: int = 0, block_k: int = 0,
-                    interpret: bool | None = None):
+                    interpret: bool | None = None, hopper: bool = False):
   """The forward kernel's o[B, L, N, H] in fp32 and lse[B, N, L] (NEG where a query sees no key):
-  one part of an attention over more keys, to be merged with the others by their lse."""
+  one part of an attention over more keys, to be merged with the others by their lse. hopper:
+  by the Hopper kernel (flash_attention's)."""
   q, k, v, q_seg, kv_seg, q_pos, st = _prepare(
       q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, None, causal=causal,
       block_q=block_q, block_k=block_k, num_warps=0, num_stages=0, interpret=interpret,
-      out_dtype='float32')
+      out_dtype='float32', hopper=hopper)
   o, residuals = _forward(q, k, v, q_seg, kv_seg, q_pos, st)
   L = q_BLNH.shape[1]
   return o[:, :L], residuals[-1][:, :, :L]
@@ -436,13 +449,14 @@ def attention_parts(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
 
 def attention_parts_grads(q_BLNH, k_BSKH, v_BSKH, o_BLNH, lse_BNL, do_BLNH, delta_BNL, *,
                           causal: bool, segment_ids_BL=None, kv_segment_ids_BS=None,
-                          block_q: int = 0, block_k: int = 0, interpret: bool | None = None):
+                          block_q: int = 0, block_k: int = 0, interpret: bool | None = None,
+                          hopper: bool = False):
   """The backward kernels for one part (attention_parts) of an attention whose whole output o,
   lse and delta = rowsum(do ⊙ o) are given: this part's dq and its keys' dk, dv, in fp32."""
   q, k, v, q_seg, kv_seg, q_pos, st = _prepare(
       q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, None, causal=causal,
       block_q=block_q, block_k=block_k, num_warps=0, num_stages=0, interpret=interpret,
-      out_dtype='float32')
+      out_dtype='float32', hopper=hopper)
   Lp, L, S = q.shape[1], q_BLNH.shape[1], k_BSKH.shape[1]
   # Padded query rows: do = 0 and lse = 0 make their p finite and their ds, dv shares 0.
   residuals = (q, k, v, q_seg, kv_seg, q_pos, _pad(o_BLNH, 1, Lp), _pad(lse_BNL, 2, Lp))

@@ -50,8 +50,8 @@ SWIZZLE = 128  # bytes: wgmma reads shared memory tiles of 8 rows × 128 bytes, 
 SHARED_MEMORY = 227 * 1024  # bytes a block may have on an H100 (sm_90's opt-in maximum)
 
 
-def check(q_BLNH, k_BSKH, v_BSKH, *, block_q: int, block_k: int, stages: int) -> None:
-  """Raises ValueError, naming what to change, for what this kernel does not take."""
+def check(q_BLNH, k_BSKH, v_BSKH, *, block_q: int, block_k: int) -> None:
+  """Raises ValueError, naming what to change, for shapes and dtypes this kernel does not take."""
   (B, L, N, H), (_, S, K, _) = q_BLNH.shape, k_BSKH.shape
   if k_BSKH.shape != v_BSKH.shape or k_BSKH.shape[0] != B or k_BSKH.shape[3] != H:
     raise ValueError(f'k {k_BSKH.shape} and v {v_BSKH.shape} must be [B, S, K, H] of q '
@@ -70,46 +70,91 @@ def check(q_BLNH, k_BSKH, v_BSKH, *, block_q: int, block_k: int, stages: int) ->
   if L % block_q or S % block_k:
     raise ValueError(f'L={L}, S={S}: pad them to multiples of block_q={block_q} and '
                      f'block_k={block_k}')
+
+
+def _stages(kernel: str, stages: int | None, smem_for, block_k: int, H: int) -> int:
+  """`stages` if its shared memory (smem_for(stages), bytes) fits an H100's block, else raises
+  naming what to change; None: 2 (loads one block ahead) if that fits, else 1."""
+  if stages is None:
+    stages = 2 if smem_for(2) <= SHARED_MEMORY else 1
   if stages < 1:
     raise ValueError(f'stages={stages}: at least one shared-memory slot')
-  size = q_BLNH.dtype.itemsize
-  _fits('the forward', block_k, stages, H,
-        (block_q * H + 2 * stages * block_k * H + block_q * block_k) * size
-        + 4 * (block_q + stages * block_k + block_q))
-
-
-def _fits(kernel, block_k, stages, H, smem):
-  if smem > SHARED_MEMORY:
+  if (smem := smem_for(stages)) > SHARED_MEMORY:
     raise ValueError(f'block_k={block_k}, stages={stages} at head_dim={H}: {kernel} needs {smem} '
                      "bytes of shared memory, over the H100's 227 KiB: fewer stages or a smaller "
                      'block_k')
+  return stages
+
+
+def _tiles(dtype):
+  """The layout wgmma and the TMA read a shared-memory tile of `dtype` in: 8 rows of 128 bytes,
+  swizzled."""
+  return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(SWIZZLE))
+
+
+def _interpret(interpret: bool | None) -> bool:
+  """None: interpret unless lowering for a GPU, as the platform of the mesh being traced under
+  says (a process compiling for GPUs that are not here traces under theirs), else the default
+  backend's."""
+  if interpret is not None:
+    return interpret
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, 'abstract_device', None)
+  return (device.platform if device else jax.default_backend()) not in ('gpu', 'cuda')
+
+
+def _unpack(refs, n_in: int, segments: bool, offset: bool, n_out: int):
+  """(inputs, (q_seg, kv_seg) refs or Nones, the offset ref or None, outputs, scratch) of a
+  kernel's refs, passed as: the n_in inputs, [q_seg, kv_seg], [q_offset], the outputs, scratch."""
+  refs = list(refs)
+  ins, refs = refs[:n_in], refs[n_in:]
+  ids = (refs.pop(0), refs.pop(0)) if segments else (None, None)
+  offset_ref = refs.pop(0) if offset else None
+  return ins, ids, offset_ref, refs[:n_out], refs[n_out:]
+
+
+def _extra_args(q_seg_BL, kv_seg_BS, q_offset):
+  """The kernel arguments after the plain inputs: segment ids, then the offset as int32[1]."""
+  ids = () if q_seg_BL is None else (q_seg_BL.astype(jnp.int32), kv_seg_BS.astype(jnp.int32))
+  return ids + (() if q_offset is None else (jnp.reshape(q_offset, (1,)).astype(jnp.int32),))
 
 
 def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bool, scale: float,
-            block_q: int = 64, block_k: int = 128, stages: int = 2, interpret: bool | None = None):
+            q_offset=None, out_dtype=None, block_q: int = 64, block_k: int = 128,
+            stages: int | None = None, interpret: bool | None = None):
   """(o[B, L, N, H], lse[B, N, L]): see the module docstring. Segment ids both or neither.
 
-  interpret: run Mosaic GPU's interpreter (True) or lower for the GPU (False); None picks by
-  the default backend. Not chosen per platform at lowering (`lax.platform_dependent`), as the
-  Triton kernel is: the interpreter's callbacks are effects a platform-dependent branch cannot
-  carry, so a process compiling for GPUs that are not here (planning/gpu_compiler.py) says False."""
-  check(q_BLNH, k_BSKH, v_BSKH, block_q=block_q, block_k=block_k, stages=stages)
+  q_offset: causal only, the key index of query 0, an int32 that may be known only at run time
+  (a device's share of a sequence split); None: S − L (bottom-right aligned).
+  out_dtype: o's dtype (float32 for a part of an attention merged with others by its lse);
+  None: the inputs'. stages: shared-memory slots of K and V (None: 2 where they fit, else 1).
+  interpret: run Mosaic GPU's interpreter (True) or lower for the GPU (False); None lowers for
+  the GPU when traced for one (`_interpret`). Not chosen per platform at lowering
+  (`lax.platform_dependent`), as the Triton kernel is: the interpreter's callbacks are effects a
+  platform-dependent branch cannot carry."""
+  check(q_BLNH, k_BSKH, v_BSKH, block_q=block_q, block_k=block_k)
   if (q_seg_BL is None) != (kv_seg_BS is None):
     raise ValueError('give both segment id arrays (query and key) or neither')
-  segments = q_seg_BL is not None
+  segments, positions = q_seg_BL is not None, q_offset is not None
   (B, L, N, H), (_, S, K, _) = q_BLNH.shape, k_BSKH.shape
-  group, n_kv, offset = N // K, S // block_k, S - L
+  group, n_kv = N // K, S // block_k
   dtype = q_BLNH.dtype
-  tiles = (plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  staged = out_dtype != dtype  # o staged in a buffer of its own, else in Q's
+  size = dtype.itemsize
+  stages = _stages('the forward', stages, lambda n: (
+      (block_q * H + 2 * n * block_k * H + block_q * block_k) * size
+      + 4 * (block_q + n * block_k + block_q) + staged * block_q * H * out_dtype.itemsize),
+      block_k, H)
 
   def flash_attention_hopper_fwd(*refs):
-    if segments:
-      q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *scratch = refs
-    else:
-      (q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch), qs_ref, ks_ref = refs, None, None
-    q_smem, k_smem, v_smem, p_smem, qs_smem, ks_smem, lse_smem, *barriers = scratch
-    q_bar, k_bar, v_bar, consumed = barriers
+    (q_ref, k_ref, v_ref), (qs_ref, ks_ref), offset_ref, (o_ref, lse_ref), scratch = _unpack(
+        refs, 3, segments, positions, 2)
+    (q_smem, k_smem, v_smem, p_smem, qs_smem, ks_smem, lse_smem, q_bar, k_bar, v_bar, consumed,
+     *o_staging) = scratch
     i, head, b = lax.axis_index('q'), lax.axis_index('head'), lax.axis_index('batch')
+    offset = offset_ref[0] if positions else S - L
     first_row = i * block_q
     steps, full = _key_blocks(first_row, block_q, block_k, n_kv, causal, offset)
 
@@ -163,14 +208,16 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
       acc, m, l = lax.fori_loop(full, steps, lambda j, c: attend(j, c, diagonal=True), carry)
       seen = l > 0.0
       acc = acc / lax.broadcast_in_dim(jnp.where(seen, l, 1.0), acc.shape, [0])
-      q_smem[...] = acc.astype(dtype)  # Q is no longer read: its slot stages the output
+      out_smem = o_staging[0] if staged else q_smem  # Q is no longer read: it may stage o
+      out_smem[...] = acc.astype(out_dtype)
       lse_smem[...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, NEG)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, rows, head])
+      plgpu.copy_smem_to_gmem(out_smem, o_ref.at[b, rows, head])
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, head, rows])
       plgpu.wait_smem_to_gmem(0)
 
   loads = 2 if segments else 1  # TMA copies completing each of q_bar and k_bar[slot]
+  tiles = _tiles(dtype)
   scratch = [
       plgpu.SMEM((block_q, H), dtype, transforms=tiles),
       plgpu.SMEM((stages, block_k, H), dtype, transforms=tiles),
@@ -180,21 +227,20 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
       plgpu.SMEM((block_q,), jnp.float32),
       plgpu.Barrier(num_arrivals=loads), plgpu.Barrier(num_arrivals=loads, num_barriers=stages),
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)]
-  out_type = (jax.ShapeDtypeStruct((B, L, N, H), dtype),
+  if staged:
+    scratch.append(plgpu.SMEM((block_q, H), out_dtype, transforms=_tiles(out_dtype)))
+  out_type = (jax.ShapeDtypeStruct((B, L, N, H), out_dtype),
               jax.ShapeDtypeStruct((B, N, L), jnp.float32))
-  args = (q_BLNH, k_BSKH, v_BSKH) + ((q_seg_BL.astype(jnp.int32), kv_seg_BS.astype(jnp.int32))
-                                     if segments else ())
-
+  args = (q_BLNH, k_BSKH, v_BSKH) + _extra_args(q_seg_BL, kv_seg_BS, q_offset)
   return _launch(flash_attention_hopper_fwd, args, out_type, scratch, (L // block_q, N, B), 'q',
                  interpret)
 
 
 def _launch(kernel, args, out_type, scratch, grid, blocks, interpret):
   """A grid of blocks of two warpgroups ('wg' 0 computes, 1 loads), named (`blocks`, 'head',
-  'batch'); interpreted where asked (None: unless the default backend is a GPU). The kernel's
+  'batch'); interpreted where asked (None: `_interpret`). The kernel's
   name is the program's op name, which planning/timing.py charges as attention."""
-  if interpret is None:
-    interpret = jax.default_backend() != 'gpu'
+  interpret = _interpret(interpret)
   return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
                       grid_names=(blocks, 'head', 'batch'), num_threads=2, thread_name='wg',
                       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -263,29 +309,37 @@ def _matmul(a_smem, b_smem, shape):
 
 
 def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None, kv_seg_BS=None,
-             *, causal: bool, scale: float, block: int = 64, stages: int = 2,
-             interpret: bool | None = None):
-  """(dq, dk, dv) in the inputs' dtype, from the forward's lse and delta = rowsum(do ⊙ o), as
+             *, causal: bool, scale: float, q_offset=None, out_dtype=None, block: int = 64,
+             stages: int | None = None, interpret: bool | None = None):
+  """(dq, dk, dv) in `out_dtype` (None: the inputs'), from the forward's lse and delta = rowsum(do ⊙ o), as
   kernels/flash_attention.py's backward computes them: p = exp(s − lse) recomputed block by
   block, never stored. Two kernels, each a TMA producer and a wgmma consumer as the forward:
     dq  (grid L/64 × N × B): a query block against the key blocks it sees,
         dq = Σ_j ds_j k_j · scale, ds = p ⊙ (do·vᵀ − Δ);
     dkv (grid S/64 × K × B): a key block against every query block of its G query heads that
         sees it, dv = Σ pᵀ do, dk = Σ dsᵀ q · scale, summed over the group in registers.
-  The transposes pᵀ, dsᵀ are views of the shared memory p and ds are staged in, not copies."""
-  check(q_BLNH, k_BSKH, v_BSKH, block_q=block, block_k=block, stages=stages)
-  segments = q_seg_BL is not None
+  The transposes pᵀ, dsᵀ are views of the shared memory p and ds are staged in, not copies.
+  q_offset, stages and interpret as the forward's; the lse and delta may be a whole row's, over
+  keys this call does not see (a part of a ring's attention): then these are that row's
+  gradients' shares from these keys."""
+  check(q_BLNH, k_BSKH, v_BSKH, block_q=block, block_k=block)
+  segments, positions = q_seg_BL is not None, q_offset is not None
   (B, L, N, H), (_, S, K, _) = q_BLNH.shape, k_BSKH.shape
-  size = q_BLNH.dtype.itemsize  # dq: q, do, a ring of k, v, ds; dkv: k, v, a ring of q, do, p, ds
-  _fits('the dq kernel', block, stages, H, ((2 + 2 * stages) * block * H + block ** 2) * size)
-  _fits('the dk/dv kernel', block, stages, H,
-        ((2 + 2 * stages) * block * H + 2 * block ** 2) * size)
-  group, n_q, n_kv, offset = N // K, L // block, S // block, S - L
+  group, n_q, n_kv = N // K, L // block, S // block
   dtype = q_BLNH.dtype
-  tiles = (plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  staged = out_dtype != dtype  # dq, dk, dv staged in a buffer of their own, else in Q's, K's, V's
+  size, out_tile = dtype.itemsize, staged * block * H * out_dtype.itemsize
+  # dq: q, do, a ring of k, v, then ds; dk/dv: k, v, a ring of q, do, then p, ds (and ids, lse,
+  # delta: 4 bytes a row or key). dk and dv take turns in one staging buffer.
+  dq_stages = _stages('the dq kernel', stages, lambda n: (
+      ((2 + 2 * n) * block * H + block ** 2) * size + 4 * (3 + n) * block + out_tile), block, H)
+  dkv_stages = _stages('the dk/dv kernel', stages, lambda n: (
+      ((2 + 2 * n) * block * H + 2 * block ** 2) * size + 4 * (1 + 3 * n) * block + out_tile),
+      block, H)
+  tiles = _tiles(dtype)
   log2_scale = scale * LOG2E
   row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-  ids = ((q_seg_BL.astype(jnp.int32), kv_seg_BS.astype(jnp.int32)) if segments else ())
   square = (block, block)
 
   def probabilities(s, lse, visible):
@@ -293,19 +347,18 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
     return p if visible is None else jnp.where(visible, p, 0.0)  # lse = NEG rows see nothing
 
   def flash_attention_hopper_dq(*refs):
-    if segments:
-      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref, *scratch = refs
-    else:
-      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch = refs
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), offset_ref, (dq_ref,), \
+        scratch = _unpack(refs, 6, segments, positions, 1)
     (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, qs_smem, ks_smem,
-     q_bar, k_bar, v_bar, consumed) = scratch
+     q_bar, k_bar, v_bar, consumed, *dq_staging) = scratch
     i, head, b = lax.axis_index('q'), lax.axis_index('head'), lax.axis_index('batch')
+    offset = offset_ref[0] if positions else S - L
     first_row = i * block
     steps, full = _key_blocks(first_row, block, block, n_kv, causal, offset)
 
     @pl.when(lax.axis_index('wg') == 1)
     def _producer():
-      _produce_keys(b, head // group, block, steps, stages, consumed, (k_ref, k_smem, k_bar),
+      _produce_keys(b, head // group, block, steps, dq_stages, consumed, (k_ref, k_smem, k_bar),
                     (v_ref, v_smem, v_bar), (ks_ref, ks_smem) if segments else None)
 
     @pl.when(lax.axis_index('wg') == 0)
@@ -323,7 +376,7 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
       q_seg = plgpu.load(qs_smem, layout=row_layout) if segments else None
 
       def step_(step, dq, diagonal: bool):
-        slot = lax.rem(step, stages)
+        slot = lax.rem(step, dq_stages)
         plgpu.barrier_wait(k_bar.at[slot])
         s = _matmul(q_smem, k_smem.at[slot].transpose((1, 0)), square)
         k_seg = plgpu.load(ks_smem.at[slot], layout=col_layout) if segments else None
@@ -340,20 +393,19 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
       dq = plgpu.layout_cast(jnp.zeros((block, H), jnp.float32), plgpu.Layout.WGMMA)
       dq = lax.fori_loop(0, full, lambda j, dq: step_(j, dq, diagonal=False), dq)
       dq = lax.fori_loop(full, steps, lambda j, dq: step_(j, dq, diagonal=causal), dq)
-      q_smem[...] = (dq * scale).astype(dtype)  # Q is no longer read: its slot stages dq
+      out_smem = dq_staging[0] if staged else q_smem  # Q is no longer read: it may stage dq
+      out_smem[...] = (dq * scale).astype(out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, head])
+      plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[b, rows, head])
       plgpu.wait_smem_to_gmem(0)
 
   def flash_attention_hopper_dkv(*refs):
-    if segments:
-      (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref,
-       *scratch) = refs
-    else:
-      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch = refs
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), offset_ref, \
+        (dk_ref, dv_ref), scratch = _unpack(refs, 6, segments, positions, 2)
     (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, lse_smem, delta_smem, qs_smem, ks_smem,
-     kv_bar, q_bar, do_bar, consumed) = scratch
+     kv_bar, q_bar, do_bar, consumed, *dkv_staging) = scratch
     j, kv_head, b = lax.axis_index('k'), lax.axis_index('head'), lax.axis_index('batch')
+    offset = offset_ref[0] if positions else S - L
     first_key = j * block
     # The first query block that sees key block j (causal), else 0; each of the G heads sharing
     # this kv head brings its query blocks from there on.
@@ -374,7 +426,7 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
                 (rows_of(do_ref), do_smem, do_bar), (row_vector(delta_ref), delta_smem, do_bar)]
       if segments:
         copies.insert(2, (lambda t: qs_ref.at[b, where(t)[1]], qs_smem, q_bar))
-      _produce(steps, stages, consumed, copies)
+      _produce(steps, dkv_stages, consumed, copies)
 
     @pl.when(lax.axis_index('wg') == 0)
     def _consumer():
@@ -388,7 +440,7 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
 
       def step_(t, carry):
         dk, dv = carry
-        slot = lax.rem(t, stages)
+        slot = lax.rem(t, dkv_stages)
         plgpu.barrier_wait(q_bar.at[slot])
         s = _matmul(q_smem.at[slot], k_smem.transpose((1, 0)), square)
         lse = plgpu.load(lse_smem.at[slot], layout=row_layout)
@@ -409,35 +461,46 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
 
       zeros = plgpu.layout_cast(jnp.zeros((block, H), jnp.float32), plgpu.Layout.WGMMA)
       dk, dv = lax.fori_loop(0, steps, step_, (zeros, zeros))
-      k_smem[...] = (dk * scale).astype(dtype)  # K and V are no longer read: they stage dk, dv
-      v_smem[...] = dv.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, keys, kv_head])
-      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, keys, kv_head])
+      if staged:  # dk, then dv, through the one staging buffer
+        for grad, ref in ((dk * scale, dk_ref), (dv, dv_ref)):
+          dkv_staging[0][...] = grad.astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(dkv_staging[0], ref.at[b, keys, kv_head])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # read out: free for dv
+      else:  # K and V are no longer read: they stage dk, dv
+        k_smem[...] = (dk * scale).astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, keys, kv_head])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, keys, kv_head])
       plgpu.wait_smem_to_gmem(0)
 
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=tiles)
   vector = lambda *shape, dt=jnp.float32: plgpu.SMEM(shape, dt)
   arrivals = 5 if segments else 4  # the query block's q, do, lse, delta (and segment ids)
-  dq_scratch = [tile(block, H), tile(block, H), tile(stages, block, H), tile(stages, block, H),
+  staging = [plgpu.SMEM((block, H), out_dtype, transforms=_tiles(out_dtype))] if staged else []
+  n = dq_stages
+  dq_scratch = [tile(block, H), tile(block, H), tile(n, block, H), tile(n, block, H),
                 tile(block, block), vector(block), vector(block), vector(block, dt=jnp.int32),
-                vector(stages, block, dt=jnp.int32),
+                vector(n, block, dt=jnp.int32),
                 plgpu.Barrier(num_arrivals=arrivals),
-                plgpu.Barrier(num_arrivals=2 if segments else 1, num_barriers=stages),
-                plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)]
-  args = (q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, *ids)
+                plgpu.Barrier(num_arrivals=2 if segments else 1, num_barriers=n),
+                plgpu.Barrier(num_barriers=n), plgpu.Barrier(num_barriers=n), *staging]
+  args = (q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL,
+          *_extra_args(q_seg_BL, kv_seg_BS, q_offset))
   dq, = _launch(flash_attention_hopper_dq, args,
-                (jax.ShapeDtypeStruct(q_BLNH.shape, dtype),), dq_scratch, (n_q, N, B), 'q',
+                (jax.ShapeDtypeStruct(q_BLNH.shape, out_dtype),), dq_scratch, (n_q, N, B), 'q',
                 interpret)
-  dkv_scratch = [tile(block, H), tile(block, H), tile(stages, block, H),
-                 tile(stages, block, H), tile(block, block), tile(block, block),
-                 vector(stages, block), vector(stages, block),
-                 vector(stages, block, dt=jnp.int32), vector(block, dt=jnp.int32),
+  n = dkv_stages
+  dkv_scratch = [tile(block, H), tile(block, H), tile(n, block, H),
+                 tile(n, block, H), tile(block, block), tile(block, block),
+                 vector(n, block), vector(n, block),
+                 vector(n, block, dt=jnp.int32), vector(block, dt=jnp.int32),
                  plgpu.Barrier(num_arrivals=3 if segments else 2),
-                 plgpu.Barrier(num_arrivals=3 if segments else 2, num_barriers=stages),
-                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                 plgpu.Barrier(num_barriers=stages)]
+                 plgpu.Barrier(num_arrivals=3 if segments else 2, num_barriers=n),
+                 plgpu.Barrier(num_arrivals=2, num_barriers=n),
+                 plgpu.Barrier(num_barriers=n), *staging]
   dk, dv = _launch(flash_attention_hopper_dkv, args,
-                   (jax.ShapeDtypeStruct(k_BSKH.shape, dtype),) * 2, dkv_scratch,
+                   (jax.ShapeDtypeStruct(k_BSKH.shape, out_dtype),) * 2, dkv_scratch,
                    (n_kv, K, B), 'k', interpret)
   return dq, dk, dv

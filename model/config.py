@@ -4,7 +4,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kernels.attention import IMPLEMENTATIONS
+from kernels.attention import IMPLEMENTATIONS, OURS, hopper_refuses
+from kernels.flash_attention import hopper_blocks
 from kernels.grouped_matmul import IMPLEMENTATIONS as EXPERT_MATMULS
 
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_attention', 'dots_except_out',
@@ -120,8 +121,16 @@ class ModelConfig:
       if block < 0 or block & (block - 1):
         raise ValueError(f'config.model.{name}={block} must be 0 (the default for the device) or '
                          'a power of two such as 64 or 128')
+    if self.attention == 'hopper':
+      if why := hopper_refuses(self.head_dim, self.compute_dtype):
+        raise ValueError(f"config.model.attention='hopper' cannot run {why}; use "
+                         '--config.model.attention=pallas (ours in Triton) or auto')
+      if self.attention_block_q not in (0, 64) or self.attention_block_k not in (0, 64, 128, 256):
+        raise ValueError(f"config.model.attention='hopper' takes attention_block_q 0 or 64 (one "
+                         f"warpgroup's rows; it is {self.attention_block_q}) and "
+                         f'attention_block_k 0, 64, 128 or 256 (it is {self.attention_block_k})')
     _check_choice('context_parallel', self.context_parallel, CONTEXT_PARALLEL)
-    if self.context_parallel == 'ring' and self.attention not in ('pallas', 'auto'):
+    if self.context_parallel == 'ring' and self.attention not in ('auto', *OURS):
       raise ValueError(f"config.model.context_parallel='ring' runs our Pallas kernel on each visiting "
                        f"chunk; set --config.model.attention=pallas (it is "
                        f"{self.attention!r}), or context_parallel='all_gather'")
@@ -243,6 +252,15 @@ class ModelConfig:
   @property
   def dtype(self):
     return jnp.dtype(self.compute_dtype)
+
+  @property
+  def length_tile(self) -> int:
+    """Positions that each call of the attention kernel must take in whole blocks of: the
+    Hopper kernel's key block (it masks no padding; kernels/flash_attention.py pads for the
+    others), 1 for every other implementation."""
+    if self.attention != 'hopper':
+      return 1
+    return max(64, self.attention_block_k or hopper_blocks(self.head_dim)[1])
 
   @property
   def reduce_dtype(self):

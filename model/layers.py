@@ -263,7 +263,8 @@ class Attention(nnx.Module):
 
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
     cfg = self.cfg
-    blocks = dict(block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
+    ours = dict(block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
+                hopper=cfg.attention == 'hopper')  # in Triton, or Mosaic GPU for Hopper
     run = sharding.per_shard
     if cfg.attention == 'xla':
       return kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids_BL=segment_ids_BL)
@@ -276,12 +277,12 @@ class Attention(nnx.Module):
       packed = segment_ids_BL is not None and cfg.cudnn_segments
       run = sharding.per_shard if packed else sharding.partitioned
     elif (axis := sharding.mesh_axis('length')) is None:
-      attend = functools.partial(kernels.flash_attention, causal=True, **blocks)
+      attend = functools.partial(kernels.flash_attention, causal=True, **ours)
     elif cfg.context_parallel == 'ring':
       attend = functools.partial(kernels.ring_attention, causal=True, axis_name=axis,
-                                 reduce_dtype=cfg.reduce_dtype.name, **blocks)
+                                 reduce_dtype=cfg.reduce_dtype.name, **ours)
     else:
-      attend = functools.partial(kernels.gathered_attention, causal=True, axis_name=axis, **blocks)
+      attend = functools.partial(kernels.gathered_attention, causal=True, axis_name=axis, **ours)
     # XLA cannot partition a Pallas call: each device runs it on its rows, heads and, under a
     # length split, its share of the length, against the others' keys (context parallelism).
     q_names = ('batch', 'length', 'heads', 'head_dim')
@@ -305,7 +306,7 @@ class Attention(nnx.Module):
     # after the rotation (XLA would otherwise gather its fp32 input, or x for Wv).
     kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
     k_BLKH, v_BLKH = constrain(k_BLKH, kv_names), constrain(v_BLKH, kv_names)
-    if self.cfg.attention != 'pallas':
+    if self.cfg.attention not in kernels.OURS:
       kv_names = ('batch', 'kv_length', 'kv_heads', 'head_dim')
       k_BLKH, v_BLKH = constrain(k_BLKH, kv_names), constrain(v_BLKH, kv_names)
     out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)

@@ -131,7 +131,7 @@ def make_plan(compiled, setup) -> Plan:
       attention=setup.model_cfg.attention,
       attention_ranking=timing.rank_attention(
           setup.model_cfg.head_dim, setup.model_cfg.compute_dtype, run.seq_len,
-          length_split=setup.mesh.shape['sequence'] > 1) if gpu else [],
+          length_split=setup.mesh.shape['sequence'] > 1, gpu=gpu) if gpu else [],
       context_parallel=run.model.context_parallel,
       microbatches=run.microbatches, virtual_stages=run.model.virtual_stages,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
@@ -195,7 +195,7 @@ def check_fits(plan: Plan) -> None:
   """Before a real run allocates: the compiled step's memory within the device's."""
   if plan.fits is False:
     fused = ('use a fused attention that never stores the [L, S] scores (config.model.attention='
-             'cudnn or pallas), ' if plan.attention == 'xla' else '')
+             'cudnn, pallas or hopper), ' if plan.attention == 'xla' else '')
     update = (f'; the update after it, the optimizer state streamed from its tiers, '
               f'{readable_bytes(plan.update_bytes)}' if plan.update_bytes > plan.total_bytes
               else '')
@@ -239,7 +239,7 @@ def report(plan: Plan) -> None:
   """A table for people, then the plan as one JSON line."""
   xla_flops = ('' if plan.compiled_flops is None else
                f' (XLA counts {plan.compiled_flops:.3e}, a scanned layer once)')
-  split = plan.mesh.get('sequence', 1) > 1 and plan.attention == 'pallas'
+  split = plan.mesh.get('sequence', 1) > 1 and plan.attention in ('pallas', 'hopper')
   context = f' ({plan.context_parallel} over sequence)' if split else ''
   ranking = plan.attention_ranking and (
       ', '.join(f'{k} {r:.2f}×' for k, r in plan.attention_ranking)

@@ -179,11 +179,13 @@ def attention_seconds(kernel: str, head_dim: int, keys: int) -> float:
           + 2.5 / attention_efficiency(kernel, True, head_dim, keys)) / 3.5
 
 
-def rank_attention(head_dim: int, compute_dtype: str, keys: int,
-                   length_split: bool) -> list[tuple[str, float]]:
-  """[(kernel, its time ÷ the fastest's)] of the fused attentions that run this model on a GPU
-  (kernels.fused_for), fastest first, as the time model charges a train step's attention."""
-  runnable = kernels.fused_for(head_dim, compute_dtype, length_split)
+def rank_attention(head_dim: int, compute_dtype: str, keys: int, length_split: bool,
+                   gpu: gpus.GPU) -> list[tuple[str, float]]:
+  """[(kernel, its time ÷ the fastest's)] of the fused attentions that run this model on `gpu`
+  (kernels.fused_for: ours for Hopper on sm_90 only), fastest first, as the time model charges a
+  train step's attention; a tie keeps fused_for's order (cuDNN, ours in Triton, in Mosaic GPU)."""
+  runnable = kernels.fused_for(head_dim, compute_dtype, length_split,
+                               hopper=gpu.compute_capability == (9, 0))
   seconds = {k: attention_seconds(k, head_dim, keys) for k in runnable}
   fastest = min(seconds.values())
   return sorted(((k, t / fastest) for k, t in seconds.items()), key=lambda kt: kt[1])
@@ -280,6 +282,12 @@ class _Model:
     what = '/'.join(what[-2:]) if what[0] else target or op
     if op == 'fusion':
       body = dict(inst.callees()).get('calls', '')
+      # XLA fuses the dynamic slices of a scanned layer's operands into an FFI custom call's
+      # launch (a kCustom "dynamic-slice-fusion": ours in Mosaic GPU): the call is the kernel
+      inner = self.instructions(body)
+      calls = [i for i in inner if i.opcode == 'custom-call']
+      if len(calls) == 1 and _HOPPER.search(calls[0].op_name):
+        return self.kernel(calls[0], {i.name: i.arrays for i in inner})
       dots = self.dots(body)
       read, written, arithmetic = self.fusion_bytes(body)
       if dots:
@@ -289,10 +297,11 @@ class _Model:
     if op == 'custom-call' and target.startswith('__cudnn$fmha') and _SCORES.search(
         inst.line.replace(' ', '')):
       return self.attention(inst, 'cudnn', operand_arrays, what)
-    if (op == 'custom-call' and (flash := _FLASH.search(inst.op_name))
-        and len(operand_arrays[0][0][1]) == 4):
+    # ours, the call that takes q[B, L, N, H] first (interpreted, a kernel is many callbacks)
+    ours = op == 'custom-call' and len(operand_arrays) > 1 and len(operand_arrays[0][0][1]) == 4
+    if ours and (flash := _FLASH.search(inst.op_name)):
       return self.attention(inst, 'pallas', operand_arrays, what, flash.group(1))
-    if op == 'custom-call' and (flash := _HOPPER.search(inst.op_name)):
+    if ours and (flash := _HOPPER.search(inst.op_name)):
       return self.attention(inst, 'hopper', operand_arrays, what, flash.group(1))
     if op == 'custom-call' and (grouped := _GROUPED.search(inst.op_name)):
       return self.grouped(inst, operand_arrays, what, grouped)

@@ -181,8 +181,14 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
     raise MeshMismatch(f"config.seq_len={seq_len} is not divisible by 2×config.mesh.sequence="
                        f"{2 * mesh_sizes['sequence']}: context_parallel='ring' splits each row "
                        'into two chunks per device (zigzag, for equal causal work)')
-  if model_cfg.attention == 'pallas' and mesh_sizes['sequence'] > 1 and stages > 1:
-    raise MeshMismatch(f"config.model.attention='pallas' cannot yet run with both "
+  split = mesh_sizes['sequence'] * (2 if model_cfg.context_parallel == 'ring' else 1)
+  if (tile := model_cfg.length_tile) > 1 and (seq_len // split) % tile:
+    raise MeshMismatch(f"config.model.attention={model_cfg.attention!r} takes whole blocks of "
+                       f'{tile} positions (it masks no padding), and config.seq_len={seq_len} '
+                       f'gives each call {seq_len // split}: set seq_len to a multiple of '
+                       f'{split * tile}, or --config.model.attention=pallas')
+  if model_cfg.attention in ('pallas', 'hopper') and mesh_sizes['sequence'] > 1 and stages > 1:
+    raise MeshMismatch(f"config.model.attention={model_cfg.attention!r} cannot yet run with both "
                        f"config.mesh.stage={stages} and config.mesh.sequence="
                        f"{mesh_sizes['sequence']}: inside a pipeline stage our kernel's "
                        "gradients lose the stage's type; use config.mesh.stage=1 or "

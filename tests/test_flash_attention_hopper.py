@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from kernels import flash_attention, flash_attention_hopper, xla_attention
+from kernels import gathered_attention, ring_attention, zigzag_order
+from kernels.flash_attention import attention_parts, attention_parts_grads
 from planning import gpus, timing
 
 pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning')
@@ -102,6 +104,67 @@ def test_gradients_match_the_reference(causal, K, segments, L, S):
     np.testing.assert_allclose(np.asarray(got, np.float32) / scale, expected / scale, atol=2e-2)
 
 
+def over_two_devices(mode, causal, q, k, v, seg, do):
+  """(o, dq, dk, dv) of Σ o·do by `mode`'s context parallelism over a sequence split of
+  2 devices simulated by jax.vmap over the axis its collectives name. Not shard_map over CPU
+  devices: Mosaic GPU's interpreter (jax 0.12) runs one kernel on several devices only in lock
+  step, asserting each device's barriers freed before the others have finished theirs. Nor, as
+  yet, the causal ring: vmap cannot batch its choice of visit (a `lax.switch` on the device
+  index) over the interpreter's callbacks ("IO effect not supported in vmap-of-cond")."""
+  n, (B, L) = 2, q.shape[:2]
+  order = zigzag_order(L, n) if mode == 'ring' else np.arange(L)
+  split = lambda x: jnp.moveaxis(x[:, order].reshape(B, n, L // n, *x.shape[2:]), 1, 0)
+  fn = ring_attention if mode == 'ring' else gathered_attention
+
+  def device(q, k, v, s, do):  # the gradient taken on each device, as in a train step
+    def loss(q, k, v):
+      o = fn(q, k, v, s, causal=causal, axis_name='sequence', block_q=64, block_k=64,
+             hopper=True)
+      return (o.astype(jnp.float32) * do).sum(), o
+    return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+  (_, o), grads = jax.jit(jax.vmap(device, axis_name='sequence'))(
+      *(split(x) for x in (q, k, v, seg, do)))
+  merge = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, L, *x.shape[3:])[:, np.argsort(order)]
+  return [merge(x) for x in (o, *grads)]
+
+
+@pytest.mark.parametrize('mode,causal', [('ring', False), ('all_gather', True)])
+def test_context_parallel_attention_runs_on_them(mode, causal):
+  """Over a sequence split of 2, values and gradients against unsharded attention: the ring's
+  visits are parts in fp32 merged by their lse, and their gradients taken against the whole
+  row's lse and delta; all_gather's queries sit at an offset known only at run time. (The causal
+  ring's parts are the same kernels, causal or not: test_parts_and_offsets_match_triton's.)"""
+  q, k, v, do = inputs(L=256, S=256, N=4, K=2)
+  seg = packed(1, 256, [90, 100, 66])  # documents crossing the chunks of 64 and the devices
+  f32 = lambda x: x.astype(jnp.float32)
+  want = jax.value_and_grad(lambda q, k, v: (xla_attention(
+      q, k, v, causal=causal, segment_ids_BL=seg) * do).sum(), (0, 1, 2))
+  o = xla_attention(f32(q), f32(k), f32(v), causal=causal, segment_ids_BL=seg)
+  ours = over_two_devices(mode, causal, q, k, v, seg, do)
+  for name, got, expected in zip(('o', 'dq', 'dk', 'dv'), ours,
+                                 (o, *want(f32(q), f32(k), f32(v))[1])):
+    scale = float(jnp.abs(expected).max())
+    np.testing.assert_allclose(np.asarray(got, np.float32) / scale, expected / scale, atol=2e-2,
+                               err_msg=name)
+
+
+def test_parts_match_the_triton_kernels():
+  """attention_parts and attention_parts_grads, as the causal ring's own visit runs them: o in
+  fp32 and lse, then dq, dk, dv in fp32 against a given lse and delta, equal to the Triton
+  kernels' (interpreted) within bf16's rounding of what is staged for the tensor cores."""
+  q, k, v, do = inputs(L=128, S=128, N=4, K=2)
+  seg = packed(1, 128, [70, 58])
+  parts = lambda **kw: attention_parts(q, k, v, causal=True, segment_ids_BL=seg, block_k=64,
+                                       **kw)
+  o, lse = parts()
+  delta = jnp.einsum('blnh,blnh->bnl', o, do)
+  grads = lambda **kw: attention_parts_grads(q, k, v, o, lse, do, delta, causal=True,
+                                             segment_ids_BL=seg, block_k=64, **kw)
+  for got, want in zip((*parts(hopper=True), *grads(hopper=True)), (o, lse, *grads())):
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, atol=1e-2 * float(jnp.abs(want).max()))
+
+
 @pytest.mark.parametrize('change,message', [
     (dict(dtype=jnp.float32), 'takes bfloat16 or float16'),
     (dict(H=96), 'head_dim=96: the Hopper kernel takes multiples of 64 up to 256'),
@@ -114,8 +177,8 @@ def test_what_it_does_not_take_is_named_before_lowering(change, message):
   q = jax.ShapeDtypeStruct((B, L, N, H), dtype)
   kv = jax.ShapeDtypeStruct((B, S, K, H), dtype)
   with pytest.raises(ValueError, match=message):
-    flash_attention_hopper.check(q, kv, kv, block_q=64, block_k=change.get('block_k', 64),
-                                 stages=change.get('stages', 2))
+    flash_attention_hopper.forward(q, kv, kv, causal=True, scale=1.0,
+                                   block_k=change.get('block_k', 64), stages=change.get('stages'))
 
 
 @pytest.mark.parametrize('H,segments', [(64, False), (128, True), (256, False)])
@@ -166,3 +229,48 @@ def test_the_time_model_charges_unmasked_kernels_under_grad_for_every_key(h100):
     assert unmasked == 4 * 1024 * 1024 * 8 * 64
     assert forward_flops(True, hopper) == pytest.approx(unmasked / 2, rel=1e-3)
 
+
+
+def test_a_ring_train_step_with_them_compiles_for_8_h100s(h100):
+  """config.model.attention='hopper' over a sequence split of 4 (the ring, zigzag), deviceless
+  for 8 H100s: every attention is one of the three Mosaic GPU kernels (none through Triton), the
+  keys and values travel the ring, and the time model charges the kernels as attention."""
+  from tests.conftest import tiny_config
+  from training import settings
+  from training.programs import compile_and_plan
+  from training.state import build
+  from sharding import collectives
+  config = tiny_config(fsdp=2, sequence=4)
+  config.seq_len = 1024  # chunks of 128 positions: whole blocks of the forward's keys
+  config.model.update(head_dim=64, compute_dtype='bfloat16', attention='hopper',
+                      context_parallel='ring')
+  config.plan.target, config.plan.devices, config.dry_run = 'H100', 8, True
+  program, plan = compile_and_plan(build(settings.resolve(config)))
+  hlo = program.as_text()
+  assert 'mosaic_gpu_v2' in hlo and 'flash_attention_fwd' not in hlo
+  assert any(c.op == 'collective-permute' for c in collectives.executed(hlo))
+  charged = {k.op.split('/')[0].rsplit('_', 1)[-1] for k in timing.predict(
+      hlo, gpus.GPUS['H100']).kernels if k.implementation == 'hopper'}
+  assert charged == {'fwd', 'dq', 'dkv'}, charged
+  assert plan.attention == 'hopper'
+
+
+def test_a_one_h100_step_charges_them_inside_xlas_dynamic_slice_fusions(h100):
+  """On one H100 the scanned layers' kernels reach their q, k, v through XLA's
+  dynamic-slice fusions (an FFI call launched with its operands' slices): the time model charges
+  the call inside as attention, forward and backward, never the fusion as elementwise work."""
+  from tests.conftest import tiny_config
+  from training import settings
+  from training.programs import compile_and_plan
+  from training.state import build
+  config = tiny_config()
+  config.seq_len = 256
+  config.model.update(head_dim=64, compute_dtype='bfloat16', attention='hopper')
+  config.plan.target, config.plan.devices, config.dry_run = 'H100', 1, True
+  program, plan = compile_and_plan(build(settings.resolve(config)))
+  hlo = program.as_text()
+  assert 'kind=kCustom, calls=%dynamic-slice-fusion' in hlo
+  charged = [k for k in timing.predict(hlo, gpus.GPUS['H100']).kernels if k.part == 'attention']
+  assert sorted(k.op.split('/')[0].rsplit('_', 1)[-1] for k in charged) == ['dkv', 'dq', 'fwd']
+  assert all(k.implementation == 'hopper' and k.seconds > 0 for k in charged)
+  assert plan.time['breakdown']['attention']['s'] > 0

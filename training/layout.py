@@ -110,13 +110,13 @@ def attention_choice(run: Run, gpu: gpus.GPU | None) -> list[tuple[str, float]]:
   if gpu is None:
     return [('pallas' if m.context_parallel == 'ring' else 'xla', 1.0)]
   return timing.rank_attention(m.head_dim, m.compute_dtype, run.seq_len, length_split=(
-      run.mesh.sequence != 1 or m.context_parallel == 'ring'))
+      run.mesh.sequence != 1 or m.context_parallel == 'ring'), gpu=gpu)
 
 
 def context_choices(run: Run, mesh: dict) -> tuple:
   """Both ways of attending over a sequence split, with our kernel (auto's choice there); else
   the run's own."""
-  if mesh['sequence'] > 1 and run.model.attention in ('pallas', 'auto'):
+  if mesh['sequence'] > 1 and run.model.attention in ('pallas', 'hopper', 'auto'):
     return CONTEXT_PARALLEL
   return (run.model.context_parallel,)
 

@@ -131,6 +131,14 @@ def build(run: Run) -> Setup:
   if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':
     raise ValueError(f"config.model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
                      f"{devices[0].platform}; use --config.model.attention=xla")
+  if model_cfg.attention == 'hopper' and (devices[0].platform != 'gpu'
+                                          or capability(devices[0]) != (9, 0)):
+    # On CPUs Mosaic GPU's interpreter runs the kernels (their tests) but not a train step: its
+    # callbacks are effects that remat cannot differentiate, and a step without remat hangs.
+    raise ValueError(f"config.model.attention='hopper' needs a Hopper GPU (sm_90a: wgmma and "
+                     f"the TMA), or a dry run for one (config.plan.target=H100); the devices are "
+                     f'{devices[0].device_kind}. Use --config.model.attention=pallas (ours in '
+                     'Triton) or auto')
   if model_cfg.matmul_precision == 'fp8' and not has_fp8(devices[0]):
     raise ValueError(f"config.model.matmul_precision='fp8' needs fp8 tensor cores (compute "
                      f"capability 8.9 or newer: Ada, Hopper), which {devices[0].device_kind} "
@@ -258,15 +266,17 @@ def initial_state(setup, checkpointer, log):
   return 0, setup.init_state(), None
 
 
-def has_fp8(device) -> bool:
-  """Whether `device` multiplies fp8 natively: a GPU of compute capability 8.9 or newer (from
-  planning/gpus.py, else as the device reports it); on CPU fp8 is emulated, for tests."""
-  if device.platform != 'gpu':
-    return True
+def capability(device) -> tuple[int, int]:
+  """A GPU's compute capability: planning/gpus.py's, else as the device reports it."""
   known = gpus.find(device.device_kind)
-  capability = (known.compute_capability if known else
-                tuple(int(n) for n in str(device.compute_capability).split('.')))
-  return capability >= (8, 9)
+  return (known.compute_capability if known else
+          tuple(int(n) for n in str(device.compute_capability).split('.')))
+
+
+def has_fp8(device) -> bool:
+  """Whether `device` multiplies fp8 natively: a GPU of compute capability 8.9 or newer; on CPU
+  fp8 is emulated, for tests."""
+  return device.platform != 'gpu' or capability(device) >= (8, 9)
 
 
 def has_host_memory(device) -> bool:
