@@ -181,7 +181,9 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
     raise MeshMismatch(f"config.seq_len={seq_len} is not divisible by 2×config.mesh.sequence="
                        f"{2 * mesh_sizes['sequence']}: context_parallel='ring' splits each row "
                        'into two chunks per device (zigzag, for equal causal work)')
-  split = mesh_sizes['sequence'] * (2 if model_cfg.context_parallel == 'ring' else 1)
+  # the ring's zigzag halves a device's share; without a sequence split either way runs whole rows
+  ring = model_cfg.context_parallel == 'ring' and mesh_sizes['sequence'] > 1
+  split = mesh_sizes['sequence'] * (2 if ring else 1)
   if (tile := model_cfg.length_tile) > 1 and (seq_len // split) % tile:
     raise MeshMismatch(f"config.model.attention={model_cfg.attention!r} takes whole blocks of "
                        f'{tile} positions (it masks no padding), and config.seq_len={seq_len} '
