@@ -363,6 +363,7 @@ class Transformer(nnx.Module):
     def body(x_BLD, layer):
       if chunk is not None:  # `layer` is its index
         layer = jax.tree.map(lambda w: pipeline.pick(w, chunk, layer), layers)
+      layer = sharding.row_major(layer)  # a layer's slice: no transposed copy of the stack
       return nnx.merge(graphdef, layer)(x_BLD, *extras)
 
     policy = REMAT[self.cfg.remat_policy]

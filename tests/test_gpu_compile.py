@@ -461,12 +461,13 @@ def test_a_pipeline_step_passes_only_activations_between_stages_on_h100s(h100):
   assert expected <= sums <= expected + 4 * M * b * L + 2 * D, (sums, expected, crossing)
 
 
-def test_microbatch_gradient_sums_leave_their_loop_as_they_are_made(h100, tmp_path):
-  """Summed over microbatches, each stacked weight's gradient sum is the step's output buffer
-  itself: no transpose of one after the loop (XLA had kept the MLP's down and attention's output
-  projections' sums in their matmuls' layout and copied them out: 6.4 GiB a GPU on the 70b on
-  one node; training/step.py: row_major). Here with the state off the devices, which makes the
-  sums the step's outputs (training/tiers.py), over 4 layers wide enough for the GPU's layouts."""
+def test_no_whole_stack_is_copied_into_another_layout_around_the_loops(h100, tmp_path):
+  """The stacked weights and their gradient sums over microbatches stay the step's own buffers:
+  no transpose or copy of one before or after the loops (XLA had copied the MLP's down and
+  attention's output projections into their matmuls' layouts, weights before and sums after:
+  12 GiB a GPU on the 70b on one node; sharding/layouts.py). Here with the state off the
+  devices, which makes the weights a bf16 copy and the sums the step's outputs
+  (training/tiers.py), over 4 layers wide enough for the GPU's layouts."""
   from tests.conftest import tiny_config
   config = tiny_config(fsdp=8)
   config.model.update(compute_dtype='bfloat16', attention='xla', d_model=512, d_ff=2048,
@@ -477,16 +478,16 @@ def test_microbatch_gradient_sums_leave_their_loop_as_they_are_made(h100, tmp_pa
   config.plan.target, config.plan.devices, config.dry_run = 'H100', 8, True
   setup = build(settings.resolve(config))
   text = compile_and_plan(setup)[0].as_text()
-  shards = {sharding.shard_shape(x.shape) for x, sharding in zip(
-      jax.tree.leaves(setup.abstract_state.params), jax.tree.leaves(setup.state_shardings.params))
-      if x.ndim > 1}  # each weight's shard: the shape of its gradient's sum on a device
+  shards = {tuple(sorted(sharding.shard_shape(x.shape))) for x, sharding in zip(  # a stacked
+      jax.tree.leaves(setup.abstract_state.params['blocks']),  # weight's shard, any permutation
+      jax.tree.leaves(setup.state_shardings.params['blocks'])) if x.ndim > 2}
   computations, entry, _ = hlo.parse(text)
   transposes = lambda callee: any('transpose(' in line for line in computations.get(callee, ()))
   transposed = [inst.line for line in computations[entry] if (inst := hlo.instruction(line))
                 and inst.opcode in ('fusion', 'transpose', 'copy')
                 and (inst.opcode != 'fusion' or any(map(transposes, dict(inst.callees()).values())))
-                and any(dtype == 'f32' and shape in shards for dtype, shape in inst.arrays)]
-  assert (4, 2048, 64) in shards and not transposed, transposed  # w_down's: [layers, d_ff, d/8]
+                and any(tuple(sorted(shape)) in shards for _, shape in inst.arrays)]
+  assert (4, 64, 2048) in shards and not transposed, transposed  # w_down's [4, d_ff, d/8], sorted
 
 
 def test_fp8_projections_are_cublaslt_fp8_gemms_on_h100(h100):

@@ -8,7 +8,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.layout import Layout, with_layout_constraint
 import optax
 from flax import nnx
 
@@ -88,7 +87,8 @@ def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
                             jax.tree.map(lambda x: x[0], slices), total, 1 / scanned)
 
     def accumulate(carry, microbatch):
-      return row_major(jax.tree.map(jnp.add, carry, grad_of(
+      # Row-major, the outputs' layout: made in place, not copied out of the loop transposed
+      return sharding.row_major(jax.tree.map(jnp.add, carry, grad_of(
           params, frozen, reference, microbatch, total, 1 / scanned))), None
     # Where the parameters here are a compute-dtype copy of master weights kept off the devices
     # (training/tiers.py), their bf16 gradients are summed in fp32, as the master's would be
@@ -211,17 +211,6 @@ def context_layout(setup: Setup, batch: dict) -> dict:
   order = kernels.zigzag_order(next(iter(batch.values())).shape[1], n)
   with nnx.logical_axis_rules(sharding.activation_rules()):
     return {k: constrain(x_BL[:, order], ('batch', 'length')) for k, x_BL in batch.items()}
-
-
-def row_major(tree):
-  """`tree`'s arrays laid out row-major, as the step's outputs are. Summed over microbatches in
-  a loop, XLA's GPU compiler otherwise keeps a sum in the layout its gradient's matmul writes
-  (transposed, for the MLP's down and attention's output projections) and transposes it into a
-  second buffer after the loop: the 70b on one node held 6.4 GiB more a GPU for it, the 8b preset
-  0.6 GiB. Held row-major, the add reads each microbatch's gradient transposed (fused, no buffer)
-  and the sum is made in place (tests/test_gpu_compile.py)."""
-  return jax.tree.map(lambda a: with_layout_constraint(a, Layout(tuple(range(a.ndim))))
-                      if a.ndim > 1 else a, tree)
 
 
 def split_microbatches(batch, microbatches: int):
