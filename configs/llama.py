@@ -37,7 +37,7 @@ Measured on one H200: the 125m's step 71.4 ms, the 1b's 561 ms scanned and 528 m
 523.5 ms keeping the output projection (dots_attention) and 543.1 ms with dots
 (calibrate_steps_1b-h100.json; jax 0.11.2).
 On jaxlib 0.10.2 the 8b-128k (full) needed 25.4 GiB. The 70b, FSDP over 32 H100s (remat full),
-each layer's weights gathered during the layer before, needs 53.9 GiB a GPU and is predicted at
+each layer's weights gathered during the layer before, needs 51.4 GiB a GPU and is predicted at
 11.9 s a step (MFU 31%), 40% of it waiting on the links between nodes: docs/parallelism.md has
 it under each partition across nodes. MaxText's steps,
 compiled beside them by the same XLA: benchmarks/peers.py (docs/time-model.md).
