@@ -26,6 +26,7 @@ import math
 
 import jax
 
+import kernels
 from planning import flops as flops_lib
 from planning import gpu_compiler, gpus, offload, timing
 from reporting import metrics
@@ -239,7 +240,7 @@ def report(plan: Plan) -> None:
   """A table for people, then the plan as one JSON line."""
   xla_flops = ('' if plan.compiled_flops is None else
                f' (XLA counts {plan.compiled_flops:.3e}, a scanned layer once)')
-  split = plan.mesh.get('sequence', 1) > 1 and plan.attention in ('pallas', 'hopper')
+  split = plan.mesh.get('sequence', 1) > 1 and plan.attention in kernels.OURS
   context = f' ({plan.context_parallel} over sequence)' if split else ''
   ranking = plan.attention_ranking and (
       ', '.join(f'{k} {r:.2f}×' for k, r in plan.attention_ranking)

@@ -20,6 +20,7 @@ import kernels
 from kernels.flash_attention import default_blocks
 from model.config import KEEPS_KERNEL
 from planning import communication, gpu_compiler, gpus, timing
+from planning import plan as plan_lib
 from sharding import collectives, hlo
 from tests.conftest import f32_shapes
 from training import dry_run, loop, programs, settings
@@ -93,7 +94,7 @@ def built(config):
 # as the preset has them, the compile takes 4× as long for the same kernels and the same verdict.
 # The 1b's as the preset has them is also the README's dry run, in a process of its own
 # (test_readmes_dry_run_plans_the_1b_for_an_h100_as_it_says).
-def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
+def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention, capsys):
   """With no attention flag (auto: cuDNN's, the time model's fastest here), and with ours."""
   config = preset(name, attention)
   config.model.scan_layers = config.model.scan_layers or name == '8b'
@@ -107,6 +108,10 @@ def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention):
   # The time model's MFU stays below what GEMMs alone reach (planning/timing.py).
   assert 0.1 < plan.time['mfu'] < gpus.GEMM_EFFICIENCY, plan.time['mfu']
   assert plan.time['gpu'] == 'H100' and plan.time['source'] == 'model'
+  if name == '8b':  # XLA's scheduler given the preset's share, and the plan says so
+    plan_lib.report(plan)
+    assert plan.scheduler_memory == 0.67  # configs/llama.py
+    assert 'plans within 67% of the memory beside inputs and outputs' in capsys.readouterr().out
   hlo = program.as_text()
   if attention == 'pallas':  # our kernel, lowered by Triton, not interpreted
     assert 'xla.gpu.triton' in hlo and 'flash_attention_fwd' in hlo

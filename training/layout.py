@@ -31,6 +31,7 @@ import math
 
 import jax
 
+import kernels
 from model.config import CONTEXT_PARALLEL, KEEPS_KERNEL
 from planning import communication, gpus, timing
 from planning import plan as plan_lib
@@ -116,7 +117,7 @@ def attention_choice(run: Run, gpu: gpus.GPU | None) -> list[tuple[str, float]]:
 def context_choices(run: Run, mesh: dict) -> tuple:
   """Both ways of attending over a sequence split, with our kernel (auto's choice there); else
   the run's own."""
-  if mesh['sequence'] > 1 and run.model.attention in ('pallas', 'hopper', 'auto'):
+  if mesh['sequence'] > 1 and run.model.attention in ('auto', *kernels.OURS):
     return CONTEXT_PARALLEL
   return (run.model.context_parallel,)
 
