@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import sharding
-from model import draft, head, kv_cache, moe, pipeline
+from model import draft, gradient_sums, head, kv_cache, moe, pipeline
 from model.config import REMAT_POLICIES, ModelConfig
 from model.embedding import lookup
 from model.layers import OUT, MLP, Attention, RMSNorm, constrain, gathered, matmul, param, weight
@@ -161,7 +161,7 @@ class Transformer(nnx.Module):
       self.draft = draft.Heads(cfg, rngs)
 
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, microbatches: int = 1,
-               *, then=None, rows=None):
+               *, then=None, rows=None, sums=None):
     """Logits[B, L, V] in fp32; or, with `then`, what then(Output, rows) makes of the last hidden
     states (a loss's sums: training/step.py), `rows` a pytree of [B, L] arrays (the targets, the
     weights) laid out as the states are, with the MoE layers' router statistics (model/moe.py:
@@ -172,11 +172,14 @@ class Transformer(nnx.Module):
     ring attention over a sequence split, rows come in the zigzag order
     (training.step.context_layout lays a batch out so; positions then must be given). With the
     layers split into pipeline stages, the batch flows through them as `microbatches` slices
-    (model/pipeline.py)."""
+    (model/pipeline.py). `sums`: {stack name: running gradient sums of its trained parameters},
+    which the backward adds each layer's gradient into (model/gradient_sums.py: the gradient of
+    `sums` is then the new sums; the stacks' own parameters get none); not under stages."""
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     if (stage_axis := sharding.mesh_axis('layers')) is None:
-      return self._forward(tokens_BL, positions_BL, segment_ids_BL, then, rows)
+      return self._forward(tokens_BL, positions_BL, segment_ids_BL, then, rows, sums=sums)
+    assert sums is None, 'pipeline stages take their microbatches themselves'  # step.py's own
     # Pipeline stages: every stage runs the whole forward on its own share of the layers.
     graphdef, blocks, rest = nnx.split(self, nnx.PathContains('blocks'), ...)
 
@@ -189,7 +192,7 @@ class Transformer(nnx.Module):
         blocks, rest, tokens_BL, positions_BL, segment_ids_BL, rows)
 
   def _forward(self, tokens_BL, positions_BL, segment_ids_BL, then=None, rows=None,
-               microbatches=1, stage_axis=None):
+               microbatches=1, stage_axis=None, sums=None):
     cfg = self.cfg
     # The table is gathered (FSDP) once, in the compute dtype: for the lookup, and for a tied
     # head, which keeps it for its backward.
@@ -198,7 +201,7 @@ class Transformer(nnx.Module):
     x_BLD = lookup(table_VD, table_c_VD, tokens_BL)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
     if stage_axis is None:
-      x_BLD, stats = self._run_blocks(x_BLD, positions_BL, segment_ids_BL)
+      x_BLD, stats = self._run_blocks(x_BLD, positions_BL, segment_ids_BL, sums or {})
     else:
       y_MbLD, stats = self._run_stages(x_BLD, positions_BL, segment_ids_BL, microbatches,
                                        stage_axis)
@@ -346,6 +349,8 @@ class Transformer(nnx.Module):
     cache = dict(stored, weights=weights) if weights else stored
     return x_BTD, cache
 
+  STACKS = ('dense_blocks', 'blocks')  # the stacks' names, in execution order
+
   def _stacks(self):
     """(stack, index of its first layer) in execution order: the dense first layers, if a
     stack of their own, then `blocks`."""
@@ -353,14 +358,15 @@ class Transformer(nnx.Module):
       return [(self.dense_blocks, 0), (self.blocks, self.cfg.dense_layers)]
     return [(self.blocks, 0)]
 
-  def _run_layers(self, layers, x_BLD, extras, chunk=None, stack=None):
+  def _run_layers(self, layers, x_BLD, extras, chunk=None, stack=None, sums=None):
     """The stacked layers in turn, one `lax.scan`, so compile time does not grow with depth
     (`scan_layers=False` unrolls the same scan: same parameters, so checkpoints are shared); with
     `chunk`, row `chunk` of [V, n/(V·P), ...] (a pipeline stage's, model/pipeline.py), each layer
-    picked inside its remat region. Returns (x, each layer's router stats, stacked)."""
+    picked inside its remat region; with `sums`, the scan whose backward adds each layer's
+    gradient to them (model/gradient_sums.py). Returns (x, each layer's router stats, stacked)."""
     graphdef = nnx.graphdef(self.blocks if stack is None else stack)
 
-    def body(x_BLD, layer):
+    def body(x_BLD, layer, extras):
       if chunk is not None:  # `layer` is its index
         layer = jax.tree.map(lambda w: pipeline.pick(w, chunk, layer), layers)
       layer = sharding.row_major(layer)  # a layer's slice: no transposed copy of the stack
@@ -371,13 +377,19 @@ class Transformer(nnx.Module):
       policy = pipeline.recompute_picks
     if policy is not None:
       body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
+    unroll = 1 if self.cfg.scan_layers else True
+    if sums is not None:
+      return gradient_sums.scan(body, layers, sums, x_BLD, extras, unroll)
     xs = layers if chunk is None else jnp.arange(jax.tree.leaves(layers)[0].shape[1])
-    return jax.lax.scan(body, x_BLD, xs, unroll=1 if self.cfg.scan_layers else True)
+    return jax.lax.scan(lambda x_BLD, layer: body(x_BLD, layer, extras), x_BLD, xs,
+                        unroll=unroll)
 
-  def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL):
+  def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL, sums):
     for stack, _ in self._stacks():
+      name = 'blocks' if stack is self.blocks else 'dense_blocks'
       x_BLD, stats = self._run_layers(self._in_order(nnx.state(stack)), x_BLD,
-                                      (positions_BL, segment_ids_BL), stack=stack)
+                                      (positions_BL, segment_ids_BL), stack=stack,
+                                      sums=sums.get(name))
     return x_BLD, stats  # the last stack's: the MoE layers'
 
   def _run_stages(self, x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis):

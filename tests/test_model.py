@@ -259,3 +259,44 @@ def test_auto_reduction_is_the_compute_dtype_on_gpus_and_float32_on_cpus():
   c.plan.devices, c.mesh.fsdp = 8, 8
   c.model.compute_dtype = 'float32'
   assert settings.resolve(c).model.grad_reduce_dtype == 'float32'
+
+
+@pytest.mark.parametrize('policy', ['none', 'full', 'dots'])
+def test_the_summed_layer_scan_adds_each_layers_gradient_in_place(policy):
+  """model/gradient_sums.py: differentiated, the sums come back as sums + the trained weights'
+  gradients, bit for bit what autodiff through the scan and an add make (a frozen weight and a
+  per-layer output beside them), without ever holding one microbatch's gradients of the whole
+  stack: the compiled program's temporaries are about a stack of them fewer than autodiff's."""
+  from model import gradient_sums
+  N, D, B = 16, 256, 8
+
+  def layer(x_BD, layer, extras):
+    (scale_D,) = extras
+    h_BD = jnp.tanh(x_BD @ (layer['w'] + layer['frozen'])) * layer['b'] * scale_D
+    return h_BD, {'norm': (h_BD ** 2).sum()}
+  if policy != 'none':
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable
+                           if policy == 'full' else jax.checkpoint_policies.dots_saveable)
+  keys = jax.random.split(jax.random.key(0), 3)
+  layers = {'w': jax.random.normal(keys[0], (N, D, D)) * D ** -0.5, 'b': jnp.ones((N, D)),
+            'frozen': jax.random.normal(keys[1], (N, D, D)) * 0.01}
+  x_BD, scale_D = jax.random.normal(keys[2], (B, D)), jnp.full((D,), 0.9)
+  sums = {'w': jnp.full((N, D, D), 0.25), 'b': jnp.full((N, D), -0.5)}
+  loss = lambda y_BD, outs: (y_BD ** 2).sum() + outs['norm'].sum()
+
+  def autodiff(sums, layers, x_BD):
+    grads = jax.grad(lambda trained: loss(*jax.lax.scan(
+        lambda x, l: layer(x, l, (scale_D,)), x_BD, {**layers, **trained})))(
+        {k: layers[k] for k in sums})
+    return jax.tree.map(jnp.add, sums, grads)
+
+  def summed(sums, layers, x_BD):
+    return jax.grad(lambda sums: loss(*gradient_sums.scan(layer, layers, sums, x_BD,
+                                                           (scale_D,))))(sums)
+  expected, got = (jax.jit(f)(sums, layers, x_BD) for f in (autodiff, summed))
+  for k in sums:
+    np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
+  temporaries = {f.__name__: jax.jit(f, donate_argnums=0).lower(sums, layers, x_BD).compile()
+                 .memory_analysis().temp_size_in_bytes for f in (autodiff, summed)}
+  stack = N * D * D * 4  # the trained weights' gradients of every layer, fp32
+  assert temporaries['autodiff'] - temporaries['summed'] > 0.75 * stack, temporaries

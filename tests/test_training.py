@@ -15,7 +15,7 @@ from model import head
 from tests.conftest import tiny_config
 from training import loop, optimizer
 from training import settings
-from training.state import build
+from training.state import build, trained
 from training.step import loss_sums
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -218,3 +218,34 @@ def test_microbatches_must_split_each_devices_rows(tmp_path):
   c.microbatches, c.workdir = 2, str(tmp_path / 'run')
   with pytest.raises(ValueError, match='config.microbatches=2'):
     loop.run(c)
+
+
+@pytest.mark.parametrize('model', [dict(experts=4, experts_per_token=2, dense_layers=1,
+                                        n_layers=3), dict(lora_rank=2)])
+def test_microbatches_add_each_layers_gradient_to_the_sums_in_the_backward(model, monkeypatch):
+  """Over microbatches the step hands every stack's gradient sums (of its trained parameters:
+  the dense and the MoE layers', or the adapters under LoRA) to the model, whose backward adds
+  each layer's gradient to them as it makes it (model/gradient_sums.py, where the test of the
+  memory it saves is), so that no microbatch's gradients of a whole stack are held."""
+  from model import gradient_sums
+  from training import programs
+  from training.step import make_train_step
+  summed, scan = [], gradient_sums.scan
+
+  def spy(step, layers, sums, *args):
+    summed.append(sorted(jax.tree_util.keystr(p) for p, _ in
+                         jax.tree_util.tree_leaves_with_path(sums)))
+    return scan(step, layers, sums, *args)
+  monkeypatch.setattr(gradient_sums, 'scan', spy)
+  config = tiny_config(fsdp=8)
+  config.model.update(model)
+  config.microbatches, config.batch_size = 2, 16
+  setup = build(settings.resolve(config))
+  params, _ = trained(setup.model_cfg, setup.abstract_state.params)
+  batch = programs.abstract_batch(setup.mesh, config.batch_size, config.seq_len, True)
+  with jax.set_mesh(setup.mesh):
+    jax.eval_shape(make_train_step(setup, 1e-4, 2), setup.abstract_state, batch)
+  stacks = [name for name in ('dense_blocks', 'blocks') if name in params]
+  assert summed == [sorted(jax.tree_util.keystr(p) for p, _ in
+                           jax.tree_util.tree_leaves_with_path(params[name]))
+                    for name in stacks] and summed[-1], summed

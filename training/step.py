@@ -54,9 +54,10 @@ def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
   dpo = setup.run.dpo if prefers(setup) else None
   copy_of_master = setup.run.optimizer.tiered and not setup.run.optimizer.master_on_devices
 
-  def loss_of(params, frozen, reference, batch, total, share):
+  def loss_of(params, frozen, reference, batch, total, share, sums=None):
     """(loss, (its terms, router stats, draft sums)) of `batch`, its terms over the weight
-    `total` of the whole batch (`share` of which it is: its router terms count that much)."""
+    `total` of the whole batch (`share` of which it is: its router terms count that much).
+    `sums`: the layer stacks' running gradient sums, which the backward adds to (Transformer)."""
     with nnx.logical_axis_rules(sharding.activation_rules()):  # activations pinned while traced
       if dpo:  # the reference model's log-probabilities of the answers, no gradient
         batch = {**batch, 'reference': reference_logps(
@@ -65,7 +66,8 @@ def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
       then = (functools.partial(preference_sums, dpo=dpo) if dpo else
               functools.partial(loss_sums, z_loss=z_loss))
       sums, stats = model(batch['inputs'], batch['positions'], batch.get('segment_ids'),
-                          microbatches if scanned == 1 else 1, then=then, rows=batch)
+                          microbatches if scanned == 1 else 1, then=then, rows=batch,
+                          sums=sums)
     aux = share * moe.aux_loss(stats, cfg)  # the routers' balancing losses (0: dense)
     drafted = sums.get('draft', {})  # the draft heads' sums: their loss reaches only them
     heads = drafted['nats'].sum() / total if drafted else 0.0
@@ -86,10 +88,22 @@ def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
     shapes = jax.eval_shape(grad_of, params, frozen, reference,
                             jax.tree.map(lambda x: x[0], slices), total, 1 / scanned)
 
+    # The layer stacks' sums go through the model, whose backward adds each layer's gradient
+    # to them as it makes it, so that no microbatch's gradients of a whole stack are held
+    stacks = [name for name in Transformer.STACKS if jax.tree.leaves(params.get(name, {}))]
+    sum_of = jax.value_and_grad(loss_of, argnums=(0, 6), has_aux=True)
+
     def accumulate(carry, microbatch):
+      outputs, sums = carry
+      into = {name: sums[name] for name in stacks}
+      outputs_mb, (grads, into) = sum_of(params, frozen, reference, microbatch, total,
+                                         1 / scanned, into)
+      added = {jax.tree_util.keystr((jax.tree_util.DictKey(name), *path)): a
+               for name in stacks for path, a in jax.tree_util.tree_leaves_with_path(into[name])}
+      sums = jax.tree_util.tree_map_with_path(  # the stacks' as their backward added them
+          lambda path, s, g: added.pop(jax.tree_util.keystr(path), s + g), sums, grads)
       # Row-major, the outputs' layout: made in place, not copied out of the loop transposed
-      return sharding.row_major(jax.tree.map(jnp.add, carry, grad_of(
-          params, frozen, reference, microbatch, total, 1 / scanned))), None
+      return sharding.row_major((jax.tree.map(jnp.add, outputs, outputs_mb), sums)), None
     # Where the parameters here are a compute-dtype copy of master weights kept off the devices
     # (training/tiers.py), their bf16 gradients are summed in fp32, as the master's would be
     wider = (lambda dtype: jnp.promote_types(dtype, jnp.float32)
