@@ -27,8 +27,8 @@ Should reach: held-out reward accuracy 98% at steps 50 and 100, eval loss 0.045.
 The 8b (Meta-Llama-3-8B's shapes) on 8 H100s, LoRA rank 16, planned on any machine:
   python train.py --config=configs/dpo.py:8b --config.dry_run=True --config.plan.target=H100 \
       --config.plan.devices=8
-Should reach: it fits, 18.88 GiB a GPU of the 59.74 JAX's allocator takes; predicted at 1.705 s a
-step of 64 pairs × 2048 tokens (MFU 46.1%, counting the reference's forward), a prediction of the
+Should reach: it fits, 17.90 GiB a GPU of the 59.74 JAX's allocator takes; predicted at 1.728 s a
+step of 64 pairs × 2048 tokens (MFU 45.5%, counting the reference's forward), a prediction of the
 time model, not a measurement.
 """
 

@@ -33,9 +33,9 @@ the adapters 2.34 GiB, Adam's moments of the adapters 86 MiB), predicted at 514.
 The 8b (Meta-Llama-3-8B's shapes, LoRA rank 16 on one H100), planned on any machine:
   python train.py --config=configs/finetune.py:8b --config.dry_run=True --config.plan.target=H100
 Should reach: it fits one H100, 39.71 GiB of the 59.74 JAX's allocator takes (the bf16 base
-and the adapters 15.11 GiB, Adam's moments of the adapters 0.31 GiB), predicted at 2.50 s a
-step (MFU 44.4%, counting no weight gradient for the base). Full fine-tuning
-(--config.model.lora_rank=0) needs 169.9 GiB a GPU, its Adam moments alone 59.83 GiB.
+and the adapters 15.11 GiB, Adam's moments of the adapters 0.31 GiB), predicted at 2.51 s a
+step (MFU 44.3%, counting no weight gradient for the base). Full fine-tuning
+(--config.model.lora_rank=0) needs 146.8 GiB a GPU, its Adam moments alone 59.83 GiB.
 """
 
 from configs import base

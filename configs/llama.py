@@ -28,9 +28,9 @@ byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 toke
 them their real vocabulary). Compiled for H100 (cudnn attention, gradients reduced in bf16 across
 GPUs), a step needs 8.7 GiB (125m, dots), 44.8 GiB (1b, dots_attention_except_out: cuDNN's
 output and softmax statistics kept, so its forward runs once, and the output projection redone
-from them) and 42.6 GiB a GPU (8b, dots_except_out over 4 microbatches, FSDP over 8), within the
+from them) and 41.9 GiB a GPU (8b, dots_except_out over 4 microbatches, FSDP over 8), within the
 59.7 GiB JAX's allocator takes of each. The time model predicts (the dry run prints it) 84.6 ms,
-525 ms and 3.04 s a step: MFU 31%, 52% and 56% (jaxlib 0.12.0.1, the model fitted to an H200's
+525 ms and 3.06 s a step: MFU 31%, 52% and 56% (jaxlib 0.12.0.1, the model fitted to an H200's
 and an H100's measurements; docs/time-model.md, docs/memory.md).
 Measured on one H200: the 125m's step 71.4 ms, the 1b's 561 ms scanned and 528 ms unrolled
 (benchmarks/results/calibrate_steps_*-h200.json); on one H100 the 1b preset's 530.0 ms, against
@@ -77,7 +77,8 @@ RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches:
 # (benchmarks/results/calibrate_steps_1b-h200.json). The 8b's too, as predicted (no GPU has run
 # it yet), with its head 1024 tokens at a time and XLA's scheduler within 67% of the memory
 # beside the step's inputs and outputs (config.model.scheduler_memory; 0.24 GiB less than its
-# default 95% on jaxlib 0.12, the same step). The 70b's is slower; the 125m's is not measured.
+# default 95% on jaxlib 0.12, the same step; since the backward sums each layer's gradient,
+# model/gradient_sums.py, the same bytes and step as 95%). The 70b's is slower; the 125m's is not measured.
 UNROLLED = {'1b', '8b'}
 # Tokens the head takes at once, where not configs/base.py's: the 1b's 2048 plans 1.5 GiB less
 # than 4096 for 0.4 ms (jaxlib 0.12, one H100)
