@@ -27,14 +27,14 @@ def scan(step, layers, sums, x, extras, unroll=1):
   `layers` at the same paths (the rest of `layers` is not trained). Differentiated, the gradient
   of `sums` is sums + the gradient of those parameters, and the parameters' own is zero."""
   paths, treedef = jax.tree_util.tree_flatten_with_path(layers)
-  summed = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(sums)[0]}
-  is_trained = [jax.tree_util.keystr(p) in summed for p, _ in paths]
+  keys, leaves = [jax.tree_util.keystr(p) for p, _ in paths], [a for _, a in paths]
+  summed = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(sums)}
+  is_trained = [k in summed for k in keys]
   if sum(is_trained) != len(summed):
     raise ValueError('gradient_sums.scan: sums name parameters the layers do not have')
-  leaves = [a for _, a in paths]
   trained = [a for a, t in zip(leaves, is_trained) if t]
   rest = [a for a, t in zip(leaves, is_trained) if not t]
-  sums_leaves = [summed[jax.tree_util.keystr(p)] for (p, _), t in zip(paths, is_trained) if t]
+  sums_leaves = [summed[k] for k in keys if k in summed]  # in the layers' order
 
   def layer_of(t, r):
     t, r = iter(t), iter(r)

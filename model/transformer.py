@@ -385,8 +385,8 @@ class Transformer(nnx.Module):
                         unroll=unroll)
 
   def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL, sums):
-    for stack, _ in self._stacks():
-      name = 'blocks' if stack is self.blocks else 'dense_blocks'
+    for name in (name for name in self.STACKS if hasattr(self, name)):
+      stack = getattr(self, name)
       x_BLD, stats = self._run_layers(self._in_order(nnx.state(stack)), x_BLD,
                                       (positions_BL, segment_ids_BL), stack=stack,
                                       sums=sums.get(name))

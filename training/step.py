@@ -100,8 +100,11 @@ def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
                                          1 / scanned, into)
       added = {jax.tree_util.keystr((jax.tree_util.DictKey(name), *path)): a
                for name in stacks for path, a in jax.tree_util.tree_leaves_with_path(into[name])}
-      sums = jax.tree_util.tree_map_with_path(  # the stacks' as their backward added them
-          lambda path, s, g: added.pop(jax.tree_util.keystr(path), s + g), sums, grads)
+
+      def summed(path, s, g):  # the stacks' as their backward added them; the rest added here
+        key = jax.tree_util.keystr(path)
+        return added[key] if key in added else s + g
+      sums = jax.tree_util.tree_map_with_path(summed, sums, grads)
       # Row-major, the outputs' layout: made in place, not copied out of the loop transposed
       return sharding.row_major((jax.tree.map(jnp.add, outputs, outputs_mb), sums)), None
     # Where the parameters here are a compute-dtype copy of master weights kept off the devices
