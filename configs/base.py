@@ -70,7 +70,9 @@ def get_config() -> ml_collections.ConfigDict:
   # collective pipeliner; one more layer's weights held): where they cross nodes (docs/parallelism.md)
   m.scheduler_memory = 0.95  # GPUs: the share of the memory beside a step's inputs and outputs
   # that XLA's scheduler may plan to fill while it overlaps communication with compute (0.95 is
-  # XLA's own); less trades overlap for memory, the same numbers computed (docs/memory.md)
+  # XLA's own); less trades overlap for memory, the same numbers computed (docs/memory.md). XLA
+  # counts a microbatch loop's gradient sums against it again: where they are most of the memory,
+  # above 1 lets it overlap at all (configs/llama.py: 70b-1node)
   m.head_chunk = 4096  # tokens a device's head and loss take at once: logits never whole (docs/memory.md); 0: all
   # Mixture of experts (docs/moe.md): experts > 0 gives the layers routed SwiGLU experts.
   m.experts = 0  # routed experts per MoE layer; 0: a dense model

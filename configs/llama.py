@@ -1,8 +1,9 @@
 """Llama-shaped presets with real sizes: 125m (GPT-2-small sized, 124M), 1b (1.24B, the config of
 Hugging Face's meta-llama/Llama-3.2-1B: tied head, llama3 RoPE), 8b (8.03B,
-meta-llama/Meta-Llama-3-8B's) and 70b (70.6B, meta-llama/Llama-3.1-70B's); and 8b-128k, the 8b on
+meta-llama/Meta-Llama-3-8B's) and 70b (70.6B, meta-llama/Llama-3.1-70B's); 8b-128k, the 8b on
 one row of 131,072 tokens split over sequence=8 with our kernel's ring attention
-(docs/parallelism.md).
+(docs/parallelism.md); and 70b-1node, the 70b fully trained on one node of 8 H100s, its fp32
+master weights and Adam's moments on the node's NVMe (docs/memory.md: tiers).
 
 Run (pick the preset after the colon; attention is auto: cuDNN's on an H100, ours under a split
 sequence, as the time model ranks them):
@@ -17,6 +18,12 @@ Plan on any machine, compiled for the H100s each preset is meant for (GPUS below
   python train.py --config=configs/llama.py:8b-128k --config.dry_run=True \
       --config.plan.target=H100 --config.plan.devices=8
   python -m benchmarks.partition --config=configs/llama.py:70b --devices=32,64  # 4, 8 nodes
+  python train.py --config=configs/llama.py:70b-1node --config.dry_run=True \
+      --config.plan.target=H100 --config.plan.devices=8
+Train the 70b-1node with its state on your node's NVMe (788.5 GiB of files there, each process
+its own; the three tiers may name the same directory):
+  python train.py --config=configs/llama.py:70b-1node --config.optimizer.master_tier=nvme:/nvme/x \
+      --config.optimizer.mu_tier=nvme:/nvme/x --config.optimizer.nu_tier=nvme:/nvme/x
 The 1b's and the 8b's layers are unrolled (UNROLLED below); scanned
 (--config.model.scan_layers=True) the 8b was predicted at 3.24 s a step for 45.7 GiB a GPU
 (remat dots, jaxlib 0.11.2).
@@ -39,7 +46,9 @@ Measured on one H200: the 125m's step 71.4 ms, the 1b's 561 ms scanned and 528 m
 On jaxlib 0.10.2 the 8b-128k (full) needed 25.4 GiB. The 70b, FSDP over 32 H100s (remat full),
 each layer's weights gathered during the layer before, needs 51.4 GiB a GPU and is predicted at
 11.9 s a step (MFU 31%), 40% of it waiting on the links between nodes: docs/parallelism.md has
-it under each partition across nodes. MaxText's steps,
+it under each partition across nodes. The 70b-1node (batch 256 × 8,192 over 64 microbatches, FSDP
+over 4 × sequence over 2) needs 59.55 GiB a GPU and is predicted at 366.5 s a step (MFU 32.5%),
+67.7 s of it the update streaming the state through the node's NVMe at 25 GB/s. MaxText's steps,
 compiled beside them by the same XLA: benchmarks/peers.py (docs/time-model.md).
 On GPU, compare the benchmark's measured MFU with those and with the peers' 33–50% (MaxText,
 torchtitan).
@@ -92,6 +101,14 @@ GPUS = {'125m': 1, '1b': 1, '8b': 8, '70b': 32}  # H100s each run is meant for (
 LONG_CONTEXT = {  # name: shapes preset, seq_len, mesh; our kernel's ring over `sequence`
     '8b-128k': ('8b', 131072, dict(data=1, fsdp=1, tensor=1, sequence=8)),
 }
+# Past the GPUs' memory: the fp32 master weights and Adam's moments on each node's NVMe
+# (ZeRO-Infinity; docs/memory.md: tiers), name: shapes preset, GPUs, global batch, microbatches,
+# mesh. The 70b fully trained on one node of 8 H100s: 847 GB of state on NVMe, each GPU the bf16
+# weights it owns and their fp32 gradient sums (49.3 GiB); the sequence split over 2 halves each
+# GPU's saved layer inputs (FSDP over 8 with 32 microbatches plans 68.8 GiB, over the 59.7 JAX
+# takes by default; it fits XLA_PYTHON_CLIENT_MEM_FRACTION=0.92, the SLURM script's)
+TIERED = {'70b-1node': ('70b', 8, 256, 64, dict(data=1, fsdp=4, tensor=1, sequence=2))}
+NVME_DIR = '/local_nvme/meshlm'  # each process its files under it; name your node's NVMe
 
 
 def get_config(preset: str = '1b'):
@@ -107,9 +124,22 @@ def get_config(preset: str = '1b'):
     c.model.context_parallel = 'ring'  # so attention='auto' takes our kernel
     c.mesh.update(mesh)
     return c
+  if preset in TIERED:
+    shapes, _, c_batch, microbatches, mesh = TIERED[preset]
+    c = get_config(shapes)
+    c.workdir = f'/tmp/meshlm-{preset}'
+    c.batch_size, c.microbatches, c.model.remat_policy = c_batch, microbatches, 'full'
+    c.model.prefetch_weights = False  # more memory, and no faster here (one node's NVLink)
+    c.model.scheduler_memory = 5.0  # XLA's scheduler counts the gradient sums twice: without
+    # room above 1 it overlaps none of the gathers (training/programs.py; 426.7 against 366.5 s)
+    c.mesh.update(mesh)
+    for tier in ('master_tier', 'mu_tier', 'nu_tier'):
+      c.optimizer[tier] = f'nvme:{NVME_DIR}'
+    return c
   if preset not in PRESETS:
     raise ValueError(f'configs/llama.py: unknown preset {preset!r}; use one of '
-                     f'{sorted(PRESETS) + sorted(LONG_CONTEXT)}, e.g. --config=configs/llama.py:1b')
+                     f'{sorted(PRESETS) + sorted(LONG_CONTEXT) + sorted(TIERED)}, '
+                     'e.g. --config=configs/llama.py:1b')
   c = base.get_config()
   c.workdir = f'/tmp/meshlm-{preset}'
   c.train_steps = 10_000

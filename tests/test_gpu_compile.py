@@ -495,6 +495,28 @@ def test_no_whole_stack_is_copied_into_another_layout_around_the_loops(h100, tmp
   assert (4, 64, 2048) in shards and not transposed, transposed  # w_down's [4, d_ff, d/8], sorted
 
 
+def test_the_70b_fully_trained_on_one_node_fits_with_its_state_on_nvme(h100):
+  """configs/llama.py:70b-1node: the 70b on one node of 8 H100s, its fp32 master weights and
+  Adam's moments (12 bytes a parameter, 847 GB) on the node's NVMe, fits the GPUs, the step and the update after it;
+  XLA overlaps its weight gathers with compute (given room above 1, config.model.scheduler_memory:
+  within 0.95 it overlaps none); and the predicted step, the state streamed through NVMe
+  included, is within 2× of its compute (issue 52's goal)."""
+  config = llama.get_config('70b-1node')
+  config.plan.target, config.plan.devices = 'H100', llama.TIERED['70b-1node'][1]
+  config.dry_run = True
+  setup = built(config)
+  _, plan = compile_and_plan(setup)
+  assert plan.fits and plan.n_devices == 8 and plan.update_bytes <= plan.memory_bytes
+  assert set(plan.tiers['placement'].values()) == {f'nvme:{llama.NVME_DIR}'}
+  parameters = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
+  assert plan.tiers['nvme_bytes_per_node'] == 12 * parameters
+  gathers = plan.collectives['all-gather']
+  assert gathers['overlapped_bytes'] >= 0.9 * gathers['bytes'], gathers
+  parts = plan.time['breakdown']
+  compute = sum(parts[part]['s'] for part in ('gemm', 'attention', 'fusion', 'other'))
+  assert parts['tiers']['s'] > 0 and plan.time['seconds'] < 2 * compute, parts
+
+
 def test_fp8_projections_are_cublaslt_fp8_gemms_on_h100(h100):
   """The 1b preset with matmul_precision='fp8' and remat full, compiled for its H100: every
   projection's matmul, forward and backward, is one cuBLASLt fp8 GEMM on the fp8 operands

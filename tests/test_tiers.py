@@ -15,6 +15,7 @@ from tests.conftest import tiny_config
 from tests.test_checkpoint import poison
 from inference import sampling
 from planning import offload
+from planning.plan import readable_bytes
 from runtime import faults
 from runtime.checkpoint import Checkpointer
 import sharding
@@ -213,7 +214,7 @@ def test_a_disk_that_refuses_the_tier_files_is_one_line_and_leaves_nothing(tmp_p
   need = 3 * sum(shard.nbytes for shard in share)  # master weights and both moments
   monkeypatch.setattr(shutil, 'disk_usage', lambda path: shutil._ntuple_diskusage(
       need, need - 1, 1))  # one byte short: refused before anything is made
-  with pytest.raises(ValueError, match=f"has 0.00 GiB free, .* needs {need / 2**30:.2f} GiB"):
+  with pytest.raises(ValueError, match=f"has 0.00 MiB free, .* needs {readable_bytes(need)}"):
     tiers.check_room(setup)
   monkeypatch.undo()
 

@@ -47,7 +47,11 @@ PREFETCH_COMPILER_OPTIONS = {'xla_gpu_pipeline_all_gather': 'COLLECTIVE_PIPELINI
 # (xla_gpu_memory_limit_slop_factor; docs/gpus-without-a-gpu.md says why a compile for GPUs that
 # are not there plans within the same bytes). Within less, it starts fewer collectives early and
 # holds fewer buffers at once: the 8b with its layers unrolled plans 46.71 GiB and 3.006 s at
-# 0.95, 45.44 GiB and 3.011 s at 0.67 (docs/memory.md).
+# 0.95, 45.44 GiB and 3.011 s at 0.67 (docs/memory.md). Above 1 is no mistake where the state is
+# most of the memory: inside the microbatch loop XLA's scheduler counts the loop's carry, the
+# gradient sums it has already taken out as the step's outputs, against the share again, finds no
+# room, and starts no collective early (the 70b-1node preset: 0% of its gathers overlapped at
+# shares up to 3, 98% from 4 on, the same buffers but 1 GiB).
 
 
 def scheduler_options(share: float) -> dict:

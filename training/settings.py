@@ -66,7 +66,7 @@ RANGES = {
     'model.shared_experts': _at_least(0), 'model.expert_d_ff': _at_least(0),
     'model.dense_layers': _at_least(0), 'model.router_bias_rate': _at_least(0),
     'model.capacity_factor': _at_least(0),
-    'model.scheduler_memory': (lambda value: 0 < value <= 1, 'in (0, 1]'), 'model.expert_buffer': _at_least(0),
+    'model.scheduler_memory': (lambda value: 0 < value <= 10, 'in (0, 10]'), 'model.expert_buffer': _at_least(0),
     'model.load_balance_loss': _at_least(0), 'model.router_z_loss': _at_least(0),
     'optimizer.learning_rate': _at_least(0), 'optimizer.warmup_steps': _at_least(0),
     'optimizer.min_lr_ratio': (lambda value: 0 <= value <= 1, 'in [0, 1]'),

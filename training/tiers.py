@@ -34,6 +34,7 @@ import optax
 from flax import nnx
 
 from planning import offload
+from planning.plan import readable_bytes
 from runtime import faults
 from training import optimizer
 from training.optimizer import DEVICE, HOST, NVME
@@ -71,8 +72,8 @@ def _check_directory(directory: pathlib.Path, size: int) -> None:
   free = shutil.disk_usage(where).free
   if free < size:
     raise ValueError(f"config.optimizer: the NVMe tier's directory {directory} has "
-                     f'{free / 2**30:.2f} GiB free, and this process\'s share of the state there '
-                     f'needs {size / 2**30:.2f} GiB; free some, or name a larger disk')
+                     f'{readable_bytes(free)} free, and this process\'s share of the state there '
+                     f'needs {readable_bytes(size)}; free some, or name a larger disk')
 
 
 def _process_bytes(setup: Setup) -> int:
