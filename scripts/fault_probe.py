@@ -254,6 +254,8 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'state tiers under LoRA': (['--config.model.lora_rank=4', '--config.init_from=random',
                                 '--config.optimizer.mu_tier=host'],
                                'lora_rank=4 trains adapters small enough for the devices'),
+    'no layout fits the memory': (['--config.mesh.auto=True', '--config.plan.memory_gb=0.0001'],
+                                  "move the optimizer state off the devices"),
 }
 
 

@@ -245,8 +245,9 @@ def choose(run: Run, log=print) -> tuple[Run, list[Candidate]]:
   ranked = search(run, log)
   if not ranked:
     raise ValueError('config.mesh.auto: no mesh shape × remat policy × microbatches fits; '
-                     'use more devices, a smaller config.batch_size or config.seq_len, or '
-                     'config.optimizer.offload_state=True')
+                     'use more devices, a smaller config.batch_size or config.seq_len, or move '
+                     'the optimizer state off the devices: config.optimizer.master_tier, mu_tier '
+                     "and nu_tier = 'host' or 'nvme:DIR' (docs/memory.md: tiers)")
   report(ranked)
   best = ranked[0]
   return with_layout(run, best.mesh, best.context_parallel, best.remat_policy,
