@@ -254,17 +254,28 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'state tiers under LoRA': (['--config.model.lora_rank=4', '--config.init_from=random',
                                 '--config.optimizer.mu_tier=host'],
                                'lora_rank=4 trains adapters small enough for the devices'),
-    'no layout fits the memory': (['--config.mesh.auto=True', '--config.plan.memory_gb=0.0001'],
-                                  "move the optimizer state off the devices"),
+    "host tier past the host's memory": (['--config=configs/llama.py:70b',
+                                          '--config.optimizer.mu_tier=host',
+                                          '--config.optimizer.nu_tier=host'],
+                                         'the host tier holds 525.67 GiB of the state'),
+    'bf16 trained parameters under pipeline stages': (
+        ['--config.mesh.stage=2', '--config.mesh.fsdp=4', '--config.microbatches=2',
+         '--config.optimizer.master_tier=host'],
+        'config.mesh.stage=2 with the trained parameters in bfloat16'),
+    'no layout fits the memory': (['--config.mesh.auto=True', '--config.plan.memory_gb=1e-9'],
+                                  'fits, even with the optimizer state in host memory'),
 }
 
 
 def settings_case(args, expected):
   def probe(p):
     workdir = p.path('refused')
-    train = [a for a in p.train(workdir) if not (args[0].startswith('--config=') and
-                                                 a.startswith('--config='))]
-    return refused(p.run(*train, *args), expected, [workdir])
+    script, *train = p.train(workdir)
+    more = args
+    if args[0].startswith('--config='):  # a config of its own, named first as train.py wants
+      train = [args[0], *(a for a in train if not a.startswith('--config='))]
+      more = args[1:]
+    return refused(p.run(script, *train, *more), expected, [workdir])
   return probe
 
 

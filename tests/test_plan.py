@@ -162,6 +162,43 @@ def test_auto_layout_stops_doubling_microbatches_where_none_can_fit(monkeypatch)
     assert compiled == expected
 
 
+def test_auto_layout_puts_the_state_in_host_memory_where_nothing_fits_on_the_devices(monkeypatch):
+  """Adam's moments first (no number changes), then the master weights too; a run that places
+  its state itself is told nothing fits, with no second search."""
+  from types import SimpleNamespace
+  from training import layout
+  one = dict(data=1, stage=1, fsdp=1, expert=1, tensor=1, sequence=1)
+  monkeypatch.setattr(layout, 'meshes', lambda n: iter([one]))
+  monkeypatch.setattr(layout, 'POLICIES', ('full',))
+  monkeypatch.setattr(layout, '_state_fits', lambda *_: True)
+  parts = dict.fromkeys(('gemm', 'attention', 'fusion', 'other', 'launch', 'communication'), 0.0)
+  monkeypatch.setattr(layout.timing, 'predict',
+                      lambda *_: SimpleNamespace(seconds=1.0, breakdown=parts))
+  config = tiny_config()
+  config.plan.memory_gb = 1.0
+  run = settings.resolve(config, jax.devices()[:1])
+  placed = lambda r: (r.optimizer.master_tier, r.optimizer.mu_tier, r.optimizer.nu_tier)
+  for fitting, expected in ((('device', 'host', 'host'), ('device', 'host', 'host')),
+                            (('host', 'host', 'host'), ('host', 'host', 'host'))):
+    tried = []
+
+    def compile_and_plan(setup, fitting=fitting):  # fits only with the state placed so
+      tried.append(placed(setup.run))
+      return (SimpleNamespace(as_text=str), SimpleNamespace(
+          fits=placed(setup.run) == fitting, argument_bytes=1, total_bytes=100, memory_bytes=50))
+
+    monkeypatch.setattr(layout, 'compile_and_plan', compile_and_plan)
+    logged = []
+    chosen, ranked = layout.choose(run, log=logged.append)
+    assert placed(chosen) == expected and len(ranked) == 1
+    assert tried[0] == ('device',) * 3 and tried[-1] == expected
+    assert any('again with config.optimizer.mu_tier=host' in line for line in logged)
+  tried.clear()
+  with pytest.raises(ValueError, match=r'fits; use more devices'):  # its own placement: kept
+    layout.choose(run.replace(optimizer={'nu_tier': 'host'}), log=lambda *_: None)
+  assert set(tried) == {('device', 'device', 'host')}
+
+
 def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_model(monkeypatch, capsys):
   """Ranked by the time model of each candidate's program; on CPU devices (no GPU of
   planning/gpus.py) against its nominal device, which the ranking says."""

@@ -84,6 +84,11 @@ BAD = [
     (dict(model=dict(n_kv_heads=3)), 'config.model.n_heads'),
     (dict(train_steps=0), 'config.train_steps'),
     (dict(model=dict(scheduler_memory=0.0)), 'config.model.scheduler_memory=0.0 must be in'),
+    (dict(mesh=dict(stage=2, fsdp=4), microbatches=2, model=dict(param_dtype='bfloat16')),
+     'config.mesh.stage=2 with the trained parameters in bfloat16'),
+    (dict(mesh=dict(stage=2, fsdp=4), microbatches=2, optimizer=dict(master_tier='host'),
+          model=dict(compute_dtype='bfloat16')),  # the devices' copy: in compute_dtype
+     'config.mesh.stage=2 with the trained parameters in bfloat16'),
     (dict(model=dict(draft_only=True)), 'config.model.draft_heads'),
     (dict(microbatches=2, mesh=dict(stage=2), model=dict(draft_heads=2)), 'config.mesh.stage=1'),
     (dict(mesh=dict(sequence=2), model=dict(draft_heads=2, context_parallel='ring',

@@ -38,6 +38,7 @@ from planning import plan as plan_lib
 from sharding import AXES, hierarchical
 from sharding.hierarchical import PLAIN, PartitionConfig
 import sharding
+from training.optimizer import HOST
 from training.programs import compile_and_plan
 from training.run import Run
 from training.state import build
@@ -154,6 +155,8 @@ def search(run: Run, log=print) -> list[Candidate]:
   found = []
   gpu = gpus.find(sharding.local_device(target.devices).device_kind) or gpus.NOMINAL
   for mesh in meshes(len(target.devices)):
+    if mesh['stage'] > 1 and run.differentiates_bf16():
+      continue  # does not compile yet (settings.check_sections)
     state_fits = _state_fits(run, mesh)
     for context, partition, prefetch in itertools.product(
         context_choices(run, mesh), partition_choices(run, mesh), prefetch_choices(run, mesh)):
@@ -184,6 +187,17 @@ def search(run: Run, log=print) -> list[Candidate]:
     log(f'layout search: {sharding.describe(mesh)}: '
         f'{sum(c.mesh == mesh for c in found)} fitting')
   return sorted(found, key=lambda c: c.step_s)
+
+
+def _host_tiers(run: Run) -> tuple:
+  """(what stays on the devices, the tier settings moved to host memory) to try in turn where
+  nothing fits: none where the run places its state itself, keeps it in the step
+  (offload_state), or trains what the tiers do not run with (Run.untiered_because)."""
+  opt = run.optimizer
+  if opt.tiered or opt.offload_state or run.untiered_because():
+    return ()
+  return (('the optimizer state', ('mu_tier', 'nu_tier')),
+          ('the fp32 master weights', ('master_tier', 'mu_tier', 'nu_tier')))
 
 
 def _floor(at_m: int, at_2m: int) -> float:
@@ -241,13 +255,23 @@ def report(ranked: list[Candidate], limit: int = 10) -> None:
 
 def choose(run: Run, log=print) -> tuple[Run, list[Candidate]]:
   """(`run` with the best layout's mesh, remat policy, microbatches and weight prefetch for its
-  target, auto turned off; the ranking)."""
-  ranked = search(run, log)
+  target, auto turned off; the ranking). Where nothing fits with the optimizer state on the
+  devices, and the run leaves it to them (its tiers all `device`), it searches again with the
+  state in host memory (training/tiers.py): Adam's moments first, which changes no number, then
+  the master weights too, whose devices' copy is then in the compute dtype."""
+  ranked, tiers = search(run, log), _host_tiers(run)
+  for kept, moved in tiers:
+    if ranked:
+      break
+    log(f'layout search: nothing fits with {kept} on the devices; again with '
+        + ', '.join(f'config.optimizer.{name}=host' for name in moved))
+    tiered = run.replace(optimizer={name: HOST for name in moved})
+    ranked = search(tiered, log)
+    run = tiered if ranked else run
   if not ranked:
-    raise ValueError('config.mesh.auto: no mesh shape × remat policy × microbatches fits; '
-                     'use more devices, a smaller config.batch_size or config.seq_len, or move '
-                     'the optimizer state off the devices: config.optimizer.master_tier, mu_tier '
-                     "and nu_tier = 'host' or 'nvme:DIR' (docs/memory.md: tiers)")
+    raise ValueError('config.mesh.auto: no mesh shape × remat policy × microbatches fits'
+                     + (', even with the optimizer state in host memory' if tiers else '')
+                     + '; use more devices, or a smaller config.batch_size or config.seq_len')
   report(ranked)
   best = ranked[0]
   return with_layout(run, best.mesh, best.context_parallel, best.remat_policy,

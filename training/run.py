@@ -128,6 +128,27 @@ class Run:
     return {name: dataclasses.asdict(value) if name in SECTIONS else value
             for name, value in values.items()}
 
+  def differentiates_bf16(self) -> bool:
+    """Whether the step's trained parameters are bf16: in param_dtype, or the compute-dtype copy
+    of master weights kept off the devices (training/tiers.py)."""
+    opt = self.optimizer
+    dtype = (self.model.compute_dtype if opt.tiered and not opt.master_on_devices
+             else self.model.param_dtype)
+    return dtype == 'bfloat16'
+
+  def untiered_because(self) -> str | None:
+    """Why the optimizer state's tiers (training/tiers.py) do not run with this run yet, or
+    None where they do."""
+    model = self.model
+    return (f'config.model.lora_rank={model.lora_rank} trains adapters small enough for the '
+            'devices' if model.lora_rank else
+            f'config.model.draft_heads={model.draft_heads} clips the heads apart'
+            if model.draft_heads else
+            "config.model.router_bias_rate steps the routers' bias inside the step"
+            if model.router_bias_rate else
+            "config.data.record='preference' (DPO) keeps a reference model in the state"
+            if self.data.preference else None)
+
   def replace(self, **sections) -> 'Run':
     """This run with some settings changed: `section={field: value}` for a section's fields,
     `name=value` for a top-level one. Each section rebuilt is checked again."""

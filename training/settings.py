@@ -262,6 +262,13 @@ def check_sections(run: Run) -> None:
     raise ValueError(f"config.model.remat_policy='{model.remat_policy}' keeps an attention "
                      "kernel's output and softmax statistics, and attention='xla' runs none; set "
                      f"--config.model.attention=cudnn or pallas, or remat_policy='{twin}'")
+  if run.mesh.stage != 1 and not run.mesh.auto and run.differentiates_bf16():
+    # The step does not compile: XLA's CPU compiler aborts on a CHECK, and tracing it for GPUs
+    # fails an assertion in the backward of cuDNN attention's cond (docs/parallelism.md)
+    raise ValueError(f'config.mesh.stage={run.mesh.stage} with the trained parameters in bfloat16 '
+                     "(config.model.param_dtype, or master_tier off the devices, whose copy is in "
+                     "compute_dtype) does not compile yet; keep param_dtype='float32' and "
+                     "config.optimizer.master_tier='device' under pipeline stages")
   hierarchical.check_partition(run.partition, run.mesh, model)
   tokens.check_settings(run.data)
   if run.data.preference:
@@ -273,16 +280,7 @@ def check_sections(run: Run) -> None:
 def check_tiers(run: Run) -> None:
   """What the optimizer state's tiers (training/tiers.py) do not run with yet, said before
   anything starts."""
-  model = run.model
-  why = (f'config.model.lora_rank={model.lora_rank} trains adapters small enough for the devices'
-         if model.lora_rank else
-         f'config.model.draft_heads={model.draft_heads} clips the heads apart'
-         if model.draft_heads else
-         "config.model.router_bias_rate steps the routers' bias inside the step"
-         if model.router_bias_rate else
-         "config.data.record='preference' (DPO) keeps a reference model in the state"
-         if run.data.preference else None)
-  if why:
+  if why := run.untiered_because():
     raise ValueError(f"{why}, which the optimizer state's tiers (config.optimizer.master_tier, "
                      "mu_tier, nu_tier) do not run with yet; set them to 'device'")
 

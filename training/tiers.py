@@ -53,13 +53,46 @@ def placements(opt_config) -> dict[str, tuple[str, pathlib.Path | None]]:
 
 def check_room(setup: Setup) -> None:
   """Each NVMe directory can be made here and has room for this process's share of what it
-  holds: ValueError naming it otherwise (training only: a plan writes nothing)."""
-  need = {}
+  holds, and the host's memory for what the host tier holds of this node's: ValueError naming it
+  otherwise (training only: a plan allocates nothing)."""
+  need, host = {}, 0
   for kind, (tier, directory) in placements(setup.run.optimizer).items():
     if tier == NVME:
       need[directory] = need.get(directory, 0) + _process_bytes(setup)
+    elif tier == HOST:
+      host += _process_bytes(setup)
   for directory, size in need.items():
     _check_directory(directory, size)
+  if host:
+    _check_host_memory(host, _processes_on_this_node(setup))
+
+
+def _processes_on_this_node(setup: Setup) -> int:
+  """On GPUs, a node's GPUs over this process's (scripts/slurm: a process a GPU); else 1."""
+  target = setup.run.target
+  return max(1, target.gpus_per_node // jax.local_device_count()) if target.on_gpu else 1
+
+
+def available_host_memory() -> int:
+  """What the kernel says can be allocated without swapping (MemAvailable)."""
+  try:
+    for line in pathlib.Path('/proc/meminfo').read_text().splitlines():
+      if line.startswith('MemAvailable:'):
+        return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
+def _check_host_memory(share: int, processes: int) -> None:
+  available = available_host_memory()
+  if share * processes > available:
+    each = f' ({processes} processes, {readable_bytes(share)} each)' if processes > 1 else ''
+    raise ValueError(f"config.optimizer: the host tier holds {readable_bytes(share * processes)} "
+                     f"of the state on this node{each}, and its memory has "
+                     f"{readable_bytes(available)} available; put some of it on NVMe "
+                     "('nvme:DIR' in config.optimizer.master_tier, mu_tier or nu_tier), or use "
+                     'more nodes')
 
 
 def _check_directory(directory: pathlib.Path, size: int) -> None:
