@@ -125,10 +125,10 @@ def get_config(preset: str = '1b'):
     c.mesh.update(mesh)
     return c
   if preset in TIERED:
-    shapes, _, c_batch, microbatches, mesh = TIERED[preset]
+    shapes, _, batch, microbatches, mesh = TIERED[preset]
     c = get_config(shapes)
     c.workdir = f'/tmp/meshlm-{preset}'
-    c.batch_size, c.microbatches, c.model.remat_policy = c_batch, microbatches, 'full'
+    c.batch_size, c.microbatches, c.model.remat_policy = batch, microbatches, 'full'
     c.model.prefetch_weights = False  # more memory, and no faster here (one node's NVLink)
     c.model.scheduler_memory = 5.0  # XLA's scheduler counts the gradient sums twice: without
     # room above 1 it overlaps none of the gathers (training/programs.py; 426.7 against 366.5 s)

@@ -9,7 +9,6 @@ else kept on one device: sampling needs neither the training mesh nor its batch 
 
 import dataclasses
 import math
-import os
 
 import jax
 from flax import nnx
@@ -21,6 +20,7 @@ from inference.speculate import speculate
 from model import Transformer
 from model import kv_cache
 from runtime import checkpoint as checkpoint_lib
+from runtime import faults
 import sharding
 from training import settings
 from training.run import Run
@@ -197,7 +197,7 @@ def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, ma
                                                                   else 0))
     device = jax.local_devices()[0]
     free = ((device.memory_stats() or {}).get('bytes_limit')
-            or os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))  # CPU: free RAM
+            or faults.available_host_memory())  # CPU: the host's
     if needs > free:
       raise ValueError(f'--max_len={max_len}: the {cache} cache of {rows} prompt(s) × {length:,} '
                        f'tokens needs {needs / 2**30:,.1f} GiB, more than the '

@@ -11,6 +11,18 @@ import os
 import re
 
 
+def available_host_memory() -> int:
+  """What this machine's memory can still give without swapping (Linux's MemAvailable; else
+  its free pages)."""
+  try:
+    for line in open('/proc/meminfo'):
+      if line.startswith('MemAvailable:'):
+        return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
 class Fault(Exception):
   """An expected failure, its message naming the file or setting and the fix."""
 

@@ -211,9 +211,9 @@ def test_what_tiers_do_not_run_with_yet_and_a_directory_they_cannot_write_are_re
 def test_a_host_tier_larger_than_the_hosts_memory_is_refused_in_one_line(tmp_path, monkeypatch):
   setup = build(settings.resolve(run_config(tmp_path / 'w', mu_tier='host', nu_tier='host')))
   need = 2 * sum(shard.nbytes for shard in tiers.shards(setup))  # both moments
-  monkeypatch.setattr(tiers, 'available_host_memory', lambda: need)
+  monkeypatch.setattr(faults, 'available_host_memory', lambda: need)
   tiers.check_room(setup)  # room enough
-  monkeypatch.setattr(tiers, 'available_host_memory', lambda: need - 1)
+  monkeypatch.setattr(faults, 'available_host_memory', lambda: need - 1)
   with pytest.raises(ValueError, match=f'the host tier holds {readable_bytes(need)} of the state '
                                        'on this node, .* put some of it on NVMe'):
     tiers.check_room(setup)

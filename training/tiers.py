@@ -55,12 +55,12 @@ def check_room(setup: Setup) -> None:
   """Each NVMe directory can be made here and has room for this process's share of what it
   holds, and the host's memory for what the host tier holds of this node's: ValueError naming it
   otherwise (training only: a plan allocates nothing)."""
-  need, host = {}, 0
+  need, host, share = {}, 0, _process_bytes(setup)  # each kind's: the same bytes
   for kind, (tier, directory) in placements(setup.run.optimizer).items():
     if tier == NVME:
-      need[directory] = need.get(directory, 0) + _process_bytes(setup)
+      need[directory] = need.get(directory, 0) + share
     elif tier == HOST:
-      host += _process_bytes(setup)
+      host += share
   for directory, size in need.items():
     _check_directory(directory, size)
   if host:
@@ -73,19 +73,8 @@ def _processes_on_this_node(setup: Setup) -> int:
   return max(1, target.gpus_per_node // jax.local_device_count()) if target.on_gpu else 1
 
 
-def available_host_memory() -> int:
-  """What the kernel says can be allocated without swapping (MemAvailable)."""
-  try:
-    for line in pathlib.Path('/proc/meminfo').read_text().splitlines():
-      if line.startswith('MemAvailable:'):
-        return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-
-
 def _check_host_memory(share: int, processes: int) -> None:
-  available = available_host_memory()
+  available = faults.available_host_memory()
   if share * processes > available:
     each = f' ({processes} processes, {readable_bytes(share)} each)' if processes > 1 else ''
     raise ValueError(f"config.optimizer: the host tier holds {readable_bytes(share * processes)} "
