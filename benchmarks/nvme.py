@@ -17,6 +17,9 @@ them back (and checking that every random byte came back):
               msync), its map closed, read back a group at a time as the update reads them (a
               group's range asked of the kernel whole, then its rows of the memory map put on the
               device)
+  checkpoint  a checkpoint's pieces of the tier (runtime/pieces.py): the bytes as one piece of an
+              array, saved a chunk of rows at a time into a zarr3 array with their checksum share,
+              then restored a chunk at a time (checksummed) into an array in memory
 Time: each way's median of --repeats rounds. A small --gib on a machine with much free memory
 still measures the disk: every read starts from a dropped cache and every write ends in fsync.
 Goal (issue 52): the tier's own reads and writes at ≥ 70% of dd's on the same directory.
@@ -44,7 +47,8 @@ _DIR = flags.DEFINE_string('dir', '', 'The directory measured (a temporary folde
 _GIB = flags.DEFINE_float('gib', 2.0, 'Bytes written and read by each way, GiB.')
 _BLOCK_MIB = flags.DEFINE_integer('block_mib', 64, 'One write or read, MiB (a multiple of 4 KiB).')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Rounds of each way; the median is reported.')
-_WAYS = flags.DEFINE_list('ways', ['dd', 'direct', 'buffered', 'tensorstore', 'tier'],
+_WAYS = flags.DEFINE_list('ways', ['dd', 'direct', 'buffered', 'tensorstore', 'tier',
+                                   'checkpoint'],
                           'Ways measured.')
 _OUT = flags.DEFINE_string('out', '', 'Also write the figures here as JSON.')
 
@@ -217,8 +221,28 @@ def tier(data: np.ndarray, folder: str, block: int) -> tuple[float, float]:
   return seconds, seconds_read
 
 
+def checkpoint(data: np.ndarray, folder: str, block: int) -> tuple[float, float]:
+  from runtime import pieces
+  matrix = data.reshape(data.nbytes // block, block // data.itemsize)
+  index = (slice(0, matrix.shape[0]), slice(0, matrix.shape[1]))
+  path = pathlib.Path(folder) / 'checkpoint'
+  shutil.rmtree(path, ignore_errors=True)
+  seconds, _ = timed(lambda: (pieces.save(path / pieces.ITEM, {'x': pieces.Pieces(
+      matrix.shape, matrix.dtype, ((index, lambda: matrix),))}), evict_tree(str(path))))
+  back = np.empty_like(matrix)
+
+  def put(start, rows):
+    back[start:start + len(rows)] = rows
+  sums = {}
+  seconds_read, _ = timed(lambda: sums.update(pieces.restore(path, {'x': pieces.Pieces(
+      matrix.shape, matrix.dtype, ((index, put),))})))
+  if not np.array_equal(back, matrix) or sums != pieces.saved_checksums(path / pieces.ITEM):
+    raise RuntimeError(f'{path}: the bytes or checksums read back differ from those written')
+  return seconds, seconds_read
+
+
 WAYS = {'dd': dd, 'direct': direct, 'buffered': buffered, 'tensorstore': tensorstore,
-        'tier': tier}
+        'tier': tier, 'checkpoint': checkpoint}
 
 
 def main(argv):

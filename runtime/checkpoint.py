@@ -3,8 +3,10 @@
 workdir/checkpoints/<step>/ holds `state` (TrainState: step, params, optimizer state, bad-step
 count; each process writes only its shards), `data` (the data pipeline's JSON state: which
 documents each row has read, hence also where the shuffle is), `config` (the resolved config,
-JSON; with the step it fixes every other random choice, as the model has no dropout) and
-`checksums` (one per array of the state, see `checksums`).
+JSON; with the step it fixes every other random choice, as the model has no dropout),
+`checksums` (one per array of the state, see `checksums`) and, for a run with optimizer state on
+a host or NVMe tier, `pieces` (those arrays, None in `state`, written and read a chunk at a time:
+runtime/pieces.py).
 
 Nothing saved is lost or trusted blindly. orbax writes a step into a temporary directory and
 renames it when complete, so a process killed mid-save leaves nothing that `all_steps` would list.
@@ -34,7 +36,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from configs import base, effects
-from runtime import faults
+from runtime import faults, pieces as pieces_lib
 
 
 class CheckpointWarning(UserWarning):
@@ -89,12 +91,16 @@ def _manager(directory: pathlib.Path, **options) -> ocp.CheckpointManager:
       directory.absolute(), options=ocp.CheckpointManagerOptions(**options),
       item_handlers={'state': ocp.PyTreeCheckpointHandler(use_compression=False),
                      'data': ocp.JsonCheckpointHandler(), 'config': ocp.JsonCheckpointHandler(),
-                     'checksums': _PendingChecksums()})
+                     'checksums': _PendingChecksums(), pieces_lib.ITEM: pieces_lib.PiecesHandler()})
+
+
+def name_of(path) -> str:
+  """An array's name in a checkpoint, from its path in the state: 'opt_state.0.mu.embed.value'."""
+  return jax.tree_util.keystr(path, simple=True, separator='.')
 
 
 def _names(tree) -> list[str]:
-  return [jax.tree_util.keystr(path, simple=True, separator='.')
-          for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+  return [name_of(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 @jax.jit
@@ -131,6 +137,15 @@ def checksum_arrays(tree) -> dict[str, jax.Array]:
 def checksums(tree) -> dict[str, int]:
   """checksum_arrays(tree), as numbers."""
   return {name: int(value) for name, value in jax.device_get(checksum_arrays(tree)).items()}
+
+
+def _summed(shares: dict[str, int]) -> dict[str, int]:
+  """Each array's checksum from every process's share of it."""
+  if jax.process_count() == 1 or not shares:
+    return shares
+  names = sorted(shares)
+  every = multihost_utils.process_allgather(np.array([shares[n] for n in names], np.uint64))
+  return dict(zip(names, (int(v) % (1 << 32) for v in np.sum(every, axis=0))))
 
 
 def _agree(ok: bool) -> bool:
@@ -182,17 +197,26 @@ class Checkpointer:
     """Complete checkpoints, newest first."""
     return sorted(self.manager.all_steps(), reverse=True)
 
-  def save(self, step: int, state, data_state: dict, config_json: dict) -> None:
+  def save(self, step: int, state, data_state: dict, config_json: dict, pieces=None,
+           read_out=lambda: None) -> None:
     """Start an asynchronous save; returns once the arrays are copied off the devices. A failed
-    save (the last one, or this) is a Fault: the run stops rather than train on unsaved."""
+    save (the last one, or this) is a Fault: the run stops rather than train on unsaved.
+    `pieces`: {name: runtime.pieces.Pieces} of arrays this process never holds whole, None in
+    `state` where they are; they are read in the background, and `read_out()` is called once
+    they all have been (their owner may change them from then on)."""
     with self._failing_save(self.saving):  # orbax waits for the last save before the next
       self.manager.wait_until_finished()
+    items = {pieces_lib.ITEM: pieces_lib.PiecesSave(pieces, read_out)} if pieces else {}
     with self._failing_save(step):
-      self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
-          config=ocp.args.JsonSave(config_json),
-          checksums=_ChecksumsSave(checksum_arrays(state))),
-          force=True)
+      try:
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
+            config=ocp.args.JsonSave(config_json),
+            checksums=_ChecksumsSave(checksum_arrays(state)), **items),
+            force=True)
+      except BaseException:
+        read_out()  # nothing more will read them
+        raise
     self.saving = step
 
   def check_saved(self) -> None:
@@ -207,8 +231,13 @@ class Checkpointer:
   def _failing_save(self, step):
     try:
       yield
+    except faults.Fault:  # the run's own (a tier's file damaged): it says what to do
+      self.saving = None
+      raise
     except Exception as e:
-      whole = [s for s in self.steps() if s != step]
+      # read from the disk: orbax's list may already leave out the one this save would replace
+      whole = sorted((int(p.name) for p in self.directory.iterdir()
+                      if p.name.isdigit() and int(p.name) != step), reverse=True)
       kept = (f'checkpoint {whole[0]} is whole, and the same command resumes from it once that '
               'is fixed' if whole else 'no checkpoint is whole yet')
       fault = faults.on_disk(e, where=f'config.workdir: saving checkpoint {step} to '
@@ -237,7 +266,7 @@ class Checkpointer:
     if not (self.directory / str(step) / 'state' / '_METADATA').is_file():
       return False  # without it orbax guesses a partial tree, which would look like another model
     try:
-      saved = _arrays(self.manager.item_metadata(step)['state'])
+      saved = self._saved_arrays(step)
     except Exception:  # unreadable metadata: a corrupted or truncated checkpoint
       return False
     wanted = _arrays(abstract_tree)
@@ -257,18 +286,20 @@ class Checkpointer:
           ' Use the config that wrote it, or another workdir', saved_model)
     return True
 
-  def restore_latest(self, abstract_state, model_config):
+  def restore_latest(self, abstract_state, model_config, pieces=None):
     """(step, state, data_state) of the newest checkpoint that restores intact, into the
     shardings of `abstract_state`; None when there is none. Damaged ones on the way are moved
     aside (module docstring). A checkpoint of another model is an error (starting afresh would
-    in time delete it); so is having checkpoints of which none restores (check_fresh_start)."""
+    in time delete it); so is having checkpoints of which none restores (check_fresh_start).
+    `pieces`: {name: runtime.pieces.Pieces} this process takes a piece at a time (their fns
+    put each); the state holds None there."""
     steps = self.steps()
     for step in steps:
       restored, error = None, None
       try:
         if self.reads_as(abstract_state, step, setting='config.workdir',
                          model_config=model_config):
-          restored = self._restore(step, abstract_state)
+          restored = self._restore(step, abstract_state, pieces)
         else:
           error = 'its metadata does not read'
       except CheckpointMismatch:
@@ -277,10 +308,10 @@ class Checkpointer:
         error = f'{type(e).__name__}: {str(e)[:200]}'
       # Each process read its own shards. Only if all did are the checksums computed: a
       # collective, which every process must run or none.
-      if _agree(error is None) and not (error := self._verify(step, restored.state)):
+      if _agree(error is None) and not (error := self._verify(step, restored[0], restored[2])):
         # the checksums are global, so all agree; then the dtypes this run computes in (a
         # resumed run may change model.param_dtype, or under LoRA compute_dtype, the base's)
-        return step, _cast(restored.state, abstract_state), restored.data
+        return step, _cast(restored[0], abstract_state), restored[1]
       where = ('left in place (read only)' if self.read_only else
                f'moved to {self._set_aside(step)}')
       warnings.warn(f'checkpoint {self.directory / str(step)} is damaged '
@@ -322,32 +353,56 @@ class Checkpointer:
                                                                      active_processes={me}))
     return self._own_reader
 
-  def _restore(self, step: int, abstract_state):
-    """The state as saved (its checksums are of those arrays) into `abstract_state`'s shardings,
-    and the data state."""
-    as_saved = self.as_saved(step, abstract_state)
-    return self._reader().restore(step, args=ocp.args.Composite(
+  def _saved_arrays(self, step: int) -> dict[str, tuple]:
+    """{name: (shape, dtype)} of every array checkpoint `step` holds, in its state item or its
+    pieces (runtime/pieces.py)."""
+    return {**_arrays(self.manager.item_metadata(step)['state']),
+            **pieces_lib.saved(self.directory / str(step) / pieces_lib.ITEM)}
+
+  def _restore(self, step: int, abstract_tree, pieces=None, data: bool = True):
+    """(the tree as saved (its checksums are of those arrays) in `abstract_tree`'s shardings,
+    the data state, this process's checksum shares of `pieces`). Arrays saved in pieces are read
+    a shard at a time; `pieces` ({name: Pieces}) a chunk at a time into their fns, None in the
+    tree."""
+    where, pieces = self.directory / str(step), pieces or {}
+    in_pieces = pieces_lib.saved(where / pieces_lib.ITEM)
+    as_saved = self.as_saved(step, abstract_tree)
+    orbax_part = jax.tree_util.tree_map_with_path(
+        lambda path, a: None if name_of(path) in in_pieces or name_of(path) in pieces else a,
+        as_saved)
+    restored = self._reader().restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
-            as_saved, ocp.checkpoint_utils.construct_restore_args(as_saved)),
-        data=ocp.args.JsonRestore()))
+            orbax_part, ocp.checkpoint_utils.construct_restore_args(orbax_part),
+            partial_restore=True), **({'data': ocp.args.JsonRestore()} if data else {})))
+    got = {name_of(path): x for path, x in jax.tree_util.tree_leaves_with_path(restored.state)}
+
+    def leaf(path, a):
+      name = name_of(path)
+      if name in pieces:
+        return None
+      return pieces_lib.fill(where, name, a) if name in in_pieces else got[name]
+    tree = jax.tree_util.tree_map_with_path(leaf, as_saved)
+    return tree, restored.data if data else None, pieces_lib.restore(where, pieces)
 
   def as_saved(self, step: int, abstract_tree):
     """`abstract_tree` with the dtypes checkpoint `step` saved its arrays in."""
-    saved = _arrays(self.manager.item_metadata(step)['state'])
+    saved = self._saved_arrays(step)
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: jax.ShapeDtypeStruct(
-            a.shape, saved[jax.tree_util.keystr(path, simple=True, separator='.')][1],
-            sharding=a.sharding), abstract_tree)
+        lambda path, a: jax.ShapeDtypeStruct(a.shape, saved[name_of(path)][1],
+                                             sharding=a.sharding), abstract_tree)
 
-  def _verify(self, step: int, tree) -> str | None:
-    """None if `tree` (a state, or a part of one such as {'params': ...}) has the checksums saved
-    with it, else what differs. (A checkpoint from before checksums were saved cannot be
-    verified, and is accepted.)"""
-    if not (self.directory / str(step) / 'checksums').exists():
+  def _verify(self, step: int, tree, piece_sums: dict | None = None) -> str | None:
+    """None if `tree` (a state, or a part of one such as {'params': ...}; None where its arrays
+    were read in pieces, whose checksum shares are `piece_sums`) has the checksums saved with it,
+    else what differs. (A checkpoint from before checksums were saved cannot be verified, and is
+    accepted.)"""
+    where = self.directory / str(step)
+    if not (where / 'checksums').exists():
       return None
-    saved = self.manager.restore(step, args=ocp.args.Composite(
-        checksums=_ChecksumsRestore())).checksums
-    restored = checksums(tree)
+    saved = {**self.manager.restore(step, args=ocp.args.Composite(
+        checksums=_ChecksumsRestore())).checksums,
+             **pieces_lib.saved_checksums(where / pieces_lib.ITEM)}
+    restored = {**checksums(tree), **_summed(piece_sums or {})}
     changed = [name for name, value in restored.items() if saved.get(name) != value]
     if changed:
       return (f'{len(changed)} of {len(restored)} arrays differ from their checksums: '
@@ -492,9 +547,10 @@ def _init_from(path: str, abstract_params, model_config, setting: str = 'config.
 
 
 def _cast(tree, abstract_tree):
-  """`tree`'s arrays in `abstract_tree`'s dtypes (in place where they already are)."""
-  return jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), tree,
-                      abstract_tree)
+  """`tree`'s arrays in `abstract_tree`'s dtypes (in place where they already are; None where
+  they were read in pieces)."""
+  return jax.tree.map(lambda a, x: x if x is None or x.dtype == a.dtype else x.astype(a.dtype),
+                      abstract_tree, tree)
 
 
 def _others(checkpointer: Checkpointer, step: int) -> str:
@@ -517,20 +573,18 @@ def restore_params(path: str, abstract_params, model_config, setting: str = 'con
   checkpointer, step, wanted = _init_from(path, abstract_params, model_config, setting, unwanted)
   try:
     try:
-      restored = checkpointer._reader().restore(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeRestore(wanted, ocp.checkpoint_utils.construct_restore_args(wanted),
-                                       partial_restore=True)))
+      restored = checkpointer._restore(step, wanted, data=False)[0]
       error = None
     except Exception as e:  # orbax raises many types for truncated or corrupted files
       error = f'{type(e).__name__}: {str(e).splitlines()[0][:200]}'
     if not _agree(error is None):  # as restore_latest: all processes verify, or none
       error = error or 'on another process'
     else:
-      error = checkpointer._verify(step, {'params': restored.state['params']})
+      error = checkpointer._verify(step, {'params': restored['params']})
     if error:
       raise ValueError(f'{setting}: checkpoint {checkpointer.directory / str(step)} is damaged '
                        f'({error}); it is left as it is. {_others(checkpointer, step)}')
-    params = _cast(restored.state['params'], abstract_params)
+    params = _cast(restored['params'], abstract_params)
     return params, checkpointer.directory / str(step)
   finally:
     checkpointer.close()

@@ -517,6 +517,31 @@ def _(p):
   return resumed(p.run(*p.train(workdir, 12), *on_nvme(nvme)), ['resuming from step'], workdir, 12)
 
 
+@case("tiers: a checkpoint's pieces damaged on disk, then resume")
+def _(p):
+  workdir, nvme = p.path('pieces'), p.path('nvme')
+  nvme.mkdir()
+  first = survived(p.run(*p.train(workdir, 6), *on_nvme(nvme)))
+  if first[0] != 'GOOD':
+    return first
+  # a bit of the largest file of the newest checkpoint's state that a tier held
+  chunks = [f for f in (workdir / 'checkpoints' / '6' / 'pieces').rglob('*') if f.is_file()
+            and f.suffix != '.json' and f.name != 'zarr.json']
+  if not chunks:
+    return 'BAD', 'checkpoint 6 holds no pieces'
+  victim = max(chunks, key=lambda f: f.stat().st_size)
+  with open(victim, 'r+b') as f:
+    f.seek(victim.stat().st_size // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 0x10]))
+  verdict = resumed(p.run(*p.train(workdir, 9), *on_nvme(nvme)),
+                    ['differ from their checksums', 'resuming from step 3'], workdir, 9)
+  if verdict[0] == 'GOOD' and not (workdir / 'checkpoints-damaged' / '6').is_dir():
+    return 'BAD', 'the damaged checkpoint was not set aside'
+  return verdict if not list(nvme.iterdir()) else ('BAD', f'left {list(nvme.rglob("*"))}')
+
+
 @case('signal: SIGINT on an evaluation step')
 def _(p):
   workdir = p.path('eval')

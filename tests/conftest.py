@@ -192,6 +192,7 @@ FAST = (
     'test_workdir.py::test_bad_data_paths_fail_before_the_workdir_is_created',
     'test_workdir.py::test_a_second_run_on_a_live_workdir_stops_at_once_naming_the_holder',
     'test_checkpoint.py::test_checksums_do_not_depend_on_the_sharding',
+    'test_checkpoint.py::test_the_checksum_shares_of_an_arrays_pieces_add_up_to_its_checksum',
     'test_tiers.py::test_a_tier_setting_it_cannot_use_is_named_before_anything_is_built',
     'test_tiers.py::test_a_disk_that_refuses_the_tier_files_is_one_line_and_leaves_nothing',
     'test_checkpoint.py::test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint',

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime import faults
+from runtime import faults, pieces
 from runtime.checkpoint import (Checkpointer, CheckpointMismatch, CheckpointWarning,
-                                restore_params)
+                                checksums, restore_params)
 from tests.conftest import SMALL_CORPUS, tiny_config, with_file_size_limit
 from training import loop
 from training import settings
@@ -226,7 +226,7 @@ def test_sample_export_and_init_from_refuse_parameters_that_fail_their_checksums
   setup = build(settings.resolve(tiny_run(run)))
   restored = Checkpointer(run / 'checkpoints', read_only=True)
   assert 'arrays differ from their checksums' in restored._verify(
-      4, restored._restore(4, setup.abstract_state).state)
+      4, restored._restore(4, setup.abstract_state)[0])
   restored.close()
   commands = {
       'sample': [sys.executable, 'sample.py', f'--workdir={run}', '--prompt=x',
@@ -540,3 +540,20 @@ def test_when_every_checkpoint_is_damaged_the_run_says_where_they_went_and_never
     loop.run(tiny_run(tmp_path, train_steps=6))
   assert (tmp_path / 'metrics.jsonl').read_text() == metrics_before
   assert sorted(p.name for p in (tmp_path / 'checkpoints-damaged').iterdir()) == ['2', '4']
+
+
+@pytest.mark.parametrize('shape, dtype, cut', [((6, 10, 12), np.float32, (2, 5, 6)),
+                                               ((16, 24), jnp.bfloat16, (4, 24)),
+                                               ((), np.int32, ())])
+def test_the_checksum_shares_of_an_arrays_pieces_add_up_to_its_checksum(shape, dtype, cut):
+  """runtime/pieces.py sums each piece's share of an array's checksum on the host, a chunk of rows
+  at a time, without the whole array: the shares add up to the devices' checksum of it."""
+  x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+  total = 0
+  for corner in np.ndindex(*(n // c for n, c in zip(shape, cut))):
+    index = tuple(slice(i * c, (i + 1) * c) for i, c in zip(corner, cut))
+    piece = x[index]
+    for start in range(0, max(1, piece.shape[0] if shape else 1), 3):  # chunks of up to 3 rows
+      rows = piece[start:start + 3] if shape else piece
+      total += pieces.checksum_rows(rows, index, shape, start)
+  assert total % 2**32 == checksums({'x': jnp.asarray(x)})['x']

@@ -12,14 +12,17 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
 from configs import base
 from evaluation import during
 from runtime import distributed
+from runtime.checkpoint import Checkpointer, CheckpointWarning
 from tests.conftest import FAST_COMPILE, SMALL_CORPUS, free_port
-from training import loop
+from training import loop, settings
+from training.state import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -113,8 +116,19 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path
     assert again[step] == pytest.approx(reference[step], rel=2e-4), step
   assert not nvme.exists() or list(nvme.iterdir()) == []  # the processes' files removed
 
+  # Each process wrote the pieces of its own shards of the moments off the devices, and its
+  # share of their checksums (runtime/pieces.py): one process reads them all, intact.
+  tiered = tmp_path / 'two' / 'checkpoints' / str(STEPS)
+  assert sorted(p.name for p in (tiered / 'pieces').glob('checksums-*')) == [
+      'checksums-0.json', 'checksums-1.json']
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', CheckpointWarning)
+    restored = Checkpointer(tiered.parent, read_only=True).restore_latest(
+        build(settings.resolve(config(tmp_path / 'two'))).checkpoint_state, base.get_config().model)
+  assert restored[0] == STEPS
+
   # Both processes' data rows went into the checkpoint: one process resumes it exactly.
-  shutil.rmtree(tmp_path / 'two' / 'checkpoints' / str(STEPS))
+  shutil.rmtree(tiered)
   loop.run(config(tmp_path / 'two'))
   resumed = losses(tmp_path / 'two')
   for step in range(4, STEPS + 1):

@@ -2,6 +2,7 @@
 Adam's moments in host memory or in NVMe files equals the all-device run bit for bit, saves the
 same checkpoints, resumes onto any placement, and refuses what it cannot do in one line."""
 
+import contextlib
 import errno
 import os
 import shutil
@@ -17,7 +18,7 @@ from inference import sampling
 from planning import offload
 from planning.plan import readable_bytes
 from runtime import faults
-from runtime.checkpoint import Checkpointer
+from runtime.checkpoint import Checkpointer, CheckpointWarning
 import sharding
 from training import loop, programs, settings, tiers
 from training.state import build
@@ -83,19 +84,31 @@ def test_master_weights_and_both_moments_on_nvme_equal_the_all_device_run_bit_fo
     assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize('placement', ['to the devices', 'to host memory'])
+PLACEMENTS = {'to the devices': {}, 'to host memory': {name: 'host' for name in tiers.SETTING.values()},
+              'to other tiers past a damaged checkpoint': {'mu_tier': 'host'}}
+
+
+@pytest.mark.parametrize('placement', PLACEMENTS)
 def test_a_checkpoint_resumes_onto_another_placement_exactly(all_device, on_nvme_run, tmp_path,
                                                              placement):
-  """A tiered run's checkpoint resumed with the state on the devices, and an all-device run's
-  resumed with it in host memory: steps 11-20 as the all-device run took them."""
-  source = on_nvme_run[0] if placement == 'to the devices' else all_device[0]
+  """A tiered run's checkpoint resumed with the state on the devices, an all-device run's with it
+  in host memory, and a tiered run's with Adam's first moment alone in host memory after a bit of
+  its newest checkpoint's pieces flipped (set aside by its checksums): steps 11-20 as the
+  all-device run took them."""
+  source = all_device[0] if placement == 'to host memory' else on_nvme_run[0]
   workdir = tmp_path / 'resumed'
   shutil.copytree(source, workdir)
-  shutil.rmtree(workdir / 'checkpoints' / str(STEPS))  # back to step 10
-  optimizer = ({} if placement == 'to the devices' else
-               {'master_tier': 'host', 'mu_tier': 'host', 'nu_tier': 'host'})
-  config = run_config(workdir, **optimizer)
-  records = loop.run(config)
+  newest = workdir / 'checkpoints' / str(STEPS)
+  damaged = placement.endswith('damaged checkpoint')
+  if damaged:  # a bit of the largest chunk of Adam's first moment
+    flip_a_bit(max((f for f in (newest / 'pieces').rglob('*') if f.is_file() and '.mu.' in str(f)),
+                   key=lambda f: f.stat().st_size))
+  else:
+    shutil.rmtree(newest)  # back to step 10
+  config = run_config(workdir, **PLACEMENTS[placement])
+  with pytest.warns(CheckpointWarning, match='arrays differ from their checksums: opt_state') \
+      if damaged else contextlib.nullcontext():
+    records = loop.run(config)
   assert losses(records) == losses(all_device[1])[STEPS // 2:]
   assert_same_arrays(final_state(workdir, config), all_device[2])
 
@@ -153,9 +166,9 @@ def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_spli
                           'weights': np.ones((B, L), np.float32)},
                          sharding.batch_sharding(reference.mesh))
   step = programs.compile_train_step(reference, B, L, 1e-4, microbatches=2)
-  state = reference.init_state()
+  reference_state = reference.init_state()
   for _ in range(3):
-    state, _ = step(state, batch)
+    reference_state, _ = step(reference_state, batch)
 
   monkeypatch.setattr(tiers, 'GROUP_BYTES', 3000)
   setup = build(settings.resolve(run_config(
@@ -172,11 +185,26 @@ def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_spli
       before, (tiered, _) = tiered, engine(tiered, batch)
       # the devices' copy of the master weights: freed before the update made the new one
       assert all(x.is_deleted() for x in jax.tree.leaves(before.params))
-    assert_same_arrays(engine.whole(tiered), state)
+    # its checkpoint, read off the tiers a chunk at a time, is the all-device run's state
+    checkpointer = Checkpointer(tmp_path / 'checkpoints')
+    state, pieces, read_out = engine.saving(tiered)
+    checkpointer.save(3, state, {}, {}, pieces, read_out)
+    checkpointer.close()
+    assert sorted(p.name for p in (tmp_path / 'checkpoints/3/pieces').glob('*.json')) == [
+        'arrays.json', 'checksums-0.json']
+    restored = Checkpointer(tmp_path / 'checkpoints').restore_latest(
+        reference.checkpoint_state, reference.run.model)
+    assert restored[0] == 3
+    assert_same_arrays(restored[1], reference_state)
     flip_a_bit(max((tmp_path / 'nvme').glob('meshlm-*/process-0/master/*.bin'),
                    key=lambda f: f.stat().st_size))  # damaged: no checkpoint may take it
-    with pytest.raises(faults.Fault, match=r'master_tier: \S+/master-\d+\.bin changed on disk'):
-      engine.whole(tiered)
+    checkpointer = Checkpointer(tmp_path / 'checkpoints')
+    damaged = r'^config.optimizer.master_tier: \S+/master-\d+\.bin changed on disk'
+    with pytest.raises(faults.Fault, match=damaged):
+      state, pieces, read_out = engine.saving(tiered)
+      checkpointer.save(4, state, {}, {}, pieces, read_out)
+      checkpointer.close()
+    assert Checkpointer(tmp_path / 'checkpoints', read_only=True).steps() == [3]
   finally:
     engine.close()
 

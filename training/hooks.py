@@ -211,12 +211,14 @@ class Save(Hook):
   """Checkpoints (runtime/checkpoint.py), never from a bad streak (module docstring)."""
 
   def __init__(self, every: int, checkpointer, guard: NonFinite, batches, config_json: dict,
-               skipped_by_a_stop: dict[str, int] | None = None, whole=lambda state: state):
+               skipped_by_a_stop: dict[str, int] | None = None,
+               saving=lambda state: (state, None, lambda: None)):
     """`skipped_by_a_stop`: {EVALUATE_FIRST or SCORE_FIRST: its interval} of the evaluations the
-    run has: due at a step a stop saves, they are the resumed run's first. `whole`: the state a
-    checkpoint holds of the loop's (training/tiers.py: Engine.whole, where the optimizer state
-    lives off the devices)."""
-    self.every, self.checkpointer, self.guard, self.whole = every, checkpointer, guard, whole
+    run has: due at a step a stop saves, they are the resumed run's first. `saving`: what a
+    checkpoint holds of the loop's state: (the orbax item's state, the pieces read in the
+    background, a function called once they are read; training/tiers.py: Engine.saving, where
+    the optimizer state lives off the devices)."""
+    self.every, self.checkpointer, self.guard, self.saving = every, checkpointer, guard, saving
     self.batches, self.config_json = batches, config_json
     self.skipped_by_a_stop = skipped_by_a_stop or {}
     self.pending = False  # a save was due while the last steps were not finite
@@ -235,5 +237,6 @@ class Save(Hook):
       skipped = {flag: True for flag, every in self.skipped_by_a_stop.items()
                  if step.stopping and due(step, every)}
       data_state = {**self.batches.state(), **skipped}
-      self.checkpointer.save(step.done, self.whole(step.state), data_state, self.config_json)
+      state, pieces, read_out = self.saving(step.state)
+      self.checkpointer.save(step.done, state, data_state, self.config_json, pieces, read_out)
       self.saved = self.checkpointer.directory / str(step.done)

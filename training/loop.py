@@ -126,8 +126,9 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
   t0 = time.perf_counter()
   train_step, the_plan = compile_and_plan(setup)
   plan_lib.check_fits(the_plan)  # before the state is allocated
-  start_step, state, data_state = initial_state(setup, checkpointer, log)
   engine = tiers.Engine(setup, train_step) if run.optimizer.tiered else None
+  start_step, state, data_state = initial_state(setup, checkpointer, log,
+                                                engine.restoring() if engine else None)
   if engine:  # the optimizer state leaves the devices for its tiers; the engine updates it
     state, train_step = engine.load(state), engine
   # Finished is known only once restored: a damaged newest checkpoint was set aside just now.
@@ -160,7 +161,7 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
                      {**run.as_dict(), 'trained_on': read},
                      {**({hooks.EVALUATE_FIRST: run.eval_every} if evaluate else {}),
                       **({hooks.SCORE_FIRST: run.lm_eval.every} if scores else {})},
-                     **({'whole': engine.whole} if engine else {}))
+                     **({'saving': engine.saving} if engine else {}))
           if checkpointer else None)
   trace = StepTrace(workdir / 'profile', start_step + run.profile_start, run.profile_steps)
   around_steps = [hooks.Trace(trace), guard, hooks.Progress(console), log_metrics,

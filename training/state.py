@@ -244,11 +244,12 @@ def check_checkpoints(checkpointer, setup, read: dict | None) -> None:
     raise
 
 
-def initial_state(setup, checkpointer, log):
+def initial_state(setup, checkpointer, log, pieces=None):
   """(step, state, data state): resumed from the workdir's newest checkpoint that restores, else
-  a new run from the parameters it starts from (run.start), or from scratch."""
+  a new run from the parameters it starts from (run.start), or from scratch. `pieces`: what a
+  resumed run reads into its tiers a piece at a time (training/tiers.py: Engine.restoring)."""
   run = setup.run
-  restored = (checkpointer.restore_latest(setup.checkpoint_state, run.model)
+  restored = (checkpointer.restore_latest(setup.checkpoint_state, run.model, pieces)
               if checkpointer else None)
   if restored:
     log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')

@@ -9,14 +9,19 @@ last one's write in flight meanwhile. Each process keeps one copy of each distin
 devices hold, updated on the first of them and copied to the rest.
 
 The devices keep the parameters the step reads (the master weights, or with them off the devices
-a copy in the compute dtype) and the step count; checkpoints hold the whole state as an
-all-device run's (`Engine.whole`), so a run resumes onto any placement. The files under nvme:DIR
-are the run's scratch, never its record: a run starts them from its checkpoint (or its fresh
-state) and removes them when it ends.
+a copy in the compute dtype) and the step count. Checkpoints hold the arrays an all-device run's
+does, by the same names, so a run resumes onto any placement: what a host or NVMe tier holds is
+read off it a chunk at a time as the checkpoint's pieces (`Engine.saving`, runtime/pieces.py),
+and read back into the tiers the same way (`Engine.restoring`), never whole in memory. The files
+under nvme:DIR are the run's scratch, never its record: a run starts them from its checkpoint
+(or its fresh state) and removes them when it ends.
 
   engine = Engine(setup, compiled_gradients)   # programs.compile_gradient_step's
-  state = engine.load(state)                   # the whole state: its moments leave the devices
+  step, state, data = state_lib.initial_state(setup, checkpointer, log, engine.restoring())
+  state = engine.load(state)                   # the rest of the state: it leaves the devices
   state, metrics = engine(state, batch)        # a step, as the compiled train step's
+  kept, pieces, read_out = engine.saving(state)   # what a checkpoint saves of it
+  checkpointer.save(step, kept, data, config, pieces, read_out)
 """
 
 import concurrent.futures
@@ -26,6 +31,7 @@ import hashlib
 import os
 import pathlib
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +41,8 @@ from flax import nnx
 
 from planning import offload
 from planning.plan import readable_bytes
-from runtime import faults
+from runtime import checkpoint, faults
+from runtime.pieces import Pieces
 from training import optimizer
 from training.optimizer import DEVICE, HOST, NVME
 from training.state import Setup, has_host_memory, trained
@@ -210,6 +217,18 @@ class HostTier(DeviceTier):
   def zero(self, i: int) -> None:
     self.arrays[i] = np.zeros(self.shards[i].shape, self.shards[i].dtype)
 
+  def put_rows(self, i: int, start: int, rows) -> None:
+    """Rows [start, start + len(rows)) of shard i (a checkpoint's, read a chunk at a time)."""
+    if i not in self.arrays:
+      self.arrays[i] = np.empty(self.shards[i].shape, self.shards[i].dtype)
+    if self.shards[i].shape:
+      self.arrays[i][start:start + len(rows)] = rows
+    else:
+      self.arrays[i][...] = rows
+
+  def seal(self, i: int) -> None:
+    """Shard i is whole (put_rows has written all of it)."""
+
   def read(self, part: Part):
     return jax.device_put(_rows(self.arrays[part.shard], part, self.shards[part.shard]),
                           self.shards[part.shard].devices[0])
@@ -318,6 +337,10 @@ class NvmeTier(HostTier):
     for part in self.parts.get(i, ()):  # the files were made anew: allocated blocks read as zeros
       self.expected[part] = np.zeros(2, np.uint32)
 
+  def seal(self, i: int) -> None:
+    for part in self.parts.get(i, ()):  # what the file holds now is what this run wrote
+      self.expected[part] = self._fingerprint(part, self.arrays[i])
+
   def verify(self) -> None:
     """Every part read since the last call read back as it was written: a Fault naming the file
     otherwise."""
@@ -385,11 +408,54 @@ class Engine:
     self.names = {jax.tree_util.keystr(path): leaf for leaf, (path, _) in
                   enumerate(jax.tree_util.tree_flatten_with_path(self.params)[0])}
     self.decays = jax.tree.leaves(optimizer.decay_mask(self.params))
+    self.abstract = {checkpoint.name_of(path): a for path, a in
+                     jax.tree_util.tree_leaves_with_path(setup.checkpoint_state)}
+    self.off_devices = self._off_devices()  # {checkpoint name: (kind, trained leaf)}
+    self.first_holder = self._first_holders(setup.mesh)
+    self.read_out = threading.Event()  # no checkpoint is reading the tiers
+    self.read_out.set()
     self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix='meshlm-tiers')
     self.count = 0  # updates applied: AdamW's step count
 
+  def _off_devices(self) -> dict[str, tuple[str, int]]:
+    """{a checkpoint's name of an array a host or NVMe tier holds: (its kind, its trained
+    parameter)}."""
+    tiered = {kind for kind in KINDS if type(self.tiers[kind]) is not DeviceTier}
+    out = {}
+    for path, _ in jax.tree_util.tree_leaves_with_path(self.setup.checkpoint_state.opt_state):
+      if (kind := _kind(path)) in tiered and kind in ('mu', 'nu'):
+        out[f'opt_state.{checkpoint.name_of(path)}'] = (kind, self._leaf_of(path, kind))
+    if 'master' in tiered:
+      for leaf, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(self.params)[0]):
+        out[f'params.{checkpoint.name_of(path)}'] = ('master', leaf)
+    assert set(out) <= set(self.abstract), set(out) - set(self.abstract)
+    return out
+
+  def _first_holders(self, mesh) -> dict:
+    """{(trained leaf, index key): whether this process holds the index's first holder in
+    the mesh}: the one process of the job that saves and restores that shard."""
+    order = {d: i for i, d in enumerate(mesh.devices.flat)}
+    out = {}
+    for leaf, p in enumerate(jax.tree.leaves(self.params)):
+      first = {}
+      for device, index in p.sharding.devices_indices_map(p.shape).items():
+        key = _key(index)
+        if key not in first or order[device] < order[first[key]]:
+          first[key] = device
+      out.update({(leaf, key): device.process_index == jax.process_index()
+                  for key, device in first.items()})
+    return out
+
+  def restoring(self) -> dict[str, Pieces]:
+    """The moments on a host or NVMe tier as a checkpoint's pieces to restore into (a chunk of a
+    shard at a time, never the whole state in memory: runtime/pieces.py); `load` then finds
+    them there."""
+    return {name: pieces for name, pieces in self._pieces('put_rows').items()
+            if self.off_devices[name][0] in ('mu', 'nu')}
+
   def load(self, state):
-    """The devices' state from a restored whole one, or a fresh one without its optimizer state
+    """The devices' state from a restored one (its moments restored into the tiers already where
+    `restoring`'s pieces took them, None in it), or a fresh one without its optimizer state
     (Setup.init_state's): each shard of the master weights and moments put on its tier (fresh
     moments: zeros), the devices keeping the parameters and step count."""
     leaves = jax.tree.leaves(trained(self.setup.model_cfg, state.params)[0])
@@ -399,7 +465,9 @@ class Engine:
       shard_of = lambda leaf: next(s.data for s in leaf.addressable_shards if s.device == device)
       self.tiers['master'].put(i, shard_of(leaves[shard.leaf]))
       for kind in ('mu', 'nu'):
-        if moments is None:
+        if moments is not None and not moments[kind]:  # None in the state: read into the tier
+          self.tiers[kind].seal(i)
+        elif moments is None:
           self.tiers[kind].zero(i)
         else:
           self.tiers[kind].put(i, shard_of(moments[kind][shard.leaf]))
@@ -417,25 +485,47 @@ class Engine:
         x if x.dtype == dtype else x.astype(dtype) for x, dtype in zip(leaves, self.copy_dtypes)]),
         frozen)
 
-  def whole(self, state):
-    """The whole state, as an all-device run's (what a checkpoint saves)."""
-    abstract = self.setup.checkpoint_state
-    arrays = {kind: self._gathered(kind) for kind in ('mu', 'nu')}
-    params = state.params
-    if not self.setup.run.optimizer.master_on_devices:
-      frozen = trained(self.setup.model_cfg, params)[1]
-      params = nnx.merge_state(jax.tree.unflatten(jax.tree.structure(self.params),
-                                                  self._gathered('master')), frozen)
+  def saving(self, state):
+    """(the state a checkpoint's orbax item holds, its pieces, what the checkpoint calls once it
+    has read them): the state as an all-device run's
+    with None where a host or NVMe tier holds it, which the checkpoint reads from the tier a
+    chunk at a time in the background (runtime/pieces.py), never whole in memory. The next
+    update waits until it has read them all (`__call__`)."""
+    devices = {checkpoint.name_of(path): x
+               for path, x in jax.tree_util.tree_leaves_with_path(state)}
+    on_devices = {kind: self._gathered(kind) for kind in KINDS
+                  if kind != 'master' and type(self.tiers[kind]) is DeviceTier}
 
     def leaf(path, x):
-      kind = _kind(path)
+      name = checkpoint.name_of(path)
+      if name in self.off_devices:
+        return None
+      kind = _kind(path) if path[0].name == 'opt_state' else None
       if kind in ('mu', 'nu'):
-        return arrays[kind][self._leaf_of(path, kind)]
+        return on_devices[kind][self._leaf_of(path, kind)]
       if kind == 'count':
         return jax.device_put(np.int32(self.count), x.sharding)
-      raise ValueError(f'training/tiers.py does not know the optimizer state leaf {path}')
-    return state.replace(params=params,
-                         opt_state=jax.tree_util.tree_map_with_path(leaf, abstract.opt_state))
+      if name in devices:
+        return devices[name]
+      raise ValueError(f'training/tiers.py does not know the state leaf {name}')
+    self.read_out.clear()
+    return (jax.tree_util.tree_map_with_path(leaf, self.setup.checkpoint_state),
+            self._pieces('full'), self.read_out.set)
+
+  def _pieces(self, method: str) -> dict[str, Pieces]:
+    """{name: Pieces} of what the host and NVMe tiers hold, each shard's function its tier's
+    `method` ('full' to save it, 'put_rows' to restore into it): of each distinct shard in the
+    job, the process of its first holder saves it; every process restores all it holds."""
+    out = {}
+    for name, (kind, leaf) in self.off_devices.items():
+      mine = {True: [], False: []}
+      for i, shard in enumerate(self.shards):
+        if shard.leaf == leaf:
+          mine[self.first_holder[leaf, _key(shard.index)]].append(
+              (shard.index, functools.partial(getattr(self.tiers[kind], method), i)))
+      out[name] = Pieces(self.abstract[name].shape, self.abstract[name].dtype,
+                         tuple(mine[True]), tuple(mine[False]))
+    return out
 
   def _leaf_of(self, path, kind) -> int:
     """The trained parameter a moment's leaf at `path` mirrors."""
@@ -443,21 +533,16 @@ class Engine:
     return self.names[jax.tree_util.keystr(path[at + 1:])]
 
   def _gathered(self, kind) -> list:
-    """Each trained parameter's `kind` as a global array in the parameter's sharding, in pinned
-    host memory where the devices have it: a checkpoint's copy, which the devices may not hold
-    whole (runtime/checkpoint.py sums such arrays one at a time)."""
+    """Each trained parameter's `kind` on the devices, as a global array in its sharding."""
     tier, params = self.tiers[kind], jax.tree.leaves(self.params)
     by_index = {(s.leaf, _key(s.index)): i for i, s in enumerate(self.shards)}
-    host = has_host_memory(self.shards[0].devices[0]) if self.shards else False
     return [jax.make_array_from_callback(
-        p.shape, p.sharding.with_memory_kind('pinned_host') if host else p.sharding,
-        # a copy: JAX's CPU backend may take a host array as its buffer, and the tiers' arrays
-        # change in place while the checkpoint is written in the background
-        lambda index, leaf=leaf: np.array(tier.full(by_index[leaf, _key(index)]), copy=True),
+        p.shape, p.sharding, lambda index, leaf=leaf: tier.full(by_index[leaf, _key(index)]),
         dtype=p.dtype) for leaf, p in enumerate(params)]
 
   def __call__(self, state, batch):
     grads, norm, finite, step, bad_steps, metrics = self.compiled(state, batch)
+    self.read_out.wait()  # a checkpoint still reading the tiers (behind the gradients' program)
     if bool(finite):
       if not self.setup.run.optimizer.master_on_devices:
         # the update makes the devices' new copy from the master weights and needs nothing of
@@ -538,6 +623,7 @@ class Engine:
 
   def close(self) -> None:
     """Ends the engine: its threads, and its NVMe files (the run's record is its checkpoints)."""
+    self.read_out.wait()  # a checkpoint's background read of the tiers ends before they do
     self.pool.shutdown(wait=True)
     for tier in self.tiers.values():
       tier.close()
