@@ -49,7 +49,7 @@ def test_nvme_benchmark_moves_every_way_through_the_disk(tmp_path):
   other bytes fails the run); figures against dd's; too little room is one line, nothing made."""
   f = figures('nvme', f'--dir={tmp_path}', '--gib=0.008', '--block_mib=1', '--repeats=1', config=())
   assert f['bytes'] == 8 * 2**20 and set(f['ways']) == {'dd', 'direct', 'buffered', 'tensorstore',
-                                                       'tier'}
+                                                       'tier', 'checkpoint'}
   for w in f['ways'].values():
     assert w['read_gb_per_s'] == f['bytes'] / w['read_s'] / 1e9 and w['write_s'] > 0
     assert w['read_of_dd'] == w['read_gb_per_s'] / f['ways']['dd']['read_gb_per_s']

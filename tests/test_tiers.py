@@ -84,7 +84,8 @@ def test_master_weights_and_both_moments_on_nvme_equal_the_all_device_run_bit_fo
     assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
-PLACEMENTS = {'to the devices': {}, 'to host memory': {name: 'host' for name in tiers.SETTING.values()},
+PLACEMENTS = {'to the devices': {},
+              'to host memory': {name: 'host' for name in tiers.SETTING.values()},
               'to other tiers past a damaged checkpoint': {'mu_tier': 'host'}}
 
 

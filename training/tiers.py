@@ -382,6 +382,30 @@ def scratch(directory: pathlib.Path, workdir: str) -> pathlib.Path:
   return directory / f'meshlm-{tag}' / f'process-{jax.process_index()}'
 
 
+class Readers:
+  """The checkpoints reading the tiers in the background: `none` is set while there are none."""
+
+  def __init__(self):
+    self.lock, self.reading, self.none = threading.Lock(), 0, threading.Event()
+    self.none.set()
+
+  def start(self):
+    """One more; returns what it calls when done (once: later calls do nothing)."""
+    with self.lock:
+      self.reading += 1
+      self.none.clear()
+    done = threading.Event()
+
+    def read_out():
+      with self.lock:
+        if not done.is_set():
+          done.set()
+          self.reading -= 1
+          if not self.reading:
+            self.none.set()
+    return read_out
+
+
 class Engine:
   """A tiered run's train step: (state, batch) → (state, metrics), as the compiled one's; the
   state it takes and returns is the devices' (parameters, step, bad steps; no optimizer state)."""
@@ -412,8 +436,7 @@ class Engine:
                      jax.tree_util.tree_leaves_with_path(setup.checkpoint_state)}
     self.off_devices = self._off_devices()  # {checkpoint name: (kind, trained leaf)}
     self.first_holder = self._first_holders(setup.mesh)
-    self.read_out = threading.Event()  # no checkpoint is reading the tiers
-    self.read_out.set()
+    self.readers = Readers()  # checkpoints reading the tiers
     self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix='meshlm-tiers')
     self.count = 0  # updates applied: AdamW's step count
 
@@ -508,9 +531,8 @@ class Engine:
       if name in devices:
         return devices[name]
       raise ValueError(f'training/tiers.py does not know the state leaf {name}')
-    self.read_out.clear()
     return (jax.tree_util.tree_map_with_path(leaf, self.setup.checkpoint_state),
-            self._pieces('full'), self.read_out.set)
+            self._pieces('full'), self.readers.start())
 
   def _pieces(self, method: str) -> dict[str, Pieces]:
     """{name: Pieces} of what the host and NVMe tiers hold, each shard's function its tier's
@@ -542,7 +564,7 @@ class Engine:
 
   def __call__(self, state, batch):
     grads, norm, finite, step, bad_steps, metrics = self.compiled(state, batch)
-    self.read_out.wait()  # a checkpoint still reading the tiers (behind the gradients' program)
+    self.readers.none.wait()  # a checkpoint still reading the tiers (behind the gradients' program)
     if bool(finite):
       if not self.setup.run.optimizer.master_on_devices:
         # the update makes the devices' new copy from the master weights and needs nothing of
@@ -623,7 +645,7 @@ class Engine:
 
   def close(self) -> None:
     """Ends the engine: its threads, and its NVMe files (the run's record is its checkpoints)."""
-    self.read_out.wait()  # a checkpoint's background read of the tiers ends before they do
+    self.readers.none.wait()  # a checkpoint's background read of the tiers ends before they do
     self.pool.shutdown(wait=True)
     for tier in self.tiers.values():
       tier.close()
