@@ -145,7 +145,7 @@ def _summed(shares: dict[str, int]) -> dict[str, int]:
     return shares
   names = sorted(shares)
   every = multihost_utils.process_allgather(np.array([shares[n] for n in names], np.uint64))
-  return dict(zip(names, (int(v) % (1 << 32) for v in np.sum(every, axis=0))))
+  return dict(zip(names, (int(v) % pieces_lib.MOD for v in np.sum(every, axis=0))))
 
 
 def _agree(ok: bool) -> bool:

@@ -458,16 +458,10 @@ class Engine:
     """{(trained leaf, index key): whether this process holds the index's first holder in
     the mesh}: the one process of the job that saves and restores that shard."""
     order = {d: i for i, d in enumerate(mesh.devices.flat)}
-    out = {}
-    for leaf, p in enumerate(jax.tree.leaves(self.params)):
-      first = {}
-      for device, index in p.sharding.devices_indices_map(p.shape).items():
-        key = _key(index)
-        if key not in first or order[device] < order[first[key]]:
-          first[key] = device
-      out.update({(leaf, key): device.process_index == jax.process_index()
-                  for key, device in first.items()})
-    return out
+    return {(leaf, _key(index)): holders[0].process_index == jax.process_index()
+            for leaf, p in enumerate(jax.tree.leaves(self.params))
+            for index, holders in offload.distinct_shards(
+                p.sharding.devices_indices_map(p.shape), order)}
 
   def restoring(self) -> dict[str, Pieces]:
     """The moments on a host or NVMe tier as a checkpoint's pieces to restore into (a chunk of a
