@@ -229,18 +229,6 @@ def _quiet_tfds():
     logger.setLevel(level)
 
 
-def _record_fields(data_config, files) -> records.Fields | None:
-  """What the corpus's record files hold (None when it has none), checked against its files."""
-  records.check_kind(data_config)
-  record_files = [f for f in files if records.is_record_file(f)]
-  if data_config.record != 'text' and len(record_files) < len(files):
-    text_file = next(f for f in files if not records.is_record_file(f))
-    raise ValueError(f'config.data.record={data_config.record!r} reads records from '
-                     f'{", ".join(records.SUFFIXES)} files, but config.data.paths also holds '
-                     f'{text_file}; give only record files, or set config.data.record=\'text\'')
-  return records.Fields.of(data_config) if record_files else None
-
-
 _SCANNED = {}  # dataset name → its scan: the builder config and warnings (the name hashes the files)
 
 
@@ -250,7 +238,7 @@ def text_files_builder(data_config, warn: bool = True, renders=None) -> TextFile
   warns of what it skips unless `warn` is False. Chat records are rendered with `renders`
   (data/chat.py: Template), if given, and skipped where it refuses them."""
   root, files = find_files(data_config.paths)
-  fields = _record_fields(data_config, files)
+  fields = records.fields_of(data_config, files)
   renders = renders if fields and fields.kind in records.CHAT_KINDS else None
   name = _fingerprint(data_config.paths, files, data_config.validation_fraction, fields, renders)
   with _quiet_tfds():
@@ -353,42 +341,28 @@ class Corpus:
   max_document_bytes: int | None  # known for `paths` corpora
   name: str = ''  # the TFDS dataset's
   prepared_in: str = ''  # its directory of prepared files
+  data_dir: str = ''  # config.data.data_dir, resolved (`data_dir`): its token ids are prepared there
   splits: tuple[str, str] = ('train', 'validation')  # the names of `train` and `validation`
   record: str = 'text'  # what a document's text holds (data/records.py: KINDS)
 
 
-def check_source(data_config, renders=None) -> None:
-  """The checks of load without preparing anything (the files exist and hold documents, the named
-  dataset is prepared): for a run to fail before it creates anything."""
-  if data_config.name:
-    _named_builder(data_config)
-  else:
-    _check_validation_fraction(data_config.validation_fraction)
-    text_files_builder(data_config, warn=False, renders=renders)
-
-
-def identity(data_config, renders=None) -> str:
-  """What the corpus holds, without preparing it: the content hash of config.data.paths' documents
-  (''  for a dataset prepared before meshlm kept one), or a named dataset's name, version and
-  sizes. A resumed run must read the same (training/loop.py)."""
+def check_source(data_config, renders=None) -> str:
+  """The checks of `load` without preparing anything (the files exist and hold documents, the
+  named dataset is prepared), for a run to fail before it creates anything; returns what the
+  corpus holds: the content hash of config.data.paths' documents ('' for a dataset prepared
+  before meshlm kept one), or a named dataset's name, version and sizes. A resumed run must read
+  the same (runtime/checkpoint.py: TRAINED_ON)."""
   if data_config.name:
     builder = _named_builder(data_config)
     sizes = {split: builder.info.splits[split].num_examples for split in builder.info.splits}
     return f'{builder.info.full_name} {sorted(sizes.items())}'
+  _check_validation_fraction(data_config.validation_fraction)
   builder = text_files_builder(data_config, warn=False, renders=renders)
   with _quiet_tfds():
     prepared = builder.is_prepared()
   if prepared:
     return (builder.info.metadata or {}).get('content', '')
   return builder.builder_config.content
-
-
-def trained_on(data_config, tokenizer, template=None) -> dict:
-  """What a run reads beyond its settings (runtime/checkpoint.py: TRAINED_ON), saved with each
-  checkpoint and held against a resumed run's: its tokenizer's fingerprint, its chat template's
-  digest (data/chat.py: Template), its corpus's `identity`."""
-  return {'tokenizer': tokenizer.fingerprint, 'chat_template': template.digest if template else '',
-          'corpus': identity(data_config, template)}
 
 
 def warn_about_length(corpus: 'Corpus', seq_len: int, positions: int) -> None:
@@ -473,5 +447,6 @@ def load(data_config, renders=None) -> Corpus:
                 description=f'{builder.info.full_name} ({len(train):,} train / '
                             f'{len(validation):,} validation documents)',
                 max_document_bytes=metadata.get('max_document_bytes'), name=builder.name,
-                prepared_in=str(builder.data_dir), splits=tuple(splits),
+                prepared_in=str(builder.data_dir), data_dir=data_dir(data_config),
+                splits=tuple(splits),
                 record=metadata.get('record', 'text'))

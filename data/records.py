@@ -74,6 +74,18 @@ class Fields:
             }[self.kind]
 
 
+def fields_of(data_config, files: list[pathlib.Path]) -> Fields | None:
+  """What config.data's record files hold (None when `files` has none), checked against them."""
+  check_kind(data_config)
+  record_files = [f for f in files if is_record_file(f)]
+  if data_config.record != 'text' and len(record_files) < len(files):
+    text_file = next(f for f in files if not is_record_file(f))
+    raise ValueError(f'config.data.record={data_config.record!r} reads records from '
+                     f'{", ".join(SUFFIXES)} files, but config.data.paths also holds '
+                     f'{text_file}; give only record files, or set config.data.record=\'text\'')
+  return Fields.of(data_config) if record_files else None
+
+
 class BadRecord(Exception):
   pass
 

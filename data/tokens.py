@@ -179,9 +179,10 @@ def prepare(corpus, encode: Encoder, data_dir: str) -> pathlib.Path:
   return final
 
 
-def load(corpus, tokenizer, data_config, data_dir: str, template=None) -> Documents:
-  """The corpus's documents as config.data.tokenize says, preparing their ids if needed (chat
-  records rendered with `template`, the run's: chat.owned)."""
+def load(corpus, tokenizer, data_config, data_dir: str | None = None, template=None) -> Documents:
+  """The corpus's documents as config.data.tokenize says, preparing their ids if needed in
+  `data_dir` (default the corpus's: config.data.data_dir; chat records rendered with `template`,
+  the run's: chat.owned)."""
   check_settings(data_config)
   encode = encoder(corpus, tokenizer, data_config, template)
   if data_config.tokenize == 'on_the_fly' or (data_config.tokenize == 'auto'
@@ -189,7 +190,7 @@ def load(corpus, tokenizer, data_config, data_dir: str, template=None) -> Docume
     return Documents(OnTheFly(corpus.train, corpus.text_key, encode),
                      OnTheFly(corpus.validation, corpus.text_key, encode),
                      'tokenized on the fly')
-  directory = prepare(corpus, encode, data_dir)
+  directory = prepare(corpus, encode, data_dir or corpus.data_dir)
   info = json.loads((directory / 'info.json').read_text())
   sources = [Prepared(str(directory / f'{split}.array_record'), info['dtype'],
                       f'config.data: the prepared token ids in {directory} are damaged; delete '

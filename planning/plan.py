@@ -109,12 +109,16 @@ def make_plan(compiled, setup) -> Plan:
   tokens = run.batch_size * run.seq_len
   kind = sharding.local_device(devices).device_kind
   hlo = compiled.as_text()
-  flops = flops_lib.flops_per_token(setup.model_cfg, run.seq_len,
-                                    reference=run.data.preference) * tokens / n
   gpu = gpus.find(kind)  # the compiled program's, which the time model describes
+  cfg = setup.model_cfg
+  flops = flops_lib.flops_per_token(cfg, run.seq_len, reference=run.data.preference) * tokens / n
+  attention_flops = flops_lib.attention_flops_per_token(cfg, run.seq_len) * tokens / n
   predicted = timing.predict(hlo, gpu or gpus.NOMINAL)
-  on_gpu = devices[0].platform == 'gpu'  # XLA's GPU options apply (training/programs.py)
+  attention_ranking = (timing.rank_attention(cfg.head_dim, cfg.compute_dtype, run.seq_len,
+                                             length_split=setup.mesh.shape['sequence'] > 1,
+                                             gpu=gpu) if gpu else [])
   tiers = offload.cost(setup, gpu, target.gpus_per_node)
+  on_gpu = devices[0].platform == 'gpu'  # XLA's GPU options apply (training/programs.py)
   time = predicted_time(predicted, gpu, tokens / n, flops, tiers)
   param_bytes = _device_bytes(setup.abstract_state.params)
   update_bytes = 0
@@ -129,10 +133,7 @@ def make_plan(compiled, setup) -> Plan:
       device=target.name, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
       mesh=dict(setup.mesh.shape), remat_policy=run.model.remat_policy,
-      attention=setup.model_cfg.attention,
-      attention_ranking=timing.rank_attention(
-          setup.model_cfg.head_dim, setup.model_cfg.compute_dtype, run.seq_len,
-          length_split=setup.mesh.shape['sequence'] > 1, gpu=gpu) if gpu else [],
+      attention=cfg.attention, attention_ranking=attention_ranking,
       context_parallel=run.model.context_parallel,
       microbatches=run.microbatches, virtual_stages=run.model.virtual_stages,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
@@ -141,9 +142,7 @@ def make_plan(compiled, setup) -> Plan:
                    + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
       host_bytes=(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
                   + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
-      flops=flops,
-      attention_flops=flops_lib.attention_flops_per_token(setup.model_cfg, run.seq_len)
-      * tokens / n,
+      flops=flops, attention_flops=attention_flops,
       matmul_flops=predicted.gemm_flops,
       compiled_flops=float(cost['flops']) if cost and 'flops' in cost else None,
       collectives=collectives.summary(hlo),
@@ -153,8 +152,8 @@ def make_plan(compiled, setup) -> Plan:
       memory_bytes=target.memory_bytes, memory_source=target.memory_source,
       time=time, param_bytes=param_bytes,
       optimizer_bytes=_device_bytes(setup.abstract_state.opt_state),
-      prefetch_weights=on_gpu and setup.model_cfg.prefetch_weights,
-      scheduler_memory=setup.model_cfg.scheduler_memory if on_gpu else None,
+      prefetch_weights=on_gpu and cfg.prefetch_weights,
+      scheduler_memory=cfg.scheduler_memory if on_gpu else None,
       tiers=dataclasses.asdict(tiers) if tiers else None, update_bytes=update_bytes)
 
 
@@ -217,20 +216,20 @@ def readable_bytes(n: int | None) -> str:
   return f'{n / 2**30:,.2f} GiB' if n >= 2**28 else f'{n / 2**20:,.2f} MiB'
 
 
-def compiled_for(plan: Plan) -> str:
-  """The 'compiled for' line: the GPU compiler without a GPU, the devices here, or a stand-in."""
+def compiled_for(plan: Plan, gpu: gpus.GPU | None) -> str:
+  """The 'compiled for' line (`gpu`: the plan's device, if planning/gpus.py knows it): the GPU
+  compiler without a GPU, the devices here, or a stand-in."""
   if plan.deviceless:
     return f'{plan.compiled_for} (deviceless: the GPU compiler, no GPU)'
-  if gpus.find(plan.device) and plan.compiled_for != gpus.find(plan.device).device_kind:
+  if gpu and plan.compiled_for != gpu.device_kind:
     return (f'{plan.compiled_for}, a stand-in for {plan.device}: temporaries approximate; '
             f'`{gpu_compiler.INSTALL}` compiles for {plan.device} itself')
   return plan.compiled_for
 
 
-def _stand_in(plan: Plan) -> str:
+def _stand_in(plan: Plan, gpu: gpus.GPU | None) -> str:
   """What a verdict from a CPU stand-in's compile is worth, and how to get the GPU's own."""
-  if plan.deviceless or not gpus.find(plan.device) or (
-      plan.compiled_for == gpus.find(plan.device).device_kind):
+  if plan.deviceless or not gpu or plan.compiled_for == gpu.device_kind:
     return ''
   return (f' (by a {plan.compiled_for} stand-in, whose temporaries are not the GPU\'s: '
           f'`{gpu_compiler.INSTALL}` gives the {plan.device}\'s own)')
@@ -238,6 +237,7 @@ def _stand_in(plan: Plan) -> str:
 
 def report(plan: Plan) -> None:
   """A table for people, then the plan as one JSON line."""
+  gpu = gpus.find(plan.device)  # None: a device planning/gpus.py does not know
   xla_flops = ('' if plan.compiled_flops is None else
                f' (XLA counts {plan.compiled_flops:.3e}, a scanned layer once)')
   split = plan.mesh.get('sequence', 1) > 1 and plan.attention in kernels.OURS
@@ -246,7 +246,7 @@ def report(plan: Plan) -> None:
       ', '.join(f'{k} {r:.2f}×' for k, r in plan.attention_ranking)
       + " the fastest's time (config.model.attention='auto' takes the first)")
   rows = [('device', f'{plan.n_devices} × {plan.device}'),
-          ('compiled for', compiled_for(plan)),
+          ('compiled for', compiled_for(plan, gpu)),
           ('mesh', sharding.describe(plan.mesh)
            + ('' if plan.partition == 'flat' else f' ({plan.partition} over data)')),
           ('attention, remat policy', f'{plan.attention}{context}, {plan.remat_policy}'),
@@ -267,7 +267,7 @@ def report(plan: Plan) -> None:
           ('temporaries / device', readable_bytes(plan.temp_bytes)),
           ('total / device', f'{readable_bytes(plan.total_bytes)} of {readable_bytes(plan.memory_bytes)}: '
                              + {True: 'fits', False: 'does NOT fit', None: 'device memory unknown'}
-                             [plan.fits] + _stand_in(plan)),
+                             [plan.fits] + _stand_in(plan, gpu)),
           *tier_rows(plan),
           ('memory available', plan.memory_source),
           ('host memory / device', readable_bytes(plan.host_bytes)),

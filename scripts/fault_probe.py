@@ -179,6 +179,8 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'batch not divisible': (['--config.batch_size=6'], 'config.batch_size=6'),
     'bad data paths': (['--config.data.paths=/nonexistent/*.txt'], 'config.data.paths'),
     'tokenize typo': (['--config.data.tokenize=twice'], 'config.data.tokenize'),
+    'data workers that do not divide the rows': (['--config.data.workers=3'],
+                                                 'config.data.workers=3'),
     'init_from nothing': (['--config.init_from=/nonexistent'], 'config.init_from'),
     'hf: without config.json': (['--config.init_from=hf:/nonexistent'], 'holds no config.json'),
     'extra argument': (['oops'], 'unexpected arguments'),

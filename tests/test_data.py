@@ -337,6 +337,8 @@ def test_bad_data_settings_fail_before_training_naming_the_setting(tmp_path, ind
   with pytest.raises(ValueError, match=message):
     loop.run(config)
   assert not (tmp_path / 'run' / 'metrics.jsonl').exists()
+  # and before any data was prepared
+  assert not [f for f in (tmp_path / 'tfds').rglob('*') if f.is_file()]
 
 
 def test_vocab_smaller_than_the_tokenizer_is_an_error():

@@ -24,7 +24,8 @@ from data.stdlib_chat import conversations, record
 from tests.conftest import STDLIB
 from training import loop, settings
 from training.programs import compile_train_step
-from training.state import PreferenceState, TrainState, build, trained
+from training.optimizer import trained
+from training.state import PreferenceState, TrainState, build
 import sharding
 
 B, L = 8, 160

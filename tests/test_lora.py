@@ -19,8 +19,9 @@ from interop import huggingface, peft
 from model.layers import LoRA, split_adapters
 from tests.conftest import SMALL_CORPUS
 from training import settings
+from training.optimizer import base_params
 from training.programs import compile_train_step
-from training.state import base_params, build
+from training.state import build
 
 DATA = pathlib.Path(__file__).resolve().parent / 'data'
 UNTIED = DATA / 'hf-llama-untied'

@@ -15,7 +15,8 @@ from model import head
 from tests.conftest import tiny_config
 from training import loop, optimizer
 from training import settings
-from training.state import build, trained
+from training.optimizer import trained
+from training.state import build
 from training.step import loss_sums
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

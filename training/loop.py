@@ -35,14 +35,15 @@ def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
   sharing a data dir never write it twice; then every process opens them."""
   def load():
     corpus = corpus_lib.load(run.data, run.template)
-    return corpus, tokens.load(corpus, run.tokenizer, run.data, corpus_lib.data_dir(run.data),
-                               run.template)
+    return corpus, tokens.load(corpus, run.tokenizer, run.data, template=run.template)
 
   if jax.process_count() > 1:
     if jax.process_index() == 0:
       load()
     multihost_utils.sync_global_devices('meshlm: corpus prepared')
-  return load()
+  corpus, documents = load()
+  corpus_lib.warn_about_length(corpus, run.seq_len, run.model.max_position_embeddings)
+  return corpus, documents
 
 
 def run(config, devices=None, tasks=None) -> list[dict]:
@@ -66,20 +67,24 @@ def train(run: Run, tasks=None) -> list[dict]:
   if tasks:
     tasks.check(run)
   setup = build(run)  # every model and mesh error surfaces here, before any work
+  pipeline.check_workers(run.data.workers, len(pipeline.process_rows(  # this process's rows
+      sharding.batch_sharding(setup.mesh), run.batch_size, run.seq_len)))
   if run.optimizer.tiered:  # the room on the optimizer state's disks
     tiers.check_room(setup)
-  # The data's files, every record rendered with the run's chat template.
-  corpus_lib.check_source(run.data, run.template)
   # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
   # only): checked before its data is prepared, and again once the workdir is held; never while
   # a live run holds it (and may be writing a checkpoint).
   workdir_lib.check_free(run.workdir, enabled=jax.process_index() == 0)
+  # The data's files, every record rendered with the run's chat template; nothing prepared yet.
+  corpus_holds = corpus_lib.check_source(run.data, run.template)
   checkpoints = pathlib.Path(run.workdir).expanduser() / 'checkpoints'
   reader = (checkpoint_lib.Checkpointer(checkpoints, read_only=True) if checkpoints.is_dir()
             else None)
-  # Once: it hashes the corpus. Saved with each checkpoint, compared with a resumed one's.
-  read = (corpus_lib.trained_on(run.data, run.tokenizer, run.template)
-          if reader or run.checkpoint_every else None)
+  # What the run reads beyond its settings (runtime/checkpoint.py: TRAINED_ON): saved with each
+  # checkpoint, held against a resumed one's.
+  read = ({'tokenizer': run.tokenizer.fingerprint,
+           'chat_template': run.template.digest if run.template else '',
+           'corpus': corpus_holds} if reader or run.checkpoint_every else None)
   try:
     check_checkpoints(reader, setup, read)
   finally:
@@ -109,14 +114,11 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
     if run.template:
       chat.keep_template(run.template.source, workdir)
     workdir_lib.write_whole(workdir / 'config.json', json.dumps(run.as_dict(), indent=2))
-  corpus_lib.warn_about_length(corpus, run.seq_len, run.model.max_position_embeddings)
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
   console = metrics_lib.Console(run.train_steps, enabled=is_main)
   log = console.log
 
   batch_sharding = sharding.batch_sharding(setup.mesh)
-  pipeline.check_workers(run.data.workers, len(pipeline.process_rows(
-      batch_sharding, run.batch_size, run.seq_len)))
   log(f'meshlm: {param_count(setup.abstract_state.params) / 1e6:.2f}M parameters on '
       f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh '
       f'{sharding.describe(setup.mesh.shape)}; workdir {workdir}')

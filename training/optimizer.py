@@ -1,5 +1,6 @@
 """AdamW with linear warmup + cosine decay and global-norm clipping (draft heads clipped apart
-from the model they draft for, so that they never change how it trains), and where its state
+from the model they draft for, so that they never change how it trains), which parameters it
+trains (`trained`: all of them, or under LoRA the adapters), and where its state
 lives between steps: the fp32 master weights and each of Adam's moments on the devices (the
 compiled step updates them), in host memory, or in files on NVMe (training/tiers.py updates
 them outside the step, a group at a time)."""
@@ -11,7 +12,7 @@ import jax
 import optax
 from flax import nnx
 
-from model.layers import Draft
+from model.layers import ADDED, Draft, split_adapters
 from model.moe import RouterBias
 
 
@@ -51,6 +52,12 @@ class OptimizerConfig:
     dtype, which is what the step reads of them)."""
     return self.master_tier == DEVICE
 
+  @property
+  def placements(self) -> dict[str, tuple[str, pathlib.Path | None]]:
+    """{'master': (tier, directory), 'mu': …, 'nu': …}: where each part of the state lives."""
+    return {name.removesuffix('_tier'): tier(getattr(self, name), f'config.optimizer.{name}')
+            for name in TIERED}
+
 
 DEVICE, HOST, NVME = 'device', 'host', 'nvme'
 TIERED = ('master_tier', 'mu_tier', 'nu_tier')  # the settings that place the state
@@ -78,6 +85,23 @@ def make_schedule(opt_config, train_steps: int) -> optax.Schedule:
       init_value=0.0, peak_value=opt_config.learning_rate, warmup_steps=warmup,
       decay_steps=max(train_steps, warmup + 1),
       end_value=opt_config.learning_rate * opt_config.min_lr_ratio)
+
+
+def trained(cfg, params):
+  """(the parameters the optimizer trains, the frozen rest) of the model `cfg` configures
+  (model.ModelConfig): under LoRA the adapters (and draft heads) and the base; with draft_only the
+  draft heads and the rest; else all of them and nothing."""
+  if cfg.draft_only:
+    return split_adapters(params, Draft)
+  if cfg.lora_rank:
+    return split_adapters(params, ADDED)
+  return params, nnx.State({})
+
+
+def base_params(cfg, params):
+  """What a checkpoint or a Hugging Face model supplies at the start: all the parameters, or the
+  base's (adapters and draft heads start afresh)."""
+  return split_adapters(params, ADDED)[1] if cfg.lora_rank or cfg.draft_heads else params
 
 
 def decay_mask(params):

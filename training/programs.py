@@ -9,7 +9,8 @@ import optax
 from planning import gpus
 from planning import plan as plan_lib
 import sharding
-from training.state import Setup, trained
+from training.optimizer import trained
+from training.state import Setup
 from training.step import make_eval_step, make_gradient_step, make_train_step
 
 BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
@@ -77,13 +78,14 @@ def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: floa
                        packed: bool = True, microbatches: int = 1):
   """Ahead-of-time compiled train step: (state, batch) → (state, metrics); state is donated.
   `packed=False` compiles for batches without segment ids (one document a row)."""
+  options = compiler_options(setup)
   batch = abstract_batch(setup.mesh, batch_size, seq_len, packed)
   jitted = jax.jit(make_train_step(setup, z_loss, microbatches),
                    in_shardings=(setup.state_shardings, jax.tree.map(lambda x: x.sharding, batch)),
                    out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
                    donate_argnums=0)
   with jax.set_mesh(setup.mesh):
-    return jitted.lower(setup.abstract_state, batch).compile(compiler_options(setup))
+    return jitted.lower(setup.abstract_state, batch).compile(options)
 
 
 def compile_gradient_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
@@ -95,6 +97,7 @@ def compile_gradient_step(setup: Setup, batch_size: int, seq_len: int, z_loss: f
   next step count, the bad steps, metrics). With the master weights off the devices, the
   parameters here are a compute-dtype copy and so are their gradients (summed over microbatches
   in fp32)."""
+  options = compiler_options(setup)
   batch = abstract_batch(setup.mesh, batch_size, seq_len)
   gradient_step = make_gradient_step(setup, z_loss, microbatches)
 
@@ -108,11 +111,12 @@ def compile_gradient_step(setup: Setup, batch_size: int, seq_len: int, z_loss: f
                    out_shardings=(trained(setup.model_cfg, setup.state_shardings.params)[0],
                                   *[replicated] * 5))
   with jax.set_mesh(setup.mesh):
-    return jitted.lower(setup.abstract_state, batch).compile(compiler_options(setup))
+    return jitted.lower(setup.abstract_state, batch).compile(options)
 
 
 def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V,
                       microbatches: int = 1):
+  options = compiler_options(setup)
   batch = abstract_batch(setup.mesh, batch_size, seq_len)
   reference = getattr(setup.state_shardings, 'reference', None)  # DPO's, where the state has one
   jitted = jax.jit(make_eval_step(setup, token_bytes_V, microbatches),
@@ -122,7 +126,7 @@ def compile_eval_step(setup: Setup, batch_size: int, seq_len: int, token_bytes_V
   with jax.set_mesh(setup.mesh):
     return jitted.lower(setup.abstract_state.params,
                         getattr(setup.abstract_state, 'reference', None),
-                        batch).compile(compiler_options(setup))
+                        batch).compile(options)
 
 
 def compile_and_plan(setup: Setup):

@@ -18,13 +18,14 @@ from jax.sharding import Mesh
 from data import tokenizers
 from interop import huggingface
 from model import ModelConfig, Transformer
-from model.layers import ADDED, Draft, is_added, split_adapters
+from model.layers import ADDED, is_added, split_adapters
 from planning import gpus
 from planning import target as target_lib
 from runtime import checkpoint as checkpoint_lib
 import sharding
 from sharding import hierarchical
 from training import optimizer
+from training.optimizer import base_params, trained
 from training.run import HF, RUN, Run
 
 
@@ -50,23 +51,6 @@ def holds_reference(run: Run) -> bool:
   return run.data.preference and not run.model.frozen_base
 
 
-def trained(cfg: ModelConfig, params):
-  """(the parameters the optimizer trains, the frozen rest): under LoRA the adapters (and draft
-  heads) and the base; with draft_only the draft heads and the rest; else all of them and
-  nothing."""
-  if cfg.draft_only:
-    return split_adapters(params, Draft)
-  if cfg.lora_rank:
-    return split_adapters(params, ADDED)
-  return params, nnx.State({})
-
-
-def base_params(cfg: ModelConfig, params):
-  """What a checkpoint or a Hugging Face model supplies at the start: all the parameters, or the
-  base's (adapters and draft heads start afresh)."""
-  return split_adapters(params, ADDED)[1] if cfg.lora_rank or cfg.draft_heads else params
-
-
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """What a run derives from its settings before touching data or devices' memory."""
@@ -83,6 +67,9 @@ class Setup:
   # devices hold no optimizer state and, with the master weights off them too, a copy of the
   # parameters in the compute dtype
   checkpoint_state: TrainState
+  # What a start supplies (a meshlm run's checkpoint, a Hugging Face model): checkpoint_state's
+  # parameters, or under LoRA and draft heads the base's alone (`base_params`)
+  start_params: nnx.State
   opt_compute_shardings: object | None  # where the step computes the optimizer update, when
                                         # the state lives in host memory between steps
   seed: int
@@ -161,9 +148,6 @@ def build(run: Run) -> Setup:
 
   abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(run.seed)))
   graphdef, abstract_params = nnx.split(abstract_model)
-  schedule = optimizer.make_schedule(run.optimizer, run.train_steps)
-  tx = optimizer.make_optimizer(run.optimizer, schedule, model_cfg.draft_heads > 0)
-
   param_shardings = sharding.param_shardings(abstract_params, mesh)
   if run.partition.hierarchical and mesh.shape['data'] == 1:  # config.mesh.data=-1 filled in
     raise ValueError('config.partition.hierarchical=True splits the state over config.mesh.data, '
@@ -173,6 +157,8 @@ def build(run: Run) -> Setup:
       model_cfg.experts, model_cfg.matmul_precision, model_cfg.frozen_base):
     hierarchy = hierarchical.hierarchy(run.partition, abstract_params, param_shardings, mesh)
     param_shardings = hierarchical.master_shardings(param_shardings, hierarchy.dims)
+  schedule = optimizer.make_schedule(run.optimizer, run.train_steps)
+  tx = optimizer.make_optimizer(run.optimizer, schedule, model_cfg.draft_heads > 0)
   abstract_opt = jax.eval_shape(tx.init, trained(model_cfg, abstract_params)[0])
   # Adam's moments mirror the trained parameters and take their shardings; counters are
   # replicated.
@@ -211,6 +197,7 @@ def build(run: Run) -> Setup:
   return Setup(run=run, model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
                abstract_state=abstract_state, state_shardings=state_shardings,
                checkpoint_state=checkpoint_state,
+               start_params=base_params(model_cfg, checkpoint_state.params),
                opt_compute_shardings=opt_compute_shardings, seed=run.seed,
                hierarchy=hierarchy)
 
@@ -232,11 +219,11 @@ def check_checkpoints(checkpointer, setup, read: dict | None) -> None:
       if checkpointer.reads_as(setup.checkpoint_state, step, setting='config.workdir',
                                model_config=run.model):
         return
-    base = base_params(setup.model_cfg, setup.checkpoint_state.params)
     if run.start.kind == HF and not steps:
-      huggingface.check_tensors(run.start.path, base, setup.model_cfg)
+      huggingface.check_tensors(run.start.path, setup.start_params, setup.model_cfg)
     elif run.start.kind == RUN and not steps:
-      checkpoint_lib.check_init_from(run.init_from, base, run.model, unwanted=is_added)
+      checkpoint_lib.check_init_from(run.init_from, setup.start_params, run.model,
+                                     unwanted=is_added)
   except checkpoint_lib.CheckpointMismatch as e:
     if 'vocab_size' in e.saved_model:
       tokenizers.check_checkpoint_vocab(e.saved_model['vocab_size'], run.tokenizer,
@@ -254,17 +241,15 @@ def initial_state(setup, checkpointer, log, pieces=None):
   if restored:
     log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')
     return restored
-  base = base_params(setup.model_cfg, setup.checkpoint_state.params)  # under LoRA, not adapters
+  params = None  # from scratch, unless the run names a start
   if run.start.kind == HF:
-    params = huggingface.load_params(run.start.path, base, setup.model_cfg)
+    params = huggingface.load_params(run.start.path, setup.start_params, setup.model_cfg)
     log(f'starting from the Hugging Face checkpoint {run.start.path} (fresh optimizer, step 0)')
-    return 0, setup.init_state(params), None
-  if run.start.kind == RUN:
-    params, path = checkpoint_lib.restore_params(run.init_from, base, run.model,
+  elif run.start.kind == RUN:
+    params, path = checkpoint_lib.restore_params(run.init_from, setup.start_params, run.model,
                                                  unwanted=is_added)
     log(f'starting from the parameters of {path} (fresh optimizer, step 0)')
-    return 0, setup.init_state(params), None
-  return 0, setup.init_state(), None
+  return 0, setup.init_state(params), None
 
 
 def capability(device) -> tuple[int, int]:

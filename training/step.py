@@ -16,7 +16,8 @@ from model import Transformer, draft, moe, pipeline
 from model.layers import Draft, constrain, split_adapters
 from sharding import hierarchical
 import sharding
-from training.state import Setup, TrainState, trained
+from training.optimizer import trained
+from training.state import Setup, TrainState
 
 
 def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):

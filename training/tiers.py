@@ -44,18 +44,12 @@ from planning.plan import readable_bytes
 from runtime import checkpoint, faults
 from runtime.pieces import Pieces
 from training import optimizer
-from training.optimizer import DEVICE, HOST, NVME
-from training.state import Setup, has_host_memory, trained
+from training.optimizer import DEVICE, HOST, NVME, trained
+from training.state import Setup, has_host_memory
 
 GROUP_BYTES = offload.GROUP_BYTES  # the state a group holds (planning/offload.py says why)
 KINDS = ('master', 'mu', 'nu')  # what a tier holds, by the setting that places it
 SETTING = {'master': 'master_tier', 'mu': 'mu_tier', 'nu': 'nu_tier'}
-
-
-def placements(opt_config) -> dict[str, tuple[str, pathlib.Path | None]]:
-  """{'master': (tier, directory), 'mu': …, 'nu': …} of config.optimizer."""
-  return {kind: optimizer.tier(getattr(opt_config, SETTING[kind]),
-                               f'config.optimizer.{SETTING[kind]}') for kind in KINDS}
 
 
 def check_room(setup: Setup) -> None:
@@ -63,7 +57,7 @@ def check_room(setup: Setup) -> None:
   holds, and the host's memory for what the host tier holds of this node's: ValueError naming it
   otherwise (training only: a plan allocates nothing)."""
   need, host, share = {}, 0, _process_bytes(setup)  # each kind's: the same bytes
-  for kind, (tier, directory) in placements(setup.run.optimizer).items():
+  for kind, (tier, directory) in setup.run.optimizer.placements.items():
     if tier == NVME:
       need[directory] = need.get(directory, 0) + share
     elif tier == HOST:
@@ -414,7 +408,7 @@ class Engine:
     self.setup, self.compiled = setup, compiled_gradients
     self.shards = shards(setup)
     self.groups = groups(self.shards, GROUP_BYTES)
-    self.tiers, placed = {}, placements(setup.run.optimizer)
+    self.tiers, placed = {}, setup.run.optimizer.placements
     self.scratch = sorted({scratch(directory, setup.run.workdir)
                            for tier, directory in placed.values() if tier == NVME})
     try:
