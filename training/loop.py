@@ -67,10 +67,10 @@ def train(run: Run, tasks=None) -> list[dict]:
   if tasks:
     tasks.check(run)
   setup = build(run)  # every model and mesh error surfaces here, before any work
-  pipeline.check_workers(run.data.workers, len(pipeline.process_rows(  # this process's rows
-      sharding.batch_sharding(setup.mesh), run.batch_size, run.seq_len)))
   if run.optimizer.tiered:  # the room on the optimizer state's disks
     tiers.check_room(setup)
+  pipeline.check_workers(run.data.workers, len(pipeline.process_rows(  # this process's rows
+      sharding.batch_sharding(setup.mesh), run.batch_size, run.seq_len)))
   # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
   # only): checked before its data is prepared, and again once the workdir is held; never while
   # a live run holds it (and may be writing a checkpoint).
