@@ -266,6 +266,8 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
         'config.mesh.stage=2 with the trained parameters in bfloat16'),
     'no layout fits the memory': (['--config.mesh.auto=True', '--config.plan.memory_gb=1e-9'],
                                   'fits, even with the optimizer state in host memory'),
+    'a step that does not fit the memory': (['--config.plan.memory_gb=1e-6'],
+                                            'per device (arguments'),
 }
 
 

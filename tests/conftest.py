@@ -173,7 +173,7 @@ FAST = (
     'test_kv_cache.py::test_quantization_is_numpys',
     'test_speculate.py::test_greedy_speculation_gives_plain_greedy_tokens',
     'test_kv_cache.py::test_each_kinds_bytes_are_the_arrays_it_allocates',
-    'test_plan.py::test_a_run_that_cannot_fit_stops_before_allocating_naming_the_settings',
+    'test_plan.py::test_a_run_that_cannot_fit_stops_before_writing_anything_naming_the_settings',
     'test_plan.py::test_compiled_matmul_flops_are_the_formula_plus_what_remat_recomputes[none]',
     'test_plan.py::test_layout_tries_both_context_choices_where_the_kernel_meets_a_sequence_split',
     'test_plan.py::test_auto_attention_is_xla_on_cpus_and_the_time_models_fastest_that_runs_on_gpus',

@@ -19,17 +19,22 @@ class Evaluator:
   pairs {'eval_loss', 'eval_reward_accuracy', 'eval_reward_margin', 'eval_pairs'}); every call
   reads the same batches: the first config.eval_batches of the split, or all of it when that is 0."""
 
-  def __init__(self, setup, validation, batch_sharding):
-    """`validation`: the split's documents as token ids (data/tokens.py), read with the tokenizer
-    of setup's run."""
+  @staticmethod
+  def compile(setup):
+    """The eval step compiled for setup's run: its batch shape, tokenizer and microbatches."""
+    run = setup.run
+    return programs.compile_eval_step(setup, run.batch_size, run.seq_len,
+                                      run.tokenizer.token_bytes(), run.microbatches)
+
+  def __init__(self, setup, step, validation, batch_sharding):
+    """`step`: `Evaluator.compile`'s; `validation`: the split's documents as token ids
+    (data/tokens.py), read with the tokenizer of setup's run."""
     run, tokenizer = setup.run, setup.run.tokenizer
     self.pairs = prefers(setup)
     self.docs = pipeline.documents(validation, seed=None)
     self.shape = (run.batch_size, run.seq_len)
     self.n_batches = run.eval_batches or pipeline.pass_length(self.docs, *self.shape, self.pairs)
-    self.sharding, self.pad_id = batch_sharding, tokenizer.pad_id
-    self.step = programs.compile_eval_step(setup, *self.shape, tokenizer.token_bytes(),
-                                           run.microbatches)
+    self.sharding, self.pad_id, self.step = batch_sharding, tokenizer.pad_id, step
 
   def __call__(self, state) -> dict:
     # A pass is short: it runs in this process, since starting workers would cost more.

@@ -1,8 +1,8 @@
 """The training loop: config resolved into a Run (training/settings.py, its layout chosen) →
-setup → data and checkpoints checked (a resumed run keeps what it trained with) → data prepared →
-workdir created and held → checkpoints checked again → the step compiled and its plan checked →
-state restored or initialised → steps, each handed to the hooks of training/hooks.py (logs,
-evals, saves, …). A dry run, which trains nothing, is training/dry_run.py's."""
+setup → data and checkpoints checked (a resumed run keeps what it trained with) → the steps
+compiled and their plan checked → data prepared → workdir created and held → checkpoints checked
+again → state restored or initialised → steps, each handed to the hooks of training/hooks.py
+(logs, evals, saves, …). A dry run, which trains nothing, is training/dry_run.py's."""
 
 import json
 import pathlib
@@ -90,8 +90,23 @@ def train(run: Run, tasks=None) -> list[dict]:
   finally:
     if reader:
       reader.close()
+  # Compiled before the data is prepared or the workdir made: a step that does not fit its devices
+  # is refused before the run writes anything.
+  console = metrics_lib.Console(run.train_steps, enabled=jax.process_index() == 0)
+  console.log(f'meshlm: {param_count(setup.abstract_state.params) / 1e6:.2f}M parameters on '
+              f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh '
+              f'{sharding.describe(setup.mesh.shape)}; workdir '
+              f'{pathlib.Path(run.workdir).expanduser()}')
+  t0 = time.perf_counter()
+  train_step, the_plan = compile_and_plan(setup)
+  plan_lib.check_fits(the_plan)  # before the data is prepared and the state allocated
+  eval_step = Evaluator.compile(setup) if run.eval_every else None
+  console.log(f'compiled in {time.perf_counter() - t0:.1f}s')
   # Prepared before the workdir is created or held: a failure there (a full disk) leaves none.
   corpus, documents = load_data(run)
+  console.log(f'data: {corpus.description}, {run.tokenizer.name} tokenizer '
+              f'({run.tokenizer.vocab_size} tokens, model vocab {run.model.vocab_size}), '
+              f'{documents.description}, {run.data.workers} worker(s)')
   workdir = workdir_lib.prepare(run.workdir)
   with workdir_lib.hold(workdir, enabled=jax.process_index() == 0):  # one run per workdir
     checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints',
@@ -100,34 +115,24 @@ def train(run: Run, tasks=None) -> list[dict]:
     try:
       check_checkpoints(checkpointer, setup, read)
       with StopSignals() as stop, distributed.explain_failures(run.distributed):
-        return _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks)
+        return _train(setup, train_step, eval_step, documents, workdir, checkpointer, console,
+                      stop, read, tasks)
     finally:
       if checkpointer:
         checkpointer.close()  # waits for the save in flight
 
 
-def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -> list[dict]:
-  run, tokenizer = setup.run, setup.run.tokenizer
+def _train(setup, train_step, eval_step, documents, workdir, checkpointer, console, stop, read,
+           tasks) -> list[dict]:
+  run, log = setup.run, console.log
   is_main = jax.process_index() == 0
   if is_main:  # the run's own tokenizer, chat template and settings, read from here on (resumed,
-    tokenizers.keep(tokenizer, workdir)  # sampled, exported)
+    tokenizers.keep(run.tokenizer, workdir)  # sampled, exported)
     if run.template:
       chat.keep_template(run.template.source, workdir)
     workdir_lib.write_whole(workdir / 'config.json', json.dumps(run.as_dict(), indent=2))
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
-  console = metrics_lib.Console(run.train_steps, enabled=is_main)
-  log = console.log
-
-  batch_sharding = sharding.batch_sharding(setup.mesh)
-  log(f'meshlm: {param_count(setup.abstract_state.params) / 1e6:.2f}M parameters on '
-      f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh '
-      f'{sharding.describe(setup.mesh.shape)}; workdir {workdir}')
-  log(f'data: {corpus.description}, {tokenizer.name} tokenizer ({tokenizer.vocab_size} tokens, '
-      f'model vocab {run.model.vocab_size}), {documents.description}, '
-      f'{run.data.workers} worker(s)')
   t0 = time.perf_counter()
-  train_step, the_plan = compile_and_plan(setup)
-  plan_lib.check_fits(the_plan)  # before the state is allocated
   engine = tiers.Engine(setup, train_step) if run.optimizer.tiered else None
   start_step, state, data_state = initial_state(setup, checkpointer, log,
                                                 engine.restoring() if engine else None)
@@ -143,10 +148,11 @@ def _train(setup, workdir, corpus, documents, checkpointer, stop, read, tasks) -
       engine.close()
     return []
   writer.drop_after(start_step)  # the steps after the checkpoint (or all, from 0) are logged again
+  batch_sharding = sharding.batch_sharding(setup.mesh)
   batches = pipeline.train_batches(documents.train, run, batch_sharding, state=data_state)
-  evaluate = (Evaluator(setup, documents.validation, batch_sharding)
-              if run.eval_every else None)
-  log(f'initialised and compiled in {time.perf_counter() - t0:.1f}s')
+  evaluate = (Evaluator(setup, eval_step, documents.validation, batch_sharding)
+              if eval_step else None)
+  log(f'initialised in {time.perf_counter() - t0:.1f}s')
 
   guard = hooks.NonFinite(run.max_bad_steps, checkpointer)
   report = hooks.Report(writer, console, run.train_steps)
