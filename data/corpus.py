@@ -113,6 +113,15 @@ class TextFilesConfig(tfds.core.BuilderConfig):
   renders: object = None  # chat records: what each must render with (data/chat.py: Template)
 
 
+class _LocalInfo(tfds.core.DatasetInfo):
+  """A corpus's DatasetInfo. For a dataset not yet prepared, TFDS looks its info up on its public
+  bucket through a temporary directory it never removes (one in /tmp for every builder made);
+  ours are never there."""
+
+  def initialize_from_bucket(self) -> None:
+    pass
+
+
 class TextFiles(tfds.core.GeneratorBasedBuilder):
   """One example per UTF-8 file or good record: {'text', 'path'} ('file:line' for a record).
   Blank files, undecodable ones and bad records are skipped (the last two with a DataWarning)
@@ -121,7 +130,7 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
   url_infos = None  # nothing to download (and TFDS's lookup of checksum files fails in packages)
 
   def _info(self):
-    return tfds.core.DatasetInfo(
+    return _LocalInfo(
         builder=self, description=f'Text files under {self.builder_config.root}',
         features=tfds.features.FeaturesDict({'text': tfds.features.Text(),
                                              'path': tfds.features.Text()}),

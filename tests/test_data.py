@@ -5,6 +5,7 @@ import json
 import math
 import pathlib
 import pickle
+import tempfile
 
 import jax
 import numpy as np
@@ -289,6 +290,17 @@ def test_undecodable_files_are_skipped_with_a_warning_and_blank_ones_silently(tm
   paths = {corpus.train[i]['path'].decode() for i in range(len(corpus.train))} | {
       corpus.validation[i]['path'].decode() for i in range(len(corpus.validation))}
   assert paths == set(TEXTS)
+
+
+def test_preparing_a_corpus_leaves_nothing_in_the_temporary_directory(tmp_path, monkeypatch):
+  config = tiny_config()
+  config.data.paths = str(write_texts(tmp_path / 'corpus'))
+  config.data.data_dir = str(tmp_path / 'tfds')
+  (tmp_path / 'tmp').mkdir()
+  monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'tmp'))
+  corpus_lib.check_source(config.data)
+  corpus_lib.load(config.data)
+  assert list((tmp_path / 'tmp').iterdir()) == []
 
 
 def test_seq_len_longer_than_every_document_warns(tmp_path):
