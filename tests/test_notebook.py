@@ -10,7 +10,8 @@ import nbformat
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_quickstart_notebook_runs():
+def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+  monkeypatch.setenv('TMPDIR', str(tmp_path))  # its workdir (tempfile.mkdtemp), removed after
   notebook = nbformat.read(REPO / 'notebooks' / 'quickstart.ipynb', as_version=4)
   # 20 of its 100 steps, an evaluation every 10: configs/base.py's 100 steps are
   # tests/test_training.py's, against its committed curve. The kernel inherits this process's
@@ -31,11 +32,13 @@ def test_quickstart_notebook_runs():
   assert last < first
   assert any('image/png' in o.get('data', {}) for o in outputs)
   assert "--- 'def '\ndef " in text and "--- 'import '\nimport " in text
+  assert [p.name[:15] for p in tmp_path.iterdir()] == ['meshlm-notebook']
 
 
-def test_finetune_notebook_runs():
+def test_finetune_notebook_runs(tmp_path, monkeypatch):
   """notebooks/finetune.ipynb: records and their template, LoRA on the imported model, both
   exports, a chat answer."""
+  monkeypatch.setenv('TMPDIR', str(tmp_path))  # its working folder, removed after
   notebook = nbformat.read(REPO / 'notebooks' / 'finetune.ipynb', as_version=4)
   nbclient.NotebookClient(notebook, timeout=600, kernel_name='python3',
                           resources={'metadata': {'path': str(REPO)}}).execute()
@@ -48,3 +51,4 @@ def test_finetune_notebook_runs():
   assert last < first
   assert "'adapter_config.json', 'adapter_model.safetensors'" in text
   assert 'context limit declared: 256' in text and '<|start_header_id|>assistant' in text
+  assert [p.name[:15] for p in tmp_path.iterdir()] == ['meshlm-finetune']
