@@ -437,7 +437,21 @@ def _(p):
 
 @case('signal: SIGTERM while compiling')
 def _(p):
-  return stopped_and_resumed(p, signal.SIGTERM, at='data: ')
+  """The step compiles before the run writes anything, and SIGTERM then ends it at once with one
+  line, exit 143 (runtime/cli.py; one that lands once the steps have begun stops it as mid-run);
+  either way the same command then trains every step once."""
+  workdir = p.path('signal')
+  process = p.start(*p.train(workdir, 12))
+  read_until(process, 'meshlm: ')  # printed just before the compile
+  process.send_signal(signal.SIGTERM)
+  out, _ = process.communicate(timeout=300)
+  if process.returncode == 0 and 'stopped by' in out:
+    return resumed(p.run(*p.train(workdir, 12)), ['resuming from step'], workdir, 12)
+  if process.returncode != 128 + signal.SIGTERM or 'train.py: stopped by SIGTERM' not in out:
+    return 'BAD', f'exit {process.returncode}: {lines(out)[-1:]}'
+  if (workdir / 'checkpoints').exists() and any((workdir / 'checkpoints').iterdir()):
+    return 'BAD', 'killed with a checkpoint begun'
+  return resumed(p.run(*p.train(workdir, 12)), ['step 12/12'], workdir, 12)
 
 
 @case('signal: SIGKILL mid-run, then resume')
