@@ -74,7 +74,8 @@ def train(run: Run, tasks=None) -> list[dict]:
   # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
   # only): checked before its data is prepared, and again once the workdir is held; never while
   # a live run holds it (and may be writing a checkpoint).
-  workdir_lib.check_free(run.workdir, enabled=jax.process_index() == 0)
+  is_main = jax.process_index() == 0  # process 0 holds the workdir and writes the console
+  workdir_lib.check_free(run.workdir, enabled=is_main)
   # The data's files, every record rendered with the run's chat template; nothing prepared yet.
   corpus_holds = corpus_lib.check_source(run.data, run.template)
   checkpoints = pathlib.Path(run.workdir).expanduser() / 'checkpoints'
@@ -92,11 +93,10 @@ def train(run: Run, tasks=None) -> list[dict]:
       reader.close()
   # Compiled before the data is prepared or the workdir made: a step that does not fit its devices
   # is refused before the run writes anything.
-  console = metrics_lib.Console(run.train_steps, enabled=jax.process_index() == 0)
+  console = metrics_lib.Console(run.train_steps, enabled=is_main)
   console.log(f'meshlm: {param_count(setup.abstract_state.params) / 1e6:.2f}M parameters on '
               f'{setup.mesh.size} {jax.devices()[0].platform} devices, mesh '
-              f'{sharding.describe(setup.mesh.shape)}; workdir '
-              f'{pathlib.Path(run.workdir).expanduser()}')
+              f'{sharding.describe(setup.mesh.shape)}; workdir {checkpoints.parent}')
   t0 = time.perf_counter()
   train_step, the_plan = compile_and_plan(setup)
   plan_lib.check_fits(the_plan)  # before the data is prepared and the state allocated
@@ -108,7 +108,7 @@ def train(run: Run, tasks=None) -> list[dict]:
               f'({run.tokenizer.vocab_size} tokens, model vocab {run.model.vocab_size}), '
               f'{documents.description}, {run.data.workers} worker(s)')
   workdir = workdir_lib.prepare(run.workdir)
-  with workdir_lib.hold(workdir, enabled=jax.process_index() == 0):  # one run per workdir
+  with workdir_lib.hold(workdir, enabled=is_main):  # one run per workdir
     checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints',
                                                 keep=run.keep_checkpoints)
                     if run.checkpoint_every else None)
