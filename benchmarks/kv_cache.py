@@ -29,7 +29,6 @@ the time model's prediction of its step (planning/timing.py), never a measuremen
 """
 
 import argparse
-import json
 import math
 import sys
 from typing import NamedTuple
@@ -171,9 +170,10 @@ def main(argv=None):
   parser.add_argument('--batch', type=int, default=8)
   parser.add_argument('--slots', type=int, default=32768)
   parser.add_argument('--target', default='H100')
+  parser.add_argument('--out', default='', help='also write the figures here (JSON)')
   args = parser.parse_args(argv)
   if args.plan:
-    return report.emit(plan(args.plan, args.batch, args.slots, args.target), None)
+    return report.emit(plan(args.plan, args.batch, args.slots, args.target), args.out)
   loaded = sampling.load(args.workdir)
   cfg, tok = loaded.model.cfg, loaded.tokenizer
   rows = windows(loaded, args.rows, loaded.run.seq_len)
@@ -200,9 +200,10 @@ def main(argv=None):
     print(f'{kind:8} {r["bytes_per_token_layer"]:>18,} {r["bytes_of_full"]:>8.3f} '
           f'{r["loss"]:>8.4f} {r["bits_per_byte"]:>10.4f} {100 * r["bits_per_byte_change"]:>+11.3f}% '
           f'{100 * r["greedy_same"]:>11.1f}% {r["greedy_tokens_before_change"]:>13.1f}')
-  print(json.dumps({'benchmark': 'kv_cache', 'checkpoint': loaded.checkpoint,
-                    'rows': len(rows), 'tokens': int(sum(map(len, rows))) - len(rows),
-                    'device': jax.devices()[0].device_kind, 'kinds': results}))
+  report.emit({'benchmark': 'kv_cache', 'checkpoint': loaded.checkpoint,
+               'rows': len(rows), 'tokens': int(sum(map(len, rows))) - len(rows),
+               'device': jax.devices()[0].device_kind, 'jax': jax.__version__,
+               'kinds': results, 'command': report.command()}, args.out)
 
 
 if __name__ == '__main__':

@@ -10,7 +10,12 @@ plain greedy decoding's tokens.
 --prompts rows of the validation text (their first --prompt_tokens tokens) are continued for
 --new_tokens, plainly and speculatively: greedy, then at each --temperatures (top_k 0). Tokens
 per forward: the new tokens the rounds committed over the rounds (the prompt's forward, which
-gives the first new token either way, not counted). The wall times are this machine's, CPU,
+gives the first new token either way, not counted). Greedy, head by head: its top-1 accuracy as
+training counts it (against the base's greedy token) at every position of the text speculation
+wrote; how often its guess was kept when the heads before it had been (kept when tried); and
+in how many rounds (kept a round). A round starts where the last one's guesses failed, so its
+positions are harder than the average one: kept a round falls below top-1 on the text, and
+tests/test_speculate.py replays the rounds from the training's counts exactly. The wall times are this machine's, CPU,
 measured after a warm-up call; they say nothing of a GPU's.
 
 --plan=PRESET (of configs/llama.py, bf16 weights, --heads Clover heads) compiles for --target,
@@ -22,11 +27,11 @@ its time over the plain step's (the break-even printed).
 """
 
 import argparse
-import json
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from benchmarks import report
@@ -58,7 +63,32 @@ def measure(loaded, prompts, new_tokens: int, temperature: float) -> dict:
          'cpu_plain_s': plain_s, 'cpu_speculative_s': spec_s}
   if temperature == 0:
     row['greedy_same'], row['greedy_tokens_before_change'] = agreement(tokens, plain)
+    row['top1_on_text'] = top1_on_text(loaded.model, prompts, plain)
+    accepted = stats['accepted'].sum(0)
+    row['kept_when_tried'] = (accepted / np.concatenate([[forwards], accepted[:-1]])).tolist()
   return row
+
+
+def top1_on_text(model, prompts, new_BN) -> list[float]:
+  """Each head's top-1 accuracy as training counts it (its guess against the base's greedy token,
+  the text's tokens before it) at every position of the prompts' greedy continuations `new_BN`
+  where its target lies in them: what greedy speculation's guesses are checked against."""
+  K = model.cfg.draft_heads
+  texts = [list(p) + list(n) for p, n in zip(prompts, np.asarray(new_BN))]
+  L = max(map(len, texts))
+  text_BL = jnp.asarray([t + [0] * (L - len(t)) for t in texts], jnp.int32)
+  graphdef, state = nnx.split(model)
+  gap_KBL = jax.jit(lambda state, text_BL: nnx.merge(graphdef, state)(
+      text_BL[:, :-1], then=lambda out, rows: out.draft_losses(rows)[1], rows=text_BL[:, 1:])[0])(
+          state, text_BL)
+  hits_KBL = np.asarray(gap_KBL == 0)
+  t_L = np.arange(L - 1)
+  out = []
+  for k in range(K):  # head k at t guesses the token at t + k + 2, the base's there from t + k + 1
+    valid_BL = np.stack([(t_L >= len(p) - 1) & (t_L + k + 2 < len(text))
+                         for p, text in zip(prompts, texts)])
+    out.append(float(hits_KBL[k][valid_BL].mean()))
+  return out
 
 
 def plan(preset: str, heads: int, batch: int, slots: int, target: str) -> dict:
@@ -121,9 +151,11 @@ def main(argv=None):
   parser.add_argument('--batch', type=int, default=8)
   parser.add_argument('--slots', type=int, default=8192)
   parser.add_argument('--target', default='H100')
+  parser.add_argument('--out', default='', help='also write the figures here (JSON)')
   args = parser.parse_args(argv)
   if args.plan:
-    return report.emit(plan(args.plan, args.heads, args.batch, args.slots, args.target), None)
+    return report.emit(plan(args.plan, args.heads, args.batch, args.slots, args.target),
+                       args.out)
   loaded = sampling.load(args.workdir)
   cfg = loaded.model.cfg
   if not cfg.draft_heads:
@@ -143,10 +175,17 @@ def main(argv=None):
     same = f'{100 * r["greedy_same"]:.1f}%' if 'greedy_same' in r else '—'
     print(f'{r["temperature"]:>11} {r["tokens_per_forward"]:>15.2f} {kept:>24} {same:>12} '
           f'{r["cpu_plain_s"]:>12.2f} {r["cpu_speculative_s"]:>12.2f}')
-  print(json.dumps({'benchmark': 'speculative', 'checkpoint': loaded.checkpoint,
-                    'heads': cfg.draft_heads, 'kind': cfg.draft_kind, 'prompts': len(prompts),
-                    'new_tokens': args.new_tokens, 'device': jax.devices()[0].device_kind,
-                    'results': results}))
+  greedy = results[0]
+  print(f'\ngreedy, head by head: {"top-1 on its text":>18} {"kept when tried":>16} '
+        f'{"kept a round":>13}')
+  for k in range(cfg.draft_heads):
+    print(f'{"":14}head {k + 1} {100 * greedy["top1_on_text"][k]:>17.1f}% '
+          f'{100 * greedy["kept_when_tried"][k]:>15.1f}% {100 * greedy["kept_per_head"][k]:>12.1f}%')
+  report.emit({'benchmark': 'speculative', 'checkpoint': loaded.checkpoint,
+               'heads': cfg.draft_heads, 'kind': cfg.draft_kind, 'draft_only': cfg.draft_only,
+               'prompts': len(prompts), 'new_tokens': args.new_tokens,
+               'device': jax.devices()[0].device_kind, 'jax': jax.__version__,
+               'results': results, 'command': report.command()}, args.out)
 
 
 if __name__ == '__main__':

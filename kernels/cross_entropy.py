@@ -172,6 +172,24 @@ def weighted_sums_and_grads(x_TD, w_c, targets_T, weights_T, *, z_loss: float, s
           _weight_gradient(dw_f32, spec, w_dtype, scatter_axes, sum_axes))
 
 
+def greedy(x_TD, w_c, *, spec: str, chunk: int, vocab_axis: str | None = None):
+  """The head's top token [T] int32 for tokens x_TD (what greedy decoding picks), `chunk` tokens
+  at a time; the vocabulary's shards combined, the lowest id among equal logits as argmax takes."""
+  def one_chunk(_, x_nCD):
+    x_CD, = x_nCD
+    logits_CV = jnp.einsum(spec, x_CD, w_c, preferred_element_type=jnp.float32)
+    shard_max_C = logits_CV.max(axis=-1)
+    offset = jax.lax.axis_index(vocab_axis) * logits_CV.shape[1] if vocab_axis else 0
+    ids_C = jnp.argmax(logits_CV, axis=-1).astype(jnp.int32) + offset
+    max_C = _over_vocab(jax.lax.pmax, shard_max_C, vocab_axis)
+    ids_C = jnp.where(shard_max_C == max_C, ids_C, jnp.iinfo(jnp.int32).max)
+    return None, _over_vocab(jax.lax.pmin, ids_C, vocab_axis)
+
+  T = x_TD.shape[0]
+  _, ids_nC = jax.lax.scan(one_chunk, None, _in_chunks(chunk, x_TD))
+  return ids_nC.reshape(-1)[:T]
+
+
 def plain_token_losses(logits_TV, targets_T, gap: bool = False):
   """token_losses from logits already whole (the plain path, config.model.head_chunk=0): the
   first two, or with `gap` all three."""

@@ -11,6 +11,13 @@ Two kinds (config.model.draft_kind), each head a residual SiLU block of width D 
 Head k's logits are out_norm_k(s_k) times the base's own head, and at t it guesses x_{t+k+1}
 (the base at t guesses x_{t+1}). Wo starts at zero, so each head starts as the base's head.
 
+Speculation keeps a guess only where it is the token the base itself would pick there, so that
+is what a head learns: its target at t is the base's greedy token at t + k (its top guess of
+x_{t+k+1} from the text up to x_{t+k}), not the text's x_{t+k+1} (Medusa-2's self-distillation,
+with the base's top token: a head that learns the text also learns what the base gets wrong,
+and spends its few parameters on it; docs/sampling.md measures both). Its top-1 accuracy is then
+how often it agrees with the base, which is what greedy acceptance counts.
+
 The heads learn from the base's hidden states and head without changing them: their losses
 reach neither (stop_gradient), so a base trained with heads is the base trained without.
 
@@ -80,12 +87,15 @@ class Heads(nnx.Module):
                                self._weight(self.w_o, k, ('mlp', 'embed')))
     return s_D, norm(s_D, self.out_norm)
 
-  def losses(self, h_BLD, targets_BL, embed, token_losses):
-    """(−log p, gap to the top logit) [K, B, L] fp32 of head k's guess at every t of the k-th
-    next target, from the base's last hidden states h (what its head takes, before the final
-    norm). `embed(tokens_BL)` gives the base's embeddings and `token_losses(x_BLD, targets_BL)`
-    its head's (nll, gap), both without gradients to the base. Head k's entries past the row's
-    end are garbage: `weights` gives them weight 0."""
+  def losses(self, h_BLD, targets_BL, greedy_BL, embed, token_losses):
+    """(−log p, gap to the top logit) [K, B, L] fp32 of head k's guess at every t of the base's
+    own greedy token k + 1 places on, from the base's last hidden states h (what its head takes,
+    before the final norm). Clover's heads see the text's tokens before their target
+    (`targets_BL`); `greedy_BL` [B, L] is the base's top token at each position (the targets'
+    own positions), what speculation checks a guess against. `embed(tokens_BL)` gives the base's
+    embeddings and `token_losses(x_BLD, targets_BL)` its head's (nll, gap), both without
+    gradients to the base. Head k's entries past the row's end are garbage: `weights` gives them
+    weight 0."""
     h_BLD = jax.lax.stop_gradient(h_BLD).astype(self.cfg.dtype)
     s_BLD, nll, gap = h_BLD, [], []
     for k in range(self.cfg.draft_heads):
@@ -93,7 +103,7 @@ class Heads(nnx.Module):
                else None)
       s_BLD, out_BLD = self.step(k, h_BLD, s_BLD, e_BLD)
       s_BLD = constrain(s_BLD, X)
-      nll_BL, gap_BL = token_losses(constrain(out_BLD, X), ahead(targets_BL, k + 1))
+      nll_BL, gap_BL = token_losses(constrain(out_BLD, X), ahead(greedy_BL, k + 1))
       nll.append(nll_BL)
       gap.append(gap_BL)
     return jnp.stack(nll), jnp.stack(gap)

@@ -7,7 +7,7 @@ logits are never whole; 0 computes them whole (the plain path).
 The train step takes its loss from `loss_sums`: the weighted sums over the tokens, whose gradient
 the chunked path makes in the same pass over the chunks as the loss (no logits computed twice);
 `token_losses` gives the per-token figures (evaluation, the draft heads), its backward recomputing
-the logits.
+the logits; `greedy_tokens` the top token at each position (what the draft heads learn to guess).
 
 The weight arrives twice, as kernels/matmul.py takes it: `w` as the parameter (its gradient is
 returned in its dtype and sharding, reduce-scattered by the backward itself) and `w_c` gathered
@@ -38,6 +38,24 @@ def token_losses(x_BLD, w, w_c, targets_BL, *, tied: bool, chunk: int, gap: bool
   rules = tuple(flax.core.spmd.get_logical_axis_rules())
   losses = _chunked(cross_entropy.SPECS[tied], chunk, rules, x_BLD, w, w_c, targets_BL)
   return losses if gap else losses[:2]
+
+
+def greedy_tokens(x_BLD, w_c, *, tied: bool, chunk: int):
+  """The head's top token [B, L] int32 at every position, what greedy decoding would pick there
+  (the draft heads' targets: model/draft.py), `chunk` tokens at a time; no gradient."""
+  x_BLD, w_c = jax.lax.stop_gradient(x_BLD), jax.lax.stop_gradient(w_c)
+  spec = cross_entropy.SPECS[tied]
+  if chunk == 0:
+    logits_BLV = jnp.einsum(spec.replace('c', 'bl'), x_BLD, w_c,
+                            preferred_element_type=jnp.float32)
+    return jnp.argmax(logits_BLV, axis=-1).astype(jnp.int32)
+
+  def local(x_BLD, w_c):
+    B, L, D = x_BLD.shape
+    return cross_entropy.greedy(x_BLD.reshape(B * L, D), w_c, spec=spec, chunk=chunk,
+                                vocab_axis=sharding.mesh_axis('vocab')).reshape(B, L)
+
+  return sharding.per_shard(local, (TOKENS + ('embed',), _names(spec)), TOKENS)(x_BLD, w_c)
 
 
 def loss_sums(x_BLD, w, w_c, targets_BL, weights_BL, *, tied: bool, chunk: int, z_loss: float):

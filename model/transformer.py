@@ -227,8 +227,12 @@ class Transformer(nnx.Module):
                                             chunk=self.cfg.head_chunk, gap=True)
       return nll_BL, gap_BL
 
-    return self.draft.losses(x_BLD, targets_BL, lambda t_BL: jnp.take(table_c_VD, t_BL, axis=0),
-                             token_losses)
+    # What speculation keeps is a guess equal to the base's own greedy token, so that token, not
+    # the text's, is what each head learns to guess.
+    greedy_BL = head.greedy_tokens(self.final_norm(jax.lax.stop_gradient(x_BLD)), w_c,
+                                   tied=self.cfg.tie_embeddings, chunk=self.cfg.head_chunk)
+    return self.draft.losses(x_BLD, targets_BL, greedy_BL,
+                             lambda t_BL: jnp.take(table_c_VD, t_BL, axis=0), token_losses)
 
   def _shares(self, y_MbLD, rows, stage_axis):
     """This stage's share of the pipeline's result and of `rows` (pipeline.shares: stage s the

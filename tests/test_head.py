@@ -93,6 +93,35 @@ def test_sharded_over_tokens_and_vocabulary_equals_one_device(summed):
   assert any(c.op == 'reduce-scatter' for c in ops)
 
 
+@pytest.mark.parametrize('tied', [False, True])
+def test_greedy_tokens_chunked_and_over_a_split_vocabulary_are_the_argmax(tied):
+  """The head's top token at each position (the draft heads' targets), chunked on one device
+  and with the vocabulary split over tensor: argmax's, the lowest id where a token's best logits
+  tie across the vocabulary's shards."""
+  x_BLD, w, _, _ = inputs(tied, B=2, L=14)
+  w = w.at[(31, slice(None)) if tied else (slice(None), 31)].set(
+      w[(3, slice(None)) if tied else (slice(None), 3)])  # ids 3 and 31 tie, in different shards
+  logits = jnp.einsum('bld,vd->blv' if tied else 'bld,dv->blv', x_BLD, w)
+  expected = np.asarray(jnp.argmax(logits, axis=-1))
+  assert (expected == 3).any() and not (expected == 31).any()
+  greedy = lambda chunk, rules=(): lambda x, w: _with_rules(rules, lambda: head.greedy_tokens(
+      x, w, tied=tied, chunk=chunk))
+  for chunk in (0, 5, 64):
+    np.testing.assert_array_equal(greedy(chunk)(x_BLD, w), expected)
+  mesh = sharding.make_mesh(tiny_config(fsdp=2, sequence=2, tensor=2).mesh)
+  w_names = ('tensor', ('fsdp', 'sequence')) if tied else (('fsdp', 'sequence'), 'tensor')
+  with jax.set_mesh(mesh):
+    put = lambda a, names: jax.device_put(a, jax.NamedSharding(mesh, jax.P(*names)))
+    got = jax.jit(greedy(5, sharding.ACTIVATION_RULES))(put(x_BLD, ('fsdp', 'sequence')),
+                                                        put(w, w_names))
+  np.testing.assert_array_equal(got, expected)
+
+
+def _with_rules(rules, fn):
+  with nnx.logical_axis_rules(rules):
+    return fn()
+
+
 def test_no_device_holds_more_than_a_chunk_of_logits():
   """The compiled train step of a model with a large vocabulary: every fp32 array with a
   vocabulary dimension is a chunk's, never the device's tokens'."""

@@ -53,6 +53,56 @@ def test_greedy_speculation_gives_plain_greedy_tokens():
                                           cache='int8')[0], np.where(ended, 0, plain))
 
 
+def test_greedy_rounds_keep_exactly_the_guesses_training_counts_as_hits():
+  """The heads' hits as training counts them (the train step's forward: each head's guess at
+  each position against the base's greedy token there, the true tokens before it), on the text
+  greedy speculation writes, replay its rounds: a round from position p keeps the leading run of
+  hits at p and moves on one token past it. Row by row the replay's rounds and kept guesses are
+  speculation's, so a verification against another position or cache state, a head fed another
+  token than in training, or another acceptance rule, shows here as a difference in counts."""
+  model = drafting_model(8, draft_heads=3)
+  # Heads near the base's own head: every head's guess is kept in some rounds, refused in others.
+  model.draft.w_o[...] = 0.1 * jax.random.normal(jax.random.key(1), model.draft.w_o.shape)
+  K, N = 3, 30
+  plain = gen.generate(model, PROMPTS, N + K + 1)  # the text past N that the last round checks
+  tokens, stats = speculate(model, PROMPTS, N)
+  np.testing.assert_array_equal(tokens, plain[:, :N])
+  texts = [p + list(row) for p, row in zip(PROMPTS, plain)]
+  L = max(map(len, texts))
+  text_BL = jnp.asarray([t + [0] * (L - len(t)) for t in texts], jnp.int32)
+  # Trailing padding changes no earlier position's hidden state (the forward is causal).
+  nll_KBL, gap_KBL = model(text_BL[:, :-1], then=lambda out, rows: out.draft_losses(rows),
+                           rows=text_BL[:, 1:])[0]
+  hits_KBL = np.asarray(gap_KBL == 0)
+  assert (stats['accepted'][:, K - 1] > 0).any() and (stats['accepted'][:, 0] < stats['forwards']).all()
+  for b, prompt in enumerate(PROMPTS):
+    rounds, kept, count, p = 0, np.zeros(K, int), 1, len(prompt) - 1
+    while count < N:
+      a = next((k for k in range(K) if not hits_KBL[k, b, p]), K)
+      rounds, kept[:a], count, p = rounds + 1, kept[:a] + 1, count + a + 1, p + a + 1
+    assert stats['forwards'][b] == rounds
+    np.testing.assert_array_equal(stats['accepted'][b], kept)
+
+
+def test_heads_learn_the_base_models_greedy_token_not_the_texts():
+  """A head's target at t is the base's own top token at t + k (what speculation checks its guess
+  against), on any text. Heads with their output weights at zero are the base's head on h, so
+  head k's guess at t is the base's top token at t, and training counts it a hit exactly where
+  that token is also the base's top token at t + k + 1, whatever the text holds there."""
+  model = drafting_model(8, draft_heads=2)
+  model.draft.w_o[...] = jnp.zeros_like(model.draft.w_o[...])
+  text_BL = jax.random.randint(jax.random.key(5), (4, 24), 0, 8)
+  greedy_BL = np.asarray(jnp.argmax(model(text_BL[:, :-1]), axis=-1))
+  nll_KBL, gap_KBL = model(text_BL[:, :-1], then=lambda out, rows: out.draft_losses(rows),
+                           rows=text_BL[:, 1:])[0]
+  L = greedy_BL.shape[1]
+  for k in range(2):
+    hits_BT = np.asarray(gap_KBL[k, :, :L - k - 1] == 0)
+    np.testing.assert_array_equal(hits_BT, greedy_BL[:, :L - k - 1] == greedy_BL[:, k + 1:])
+    texts_BT = greedy_BL[:, :L - k - 2] == np.asarray(text_BL[:, k + 2:L])
+    assert (hits_BT[:, :-1] != texts_BT).any()  # the text's tokens would count otherwise
+
+
 def test_sampled_tokens_have_the_base_models_distribution():
   """Three tokens after a prompt, drawn 20,000 times at temperature 0.7 among the top 3 of 4:
   the heads guess tokens 2 and 3, and their counts over the 27 possible triples match the
