@@ -77,7 +77,7 @@ def find_files(paths: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
   return root, files
 
 
-def _score(key: str) -> float:
+def split_score(key: str) -> float:
   return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 2**32
 
 
@@ -176,7 +176,7 @@ def _scan_records(root: pathlib.Path, files, fields: records.Fields, renders=Non
       if isinstance(item, records.Skipped):
         skipped.append(item)
         continue
-      scores[relative, item[0]] = _score(item[1])
+      scores[relative, item[0]] = split_score(item[1])
       digests[relative, item[0]] = hashlib.sha256(item[1].encode()).digest()
       longest = max(longest, len(item[1].encode()))
   if not sum(s.total for s in skipped):
@@ -274,7 +274,7 @@ def _scan(root, files, fields, validation_fraction: float, name: str, renders=No
     usable, undecodable = _usable(text_files)
     for f in usable:
       key = (str(f.relative_to(root)), 0)
-      scores[key], digests[key] = _score(key[0]), hashlib.sha256(f.read_bytes()).digest()
+      scores[key], digests[key] = split_score(key[0]), hashlib.sha256(f.read_bytes()).digest()
     longest, skipped = max(longest, max(f.stat().st_size for f in usable)), skipped + undecodable
   train, validation = split_documents(scores, validation_fraction)
   return TextFilesConfig(name=name, root=str(root), train=tuple(train),

@@ -18,7 +18,9 @@ packing cuts it.
 A preference pair (data/chat.py: `BOS prompt chosen EOS` then `BOS prompt rejected EOS`, the
 weights' second bit marking the rejected sequence) takes a row of its own (`pairs`): the chosen
 sequence as segment 1, the rejected as segment 2, each positioned from 0, the rest padding. A pair
-longer than the row loses the ends of its longer sequences (as other trainers' max_length cuts).
+longer than the row loses the ends of its longer sequences (as other trainers' max_length cuts);
+one left with no answer token on a side, or with its two sides the same, is passed over
+(`pair_problem`).
 """
 
 import dataclasses
@@ -93,23 +95,47 @@ class Lane:
 
   def _pair_row(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The lane's next preference pair laid out in `row` (module docstring), or padding past the
-    end of a finite pass."""
-    if (document := self._current()) is None:
+    end of a finite pass. A pair the row's length leaves nothing to learn from (pair_problem) is
+    passed over: data/tokens.py: check_pairs counted those before the run started, and refused a
+    corpus of nothing else, so a lane always finds one."""
+    while (document := self._current()) is not None:
+      self.state.offset = document.shape[-1] - 1  # used up: the next row takes the next pair
+      if not pair_problem(document, self.seq_len):
+        break
+    if document is None:
       return row
-    tokens, codes = document
-    rejected = (codes >> 1).astype(bool)
-    sequences = [(tokens[~rejected], codes[~rejected] & 1), (tokens[rejected], codes[rejected] & 1)]
-    chosen_n, rejected_n = (len(ids) - 1 for ids, _ in sequences)
-    L = self.seq_len
-    chosen_n = min(chosen_n, max(L // 2, L - rejected_n))  # the longer gives way first
     start = 0
-    for segment, ((ids, weights), n) in enumerate(zip(sequences, (chosen_n, L - chosen_n)), 1):
-      n = min(n, len(ids) - 1)
+    for segment, (ids, weights, n) in enumerate(_pair_cut(document, self.seq_len), 1):
       end = start + n
       row['inputs'][start:end], row['targets'][start:end] = ids[:n], ids[1:n + 1]
       row['positions'][start:end] = np.arange(n, dtype=np.int32)
       row['segment_ids'][start:end] = segment
       row['weights'][start:end] = weights[1:n + 1]
       start = end
-    self.state.offset = tokens.shape[-1] - 1  # used up: the next row takes the next pair
     return row
+
+
+def _pair_cut(document: np.ndarray, seq_len: int):
+  """[(ids, weights, pairs kept)] of a preference pair's chosen and rejected sequences in a row
+  of seq_len: the longer gives way first, neither below half the row while the other needs it."""
+  tokens, codes = document
+  rejected = (codes >> 1).astype(bool)
+  sequences = [(tokens[~rejected], codes[~rejected] & 1), (tokens[rejected], codes[rejected] & 1)]
+  chosen_n, rejected_n = (len(ids) - 1 for ids, _ in sequences)
+  chosen_n = min(chosen_n, max(seq_len // 2, seq_len - rejected_n))
+  return [(ids, weights, min(n, len(ids) - 1))
+          for (ids, weights), n in zip(sequences, (chosen_n, seq_len - chosen_n))]
+
+
+def pair_problem(document: np.ndarray, seq_len: int) -> str:
+  """Why a preference pair laid out in a row of seq_len teaches nothing ('' if it does): an
+  answer of which no token is left to predict (the prompt fills its share of the row), or two
+  answers the same in what is left."""
+  (c_ids, c_w, c_n), (r_ids, r_w, r_n) = _pair_cut(document, seq_len)
+  for name, weights, n in (('chosen', c_w, c_n), ('rejected', r_w, r_n)):
+    if not weights[1:n + 1].any():
+      return f'no token of its {name} answer within config.seq_len={seq_len}'
+  if (c_n == r_n and np.array_equal(c_ids[:c_n + 1], r_ids[:r_n + 1])
+      and np.array_equal(c_w[1:c_n + 1], r_w[1:r_n + 1])):
+    return f'its two answers are the same within config.seq_len={seq_len}'
+  return ''

@@ -886,6 +886,26 @@ CASES['data: chat pairs, some bad'] = some_bad(
     'chat_preference', "skipped 2 of 14 records (line 13: rejected[0] has role 'user'")
 
 
+
+def long_prompt_pair(i: int) -> str:
+  """A pair whose 310-byte prompt fills more than its share of a 128-token byte row."""
+  return json.dumps({'prompt': f'Question {i}: ' + 'why ' * 75, 'chosen': f'{i + 2}.',
+                     'rejected': f'{i + 3}.'})
+
+
+@case('data: preference prompts longer than the row')
+def _(p):
+  path, workdir = chat_records(p, [long_prompt_pair(i) for i in range(300)]), p.path('x')
+  return refused(p.run(*p.train(workdir, 1, f'--config.data.paths={path}',
+                                '--config.data.record=preference', '--config.seq_len=128')),
+                 'keeps anything to learn from in a row of config.seq_len=128', [workdir])
+
+
+CASES['data: preference pairs, some cut to nothing'] = some_bad(
+    [good_pair(i) for i in range(12)] + [long_prompt_pair(i) for i in range(2)],
+    'preference', 'skipping 2 of 14 preference pairs that keep nothing to learn from')
+
+
 def tokens_dir_copy(p) -> pathlib.Path:
   """A copy of the prepared corpora, in which the cases below prepare token ids."""
   p.template  # noqa: B018  (trained once, which prepares the corpus)

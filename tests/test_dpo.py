@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from configs import base, dpo
-from data import chat, records
+from data import chat, packing, records, tokens
 from data.packing import Lane
 from data.stdlib_chat import conversations, record
 from tests.conftest import STDLIB
@@ -114,10 +114,15 @@ def test_a_pair_takes_a_row_chosen_then_rejected_each_from_position_zero():
   decoded = run.tokenizer.decode(row['targets'][seg == 2][:-1].tolist())
   assert decoded == first['prompt'] + first['rejected']
   # A pair longer than the row loses the ends of its sequences; both answers keep a share.
+  half = prompt + 5  # each side predicts the prompt (weight 0), then five answer tokens
+  assert chosen_n > half
   cut = Lane(lambda g: None if g else chat.Encoder(run.tokenizer, 'preference')(
-      [records.stored(first, records.Fields.of(run.data)).encode()])[0], 0, 1, 60, 0, pairs=True)
+      [records.stored(first, records.Fields.of(run.data)).encode()])[0], 0, 1, 2 * half, 0,
+      pairs=True)
   short = cut.next_row()
-  assert (short['segment_ids'] == 1).sum() == 30 and (short['segment_ids'] == 2).sum() == 30
+  for s in (1, 2):
+    assert (short['segment_ids'] == s).sum() == half
+    assert short['weights'][short['segment_ids'] == s].sum() == 5
   assert not cut.next_row()['weights'].any()  # then the pass ends
 
 
@@ -216,6 +221,39 @@ def test_preference_settings_and_records_are_checked_before_anything_is_built(tm
                    ({'prompt': 'Q', 'chosen': 'a', 'rejected': 'a'}, 'the same answer')):
     with pytest.raises(records.BadRecord, match=why):
       records.stored(bad, fields)
+
+
+def test_pairs_packing_leaves_nothing_to_learn_from_are_counted_passed_over_or_refused(tmp_path):
+  """Judged after the cut a row of seq_len makes: a pair whose prompt fills its share of the row
+  keeps no answer token, and one whose answers differ only past the cut keeps the same two
+  sides; both are counted in one warning before anything is compiled, never reach a row, and a
+  corpus of nothing else is refused in one line."""
+  good = pairs(6, longest=L // 2 - 2)
+  long_prompt = {**good[0], 'prompt': 'P' * 2 * L}  # past both halves of the row
+  late = {'prompt': 'Q: ', 'chosen': 'x' * L + 'yes', 'rejected': 'x' * L + 'no'}
+  data = tmp_path / 'pairs.jsonl'
+  data.write_text(''.join(json.dumps(r) + '\n' for r in [long_prompt, *good, late]))
+  c = dpo_config()
+  c.data.paths, c.data.data_dir, c.workdir = str(data), str(tmp_path / 'tfds'), str(tmp_path / 'w')
+  run = settings.resolve(c, jax.devices()[:1])
+  with pytest.warns(UserWarning, match=r'skipping 2 of 8 preference pairs that keep nothing to '
+                    r'learn from in a row of config.seq_len=160 .*first: .*pairs.jsonl:1: no '
+                    r'token of its chosen answer'):
+    tokens.check_pairs(run.data, run.tokenizer, run.seq_len)
+  encode = chat.Encoder(run.tokenizer, 'preference')
+  fields = records.Fields.of(run.data)
+  docs = encode([records.stored(r, fields).encode() for r in [long_prompt, *good, late]])
+  assert 'the same' in packing.pair_problem(docs[-1], L)
+  lane = Lane(lambda g: docs[g] if g < len(docs) else None, 0, 1, L, 0, pairs=True)
+  rows = [lane.next_row() for _ in range(7)]
+  assert all(r['weights'][r['segment_ids'] == s].any() for r in rows[:6] for s in (1, 2))
+  assert not rows[6]['weights'].any()  # the six good pairs, then the pass's end
+  # Nothing but such pairs: refused before the step compiles, the workdir never made.
+  data.write_text(''.join(json.dumps({**r, 'prompt': 'P' * 2 * L}) + '\n' for r in good))
+  with pytest.raises(ValueError, match=r'none of its \d+ training pairs keeps anything to learn '
+                     r'from in a row of config.seq_len=160 .*raise config.seq_len'):
+    loop.run(c, jax.devices()[:1])
+  assert not (tmp_path / 'w').exists()
 
 
 def test_the_walkthrough_learns_the_held_out_preference_and_resumes_against_its_reference(

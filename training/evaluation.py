@@ -48,11 +48,13 @@ class Evaluator:
       sums = jax.device_get(self.step(state.params, reference, next(batches)))
       totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
     if self.pairs:
-      pairs = max(totals['pairs'], 1)
+      pairs = totals['pairs']
+      if not pairs:  # a mean over no pair is absent, never 0
+        return {'eval_pairs': 0}
       return {'eval_loss': totals['loss'] / pairs,
               'eval_reward_accuracy': totals['reward_accuracy'] / pairs,
               'eval_reward_margin': totals['reward_margin'] / pairs,
-              'eval_pairs': int(totals['pairs'])}
+              'eval_pairs': int(pairs)}
     nats, tokens, n_bytes = totals['nats'], totals['tokens'], totals['bytes']
     return {'eval_loss': nats / max(tokens, 1), 'eval_bits_per_byte': nats / math.log(2) /
             max(n_bytes, 1), 'eval_tokens': int(tokens)}
