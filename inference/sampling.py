@@ -9,6 +9,7 @@ else kept on one device: sampling needs neither the training mesh nor its batch 
 
 import dataclasses
 import math
+import pathlib
 
 import jax
 from flax import nnx
@@ -81,6 +82,7 @@ def load(path: str, step: int | None = None) -> Loaded:
     config.data.chat_template = str(kept)
   config.workdir = str(directory.parent)
   run = settings.resolve(config)
+  check_copies(run, saved.get('trained_on') or {}, directory / str(step))
   model_cfg = run.model.dropless()  # no token's output depends on
   # the other rows of its batch
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
@@ -97,6 +99,22 @@ def load(path: str, step: int | None = None) -> Loaded:
                                                    run.model, setting='--workdir')
   return Loaded(nnx.merge(graphdef, params), run.tokenizer, run, str(step_dir),
                 saved.get('init_from', ''), chat.kept_template(directory.parent))
+
+
+def check_copies(run, recorded: dict, checkpoint: pathlib.Path) -> None:
+  """The run's own copies of its tokenizer and chat template (in its workdir) against the
+  fingerprints `checkpoint` records of what it trained with (runtime/checkpoint.py: TRAINED_ON),
+  before anything reads or ships them: a model knows only the ids and the rendering it learnt."""
+  workdir = checkpoint.parent.parent
+  for key, now, copy in (
+      ('tokenizer', run.tokenizer.fingerprint, workdir / tokenizers.KEPT),
+      ('chat_template', run.template.digest if run.template else '', workdir / chat.KEPT)):
+    if recorded.get(key) and now and now != recorded[key]:
+      what, setting = checkpoint_lib.TRAINED_ON[key]
+      named = copy if copy.exists() else setting
+      raise faults.Fault(f'{named}: the {what} is {now} now, but checkpoint {checkpoint} was '
+                         f'trained with {recorded[key]}: the run\'s own copy was changed. Put '
+                         'back the files the run trained with')
 
 
 def chat_prompt(loaded: Loaded, message: str) -> str:

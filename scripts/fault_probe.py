@@ -1122,6 +1122,18 @@ def _(p):
   return survived(result, ['resuming from step 6'])
 
 
+@case('sample: the run\'s chat template copy edited')
+def _(p):
+  path, run = chat_corpus(p), p.path('run')
+  first = p.run(*chat_train(p, run, path, 3))
+  if first.returncode:
+    return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
+  kept = run / 'chat_template.jinja'
+  kept.write_text(kept.read_text().replace('<|im_start|>', '<|im_begin|>'))
+  return refused(p.run('sample.py', f'--workdir={run}', '--chat', '--prompt=Two and 3?',
+                       '--max_new_tokens=8'), f'{kept}: the chat template is')
+
+
 @case('resume: records edited')
 def _(p):
   path = chat_corpus(p)
@@ -1163,6 +1175,28 @@ def _(p):
   shutil.copyfile(LLAMA3_CHAT / 'tokenizer_config.json', tok.with_name('tokenizer_config.json'))
   verdict = refused(p.run(*p.train(run, 9), *args), 'but the run in')
   return verdict if verdict[0] != 'GOOD' or 'hf-' in verdict[1] else ('UGLY', verdict[1])
+
+
+def copy_replaced(p, entry):
+  """A case: a run's own copy of its tokenizer (WORKDIR/tokenizer/) replaced by another one;
+  `entry` (sample.py or export.py) refuses it, naming the copy, and writes nothing."""
+  tok = hf_tokenizer(p)
+  run = p.path('run')
+  first = p.run(*p.train(run, 3), '--config.data.tokenizer=hf',
+                f'--config.data.tokenizer_model={tok}')
+  if first.returncode:
+    return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    shutil.copyfile(LLAMA3_CHAT / name, run / 'tokenizer' / name)
+  out = p.path('export')
+  args = [f'--output={out}'] if entry == 'export.py' else ['--prompt=def ', '--max_new_tokens=8']
+  return refused(p.run(entry, f'--workdir={run}', *args),
+                 f"{run / 'tokenizer'}: the tokenizer is", [out])
+
+
+for entry in ('sample.py', 'export.py'):
+  CASES[f'{entry.removesuffix(".py")}: the run\'s tokenizer copy replaced'] = (
+      lambda p, entry=entry: copy_replaced(p, entry))
 
 
 @case('resume: tokenizer moved away')

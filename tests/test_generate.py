@@ -6,6 +6,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from inference import generate as gen
 from inference import sampling
 from model import ModelConfig, Transformer
 from model import kv_cache
+from runtime import faults
 from tests.conftest import tiny_config
 from training import loop
 
@@ -172,3 +174,22 @@ def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatc
 def test_sampling_from_a_workdir_without_checkpoints_is_a_clear_error(tmp_path):
   with pytest.raises(ValueError, match='--workdir=.* holds no checkpoint'):
     sampling.load(str(tmp_path))
+
+
+def test_a_runs_own_copies_are_checked_against_what_its_checkpoint_trained_with(tmp_path):
+  """sample.py, export.py and evaluate.py load through sampling.load, which holds the run's own
+  tokenizer and chat template copies to the fingerprints its checkpoint recorded: a changed copy
+  is a Fault naming it (the fault probe replaces them in real runs), an unchanged one passes."""
+  workdir = tmp_path / 'run'
+  (workdir / 'tokenizer').mkdir(parents=True)
+  (workdir / 'chat_template.jinja').write_text('{{ messages }}')
+  checkpoint = workdir / 'checkpoints' / '6'
+  run = SimpleNamespace(tokenizer=SimpleNamespace(fingerprint='hf-new'),
+                        template=SimpleNamespace(digest='sha256:same'))
+  sampling.check_copies(run, {'tokenizer': 'hf-new', 'chat_template': 'sha256:same'}, checkpoint)
+  sampling.check_copies(run, {}, checkpoint)  # a checkpoint that recorded nothing: not judged
+  with pytest.raises(faults.Fault, match=f"{workdir / 'tokenizer'}: the tokenizer is hf-new now, "
+                     f'but checkpoint {checkpoint} was trained with hf-old'):
+    sampling.check_copies(run, {'tokenizer': 'hf-old'}, checkpoint)
+  with pytest.raises(faults.Fault, match=f"{workdir / 'chat_template.jinja'}: the chat template"):
+    sampling.check_copies(run, {'chat_template': 'sha256:old'}, checkpoint)
