@@ -1531,12 +1531,14 @@ def _(p):
 
 @case('sample.py: --chat with a template that raises')
 def _(p):
-  path, template = chat_corpus(p), template_file(p, CUSTOM)
+  # It renders the training records, and raises on the conversation sample.py asks it for.
+  raising = ("{% if messages[-1]['content'] == 'hi' %}{{ raise_exception('no questions') }}"
+             "{% endif %}" + CUSTOM)
+  path, template = chat_corpus(p), template_file(p, raising)
   run = p.path('run')
   first = p.run(*chat_train(p, run, path, 3, f'--config.data.chat_template={template}'))
   if first.returncode:
     return 'BAD', f'the run failed: {lines(first.stderr)[-1:]}'
-  (run / 'chat_template.jinja').write_text("{{ raise_exception('no questions') }}")
   return refused(p.run('sample.py', f'--workdir={run}', '--chat', '--prompt=hi',
                        '--max_new_tokens=4'), '--chat')
 
