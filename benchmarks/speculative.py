@@ -15,8 +15,8 @@ training counts it (against the base's greedy token) at every position of the te
 wrote; how often its guess was kept when the heads before it had been (kept when tried); and
 in how many rounds (kept a round). A round starts where the last one's guesses failed, so its
 positions are harder than the average one: kept a round falls below top-1 on the text, and
-tests/test_speculate.py replays the rounds from the training's counts exactly. The wall times are this machine's, CPU,
-measured after a warm-up call; they say nothing of a GPU's.
+tests/test_speculate.py replays the rounds from the training's counts exactly. The wall times
+are this machine's, CPU, measured after a warm-up call; they say nothing of a GPU's.
 
 --plan=PRESET (of configs/llama.py, bf16 weights, --heads Clover heads) compiles for --target,
 deviceless (planning/gpu_compiler.py), one plain decode step (one token a row) and one round of
@@ -179,8 +179,9 @@ def main(argv=None):
   print(f'\ngreedy, head by head: {"top-1 on its text":>18} {"kept when tried":>16} '
         f'{"kept a round":>13}')
   for k in range(cfg.draft_heads):
-    print(f'{"":14}head {k + 1} {100 * greedy["top1_on_text"][k]:>17.1f}% '
-          f'{100 * greedy["kept_when_tried"][k]:>15.1f}% {100 * greedy["kept_per_head"][k]:>12.1f}%')
+    top1, tried, kept = (100 * greedy[name][k] for name in
+                         ('top1_on_text', 'kept_when_tried', 'kept_per_head'))
+    print(f'{"":14}head {k + 1} {top1:>17.1f}% {tried:>15.1f}% {kept:>12.1f}%')
   report.emit({'benchmark': 'speculative', 'checkpoint': loaded.checkpoint,
                'heads': cfg.draft_heads, 'kind': cfg.draft_kind, 'draft_only': cfg.draft_only,
                'prompts': len(prompts), 'new_tokens': args.new_tokens,

@@ -28,7 +28,7 @@ import warnings
 
 import tensorflow_datasets as tfds
 
-from data import records
+from data import chat, packing, records
 from runtime.workdir import writable_dir
 from runtime import faults
 
@@ -372,6 +372,45 @@ def check_source(data_config, renders=None) -> str:
   if prepared:
     return (builder.info.metadata or {}).get('content', '')
   return builder.builder_config.content
+
+
+def check_pairs(data_config, tokenizer, seq_len: int, template=None) -> None:
+  """What packing keeps of each preference pair in a row of seq_len, judged on the pairs as
+  tokenized, before anything is compiled or prepared: a pair left with nothing to learn from
+  (data/packing.py: pair_problem) is passed over in training and evaluation, counted here in one
+  warning; a training split left with no pair is one error. Nothing for other records, or for a
+  named dataset."""
+  if not data_config.preference or data_config.name:
+    return
+  root, files = find_files(data_config.paths)
+  fields = records.fields_of(data_config, files)
+  encode = chat.Encoder(tokenizer, fields.kind, template, data_config.train_on)
+  renders = template if fields.kind in records.CHAT_KINDS else None
+  # By (file, record number): why packing passes the pair over ('': it does not), its split score.
+  problems, scores = {}, {}
+  for f in files:
+    good = [item for item in records.read(f, fields, renders)
+            if not isinstance(item, records.Skipped)]
+    relative = str(f.relative_to(root))
+    for start in range(0, len(good), 256):
+      chunk = good[start:start + 256]
+      for (number, text), document in zip(chunk, encode([text.encode() for _, text in chunk])):
+        problems[relative, number] = packing.pair_problem(document, seq_len)
+        scores[relative, number] = split_score(text)
+  passed = [key for key, problem in problems.items() if problem]
+  if not passed:
+    return
+  # The split _scan makes of the same records.
+  train, _ = split_documents(scores, data_config.validation_fraction)
+  first = f'{root / passed[0][0]}:{passed[0][1]}: {problems[passed[0]]}'
+  fix = 'raise config.seq_len, or shorten the prompts so that each answer keeps some of the row'
+  lost = sum(bool(problems[key]) for key in train)
+  if lost == len(train):
+    raise ValueError(f'config.data.paths: none of its {len(train)} training pairs keeps anything '
+                     f'to learn from in a row of config.seq_len={seq_len} (first: {first}); {fix}')
+  warnings.warn(f'config.data.paths: skipping {len(passed)} of {len(problems)} preference pairs '
+                f'that keep nothing to learn from in a row of config.seq_len={seq_len} ({lost} '
+                f'of them training; first: {first}); {fix}', DataWarning, stacklevel=2)
 
 
 def warn_about_length(corpus: 'Corpus', seq_len: int, positions: int) -> None:

@@ -96,7 +96,7 @@ class Lane:
   def _pair_row(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The lane's next preference pair laid out in `row` (module docstring), or padding past the
     end of a finite pass. A pair the row's length leaves nothing to learn from (pair_problem) is
-    passed over: data/tokens.py: check_pairs counted those before the run started, and refused a
+    passed over: data/corpus.py: check_pairs counted those before the run started, and refused a
     corpus of nothing else, so a lane always finds one."""
     while (document := self._current()) is not None:
       self.state.offset = document.shape[-1] - 1  # used up: the next row takes the next pair

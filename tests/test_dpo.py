@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from configs import base, dpo
-from data import chat, packing, records, tokens
+from data import chat, corpus, packing, records
 from data.packing import Lane
 from data.stdlib_chat import conversations, record
 from tests.conftest import STDLIB
@@ -239,7 +239,7 @@ def test_pairs_packing_leaves_nothing_to_learn_from_are_counted_passed_over_or_r
   with pytest.warns(UserWarning, match=r'skipping 2 of 8 preference pairs that keep nothing to '
                     r'learn from in a row of config.seq_len=160 .*first: .*pairs.jsonl:1: no '
                     r'token of its chosen answer'):
-    tokens.check_pairs(run.data, run.tokenizer, run.seq_len)
+    corpus.check_pairs(run.data, run.tokenizer, run.seq_len)
   encode = chat.Encoder(run.tokenizer, 'preference')
   fields = records.Fields.of(run.data)
   docs = encode([records.stored(r, fields).encode() for r in [long_prompt, *good, late]])

@@ -74,7 +74,8 @@ def test_greedy_rounds_keep_exactly_the_guesses_training_counts_as_hits():
   nll_KBL, gap_KBL = model(text_BL[:, :-1], then=lambda out, rows: out.draft_losses(rows),
                            rows=text_BL[:, 1:])[0]
   hits_KBL = np.asarray(gap_KBL == 0)
-  assert (stats['accepted'][:, K - 1] > 0).any() and (stats['accepted'][:, 0] < stats['forwards']).all()
+  kept_BK = stats['accepted']
+  assert (kept_BK[:, K - 1] > 0).any() and (kept_BK[:, 0] < stats['forwards']).all()
   for b, prompt in enumerate(PROMPTS):
     rounds, kept, count, p = 0, np.zeros(K, int), 1, len(prompt) - 1
     while count < N:

@@ -78,7 +78,7 @@ def train(run: Run, tasks=None) -> list[dict]:
   workdir_lib.check_free(run.workdir, enabled=is_main)
   # The data's files, every record rendered with the run's chat template; nothing prepared yet.
   corpus_holds = corpus_lib.check_source(run.data, run.template)
-  tokens.check_pairs(run.data, run.tokenizer, run.seq_len, run.template)  # what packing keeps
+  corpus_lib.check_pairs(run.data, run.tokenizer, run.seq_len, run.template)  # what packing keeps
   checkpoints = pathlib.Path(run.workdir).expanduser() / 'checkpoints'
   reader = (checkpoint_lib.Checkpointer(checkpoints, read_only=True) if checkpoints.is_dir()
             else None)
