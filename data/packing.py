@@ -100,12 +100,12 @@ class Lane:
     corpus of nothing else, so a lane always finds one."""
     while (document := self._current()) is not None:
       self.state.offset = document.shape[-1] - 1  # used up: the next row takes the next pair
-      if not pair_problem(document, self.seq_len):
+      if not _cut_problem(cut := _pair_cut(document, self.seq_len), self.seq_len):
         break
     if document is None:
       return row
     start = 0
-    for segment, (ids, weights, n) in enumerate(_pair_cut(document, self.seq_len), 1):
+    for segment, (ids, weights, n) in enumerate(cut, 1):
       end = start + n
       row['inputs'][start:end], row['targets'][start:end] = ids[:n], ids[1:n + 1]
       row['positions'][start:end] = np.arange(n, dtype=np.int32)
@@ -131,7 +131,12 @@ def pair_problem(document: np.ndarray, seq_len: int) -> str:
   """Why a preference pair laid out in a row of seq_len teaches nothing ('' if it does): an
   answer of which no token is left to predict (the prompt fills its share of the row), or two
   answers the same in what is left."""
-  (c_ids, c_w, c_n), (r_ids, r_w, r_n) = _pair_cut(document, seq_len)
+  return _cut_problem(_pair_cut(document, seq_len), seq_len)
+
+
+def _cut_problem(cut, seq_len: int) -> str:
+  """pair_problem of a pair already cut (_pair_cut's)."""
+  (c_ids, c_w, c_n), (r_ids, r_w, r_n) = cut
   for name, weights, n in (('chosen', c_w, c_n), ('rejected', r_w, r_n)):
     if not weights[1:n + 1].any():
       return f'no token of its {name} answer within config.seq_len={seq_len}'
