@@ -43,9 +43,19 @@ _LOG_SAMPLES = flags.DEFINE_bool('log_samples', False, "With --output: each exam
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not _TASKS.value or '' in _TASKS.value:
+    raise ValueError(f'--tasks={",".join(_TASKS.value)!r} names no task; give lm-eval task '
+                     'names, e.g. --tasks=stdlib_next_line,stdlib_complete')
   if _BATCH_SIZE.value < 1 or not 0 <= _LIMIT.value:
     raise ValueError(f'--batch_size={_BATCH_SIZE.value} must be at least 1 and '
                      f'--limit={_LIMIT.value:g} at least 0 (0: every example)')
+  if _NUM_FEWSHOT.value is not None and _NUM_FEWSHOT.value < 0:
+    raise ValueError(f'--num_fewshot={_NUM_FEWSHOT.value} must be at least 0 (leave it out: each '
+                     "task's own)")
+  include_paths = [str(pathlib.Path(path).expanduser()) for path in _INCLUDE_PATH.value]
+  if missing := [path for path in include_paths if not pathlib.Path(path).is_dir()]:
+    raise ValueError(f'--include_path: {", ".join(missing)} is not a directory (of lm-eval task '
+                     'YAMLs); give one that exists')
   output = pathlib.Path(_OUTPUT.value) if _OUTPUT.value else None
   if output and output.exists():
     raise ValueError(f'--output={output} exists; name a new file (nothing is overwritten)')
@@ -56,7 +66,7 @@ def main(argv):
   import lm_eval  # the harness and its dependencies load only once the flags are good
   from evaluation.harness import MeshLM, metrics
   from inference import sampling
-  tasks = task_manager(tuple(_TASKS.value), tuple(_INCLUDE_PATH.value))
+  tasks = task_manager(tuple(_TASKS.value), tuple(include_paths))
   if unknown := [t for t in _TASKS.value if t not in tasks.all_tasks]:
     raise ValueError(f'--tasks: no lm-eval task named {", ".join(unknown)} (meshlm ships '
                      f'stdlib_next_line and stdlib_complete; a directory of your own: '

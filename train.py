@@ -24,8 +24,9 @@ def main(argv):
   # here, its mistakes are reported before jax, flax and the data stack are imported (1.5 s).
   config.keys()
   if config.dry_run:  # plans, and trains nothing
+    from evaluation import during
     from training import dry_run
-    dry_run.plan(config)
+    dry_run.plan(config, tasks=during.TaskScores)
   else:
     from training import settings
     run = settings.resolve(config)  # every setting checked before lm-eval and the data stack load

@@ -24,10 +24,13 @@ from runtime import checkpoint as checkpoint_lib
 from runtime import faults
 import sharding
 from training import settings
+from training.state import attention_runs_on
 from training.run import Run
 
 ONE_AXIS = {axis: 1 for axis in sharding.AXES}  # sampling splits parameters over fsdp at most
 SAVED = (*effects.MODEL, 'data', 'numerics')  # the kinds of setting a checkpoint's model takes
+# How the run laid its training out over its devices: numerics, but of the step, not the model.
+LAYOUT = frozenset(f for f in effects.of_kinds(('numerics',)) if not f.startswith('model.'))
 _UNSAVED = object()
 MAX_LEN_FACTOR = 16  # --max_len past the trained seq_len, at most this many times it
 
@@ -69,8 +72,12 @@ def load(path: str, step: int | None = None) -> Loaded:
                      'another step')
   # The run's model, data and numerics, as configs/base.py: EFFECTS declares them (what this
   # machine runs, logs or plans is its own; a setting an older meshlm lacked keeps its default).
+  # Its layout (mesh, partition, optimizer tiers, microbatches) is its training's: sampling
+  # lays the model out on this machine's devices.
   config = base.get_config()
   for field in effects.of_kinds(SAVED):
+    if field in LAYOUT:
+      continue
     if (value := effects.get(saved, field, _UNSAVED)) is not _UNSAVED:
       section, _, key = field.rpartition('.')
       (config[section] if section else config)[key] = value
@@ -81,6 +88,8 @@ def load(path: str, step: int | None = None) -> Loaded:
   if (kept := directory.parent / chat.KEPT).is_file():
     config.data.chat_template = str(kept)
   config.workdir = str(directory.parent)
+  if not attention_runs_on(config.model.attention, jax.local_devices()[0]):
+    config.model.attention = 'auto'  # the same function, in the kernel this machine would choose
   run = settings.resolve(config)
   check_copies(run, saved.get('trained_on') or {}, directory / str(step))
   model_cfg = run.model.dropless()  # no token's output depends on

@@ -79,8 +79,9 @@ class Probe:
                  'os.execv(sys.executable, [sys.executable, *sys.argv[1:]])', *args]
     return command
 
-  def run(self, *args, file_size_limit=None, cwd=REPO):
-    return subprocess.run(self.command(args, file_size_limit), cwd=cwd, env=self.env, text=True,
+  def run(self, *args, file_size_limit=None, cwd=REPO, devices=8):
+    env = {**self.env, 'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
+    return subprocess.run(self.command(args, file_size_limit), cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=900)
 
   def start(self, *args):
@@ -205,6 +206,11 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'hopper attention over part blocks': (['--config.model.attention=hopper',
                                            '--config.model.head_dim=64', '--config.seq_len=100'],
                                           'takes whole blocks of 128 positions'),
+    'hopper attention with a key block past the rows': (
+        ['--config.dry_run=True', '--config.plan.target=H100', '--config.model.attention=hopper',
+         '--config.model.head_dim=64', '--config.model.attention_block_k=256'],
+        'config.model.attention_block_k=256; it masks no padding), and config.seq_len=128 gives '
+        'each call 128: set --config.model.attention_block_k=128'),
     'hopper attention in blocks of 32 rows': (['--config.model.attention=hopper',
                                                '--config.model.head_dim=64',
                                                '--config.model.attention_block_q=32'],
@@ -234,6 +240,10 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'lm-eval task during training it does not know': (['--config.lm_eval.tasks=hellaswagg'],
                                                       'config.lm_eval.tasks: no lm-eval task '
                                                       'named hellaswagg'),
+    'lm-eval task misspelt in a dry run': (['--config.dry_run=True',
+                                            '--config.lm_eval.tasks=stdlib_nextline'],
+                                           'config.lm_eval.tasks: no lm-eval task named '
+                                           'stdlib_nextline'),
     'lm-eval task directory missing': (['--config.lm_eval.tasks=stdlib_next_line',
                                         '--config.lm_eval.include_path=/nonexistent/tasks'],
                                        'config.lm_eval.include_path: /nonexistent/tasks is not a '
@@ -711,6 +721,52 @@ def _(p):
 def _(p):
   return refused(p.run('evaluate.py', f'--workdir={p.template}', '--tasks=hellaswagg'),
                  '--tasks: no lm-eval task named hellaswagg')
+
+
+@case('evaluate: --tasks= names none')
+def _(p):
+  return refused(p.run('evaluate.py', f'--workdir={p.template}', '--tasks='),
+                 "--tasks='' names no task")
+
+
+@case('evaluate: --include_path a directory that is not there')
+def _(p):
+  return refused(p.run('evaluate.py', f'--workdir={p.template}', '--tasks=stdlib_next_line',
+                       '--include_path=/nonexistent/tasks'),
+                 '--include_path: /nonexistent/tasks is not a directory')
+
+
+@case('evaluate: --num_fewshot=-1')
+def _(p):
+  return refused(p.run('evaluate.py', f'--workdir={p.template}', '--tasks=stdlib_next_line',
+                       '--num_fewshot=-1'), '--num_fewshot=-1 must be at least 0')
+
+
+@case('evaluate: a run trained with cuDNN attention, on a machine without cuDNN')
+def _(p):
+  # What a GPU run with attention='cudnn' saves, as its checkpoints' configs (no GPU here).
+  run = p.trained()
+  for metadata in run.glob('checkpoints/*/config/metadata'):
+    config = json.loads(metadata.read_text())
+    config['model']['attention'] = 'cudnn'
+    metadata.write_text(json.dumps(config))
+  return survived(p.run('evaluate.py', f'--workdir={run}', '--tasks=stdlib_next_line',
+                        '--limit=4'), ['"stdlib_next_line": {"acc"'])
+
+
+@case('sample, export, evaluate: a hierarchical run on fewer devices than it trained on')
+def _(p):
+  run = p.path('run')
+  first = p.run(*p.train(run, 3), '--config.partition.hierarchical=True', '--config.mesh.data=2',
+                '--config.mesh.fsdp=-1')
+  if first.returncode:
+    return 'BAD', f'the run failed: {lines(first.stderr)[-1:]}'
+  for args in (('sample.py', f'--workdir={run}', '--max_new_tokens=4'),
+               ('export.py', f'--workdir={run}', f'--output={p.path("export")}'),
+               ('evaluate.py', f'--workdir={run}', '--tasks=stdlib_next_line', '--limit=4')):
+    if (verdict := survived(p.run(*args, devices=1)))[0] != 'GOOD':
+      return verdict[0], f'{args[0]}: {verdict[1]}'
+  return 'GOOD', 'sampled, exported and evaluated on 1 device'
 
 
 def task_dir(p, name: str, **changes) -> pathlib.Path:

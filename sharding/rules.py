@@ -184,11 +184,16 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
   # the ring's zigzag halves a device's share; without a sequence split either way runs whole rows
   ring = model_cfg.context_parallel == 'ring' and mesh_sizes['sequence'] > 1
   split = mesh_sizes['sequence'] * (2 if ring else 1)
-  if (tile := model_cfg.length_tile) > 1 and (seq_len // split) % tile:
-    raise MeshMismatch(f"config.model.attention={model_cfg.attention!r} takes whole blocks of "
-                       f'{tile} positions (it masks no padding), and config.seq_len={seq_len} '
-                       f'gives each call {seq_len // split}: set seq_len to a multiple of '
-                       f'{split * tile}, or --config.model.attention=pallas')
+  if (tile := model_cfg.length_tile) > 1 and (per_call := seq_len // split) % tile:
+    # A key block the user chose names itself, and a smaller one that fits is the first fix.
+    chosen = model_cfg.attention_block_k
+    smaller = next((k for k in (128, 64) if k < tile and per_call % k == 0), None)
+    raise MeshMismatch(
+        f"config.model.attention={model_cfg.attention!r} takes whole blocks of {tile} positions "
+        f"(its key block{f', config.model.attention_block_k={chosen}' if chosen else ''}; it "
+        f'masks no padding), and config.seq_len={seq_len} gives each call {per_call}: '
+        + (f'set --config.model.attention_block_k={smaller}, ' if smaller else '')
+        + f'set seq_len to a multiple of {split * tile}, or --config.model.attention=pallas')
   if model_cfg.attention in ('pallas', 'hopper') and mesh_sizes['sequence'] > 1 and stages > 1:
     raise MeshMismatch(f"config.model.attention={model_cfg.attention!r} cannot yet run with both "
                        f"config.mesh.stage={stages} and config.mesh.sequence="

@@ -19,9 +19,13 @@ from training.state import build
 CHILD = 'training.dry_run'  # the module the GPU compiler's process runs: main()
 
 
-def plan(config, devices=None) -> dict:
-  """Plans `config` (dry_run set) and prints the plan; returns its figures (Plan.as_dict)."""
+def plan(config, devices=None, tasks=None) -> dict:
+  """Plans `config` (dry_run set) and prints the plan; returns its figures (Plan.as_dict).
+  `tasks`: the hook that would score config.lm_eval.tasks (training.loop.train's), whose check
+  a dry run makes too."""
   run = settings.resolve(config, devices)  # the tokenizer checked, as training would
+  if tasks and run.lm_eval.task_names:
+    tasks.check(run)
   if run.target.in_child:  # its settings, for as many GPUs as planned here
     settings_dict = run.replace(plan={'devices': run.target.n_devices}).as_dict()
     return gpu_compiler.plan_in_compiler_process(settings_dict, CHILD)

@@ -115,11 +115,10 @@ def build(run: Run) -> Setup:
                      "JAX's Pallas interpreter cannot run inside pipeline stages "
                      f"(config.mesh.stage={sizes['stage']}); use "
                      "--config.model.expert_matmul=ragged_dot here (GPUs compile ours)")
-  if model_cfg.attention == 'cudnn' and devices[0].platform != 'gpu':
+  if model_cfg.attention == 'cudnn' and not attention_runs_on('cudnn', devices[0]):
     raise ValueError(f"config.model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
                      f"{devices[0].platform}; use --config.model.attention=xla")
-  if model_cfg.attention == 'hopper' and (devices[0].platform != 'gpu'
-                                          or capability(devices[0]) != (9, 0)):
+  if model_cfg.attention == 'hopper' and not attention_runs_on('hopper', devices[0]):
     # On CPUs Mosaic GPU's interpreter runs the kernels (their tests) but not a train step: its
     # callbacks are effects that remat cannot differentiate, and a step without remat hangs.
     raise ValueError(f"config.model.attention='hopper' needs a Hopper GPU (sm_90a: wgmma and "
@@ -257,6 +256,17 @@ def capability(device) -> tuple[int, int]:
   known = gpus.find(device.device_kind)
   return (known.compute_capability if known else
           tuple(int(n) for n in str(device.compute_capability).split('.')))
+
+
+def attention_runs_on(kernel: str, device) -> bool:
+  """Whether attention `kernel` (config.model.attention, made concrete) runs on `device`:
+  cuDNN's on an NVIDIA GPU, our Hopper kernel on sm_90a, ours in Triton on any NVIDIA GPU (it
+  interprets elsewhere: a test's speed, not a forward's)."""
+  if kernel in ('cudnn', 'pallas'):
+    return device.platform == 'gpu'
+  if kernel == 'hopper':
+    return device.platform == 'gpu' and capability(device) == (9, 0)
+  return True
 
 
 def has_fp8(device) -> bool:
