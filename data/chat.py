@@ -32,6 +32,7 @@ import re
 import numpy as np
 
 from data import records
+from runtime import faults
 
 TRAIN_ON = ('answers', 'all')
 FALLBACK = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -100,13 +101,14 @@ def digest(source: str) -> str:
   return 'sha256:' + hashlib.sha256(source.encode()).hexdigest()[:12]
 
 
-def owned(tokenizer, data_config, workdir) -> Template | None:
+def owned(tokenizer, data_config, workdir, recorded: str = '') -> Template | None:
   """The chat template a run in `workdir` renders its records with, found once (settings.resolve;
   None where its records are not conversations): its own copy (workdir/chat_template.jinja,
   written by `keep_template` when it started) once it has one; else what
-  config.data.chat_template names, which must be there whatever the records. A template there now
-  that is not the run's is refused, naming both digests; one gone (a moved .jinja file) is not
-  missed."""
+  config.data.chat_template names, which must be there whatever the records. A copy that is not
+  what the run's checkpoints `recorded` it rendered with (a digest) was edited, and is refused,
+  naming it; a template there now that is not the run's is refused, naming both digests; one gone
+  (a moved .jinja file) is not missed."""
   kept = pathlib.Path(workdir).expanduser() / KEPT if workdir else None
   if kept is None or not kept.is_file():
     named = template_source(tokenizer, data_config.chat_template)
@@ -114,6 +116,10 @@ def owned(tokenizer, data_config, workdir) -> Template | None:
   if data_config.record not in records.CHAT_KINDS:
     return None
   mine = Template(kept.read_text(), str(kept), dict(getattr(tokenizer, 'special_tokens', {})))
+  if recorded and mine.digest != recorded:
+    raise faults.Fault(f'{kept}: the chat template is {mine.digest} now, but the run in {workdir} '
+                     f'rendered its records with {recorded}: the run\'s own copy was changed. '
+                     'Put back the template the run trained with')
   try:
     named = template_source(tokenizer, data_config.chat_template)
   except (OSError, ValueError):  # the .jinja file moved: the run has its own

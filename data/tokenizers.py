@@ -16,6 +16,8 @@ import uuid
 
 import numpy as np
 
+from runtime import faults
+
 VOCAB_MULTIPLE = 128  # the model's vocab is padded to this for fast matmuls
 
 
@@ -274,16 +276,22 @@ def kept_model(workdir: pathlib.Path, kind: str, model: str) -> str | None:
   return str(copy) if copy.is_file() else None
 
 
-def owned(data_config, workdir) -> Tokenizer:
+def owned(data_config, workdir, recorded: str = '') -> Tokenizer:
   """The tokenizer a run in `workdir` trains with: its own copy (workdir/tokenizer/, written by
-  `keep` when it started) once it has one, wherever the original went; else config.data's. An
-  original that is there but no longer the run's (replaced, retrained over) is refused, naming
-  both fingerprints: the run's embeddings are its own tokenizer's ids."""
+  `keep` when it started) once it has one, wherever the original went; else config.data's. A
+  copy that is not what the run's checkpoints `recorded` it trained with (a fingerprint) was
+  changed, and is refused, naming it; an original that is there but no longer the run's
+  (replaced, retrained over) is refused, naming both fingerprints: the run's embeddings are its
+  own tokenizer's ids."""
   kept = (kept_model(workdir, data_config.tokenizer, data_config.tokenizer_model) if workdir
           else None)
   if kept is None:
     return load(data_config)
   mine = _MODEL_FILES[data_config.tokenizer][0](kept)
+  if recorded and mine.fingerprint != recorded:
+    raise faults.Fault(f'{pathlib.Path(kept).parent}: the tokenizer is {mine.fingerprint} now, but '
+                     f'the run in {workdir} trained with {recorded}: the run\'s own copy was '
+                     'changed. Put back the files the run trained with')
   source = pathlib.Path(data_config.tokenizer_model).expanduser()
   if source.is_file() and source.resolve() != pathlib.Path(kept).resolve():
     theirs = load(data_config)

@@ -496,6 +496,18 @@ def saved_steps(workdir: str) -> list[int]:
   return sorted(int(p.name) for p in directory.glob('*') if p.name.isdigit() and p.is_dir())
 
 
+def recorded_trained_on(workdir: str) -> dict:
+  """What the newest checkpoint of the run in `workdir` records it trained with (TRAINED_ON's
+  fingerprints); {} where it has none that reads."""
+  if not (steps := saved_steps(workdir)):
+    return {}
+  checkpointer = Checkpointer(pathlib.Path(workdir).expanduser() / 'checkpoints', read_only=True)
+  try:
+    return checkpointer.saved_config(steps[-1]).get('trained_on') or {}
+  finally:
+    checkpointer.close()
+
+
 def step_directory(path: str, setting: str = 'config.init_from',
                    step: int | None = None) -> tuple[pathlib.Path, int]:
   """(checkpoints dir, step) for `setting`: a run's workdir (its newest checkpoint, or `step`), its

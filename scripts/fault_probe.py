@@ -1178,16 +1178,24 @@ def _(p):
   return survived(result, ['resuming from step 6'])
 
 
-@case('sample: the run\'s chat template copy edited')
-def _(p):
+def template_copy_edited(p, entry):
+  """A case: a run's own copy of its chat template edited; `entry` (sample.py, or train.py
+  resuming) refuses it, naming the copy."""
   path, run = chat_corpus(p), p.path('run')
   first = p.run(*chat_train(p, run, path, 3))
   if first.returncode:
     return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
   kept = run / 'chat_template.jinja'
   kept.write_text(kept.read_text().replace('<|im_start|>', '<|im_begin|>'))
+  if entry == 'train.py':
+    return refused(p.run(*chat_train(p, run, path, 6)), f'{kept}: the chat template is')
   return refused(p.run('sample.py', f'--workdir={run}', '--chat', '--prompt=Two and 3?',
                        '--max_new_tokens=8'), f'{kept}: the chat template is')
+
+
+for entry in ('sample.py', 'train.py'):
+  CASES[f'{entry.removesuffix(".py")}: the run\'s chat template copy edited'] = (
+      lambda p, entry=entry: template_copy_edited(p, entry))
 
 
 @case('resume: records edited')
@@ -1238,19 +1246,21 @@ def copy_replaced(p, entry):
   `entry` (sample.py or export.py) refuses it, naming the copy, and writes nothing."""
   tok = hf_tokenizer(p)
   run = p.path('run')
-  first = p.run(*p.train(run, 3), '--config.data.tokenizer=hf',
-                f'--config.data.tokenizer_model={tok}')
+  tokenizer = ('--config.data.tokenizer=hf', f'--config.data.tokenizer_model={tok}')
+  first = p.run(*p.train(run, 3), *tokenizer)
   if first.returncode:
     return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
   for name in ('tokenizer.json', 'tokenizer_config.json'):
     shutil.copyfile(LLAMA3_CHAT / name, run / 'tokenizer' / name)
   out = p.path('export')
+  if entry == 'train.py':  # resumed: the original is intact, the run's copy is not
+    return refused(p.run(*p.train(run, 6), *tokenizer), f"{run / 'tokenizer'}: the tokenizer is")
   args = [f'--output={out}'] if entry == 'export.py' else ['--prompt=def ', '--max_new_tokens=8']
   return refused(p.run(entry, f'--workdir={run}', *args),
                  f"{run / 'tokenizer'}: the tokenizer is", [out])
 
 
-for entry in ('sample.py', 'export.py'):
+for entry in ('sample.py', 'export.py', 'train.py'):
   CASES[f'{entry.removesuffix(".py")}: the run\'s tokenizer copy replaced'] = (
       lambda p, entry=entry: copy_replaced(p, entry))
 

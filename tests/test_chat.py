@@ -19,6 +19,7 @@ import pytest
 
 from data import chat, corpus as corpus_lib, records, tokenizers, tokens
 from data.packing import Lane
+from runtime import faults
 from training import loop
 from tests.conftest import tiny_config
 
@@ -321,3 +322,8 @@ def test_a_conversation_starts_as_its_template_renders_it_and_blank_answers_are_
   with pytest.raises(ValueError, match=r'config.data.chat_template: .* is sha256:\w+ now, but '
                                        r'the run .* rendered its records with sha256:'):
     chat.owned(byte, setting, tmp_path)
+  # The original as the run kept it, the copy edited: the copy is named, by its checkpoints' digest.
+  template.write_text(chat.FALLBACK)
+  (tmp_path / chat.KEPT).write_text(chat.FALLBACK + ' ')
+  with pytest.raises(faults.Fault, match=rf'{tmp_path / chat.KEPT}: the chat template is sha256:'):
+    chat.owned(byte, setting, tmp_path, recorded=chat.digest(chat.FALLBACK))

@@ -444,6 +444,13 @@ def test_a_run_keeps_its_tokenizer_and_refuses_one_replaced_at_its_path(tmp_path
   with pytest.raises(ValueError, match=rf'is {other} now, but the run in .* trained with '
                                        rf'{fingerprint}'):
     tokenizers.owned(config.data, str(run))
+  # The original intact, the run's copy replaced: the copy is named, by what its checkpoints hold.
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    (source / name).write_bytes((chat / 'chatml' / name).read_bytes())
+    (run / tokenizers.KEPT / name).write_bytes((chat / 'llama3' / name).read_bytes())
+  with pytest.raises(faults.Fault, match=rf'{run / tokenizers.KEPT}: the tokenizer is {other} '
+                                         rf'now, but the run in .* trained with {fingerprint}'):
+    tokenizers.owned(config.data, str(run), recorded=fingerprint)
 
 
 def test_a_tokenizer_or_chat_corpus_is_never_written_over(tmp_path):

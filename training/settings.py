@@ -95,8 +95,10 @@ def resolve(config, devices=None, log=None) -> Run:
   values = with_start(values, start)
   workdir = values['workdir']
   data = DataConfig(**values['data'])
-  tokenizer = tokenizers.owned(data, workdir)  # a resumed run's own copy, and its chat template
-  template = chat.owned(tokenizer, data, workdir)
+  # A resumed run's own copies of its tokenizer and chat template, as its checkpoints record them.
+  recorded = checkpoint.recorded_trained_on(workdir) if workdir else {}
+  tokenizer = tokenizers.owned(data, workdir, recorded.get('tokenizer', ''))
+  template = chat.owned(tokenizer, data, workdir, recorded.get('chat_template', ''))
   check_start_tokenizer(start, tokenizer)
   values['model']['vocab_size'] = tokenizers.model_vocab_size(values['model']['vocab_size'],
                                                               tokenizer, values['init_from'])
