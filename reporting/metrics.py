@@ -45,6 +45,13 @@ class MetricsWriter:
     tmp.write_text(''.join(line + '\n' for line in kept))
     tmp.replace(self.path)
 
+  def keys_at(self, step: int) -> set[str]:
+    """The keys metrics.jsonl's records of `step` hold."""
+    if not self.path.exists():
+      return set()
+    return {key for line in self.path.read_text().splitlines() if line
+            for record in [json.loads(line)] if record['step'] == step for key in record}
+
   def write(self, record: dict) -> None:
     if self.enabled:
       with self.path.open('a') as f:

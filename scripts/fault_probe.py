@@ -445,6 +445,30 @@ def _(p):
   return stopped_and_resumed(p, signal.SIGINT)
 
 
+@case('signal: SIGTERM at the last step, its evaluations due, then rerun')
+def _(p):
+  """The stop lands while step 5's tasks are scored, so the last step, 6, saves and stops with
+  its validation pass and scoring due: the rerun computes both, once, then says it is finished."""
+  workdir = p.path('signal')
+  args = (*p.train(workdir, 6), '--config.lm_eval.tasks=stdlib_next_line',
+          '--config.lm_eval.every=5', '--config.lm_eval.limit=8')
+  process = p.start(*args)
+  read_until(process, 'step 5/6 | loss')  # LogMetrics': step 5's scoring comes after it
+  process.send_signal(signal.SIGTERM)
+  out, _ = process.communicate(timeout=300)
+  if process.returncode != 0 or 'stopped by SIGTERM after step 6' not in out:
+    return 'BAD', f'exit {process.returncode}: {lines(out)[-1:]}'
+  for attempt in range(2):  # the second finds both done
+    if (verdict := survived(p.run(*args), ['is finished']))[0] != 'GOOD':
+      return verdict
+  at_6 = [r for r in metrics(workdir) if r['step'] == 6]
+  kinds = sorted('train' if 'loss' in r else 'eval' if 'eval_loss' in r else
+                 'tasks' if 'lm_eval_time_s' in r else str(r) for r in at_6)
+  if kinds != ['eval', 'tasks', 'train'] or not steps_once(workdir, 6):
+    return 'BAD', f'step 6 logged {kinds}'
+  return 'GOOD', 'the rerun evaluated and scored step 6 once, then finished'
+
+
 @case('signal: SIGTERM while compiling')
 def _(p):
   """The step compiles before the run writes anything, and SIGTERM then ends it at once with one

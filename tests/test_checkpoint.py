@@ -526,6 +526,29 @@ def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
   assert sorted(r['step'] for r in records if 'loss' in r) == list(range(1, 11))
 
 
+def test_a_stop_at_the_last_step_leaves_its_evaluations_to_the_rerun_which_does_them_once(
+    tmp_path, monkeypatch, capsys):
+  """A stop at the last step saves it with its validation pass and scoring due: the rerun of a
+  finished run computes them, and a rerun after that finds them in metrics.jsonl."""
+  from evaluation import during
+  config = tiny_config(fsdp=-1)
+  config.workdir, config.train_steps, config.checkpoint_every = str(tmp_path), 4, 2
+  config.eval_every, config.eval_batches, config.seq_len = 2, 1, 64  # the task's rows fit
+  config.lm_eval.tasks, config.lm_eval.every, config.lm_eval.limit = 'stdlib_next_line', 2, 2
+  with monkeypatch.context() as patched:
+    patched.setattr(loop.StopSignals, 'requested', lambda self, step: step == 4)
+    first = loop.run(config, tasks=during.TaskScores)
+  assert [r['step'] for r in first if 'eval_loss' in r] == [2]  # step 4's skipped by the stop
+  rerun = loop.run(config, tasks=during.TaskScores)
+  assert [r['step'] for r in rerun if 'eval_loss' in r] == [4]
+  assert [r['step'] for r in rerun if 'stdlib_next_line/acc' in r] == [4]
+  assert loop.run(config, tasks=during.TaskScores) == []
+  assert capsys.readouterr().out.count('is finished') == 2
+  records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').open()]
+  assert sorted(r['step'] for r in records if 'eval_loss' in r) == [2, 4]
+  assert sorted(r['step'] for r in records if 'stdlib_next_line/acc' in r) == [2, 4]
+
+
 def test_when_every_checkpoint_is_damaged_the_run_says_where_they_went_and_never_restarts(
     tmp_path):
   """Both checkpoints truncated: each is moved aside, and the run stops saying where, instead of

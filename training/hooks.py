@@ -23,6 +23,8 @@ import time
 import warnings
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from planning import flops
 from reporting import metrics as metrics_lib
@@ -205,6 +207,21 @@ class Evaluate(Hook):
 # first work. Save writes them: {flag: the interval it is due at}.
 EVALUATE_FIRST = 'evaluate_first'  # the validation pass (Evaluate)
 SCORE_FIRST = 'score_first'  # lm-eval's tasks (evaluation/during.py)
+# A key of the record each reports: a rerun from the same checkpoint finds the ones done before.
+RECORDED_AS = {EVALUATE_FIRST: 'eval_', SCORE_FIRST: 'lm_eval_time_s'}
+
+
+def still_due(data_state: dict | None, writer: metrics_lib.MetricsWriter, step: int) -> set[str]:
+  """The flags of `data_state` (EVALUATE_FIRST, SCORE_FIRST) whose records metrics.jsonl does
+  not hold at `step` yet: an earlier resume from this checkpoint may have reported them. Read on
+  process 0, agreed by every process (each takes part in an evaluation)."""
+  flags = [flag for flag in RECORDED_AS if (data_state or {}).get(flag)]
+  keys = writer.keys_at(step) if writer.enabled else set()
+  due_now = np.array([not any(key.startswith(RECORDED_AS[flag]) for key in keys)
+                      for flag in flags], bool)
+  if jax.process_count() > 1 and flags:
+    due_now = np.asarray(multihost_utils.broadcast_one_to_all(due_now))
+  return {flag for flag, due_it in zip(flags, due_now) if due_it}
 
 
 class Save(Hook):

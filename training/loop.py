@@ -140,31 +140,37 @@ def _train(setup, train_step, eval_step, documents, workdir, checkpointer, conso
   if engine:  # the optimizer state leaves the devices for its tiers; the engine updates it
     state, train_step = engine.load(state), engine
   # Finished is known only once restored: a damaged newest checkpoint was set aside just now.
-  if start_step >= run.train_steps:
-    log(f'the run in {workdir} is finished: checkpoint {start_step} is its last step '
-        f'(config.train_steps={run.train_steps}); raise config.train_steps to train on, '
-        'or sample.py / export.py it')
+  # What a stop skipped at the step resumed from comes first, a finished run's last step too.
+  finished = start_step >= run.train_steps
+  skipped = hooks.still_due(data_state, writer, start_step)
+  if finished and not skipped:
+    log(finished_message(workdir, start_step, run.train_steps))
     writer.close()
     if engine:
       engine.close()
     return []
   writer.drop_after(start_step)  # the steps after the checkpoint (or all, from 0) are logged again
   batch_sharding = sharding.batch_sharding(setup.mesh)
-  batches = pipeline.train_batches(documents.train, run, batch_sharding, state=data_state)
   evaluate = (Evaluator(setup, eval_step, documents.validation, batch_sharding)
               if eval_step else None)
-  log(f'initialised in {time.perf_counter() - t0:.1f}s')
-
-  guard = hooks.NonFinite(run.max_bad_steps, checkpointer)
   report = hooks.Report(writer, console, run.train_steps)
   log_metrics = hooks.LogMetrics(run.log_every, report, setup, start_step,
                                  sharding.local_device(setup.mesh.devices.flat).device_kind)
   scores = tasks(setup, report, log_metrics) if tasks else None
-  skipped = data_state or {}  # what a stop skipped at the step resumed from comes first
-  if evaluate and skipped.get(hooks.EVALUATE_FIRST):
+  if evaluate and hooks.EVALUATE_FIRST in skipped:
     report({'step': start_step, **evaluate(state)})
-  if scores and skipped.get(hooks.SCORE_FIRST):
+  if scores and hooks.SCORE_FIRST in skipped:
     scores.score(start_step, state.params)
+  if finished:
+    log(finished_message(workdir, start_step, run.train_steps))
+    writer.close()
+    if engine:
+      engine.close()
+    return report.records
+  batches = pipeline.train_batches(documents.train, run, batch_sharding, state=data_state)
+  log(f'initialised in {time.perf_counter() - t0:.1f}s')
+
+  guard = hooks.NonFinite(run.max_bad_steps, checkpointer)
   log_metrics.restart_clock()
   save = (hooks.Save(run.checkpoint_every, checkpointer, guard, batches,
                      {**run.as_dict(), 'trained_on': read},
@@ -200,6 +206,12 @@ def _train(setup, train_step, eval_step, documents, workdir, checkpointer, conso
     if engine:
       engine.close()
   return report.records
+
+
+def finished_message(workdir, step: int, train_steps: int) -> str:
+  return (f'the run in {workdir} is finished: checkpoint {step} is its last step '
+          f'(config.train_steps={train_steps}); raise config.train_steps to train on, '
+          'or sample.py / export.py it')
 
 
 def stop_message(stop, done: int, save, guard) -> str:
