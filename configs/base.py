@@ -228,3 +228,20 @@ EFFECTS = {field: kind for kind, names in {
         data.data_dir data.tokenize data.workers data.prefetch lm_eval.tasks lm_eval.every
         lm_eval.limit lm_eval.include_path lm_eval.batch_size""",
 }.items() for field in names.split()}
+
+
+def drops_tokens(config) -> bool:
+  """Whether a config (or a saved one) routes tokens past an expert's room: an MoE with a
+  capacity or an expert buffer (model/moe.py)."""
+  model = config['model']
+  return bool(model.get('experts', 0)) and (model.get('capacity_factor', 0) > 0
+                                     or model.get('expert_buffer', 0) > 0)
+
+
+# Where what a setting changes depends on the rest of the run: {field: (its kind then, when, why)}.
+# An MoE that drops tokens keeps those an expert has room for among the tokens one device routes
+# at once, which the mesh and the microbatches decide: there the layout is part of the function.
+DEPENDS = {field: ('function', drops_tokens, "the run's MoE drops the tokens past an expert's room "
+                   'among those each device routes at once')
+           for field in """microbatches mesh.data mesh.stage mesh.fsdp mesh.expert mesh.tensor
+               mesh.sequence mesh.auto""".split()}

@@ -12,7 +12,9 @@ a new setting cannot be forgotten (tests/test_configs.py fails on one without a 
             kernels, layout, memory
   none      nothing trained: logging, evaluation, workdir, runtime     may change    free
 
-A resumed run refuses a change to a kept setting, naming it (runtime/checkpoint.py: check_resume).
+A setting's kind may depend on the run (base.DEPENDS: in an MoE that drops tokens, the layout
+decides which, so the mesh and microbatches are `function` there). A resumed run refuses a change
+to a kept setting, naming it (runtime/checkpoint.py: check_resume).
 A run started from another's parameters (config.init_from) takes the base model's settings from
 the checkpoint, a meshlm run's or a Hugging Face model's, and refuses one given otherwise
 (training/settings.py). sample.py and export.py rebuild the run from a checkpoint's shape,
@@ -69,11 +71,22 @@ def get(config, field: str, missing=None):
 _MISSING = object()
 
 
+def kind_of(field: str, run) -> str:
+  """What `field` changes in the run of config `run` (a saved config's dict too): its declared
+  kind, or the one base.DEPENDS gives it in such a run."""
+  from configs import base
+  kind, applies, _ = base.DEPENDS.get(field, (None, None, None))
+  return kind if kind and applies(run) else base.EFFECTS[field]
+
+
 def changed(saved, config, kinds) -> list[tuple[str, object, object]]:
-  """(field, saved value, value here) for each setting of `kinds` that differs; settings the
-  saved config lacks (an older meshlm's) are not compared."""
+  """(field, saved value, value here) for each setting of `kinds` in the saved run (kind_of) that
+  differs; settings the saved config lacks (an older meshlm's) are not compared."""
+  from configs import base
   out = []
-  for field in of_kinds(kinds):
+  for field in base.EFFECTS:
+    if kind_of(field, saved) not in kinds:
+      continue
     before, now = get(saved, field, _MISSING), get(config, field, _MISSING)
     if before is not _MISSING and now is not _MISSING and before != now:
       out.append((field, before, now))
@@ -89,7 +102,13 @@ def table() -> str:
   for kind, what in KINDS.items():
     names = ', '.join(f'`{f}`' for f in of_kinds((kind,)))
     rows.append(f'| {kind} | {what} | {resume[kind]} | {start[kind]} | {names} |')
-  return '\n'.join(rows) + '\n'
+  from configs import base
+  depends = {}
+  for field, (kind, _, why) in base.DEPENDS.items():
+    depends.setdefault((kind, why), []).append(f'`{field}`')
+  notes = [f'\n{", ".join(fields)}: {kind} where {why} (a resumed run keeps them).'
+           for (kind, why), fields in depends.items()]
+  return '\n'.join(rows) + '\n' + ''.join(notes) + ('\n' if notes else '')
 
 
 if __name__ == '__main__':

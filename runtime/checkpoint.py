@@ -462,11 +462,15 @@ def check_resume(saved_config: dict, settings: dict, checkpoint: pathlib.Path,
                  trained_on: dict | None = None) -> None:
   """ValueError naming the settings a resumed run keeps (configs/effects.py: KEPT_ON_RESUME, the
   kinds configs/base.py declares them) that differ, in the run's `settings` (Run.as_dict), from
-  the config `checkpoint` was saved with; or, of `trained_on` (TRAINED_ON's: what the run reads
-  now), what differs from what it read."""
+  the config `checkpoint` was saved with (their mesh as laid out, where both hold its
+  'mesh_shape'); or, of `trained_on` (TRAINED_ON's: what the run reads now), what differs from
+  what it read."""
+  if 'mesh_shape' in saved_config and 'mesh_shape' in settings:  # the sizes -1 stood for
+    saved_config, settings = (
+        {**c, 'mesh': {**c['mesh'], **c['mesh_shape']}} for c in (saved_config, settings))
   changed = effects.changed(saved_config, settings, effects.KEPT_ON_RESUME)
   if changed:  # a setting first: the change the user made, named
-    _refuse_changed(changed, checkpoint)
+    _refuse_changed(changed, checkpoint, saved_config)
   saved_files = saved_config.get('trained_on') or {}
   for key, now in (trained_on or {}).items():
     if saved_files.get(key) and now != saved_files[key]:  # '': not known then
@@ -478,16 +482,19 @@ def check_resume(saved_config: dict, settings: dict, checkpoint: pathlib.Path,
           f'with another --config.workdir (and --config.init_from={checkpoint.parent.parent})')
 
 
-def _refuse_changed(changed, checkpoint: pathlib.Path):
-  kinds = sorted({base.EFFECTS[field] for field, _, _ in changed})
+def _refuse_changed(changed, checkpoint: pathlib.Path, saved_config: dict):
+  kinds = sorted({effects.kind_of(field, saved_config) for field, _, _ in changed})
   named = '; '.join(f'config.{field}={now!r}, but checkpoint {checkpoint} was trained with '
                     f'{before!r}' if i == 0 else f'config.{field}={now!r} (was {before!r})'
                     for i, (field, before, now) in enumerate(changed[:3]))
   more = f' (and {len(changed) - 3} more)' if len(changed) > 3 else ''
+  why = sorted({base.DEPENDS[field][2] for field, _, _ in changed
+                if effects.kind_of(field, saved_config) != base.EFFECTS[field]})
   raise ValueError(
       f'{named}{more}; a resumed run keeps its {" and ".join(kinds)} settings (configs/base.py: '
-      'EFFECTS). Set it back, or start another run with another --config.workdir (and '
-      f'--config.init_from={checkpoint.parent.parent} to start from its parameters)')
+      f'EFFECTS{"; DEPENDS: " + ", ".join(why) if why else ""}). Set it back, or start another '
+      f'run with another --config.workdir (and --config.init_from={checkpoint.parent.parent} to '
+      'start from its parameters)')
 
 
 def saved_steps(workdir: str) -> list[int]:

@@ -424,6 +424,39 @@ def _(p):
   return resumed(result, ['resuming from step 6'], run, 9)
 
 
+MOE_DROPS = ('--config.model.experts=4', '--config.model.experts_per_token=2',
+             '--config.model.capacity_factor=1.0')
+
+
+@case('resume: an MoE that drops tokens, with other microbatches')
+def _(p):
+  run = trained_with(p, 'moe-drops', *MOE_DROPS)
+  return refused(p.run(*p.train(run, 9), *MOE_DROPS, '--config.microbatches=2'),
+                 "config.microbatches=2, but checkpoint")
+
+
+@case('resume: an MoE that drops tokens, on fewer devices')
+def _(p):
+  run = trained_with(p, 'moe-drops', *MOE_DROPS)
+  return refused(p.run(*p.train(run, 9), *MOE_DROPS, devices=4),
+                 'config.mesh.fsdp=4, but checkpoint')
+
+
+@case('resume: a dropless MoE, with other microbatches')
+def _(p):
+  args = ('--config.model.experts=4', '--config.model.experts_per_token=2')
+  run = trained_with(p, 'moe-dropless', *args)
+  return resumed(p.run(*p.train(run, 9), *args, '--config.microbatches=2'),
+                 ['resuming from step 6'], run, 9)
+
+
+@case('resume: a changed learning rate is named')
+def _(p):
+  run = p.trained()
+  return resumed(p.run(*p.train(run, 9), '--config.optimizer.learning_rate=0.001'),
+                 ['config.optimizer.learning_rate 0.003 → 0.001'], run, 9)
+
+
 def stopped_and_resumed(p, signum, at='step  4/'):
   workdir = p.path('signal')
   process = p.start(*p.train(workdir, 12))

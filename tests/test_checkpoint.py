@@ -549,6 +549,19 @@ def test_a_stop_at_the_last_step_leaves_its_evaluations_to_the_rerun_which_does_
   assert sorted(r['step'] for r in records if 'stdlib_next_line/acc' in r) == [2, 4]
 
 
+def test_a_resumed_run_names_each_schedule_setting_it_changed(tmp_path, capsys):
+  config = tiny_config(fsdp=-1)
+  config.workdir, config.train_steps, config.checkpoint_every, config.eval_every = (
+      str(tmp_path), 2, 2, 0)
+  loop.run(config)
+  config.train_steps, config.optimizer.learning_rate, config.loss.z_loss = 3, 1e-3, 0.0
+  capsys.readouterr()
+  loop.run(config)
+  assert ("from step 2 on, the schedule differs from its checkpoint's: config.train_steps 2 → 3, "
+          "config.optimizer.learning_rate 0.003 → 0.001, config.loss.z_loss 0.0001 → 0.0\n"
+          ) in capsys.readouterr().out
+
+
 def test_when_every_checkpoint_is_damaged_the_run_says_where_they_went_and_never_restarts(
     tmp_path):
   """Both checkpoints truncated: each is moved aside, and the run stops saying where, instead of

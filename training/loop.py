@@ -173,7 +173,7 @@ def _train(setup, train_step, eval_step, documents, workdir, checkpointer, conso
   guard = hooks.NonFinite(run.max_bad_steps, checkpointer)
   log_metrics.restart_clock()
   save = (hooks.Save(run.checkpoint_every, checkpointer, guard, batches,
-                     {**run.as_dict(), 'trained_on': read},
+                     {**run.as_dict(), 'mesh_shape': dict(setup.mesh.shape), 'trained_on': read},
                      {**({hooks.EVALUATE_FIRST: run.eval_every} if evaluate else {}),
                       **({hooks.SCORE_FIRST: run.lm_eval.every} if scores else {})},
                      **({'saving': engine.saving} if engine else {}))

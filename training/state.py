@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from configs import effects
 from data import tokenizers
 from interop import huggingface
 from model import ModelConfig, Transformer
@@ -211,7 +212,7 @@ def check_checkpoints(checkpointer, setup, read: dict | None) -> None:
     steps = checkpointer.steps() if checkpointer else []
     if checkpointer:
       checkpointer.check_fresh_start()
-    settings_now = run.as_dict() if steps else None
+    settings_now = {**run.as_dict(), 'mesh_shape': dict(setup.mesh.shape)} if steps else None
     for step in steps:  # the newest that reads; older ones are fallbacks
       if saved := checkpointer.saved_config(step):  # the settings first: they name the change
         checkpoint_lib.check_resume(saved, settings_now, checkpointer.directory / str(step), read)
@@ -239,6 +240,10 @@ def initial_state(setup, checkpointer, log, pieces=None):
               if checkpointer else None)
   if restored:
     log(f'resuming from step {restored[0]} ({checkpointer.directory / str(restored[0])})')
+    saved = checkpointer.saved_config(restored[0])
+    if changes := effects.changed(saved, run.as_dict(), ('schedule',)):  # may change: named
+      log(f'from step {restored[0]} on, the schedule differs from its checkpoint\'s: ' + ', '.join(
+          f'config.{field} {before!r} → {now!r}' for field, before, now in changes))
     return restored
   params = None  # from scratch, unless the run names a start
   if run.start.kind == HF:
