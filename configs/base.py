@@ -23,6 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.init_from = ''  # a run's workdir (or checkpoints/<step>): start from its parameters only;
   # or hf:DIR, a Hugging Face Llama checkpoint; either sets the base model (docs/huggingface.md).
   # '': fresh parameters; random: fresh ones on purpose, which a frozen base (LoRA) must say
+  c.init_adapters = 'merge'  # init_from a run that trained LoRA adapters: merge (start from the
+  # model they make, W + (alpha/r)·AB) | leave (from the base they adapted, without them)
   c.dry_run = False  # compile the step, print its memory/FLOPs/collectives plan, and stop
   c.max_bad_steps = 5  # this many steps in a row with a non-finite loss or gradient stop the run
   c.profile_steps = 0  # trace this many steps into workdir/profile (TensorBoard, Perfetto); 0: none
@@ -204,7 +206,7 @@ EFFECTS = {field: kind for kind, names in {
         model.capacity_factor model.expert_buffer""",
     'added': """model.lora_rank model.lora_alpha model.lora_targets model.draft_heads
         model.draft_kind model.draft_only""",
-    'data': """seed batch_size seq_len init_from data.paths data.name data.text_key data.record
+    'data': """seed batch_size seq_len init_from init_adapters data.paths data.name data.text_key data.record
         data.prompt_field data.completion_field data.chosen_field data.rejected_field
         data.messages_field data.chat_template
         data.train_on data.train_split data.validation_fraction data.tokenizer

@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from interop.huggingface import LAYER, TENSORS, cast, save_tokenizer, written_whole
+from model.layers import adapters_in, adapters_merged
 
-SUFFIX = '_lora'  # an adapter's attribute: its weight's name and this (model/layers.py)
 MODULES = {'q': 'q_proj', 'k': 'k_proj', 'v': 'v_proj', 'o': 'o_proj', 'gate': 'gate_proj',
            'up': 'up_proj', 'down': 'down_proj'}
 PREFIX = 'base_model.model.'  # PEFT's names wrap the model's
@@ -34,43 +34,10 @@ def _pure(params) -> dict:
   return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
 
 
-def _adapters(params: dict):
-  """(path of the adapted weight, the adapter's {'a', 'b'}) for each adapter in `params`."""
-  def walk(tree, path):
-    for key, value in tree.items():
-      if key.endswith(SUFFIX):
-        yield (*path, key[:-len(SUFFIX)]), value
-      elif isinstance(value, dict):
-        yield from walk(value, (*path, key))
-  return list(walk(params, ()))
-
-
-def _delta(w_shape, a, b) -> np.ndarray:
-  """A B as W's shape, in fp32: A[lead…, in…, r] @ B[lead…, r, out…]."""
-  lead = a.ndim + b.ndim - 2 - len(w_shape)
-  a = np.asarray(a, np.float32).reshape(*a.shape[:lead], math.prod(a.shape[lead:-1]), a.shape[-1])
-  b = np.asarray(b, np.float32).reshape(*b.shape[:lead + 1], -1)
-  return np.matmul(a, b).reshape(w_shape)
-
-
 def merged(params, cfg) -> dict:
   """The parameters without adapters, each adapted weight W + (alpha/r) A B (summed in fp32, then
   in W's dtype): the model the adapters make, as a plain Llama."""
-  params = _pure(params)
-
-  def copy(tree):
-    return {k: copy(v) if isinstance(v, dict) else v for k, v in tree.items()
-            if not k.endswith(SUFFIX)}
-
-  out = copy(params)
-  for path, adapter in _adapters(params):
-    parent = out
-    for key in path[:-1]:
-      parent = parent[key]
-    w = np.asarray(parent[path[-1]])
-    parent[path[-1]] = (w.astype(np.float32) + cfg.lora_scale * _delta(
-        w.shape, adapter['a'], adapter['b'])).astype(w.dtype)
-  return out
+  return adapters_merged(_pure(params), cfg.lora_scale, np)
 
 
 def _layers(cfg) -> int:
@@ -81,7 +48,7 @@ def _layers(cfg) -> int:
 def tensors(params, cfg, dtype) -> dict[str, np.ndarray]:
   """The adapters as PEFT names and lays them out, in `dtype`."""
   out = {}
-  for path, adapter in _adapters(_pure(params)):
+  for path, adapter in adapters_in(_pure(params)):
     module = TENSORS[path].name.removesuffix('.weight')
     a, b = np.asarray(adapter['a']), np.asarray(adapter['b'])
     lead = _layers(cfg) if path[0] == 'blocks' else 0
@@ -139,7 +106,7 @@ def load(path: pathlib.Path, params, cfg) -> dict:
   params = _pure(params)
   with safe_open(path / 'adapter_model.safetensors', framework='numpy') as f:
     found = {name: f.get_tensor(name) for name in f.keys()}
-  for weight_path, adapter in _adapters(params):
+  for weight_path, adapter in adapters_in(params):
     lead = _layers(cfg) if weight_path[0] == 'blocks' else 0
     name = TENSORS[weight_path].name.removesuffix('.weight')
     a, b = np.array(adapter['a']), np.array(adapter['b'])

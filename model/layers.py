@@ -57,13 +57,21 @@ OUT = 'out_projection'
 ADDED = (LoRA, Draft)  # parameters a base model's checkpoint does not hold: they start afresh
 
 
-def is_added(name: str) -> bool:
-  """Whether a checkpoint's array 'params.blocks.attn.wq_lora.a.value' is of an adapter or a draft
-  head (the modules `adapter` and model/draft.py add), by its name alone: what a run started from
-  another's base leaves out of that run's checkpoint."""
+def added_kind(name: str) -> type | None:
+  """LoRA or Draft where a checkpoint's array 'params.blocks.attn.wq_lora.a.value' is of an
+  adapter or a draft head (the modules `adapter` and model/draft.py add), by its name alone; None
+  for the base's."""
   parts = name.split('.')
   parts = parts[1:] if parts[0] in ('params', 'opt_state') else parts
-  return parts[0] == 'draft' or any(part.endswith('_lora') for part in parts)
+  if parts[0] == 'draft':
+    return Draft
+  return LoRA if any(part.endswith('_lora') for part in parts) else None
+
+
+def is_added(name: str) -> bool:
+  """Whether a checkpoint's array is an adapter's or a draft head's: what a run started from
+  another's base leaves out of that run's checkpoint."""
+  return added_kind(name) is not None
 
 
 class Adapter(nnx.Module):
@@ -105,6 +113,43 @@ def adapter(cfg: ModelConfig, rngs: nnx.Rngs, target: str, in_shape, in_names, o
 def split_adapters(params, kinds=(LoRA,)):
   """(the parameters of `kinds`, the rest): under LoRA the adapters and the base."""
   return nnx.split_state(params, kinds, ...)
+
+
+ADAPTED = '_lora'  # an adapter's attribute: its weight's name and this
+
+
+def adapters_in(params: dict) -> list[tuple[tuple, dict]]:
+  """(path of the adapted weight, the adapter's {'a', 'b'}) for each adapter in nested dicts of
+  arrays (nnx.to_pure_dict's)."""
+  def walk(tree, path):
+    for key, value in tree.items():
+      if key.endswith(ADAPTED):
+        yield (*path, key[:-len(ADAPTED)]), value
+      elif isinstance(value, dict):
+        yield from walk(value, (*path, key))
+  return list(walk(params, ()))
+
+
+def adapters_merged(params: dict, scale: float, xp=jnp) -> dict:
+  """Nested dicts of arrays without their adapters, each adapted weight W + scale · A B (summed
+  in fp32, then in W's dtype): the model the adapters make, as a plain base (PEFT's
+  merge_and_unload). `xp`: numpy on the host, jax.numpy in a program (on the shards)."""
+  def copy(tree):
+    return {k: copy(v) if isinstance(v, dict) else v for k, v in tree.items()
+            if not k.endswith(ADAPTED)}
+
+  out = copy(params)
+  for path, adapter in adapters_in(params):
+    parent = out
+    for key in path[:-1]:
+      parent = parent[key]
+    w, a, b = parent[path[-1]], adapter['a'], adapter['b']
+    lead = a.ndim + b.ndim - 2 - w.ndim  # A[lead…, in…, r] @ B[lead…, r, out…]
+    a = xp.asarray(a, xp.float32).reshape(*a.shape[:lead], -1, a.shape[-1])
+    b = xp.asarray(b, xp.float32).reshape(*b.shape[:lead + 1], -1)
+    delta = xp.matmul(a, b).reshape(w.shape)
+    parent[path[-1]] = (xp.asarray(w, xp.float32) + scale * delta).astype(w.dtype)
+  return out
 
 
 def gathered(w, names: tuple, dtype):

@@ -183,6 +183,8 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'data workers that do not divide the rows': (['--config.data.workers=3'],
                                                  'config.data.workers=3'),
     'init_from nothing': (['--config.init_from=/nonexistent'], 'config.init_from'),
+    'init_adapters misspelt': (['--config.init_adapters=merged'],
+                               "config.init_adapters='merged' is not one of merge, leave"),
     'hf: without config.json': (['--config.init_from=hf:/nonexistent'], 'holds no config.json'),
     'extra argument': (['oops'], 'unexpected arguments'),
     'LoRA target typo': (['--config.model.lora_rank=4', '--config.model.lora_targets=q,x'],
@@ -1364,6 +1366,48 @@ CUSTOM = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfo
           "{% if add_generation_prompt %}[assistant] {% endif %}")
 
 
+@case('init_from: a run that trained with its own chat template')
+def _(p):
+  path, template = chat_corpus(p), template_file(p, CUSTOM)
+  tok = hf_tokenizer(p, LLAMA3_CHAT)  # a tokenizer whose own template is another
+  tokenizer = ('--config.data.tokenizer=hf', f'--config.data.tokenizer_model={tok}')
+  sft, dpo = p.path('sft'), p.path('next')
+  first = p.run(*chat_train(p, sft, path, 3, *tokenizer,
+                            f'--config.data.chat_template={template}'))
+  if first.returncode:
+    return 'BAD', f'the first run failed: {lines(first.stderr)[-1:]}'
+  result = p.run(*chat_train(p, dpo, path, 3, f'--config.init_from={sft}'))
+  verdict = survived(result, ['the chat template sha256:'])
+  kept = dpo / 'chat_template.jinja'
+  if verdict[0] == 'GOOD' and (not kept.is_file() or kept.read_text() != CUSTOM):
+    return 'BAD', 'the run renders with another template than the one it started from'
+  return verdict
+
+
+def lora_start(p, setting):
+  """A case: a run started from a LoRA run, with config.init_adapters=`setting`: its start line
+  says what it did with the adapters, and the two starts are other models."""
+  run, out = lora_run(p), {}
+  for each in ('merge', 'leave'):
+    result = p.run(*p.train(p.path(f'from-lora-{each}'), 1), f'--config.init_from={run}',
+                   f'--config.init_adapters={each}', '--config.eval_every=0')
+    out[each] = result
+  merged, left = (float(next(line for line in r.stdout.splitlines() if 'loss' in line)
+                        .split('loss ')[1].split()[0]) if r.returncode == 0 else None
+                  for r in (out['merge'], out['leave']))
+  expected = {'merge': 'its LoRA adapters (rank 4) merged into the base',
+              'leave': "its LoRA adapters (rank 4) left out (config.init_adapters='leave')"}
+  verdict = survived(out[setting], [expected[setting]])
+  if verdict[0] == 'GOOD' and merged == left:
+    return 'BAD', f'the two starts train the same model (loss {merged})'
+  return verdict
+
+
+for _setting, _done in (('merge', 'merged'), ('leave', 'left out')):
+  CASES[f'init_from: a LoRA run, its adapters {_done}'] = (
+      lambda p, setting=_setting: lora_start(p, setting))
+
+
 @case('export: a custom chat template goes with it')
 def _(p):
   path, template = chat_corpus(p), template_file(p, CUSTOM)
@@ -1458,7 +1502,8 @@ def _(p):
 def _(p):
   heads = trained_with(p, 'heads', '--config.model.draft_heads=2')
   return survived(p.run(*p.train(p.path('new'), 3), f'--config.init_from={heads}'),
-                  ['starting from the parameters of'])
+                  ['its 2 draft heads left out, this run training none; to keep them: '
+                   '--config.model.draft_heads=2'])
 
 
 @case('init_from: a run of another tokenizer')

@@ -148,3 +148,42 @@ def test_lora_settings_are_checked_before_anything_is_built():
   with pytest.raises(ValueError, match='config.partition.hierarchical=True .* LoRA'):
     build(settings.resolve(c))
   assert issubclass(LoRA, nnx.Param)
+
+
+def test_a_start_from_a_lora_run_takes_the_model_its_adapters_make_or_says_it_leaves_them(
+    tmp_path):
+  """config.init_from a LoRA run: init_adapters='merge' starts from the model it trained (the
+  adapted model's logits, every parameter trainable), 'leave' from the base they adapted; the
+  start line says which, and how to have the other."""
+  from inference import sampling
+  from training import loop
+  from training.state import initial_state
+  tuned = lora_config()
+  tuned.workdir, tuned.train_steps, tuned.checkpoint_every, tuned.eval_every = (
+      str(tmp_path / 'sft'), 3, 3, 0)
+  loop.run(tuned)
+  adapted = sampling.load(tuned.workdir)
+  tokens = np.load(UNTIED / 'goldens.npz')['tokens']
+  want = np.asarray(jax.jit(lambda m, t: m(t))(adapted.model, tokens))
+  base_only = peft.merged(split_adapters(nnx.state(adapted.model), LoRA)[1], adapted.model.cfg)
+  for setting in ('merge', 'leave'):
+    config = lora_config(rank=0)
+    config.init_from, config.init_adapters = tuned.workdir, setting
+    setup = build(settings.resolve(config))
+    said = []
+    _, state, _ = initial_state(setup, None, said.append)
+    got = logits(setup, state.params, tokens)
+    if setting == 'merge':
+      np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+      assert "its LoRA adapters (rank 4) merged into the base" in said[-1]
+    else:
+      assert np.abs(got - want).max() > 1e-3  # the adapters trained: their model is another
+      plain = nnx.merge(setup.graphdef, state.params)
+      for path, value in nnx.to_flat_state(nnx.state(plain)):
+        expected = base_only
+        for key in path:
+          expected = expected[key]
+        np.testing.assert_array_equal(np.asarray(value[...]), np.asarray(expected))
+      assert "its LoRA adapters (rank 4) left out (config.init_adapters='leave')" in said[-1]
+    assert said[-1].startswith('starting from the parameters of ')
+    assert 'hf-' in said[-1]  # the tokenizer it takes, named

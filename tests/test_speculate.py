@@ -21,7 +21,7 @@ from runtime import checkpoint as checkpoint_lib
 from tests.conftest import tiny_config
 from training import loop
 from training import settings
-from training.state import build
+from training.state import build, initial_state
 
 PROMPTS = [[1, 5, 3, 2, 7, 6], [1], [1, 4, 4]]
 
@@ -171,3 +171,21 @@ def test_heads_learn_without_changing_the_model_and_train_alone_on_a_frozen_base
   for path, a in nnx.to_flat_state(start):
     np.testing.assert_array_equal(value(a), value(ends[path]))
   assert value(ends[('draft', 'w_o')]).any()  # the heads trained: their output weights left zero
+
+  # A run started from the drafted one takes its heads where it trains the same ones, and says
+  # it leaves them (and how to keep them) where it trains none.
+  said = []
+  for heads in (2, 0):
+    config, _ = run(f'from-drafted-{heads}', 1, draft_heads=heads,
+                    init_from=str(tmp_path / 'drafted'))
+    setup = build(settings.resolve(config, jax.devices()[:2]))
+    _, state, _ = initial_state(setup, None, said.append)
+    if heads:
+      saved, _ = checkpoint_lib.restore_params(str(tmp_path / 'drafted'),
+                                               setup.checkpoint_state.params, config.model)
+      for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(state.params, Draft)),
+                                   nnx.to_flat_state(nnx.state(saved, Draft))):
+        np.testing.assert_array_equal(value(a), value(b))
+  assert said[0].endswith('; its 2 draft heads')
+  assert said[1].endswith('its 2 draft heads left out, this run training none; to keep them: '
+                          '--config.model.draft_heads=2 --config.model.draft_kind=clover')

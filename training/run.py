@@ -92,6 +92,7 @@ class Run:
   checkpoint_every: int
   keep_checkpoints: int
   init_from: str
+  init_adapters: str
   dry_run: bool
   max_bad_steps: int
   profile_steps: int

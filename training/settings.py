@@ -43,6 +43,9 @@ from training import layout
 from training.run import HF, RANDOM, RUN, Run, Start
 
 
+INIT_ADAPTERS = ('merge', 'leave')  # config.init_adapters: what a start takes of a run's LoRA
+
+
 def _at_least(low):
   return lambda value: value >= low, f'at least {low}'
 
@@ -159,9 +162,9 @@ def started_from(init_from: str) -> Start:
 def with_start(values: dict, start: Start) -> dict:
   """`values` whose base model is the checkpoint's it starts from (a Hugging Face model's
   config.json, or a meshlm run's saved config, whose settings of the kinds configs/effects.py:
-  FROM_CHECKPOINT it takes), with its tokenizer where the config leaves the default. A setting
-  given other than its default and the checkpoint's is an error naming both: its parameters were
-  trained for that model."""
+  FROM_CHECKPOINT it takes), with its tokenizer and chat template where the config leaves the
+  defaults. A setting given other than its default and the checkpoint's is an error naming both:
+  its parameters were trained for that model."""
   defaults = base.get_config().to_dict()
   if start.kind == HF:
     return _with_hf_start(values, start.path, defaults)
@@ -185,6 +188,10 @@ def with_start(values: dict, start: Start) -> dict:
     model = saved['data']['tokenizer_model']
     data['tokenizer'] = kept
     data['tokenizer_model'] = tokenizers.kept_model(start.path, kept, model) or model
+  # The chat template it rendered its records with, where the config leaves the default (which
+  # would take the tokenizer's own: not the one the run learnt, if it named another).
+  if data['chat_template'] == 'auto' and (template := start.path / chat.KEPT).is_file():
+    data['chat_template'] = str(template)
   return values
 
 
@@ -253,6 +260,9 @@ def check_sections(run: Run) -> None:
   """What crosses a Run's sections, which no device or file decides: ValueError naming the
   setting. (Each section checked itself when it was built; the numbers were check_fields'.)"""
   model = run.model
+  if run.init_adapters not in INIT_ADAPTERS:
+    raise ValueError(f'config.init_adapters={run.init_adapters!r} is not one of '
+                     f'{", ".join(INIT_ADAPTERS)}')
   if model.draft_heads and model.draft_heads + 2 > run.seq_len:
     raise ValueError(f'config.model.draft_heads={model.draft_heads}: head k guesses the token '
                      f'k + 1 after each position, which needs rows of at least '

@@ -19,7 +19,8 @@ from configs import effects
 from data import tokenizers
 from interop import huggingface
 from model import ModelConfig, Transformer
-from model.layers import ADDED, is_added, split_adapters
+from model.layers import (ADDED, Draft, LoRA, adapters_merged, added_kind, is_added,
+                          split_adapters)
 from planning import gpus
 from planning import target as target_lib
 from runtime import checkpoint as checkpoint_lib
@@ -250,10 +251,73 @@ def initial_state(setup, checkpointer, log, pieces=None):
     params = huggingface.load_params(run.start.path, setup.start_params, setup.model_cfg)
     log(f'starting from the Hugging Face checkpoint {run.start.path} (fresh optimizer, step 0)')
   elif run.start.kind == RUN:
+    params, path, notes = params_of_run(setup)
+    log(f'starting from the parameters of {path} (fresh optimizer, step 0): ' + '; '.join(notes))
+  return 0, setup.init_state(params), None
+
+
+def params_of_run(setup):
+  """(the parameters a run starts from where config.init_from names a meshlm run, in
+  start_params' shardings, with the draft heads it takes; the step directory; what the start
+  takes and leaves, for its line). It takes the model that run trained: its LoRA adapters merged
+  into the base (config.init_adapters='merge', else left), its draft heads where this run
+  trains the same ones (else left, which the line says, with how to keep them)."""
+  run, cfg = setup.run, setup.model_cfg
+  saved = (run.start.saved or {}).get('model', {})
+  rank, heads = saved.get('lora_rank', 0), saved.get('draft_heads', 0)
+  merge = bool(rank) and run.init_adapters == 'merge'
+  take_heads = bool(heads) and (cfg.draft_heads, cfg.draft_kind) == (
+      heads, saved.get('draft_kind', cfg.draft_kind))
+  notes = [f'its base model, the {run.tokenizer.name} tokenizer {run.tokenizer.fingerprint}'
+           + (f', the chat template {run.template.digest}' if run.template else '')]
+  if rank:
+    notes.append(f"its LoRA adapters (rank {rank}) merged into the base (config.init_adapters="
+                 f"'merge'; 'leave' starts from the base they adapted)" if merge else
+                 f"its LoRA adapters (rank {rank}) left out (config.init_adapters='leave'): the "
+                 "base they adapted; 'merge' starts from the model they make")
+  if heads:
+    kind = saved.get('draft_kind', cfg.draft_kind)
+    notes.append(f'its {heads} draft heads' if take_heads else
+                 f'its {heads} draft heads left out, this run training '
+                 f'{cfg.draft_heads or "none"}{f" ({cfg.draft_kind})" if cfg.draft_heads else ""}'
+                 f'; to keep them: --config.model.draft_heads={heads} '
+                 f'--config.model.draft_kind={kind}')
+  if not (merge or take_heads):
     params, path = checkpoint_lib.restore_params(run.init_from, setup.start_params, run.model,
                                                  unwanted=is_added)
-    log(f'starting from the parameters of {path} (fresh optimizer, step 0)')
-  return 0, setup.init_state(params), None
+    return params, path, notes
+  # The model that run trained, as it saved it (its adapters, its heads), on this run's mesh.
+  theirs = dataclasses.replace(
+      cfg, lora_rank=rank if merge else 0, lora_alpha=saved.get('lora_alpha', cfg.lora_alpha),
+      lora_targets=saved.get('lora_targets', cfg.lora_targets),
+      draft_heads=heads if take_heads else 0, draft_only=False)
+  abstract = nnx.split(nnx.eval_shape(lambda: Transformer(theirs, rngs=nnx.Rngs(0))))[1]
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, sharding.param_shardings(abstract, setup.mesh))
+
+  taken = {LoRA} if merge else set()
+  taken |= {Draft} if take_heads else set()
+
+  def unwanted(name):
+    return is_added(name) and added_kind(name) not in taken
+
+  params, path = checkpoint_lib.restore_params(run.init_from, abstract, theirs,
+                                               unwanted=unwanted)
+  wanted = setup.start_params
+  if take_heads:
+    wanted = nnx.merge_state(split_adapters(setup.checkpoint_state.params, Draft)[0], wanted)
+
+  def start(params):
+    pure = nnx.to_pure_dict(params)
+    if merge:
+      pure = adapters_merged(pure, theirs.lora_scale)
+    out = jax.tree.map(lambda a: a, wanted)  # a copy of the structure, filled in place
+    nnx.replace_by_pure_dict(out, pure)
+    return jax.tree.map(lambda a, x: x.astype(a.dtype), wanted, out)
+
+  with jax.set_mesh(setup.mesh):
+    params = jax.jit(start, out_shardings=jax.tree.map(lambda a: a.sharding, wanted))(params)
+  return params, path, notes
 
 
 def capability(device) -> tuple[int, int]:
