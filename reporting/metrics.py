@@ -127,6 +127,9 @@ def format_line(record: dict, train_steps: int) -> str:
                  key=lambda k: int(k[len('draft'):-len('_accuracy')]))
   if heads:  # draft1_accuracy, … (model/draft.py)
     parts.append('draft top-1 ' + ' / '.join(f'{record[k]:.0%}' for k in heads))
+  for key, what in (('eval_pairs', 'pair'), ('eval_tokens', 'token')):
+    if record.get(key, None) == 0:  # its means are absent: say so, not a blank line
+      parts.append(f'eval: no validation {what} to score in its rows')
   if record.get('bad_steps'):
     parts.append(f'{record["bad_steps"]:.0f} skipped (non-finite)')
   if 'lm_eval_time_s' in record:  # lm-eval's tasks (evaluation/during.py): <task>/<metric>

@@ -256,6 +256,22 @@ def test_pairs_packing_leaves_nothing_to_learn_from_are_counted_passed_over_or_r
   assert not (tmp_path / 'w').exists()
 
 
+def test_a_validation_pass_over_nothing_reports_its_count_and_no_mean():
+  """training/evaluation.py: means, on a pass whose rows kept no pair (or no token to score):
+  the count, 0, and no mean that would read as a perfect or a failed model."""
+  from reporting.metrics import format_line
+  from training.evaluation import means
+  none = {'loss': 0.0, 'reward_accuracy': 0.0, 'reward_margin': 0.0, 'pairs': 0.0}
+  assert means(none, pairs=True) == {'eval_pairs': 0}
+  assert means({'nats': 0.0, 'tokens': 0.0, 'bytes': 0.0}, pairs=False) == {'eval_tokens': 0}
+  assert format_line({'step': 3, 'eval_pairs': 0}, 10) == (
+      'step  3/10 | eval: no validation pair to score in its rows')
+  two = {'loss': 1.2, 'reward_accuracy': 1.0, 'reward_margin': 0.5, 'pairs': 2.0}
+  assert means(two, pairs=True) == {'eval_loss': 0.6, 'eval_reward_accuracy': 0.5,
+                                    'eval_reward_margin': 0.25, 'eval_pairs': 2}
+  assert 'eval:' not in format_line({'step': 3, **means(two, pairs=True)}, 10)
+
+
 def test_the_walkthrough_learns_the_held_out_preference_and_resumes_against_its_reference(
     tmp_path):
   data = tmp_path / 'pairs.jsonl'

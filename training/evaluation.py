@@ -47,14 +47,21 @@ class Evaluator:
       # Waiting for each batch bounds the work in flight (XLA:CPU deadlocks with hundreds queued).
       sums = jax.device_get(self.step(state.params, reference, next(batches)))
       totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
-    if self.pairs:
-      pairs = totals['pairs']
-      if not pairs:  # a mean over no pair is absent, never 0
-        return {'eval_pairs': 0}
-      return {'eval_loss': totals['loss'] / pairs,
-              'eval_reward_accuracy': totals['reward_accuracy'] / pairs,
-              'eval_reward_margin': totals['reward_margin'] / pairs,
-              'eval_pairs': int(pairs)}
-    nats, tokens, n_bytes = totals['nats'], totals['tokens'], totals['bytes']
-    return {'eval_loss': nats / max(tokens, 1), 'eval_bits_per_byte': nats / math.log(2) /
-            max(n_bytes, 1), 'eval_tokens': int(tokens)}
+    return means(totals, self.pairs)
+
+
+def means(totals: dict, pairs: bool) -> dict:
+  """A pass's figures from its sums (of preference `pairs`, or of tokens); a mean over no pair or
+  no token is absent, never 0, and the count says why."""
+  if pairs:
+    n = totals.get('pairs', 0)
+    if not n:
+      return {'eval_pairs': 0}
+    return {'eval_loss': totals['loss'] / n, 'eval_reward_accuracy': totals['reward_accuracy'] / n,
+            'eval_reward_margin': totals['reward_margin'] / n, 'eval_pairs': int(n)}
+  tokens = totals.get('tokens', 0)
+  if not tokens:
+    return {'eval_tokens': 0}
+  return {'eval_loss': totals['nats'] / tokens,
+          'eval_bits_per_byte': totals['nats'] / math.log(2) / max(totals['bytes'], 1),
+          'eval_tokens': int(tokens)}
