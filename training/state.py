@@ -7,6 +7,7 @@ is found here, once, before anything is compiled or allocated; everything else w
 training/settings.py."""
 
 import dataclasses
+import warnings
 
 import flax.struct
 import jax
@@ -315,8 +316,12 @@ def params_of_run(setup):
     nnx.replace_by_pure_dict(out, pure)
     return jax.tree.map(lambda a, x: x.astype(a.dtype), wanted, out)
 
-  with jax.set_mesh(setup.mesh):
-    params = jax.jit(start, out_shardings=jax.tree.map(lambda a: a.sharding, wanted))(params)
+  # The arrays read are given up to the base they become (not twice the parameters at once);
+  # the adapters', merged, are of no output's shape, which JAX would warn of.
+  with jax.set_mesh(setup.mesh), warnings.catch_warnings():
+    warnings.filterwarnings('ignore', 'Some donated buffers were not usable')
+    params = jax.jit(start, out_shardings=jax.tree.map(lambda a: a.sharding, wanted),
+                     donate_argnums=0)(params)
   return params, path, notes
 
 
