@@ -22,6 +22,7 @@ naming what differs, not an orbax traceback after allocating memory.
 
 import contextlib
 import dataclasses
+import json
 import logging
 import pathlib
 import re
@@ -505,14 +506,16 @@ def saved_steps(workdir: str) -> list[int]:
 
 def recorded_trained_on(workdir: str) -> dict:
   """What the newest checkpoint of the run in `workdir` records it trained with (TRAINED_ON's
-  fingerprints); {} where it has none that reads."""
+  fingerprints); {} where it has none that reads. Read as the JSON file orbax writes the config
+  item to, without orbax: settings are resolved before the job's processes join, and nothing may
+  touch a device before then (runtime/distributed.py)."""
   if not (steps := saved_steps(workdir)):
     return {}
-  checkpointer = Checkpointer(pathlib.Path(workdir).expanduser() / 'checkpoints', read_only=True)
+  item = pathlib.Path(workdir).expanduser() / 'checkpoints' / str(steps[-1]) / 'config' / 'metadata'
   try:
-    return checkpointer.saved_config(steps[-1]).get('trained_on') or {}
-  finally:
-    checkpointer.close()
+    return json.loads(item.read_text()).get('trained_on') or {}
+  except (OSError, ValueError, AttributeError):  # damaged, or written otherwise: not known
+    return {}
 
 
 def step_directory(path: str, setting: str = 'config.init_from',

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime import faults, pieces
+from runtime import checkpoint, faults, pieces
 from runtime.checkpoint import (Checkpointer, CheckpointMismatch, CheckpointWarning,
                                 checksums, restore_params)
 from tests.conftest import SMALL_CORPUS, tiny_config, with_file_size_limit
@@ -554,6 +554,8 @@ def test_a_resumed_run_names_each_schedule_setting_it_changed(tmp_path, capsys):
   config.workdir, config.train_steps, config.checkpoint_every, config.eval_every = (
       str(tmp_path), 2, 2, 0)
   loop.run(config)
+  # What settings.resolve reads before the job's processes join: the newest checkpoint's record.
+  assert checkpoint.recorded_trained_on(str(tmp_path))['tokenizer'] == 'byte-1'
   config.train_steps, config.optimizer.learning_rate, config.loss.z_loss = 3, 1e-3, 0.0
   capsys.readouterr()
   loop.run(config)
