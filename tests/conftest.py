@@ -111,170 +111,29 @@ def with_file_size_limit(limit: int, args: list[str]) -> list[str]:
           'os.execv(sys.executable, [sys.executable, *sys.argv[1:]])', *args[1:]]
 
 
-# The inner loop's subset, `pytest -m fast` (≤ 2 minutes on 2 cores): tests that exercise every
-# package, each cheap. Entries are node ids under tests/, or a test's name for all its parameters.
-FAST = (
-    'test_model.py::test_a_document_is_blind_to_what_is_packed_before_it',
-    'test_model.py::test_a_tied_head_is_the_untied_head_holding_the_table',
-    'test_model.py::test_bf16_compute_keeps_fp32_params_and_tied_head_has_no_unembed',
-    'test_model.py::test_changing_token_t_changes_no_earlier_logit',
-    'test_model.py::test_fully_masked_rows_give_zeros_not_nan',
-    'test_model.py::test_layers_are_stacked_for_the_scan',
-    'test_kernels.py::test_matches_reference_values_and_gradients[True-1-False]',
-    'test_kernels.py::test_matches_reference_values_and_gradients[True-4-True]',
-    'test_kernels.py::test_sharded_over_batch_and_heads_equals_unsharded',
-    'test_flash_attention_hopper.py::test_matches_the_reference_in_values_and_log_sum_exp[True-1-True-128-128]',
-    'test_head.py::test_losses_and_gradients_equal_the_plain_paths',
-    'test_head.py::test_sharded_over_tokens_and_vocabulary_equals_one_device',
-    'test_embedding.py::test_sharded_table_gradient_equals_one_devices',
-    'test_grouped_matmul.py::test_values_and_both_gradients_equal_the_references[sizes0-float32]',
-    'test_moe.py::test_an_moe_layer_equals_a_loop_over_its_experts[softmax+shared]',
-    'test_moe.py::test_experts_over_an_expert_axis_drop_only_what_a_capacity_or_buffer_says'
-    '[expert_buffer]',
-    'test_fp8.py::test_forward_and_gradients_match_numpy',
-    'test_fp8.py::test_overflow_cannot_reach_the_weights',
-    'test_context_parallel.py::test_equals_unsharded_attention_values_and_gradients'
-    '[all_gather-4-False-4-False]',
-    'test_context_parallel.py::test_equals_unsharded_attention_values_and_gradients'
-    '[ring-4-False-2-True]',
-    'test_context_parallel.py::test_zigzag_gives_every_device_the_same_attention_work',
-    'test_sharding.py::test_batch_is_split_over_data_and_fsdp_and_length_over_sequence',
-    'test_sharding.py::test_fsdp_splits_every_large_parameter_and_its_adam_moments_8_ways',
-    'test_sharding.py::test_tensor_parallel_hlo_has_row_parallel_all_reduce_and_no_full_weight_'
-    'collective',
-    'test_sharding.py::test_same_loss_curve_as_one_device[fsdp=8]',
-    'test_pipeline.py::test_only_activations_cross_stages_in_the_compiled_step[gpipe]',
-    'test_pipeline.py::test_a_checkpoint_moves_between_stage_counts[2]',
-    'test_training.py::test_the_losses_sums_are_the_weighted_nll_and_log_z_squared',
-    'test_training.py::test_weight_decay_skips_norm_scales_only',
-    'test_training.py::test_schedule_warms_up_linearly_then_decays_to_the_floor',
-    'test_training.py::test_clipping_bounds_the_update',
-    'test_training.py::test_bad_config_fails_before_anything_is_built_naming_the_field',
-    'test_training.py::test_unwritable_workdir_is_a_clear_error',
-    'test_training.py::test_unknown_override_key_is_an_error_naming_it',
-    'test_training.py::test_flops_per_token_matches_a_hand_count',
-    'test_training.py::test_microbatches_must_split_each_devices_rows',
-    'test_data.py::test_packing_keeps_every_pair_once_with_right_segments_and_positions',
-    'test_data.py::test_training_rows_are_fully_packed_and_the_next_epoch_reshuffles',
-    'test_data.py::test_resume_from_saved_state_continues_exactly[0]',
-    'test_data.py::test_process_shares_are_disjoint_and_rebuild_the_global_batch',
-    'test_data.py::test_global_array_shards_hold_the_rows_the_pipeline_built',
-    'test_data.py::test_sentencepiece_trains_on_the_corpus_and_round_trips_exactly',
-    'test_data.py::test_a_hugging_face_tokenizer_round_trips_and_counts_its_bytes',
-    'test_data.py::test_bad_data_settings_fail_before_training_naming_the_setting',
-    'test_tokens.py::test_prepared_batches_equal_tokenizing_on_the_fly',
-    'test_tokens.py::test_an_interrupted_preparation_leaves_nothing_and_a_damaged_one_is_named',
-    'test_tokens.py::test_a_killed_preparation_is_never_read_and_the_next_prepares_afresh',
-    'test_data.py::test_a_truncated_prepared_split_is_one_line_naming_it_and_how_to_prepare_it_'
-    'again',
-    'test_generate.py::test_bad_generation_arguments_are_named',
-    'test_generate.py::test_top_k_draws_only_the_k_most_likely',
-    'test_generate.py::test_rows_stop_at_eos',
-    'test_kv_cache.py::test_quantization_is_numpys',
-    'test_speculate.py::test_greedy_speculation_gives_plain_greedy_tokens',
-    'test_kv_cache.py::test_each_kinds_bytes_are_the_arrays_it_allocates',
-    'test_plan.py::test_a_run_that_cannot_fit_stops_before_writing_anything_naming_the_settings',
-    'test_plan.py::test_compiled_matmul_flops_are_the_formula_plus_what_remat_recomputes[none]',
-    'test_plan.py::test_layout_tries_both_context_choices_where_the_kernel_meets_a_sequence_split',
-    'test_plan.py::test_auto_attention_is_xla_on_cpus_and_the_time_models_fastest_that_runs_on_gpus',
-    'test_structure.py::test_only_the_entry_points_take_the_config',
-    'test_timing.py::test_known_kernels_take_their_known_times',
-    'test_timing.py::test_a_loop_body_counts_once_per_trip',
-    'test_timing.py::test_a_collective_with_no_compute_beside_it_is_exposed_and_one_overlapped_is_'
-    'hidden',
-    'test_timing.py::test_a_gemm_only_program_takes_its_flops_at_the_gemm_efficiency',
-    'test_gpu_compile.py::test_flash_attention_compiles_for_h100_with_no_spills[False-64]',
-    'test_gpu_compile.py::test_every_preset_compiles_for_its_h100s_and_fits[125m-auto]',
-    'test_gpu_compile.py::test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_compiling',
-    'test_gpu_compile.py::test_plan_target_is_for_planning_only_and_must_be_known',
-    'test_gpu_compile.py::test_a_tile_too_big_for_shared_memory_is_refused_by_the_compiler',
-    'test_cli.py::test_an_empty_workdir_is_refused_and_nothing_lands_in_the_current_directory',
-    'test_workdir.py::test_bad_data_paths_fail_before_the_workdir_is_created',
-    'test_workdir.py::test_a_second_run_on_a_live_workdir_stops_at_once_naming_the_holder',
-    'test_checkpoint.py::test_checksums_do_not_depend_on_the_sharding',
-    'test_checkpoint.py::test_the_checksum_shares_of_an_arrays_pieces_add_up_to_its_checksum',
-    'test_tiers.py::test_a_tier_setting_it_cannot_use_is_named_before_anything_is_built',
-    'test_tiers.py::test_a_disk_that_refuses_the_tier_files_is_one_line_and_leaves_nothing',
-    'test_checkpoint.py::test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint',
-    'test_checkpoint.py::test_a_resumed_run_that_changes_its_data_or_model_is_refused_before_'
-    'compiling',
-    'test_checkpoint.py::test_another_models_checkpoint_is_a_clear_error_before_training',
-    'test_huggingface.py::test_an_imported_checkpoint_computes_what_transformers_computes',
-    'test_huggingface.py::test_the_checkpoint_decides_the_model_and_says_what_it_cannot_import',
-    'test_huggingface.py::test_a_failed_export_leaves_nothing_and_an_export_never_overwrites',
-    'test_distributed.py::test_scheduler_detection_reads_what_jax_reads',
-    'test_distributed.py::test_bad_distributed_settings_are_named',
-    'test_preemption.py::test_a_signal_to_one_process_stops_all_at_the_same_step[SIGTERM]',
-    'test_instruments.py::test_a_run_reports_tflops_to_stdout_metrics_and_tensorboard_and_traces_'
-    'steps',
-    'test_configs.py::test_every_config_file_loads_and_has_a_runnable_docstring',
-    'test_structure.py::test_every_package_imports_only_the_floors_below_it',
-    'test_structure.py::test_no_module_imports_itself_back_through_others',
-    'test_structure.py::test_the_gpu_target_is_resolved_in_one_place',
-    'test_structure.py::test_every_link_config_module_and_script_the_docs_name_exists',
-    'test_configs.py::test_llama_presets_have_their_real_sizes_and_shard_over_8_devices',
-    'test_configs.py::test_unknown_preset_names_the_choices',
-    'test_configs.py::test_every_number_of_the_base_config_must_be_finite_and_in_range',
-    'test_configs.py::test_every_setting_declares_what_changing_it_does_and_the_docs_show_the_'
-    'table',
-    'test_configs.py::test_a_change_of_every_kept_setting_is_refused_on_resume_and_no_other',
-    'test_data.py::test_repeated_documents_land_on_one_side_of_the_split',
-    'test_chat.py::test_a_conversation_starts_as_its_template_renders_it_and_blank_answers_are_'
-    'not_records',
-    'test_configs.py::test_small_configs_run_one_step_on_8_devices[base.py]',
-    'test_benchmarks.py::test_the_fault_probe_runs_its_cases_and_counts_them',
-    'test_benchmarks.py::test_every_benchmark_runs_as_a_script_too',
-    'test_benchmarks.py::test_calibrate_stops_a_part_past_its_budget',
-    'test_hierarchical.py::test_int8_blocks_match_numpy_and_stay_within_half_a_step',
-    'test_hierarchical.py::test_a_replica_that_straddles_nodes_moe_lora_and_fp8_are_refused',
-    'test_chat.py::test_chat_templates_render_and_tokenize_as_transformers_does',
-    'test_chat.py::test_answer_weights_survive_packing_cut_anywhere',
-    'test_chat.py::test_record_settings_and_files_that_hold_nothing_are_one_clear_error',
-    'test_lora.py::test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does',
-    'test_lora.py::test_lora_settings_are_checked_before_anything_is_built',
-    'test_evaluation.py::test_a_random_models_scores_are_its_own_log_softmax',
-    'test_dpo.py::test_a_pair_takes_a_row_chosen_then_rejected_each_from_position_zero',
-    'test_dpo.py::test_preference_settings_and_records_are_checked_before_anything_is_built',
-)
+LONGEST = {  # test-seconds on 2 cores (pytest --durations=0 of a whole run)
+    'test_gpu_compile.py': 272, 'test_checkpoint.py': 189, 'test_benchmarks.py': 117,
+    'test_tiers.py': 109, 'test_flash_attention_hopper.py': 96, 'test_distributed.py': 90,
+    'test_plan.py': 80, 'test_dpo.py': 71, 'test_evaluation.py': 70, 'test_moe.py': 61,
+    'test_notebook.py': 54, 'test_pipeline.py': 52, 'test_timing.py': 51,
+    'test_context_parallel.py': 48, 'test_training.py': 47, 'test_speculate.py': 45,
+    'test_chat.py': 44, 'test_kernels.py': 40, 'test_generate.py': 38, 'test_model.py': 38,
+    'test_cli.py': 32, 'test_lora.py': 30, 'test_huggingface.py': 29, 'test_kv_cache.py': 25,
+    'test_sharding.py': 24, 'test_hierarchical.py': 21, 'test_data.py': 21,
+    'test_configs.py': 18, 'test_tokens.py': 14, 'test_head.py': 11, 'test_fp8.py': 10, 'test_preemption.py': 9,
+    'test_grouped_matmul.py': 9, 'test_structure.py': 8, 'test_instruments.py': 3,
+    'test_embedding.py': 2, 'test_workdir.py': 2}
 
-
-LONGEST = {  # test-seconds on 2 cores, 2026-11-29 (a slow day: the suite took 35:40), the
-    # checkpoint, notebook and GPU-compile files after that day's trims
-    'test_gpu_compile.py': 600, 'test_checkpoint.py': 300, 'test_benchmarks.py': 254,
-    'test_tiers.py': 210, 'test_distributed.py': 206, 'test_evaluation.py': 193,
-    'test_flash_attention_hopper.py': 185, 'test_notebook.py': 130, 'test_dpo.py': 152,
-    'test_plan.py': 141, 'test_moe.py': 129, 'test_pipeline.py': 111,
-    'test_context_parallel.py': 105, 'test_model.py': 103, 'test_training.py': 93,
-    'test_timing.py': 90, 'test_generate.py': 81, 'test_kv_cache.py': 76, 'test_chat.py': 72,
-    'test_kernels.py': 69, 'test_cli.py': 63, 'test_speculate.py': 59, 'test_huggingface.py': 59,
-    'test_sharding.py': 55, 'test_data.py': 52, 'test_configs.py': 47, 'test_hierarchical.py': 43,
-    'test_lora.py': 34, 'test_tokens.py': 29, 'test_structure.py': 22, 'test_fp8.py': 22,
-    'test_grouped_matmul.py': 20, 'test_head.py': 19, 'test_preemption.py': 12,
-    'test_instruments.py': 6, 'test_workdir.py': 4, 'test_embedding.py': 4}
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by it
 
 def pytest_collection_modifyitems(config, items):
-  """Marks the FAST tests `fast`; an entry of a wholly collected file that names no test is an
-  error (a test renamed without its entry). Orders the files longest first (LONGEST; a file it
-  lacks is an error too)."""
-  unmatched = set(FAST)
+  """Orders the files longest first (LONGEST; a file it lacks is an error)."""
   partly = {f'tests/{os.path.basename(arg.split("::")[0])}' for arg in config.args if '::' in arg}
   files = {item.nodeid.split('::')[0] for item in items} - partly
-  for item in items:
-    nodeid = item.nodeid.removeprefix('tests/')
-    for entry in FAST:
-      if nodeid == entry or nodeid.startswith(entry + '['):
-        item.add_marker(pytest.mark.fast)
-        unmatched.discard(entry)
   # The longest files first (their test seconds on 2 cores), so that the two workers, each
   # taking a file at a time, end on short ones together rather than one on a long one alone.
   items.sort(key=lambda item: -LONGEST.get(os.path.basename(item.nodeid.split('::')[0]), 0))
-  if stale := [e for e in unmatched if f'tests/{e.split("::")[0]}' in files]:
-    raise pytest.UsageError(f'tests/conftest.py FAST names tests that do not exist: {stale}')
   # A file LONGEST does not name runs last, where one worker may run it alone while the other
-  # idles (test_flash_attention_hopper.py did so for some 100 s a run until 2026-11-29).
+  # idles.
   if unranked := sorted(os.path.basename(f) for f in files
                         if os.path.basename(f) not in LONGEST):
     raise pytest.UsageError(f'tests/conftest.py LONGEST lacks {unranked}: add each with its '

@@ -20,6 +20,7 @@ def figures(script, *flags, config=('--config=configs/base.py',)):
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 def test_train_step_benchmark():
   f = figures('train_step', '--steps=2', '--warmup=1')
   assert f['step_time_s_min'] <= f['step_time_s'] <= f['step_time_s_max']
@@ -28,6 +29,7 @@ def test_train_step_benchmark():
   assert (f['compute_dtype'], f['matmul_precision']) == ('bfloat16', 'default')
 
 
+@pytest.mark.integration
 def test_precision_benchmark():
   f = figures('precision', '--config.train_steps=4', '--config.eval_every=4',
               '--config.eval_batches=1')
@@ -37,6 +39,7 @@ def test_precision_benchmark():
   assert f['eval_loss_fp8'] > 0 and f['eval_loss_default'] > 0
 
 
+@pytest.mark.integration
 def test_checkpoint_benchmark():
   f = figures('checkpoint', '--steps=1', '--saves=1')
   assert 0 < f['blocked_s'] < f['save_s'] and 0 < f['restore_s']
@@ -44,6 +47,7 @@ def test_checkpoint_benchmark():
   assert f['checkpoint_bytes'] > 3 * 4 * f['params']  # parameters and two Adam moments in fp32
 
 
+@pytest.mark.integration
 def test_nvme_benchmark_moves_every_way_through_the_disk(tmp_path):
   """Each way writes, syncs, drops the cache and reads back what it wrote (a way that returned
   other bytes fails the run); figures against dd's; too little room is one line, nothing made."""
@@ -60,6 +64,7 @@ def test_nvme_benchmark_moves_every_way_through_the_disk(tmp_path):
   assert 'Traceback' not in result.stderr and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_moe_benchmark_compiles_each_implementation_for_h100():
   """Deviceless at tiny shapes: ours as its two Triton kernels without spills, and every
   implementation's temporaries; ragged_dot's, dense on GPUs, larger than ours."""
@@ -71,6 +76,7 @@ def test_moe_benchmark_compiles_each_implementation_for_h100():
   assert f['results']['ragged_dot']['temp_bytes'] > ours['temp_bytes']
 
 
+@pytest.mark.integration
 def test_the_cache_and_speculation_plans_compile_decode_steps_for_h100():
   """Deviceless, the 125m preset: each kind's cache is what its compiled step takes as arguments
   beside the weights, and the time model predicts each step; a round of speculation, its draft
@@ -97,6 +103,7 @@ def test_the_cache_and_speculation_plans_compile_decode_steps_for_h100():
   assert 0 < f['plain_step']['predicted_s'] < f['speculative_round']['predicted_s']
 
 
+@pytest.mark.integration
 def test_calibrate_measures_and_predicts_every_part_on_tiny_shapes(tmp_path):
   """Its plumbing, on the CPU (ratios against the time model's nominal device mean nothing here):
   each part's rows measured and predicted, its file, and the constants its rows imply."""
@@ -160,6 +167,7 @@ def test_calibrate_stops_a_part_past_its_budget(tmp_path):
   assert len(rows) == 2 and rows[0]['what'] == 'pass over 1 MiB' and 'skipped' in rows[1]
 
 
+@pytest.mark.integration
 def test_calibrate_check_re_predicts_the_bank_within_the_goal(capsys):
   from benchmarks import calibrate
   calibrate.check(str(REPO / 'benchmarks' / 'results'))

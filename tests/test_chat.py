@@ -251,6 +251,7 @@ def walkthrough_commands(tmp_path) -> list[str]:
           ' --config.log_every=1' if 'train.py' in c else c for c in commands]
 
 
+@pytest.mark.integration
 def test_the_walkthrough_fine_tunes_an_imported_model_and_exports_it(tmp_path):
   """The preset's docstring, run as a user would (fewer steps): LoRA on the imported
   model; the merged export holds the tokenizer with its chat template and the context it was

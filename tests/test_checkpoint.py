@@ -102,6 +102,7 @@ def straight(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.integration
 def test_sigkill_then_restart_continues_exactly_as_an_uninterrupted_run(tmp_path, straight):
   process = start(tmp_path)
   read_until(process, 'step 13/')  # checkpoints 5 and 10 were started by now
@@ -113,6 +114,7 @@ def test_sigkill_then_restart_continues_exactly_as_an_uninterrupted_run(tmp_path
   assert_same_as_uninterrupted(tmp_path, straight)
 
 
+@pytest.mark.integration
 def test_sigterm_saves_at_the_step_reached_and_exits_0_then_resumes_exactly(tmp_path, straight):
   process = start(tmp_path)
   read_until(process, 'step 12/')
@@ -126,6 +128,7 @@ def test_sigterm_saves_at_the_step_reached_and_exits_0_then_resumes_exactly(tmp_
   assert_same_as_uninterrupted(tmp_path, straight)
 
 
+@pytest.mark.integration
 def test_a_second_signal_exits_at_once_and_keeps_the_last_complete_checkpoint(tmp_path):
   process = start(tmp_path)
   read_until(process, 'step 12/')
@@ -139,6 +142,7 @@ def test_a_second_signal_exits_at_once_and_keeps_the_last_complete_checkpoint(tm
   assert 10 <= step < STEPS
 
 
+@pytest.mark.integration
 def test_restore_under_other_meshes_and_fall_back_past_a_corrupted_checkpoint(tmp_path):
   config = tiny_config(fsdp=8)
   saved_setup = build(settings.resolve(config))
@@ -176,6 +180,7 @@ def array_files(checkpoint):
   return sorted(files, key=lambda f: f.stat().st_size, reverse=True)
 
 
+@pytest.mark.integration
 def test_a_damaged_newest_checkpoint_is_set_aside_and_its_step_saved_again(tmp_path):
   """Truncated array files: the run resumes from the checkpoint before, keeps the damaged one in
   checkpoints-damaged/, and saves that step afresh (before, its save failed on every run)."""
@@ -209,6 +214,7 @@ def test_corrupted_bytes_fail_the_checksums_and_are_not_trained_from(tmp_path):
   assert step == 2 and (tmp_path / 'checkpoints-damaged' / '4').is_dir()
 
 
+@pytest.mark.integration
 def test_sample_export_and_init_from_refuse_parameters_that_fail_their_checksums(tmp_path):
   """Bytes changed inside the array files restore without an error from orbax. sample.py,
   export.py and config.init_from read only the parameters, and verify them as a resume does:
@@ -269,6 +275,7 @@ def test_checksums_do_not_depend_on_the_sharding():
              if k.startswith('params.'))
 
 
+@pytest.mark.integration
 def test_a_checkpoint_whose_metadata_is_missing_is_damage_not_another_model(tmp_path):
   loop.run(tiny_run(tmp_path, train_steps=4))
   (tmp_path / 'checkpoints' / '4' / 'state' / '_METADATA').unlink()
@@ -374,6 +381,7 @@ def test_a_non_finite_step_is_skipped_and_counted_and_the_run_goes_on(tmp_path, 
   assert np.isnan(records[2]['loss']) and np.isfinite(records[-1]['loss'])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('precision', ['default', 'fp8'])
 def test_skipped_step_leaves_parameters_and_optimizer_state_as_they_were(small_corpus,
                                                                           precision):
@@ -394,6 +402,7 @@ def test_skipped_step_leaves_parameters_and_optimizer_state_as_they_were(small_c
     np.testing.assert_array_equal(a, np.asarray(b))
 
 
+@pytest.mark.integration
 def test_max_bad_steps_in_a_row_stop_the_run_keeping_the_last_good_checkpoint(tmp_path,
                                                                                 monkeypatch):
   monkeypatch.setattr(loop.pipeline, 'train_batches', poison({3, 4}))
@@ -424,6 +433,7 @@ def test_a_save_due_in_a_bad_streak_waits_for_the_next_finite_step(tmp_path, mon
   assert Checkpointer(tmp_path / 'checkpoints').steps() == [6, 5, 2]
 
 
+@pytest.mark.integration
 def test_a_crash_before_the_first_checkpoint_leaves_no_duplicate_metrics(tmp_path, monkeypatch):
   """The first run dies at step 4 with nothing saved; the next starts from step 0 and must not
   keep the dead run's records beside its own: not in metrics.jsonl, nor in what TensorBoard
@@ -463,6 +473,7 @@ def stderr_lines(result) -> list[str]:
   return [line for line in result.stderr.splitlines() if line.strip()]
 
 
+@pytest.mark.integration
 def test_the_non_finite_stop_of_train_py_is_its_warnings_and_one_line(tmp_path):
   """A learning rate of 1e30 is finite, so it is accepted; from step 2 on every step is skipped,
   and the stop reads as the steps' warnings and one error line (exit 2), no traceback."""
@@ -478,6 +489,7 @@ def test_the_non_finite_stop_of_train_py_is_its_warnings_and_one_line(tmp_path):
                               'gradient (config.max_bad_steps=2); no checkpoint was saved.')
 
 
+@pytest.mark.integration
 def test_a_save_the_disk_refuses_stops_the_run_with_one_line_and_the_next_run_is_whole(tmp_path,
                                                                                        straight):
   """The first save's array files are past the limit (the prepared data, the compiled programs
@@ -502,6 +514,7 @@ def test_a_save_the_disk_refuses_stops_the_run_with_one_line_and_the_next_run_is
   assert_same_as_uninterrupted(tmp_path, straight)
 
 
+@pytest.mark.integration
 def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
   """With an evaluation and an lm-eval task every step, a SIGINT always lands on an evaluation
   step; its grace period is for saving, and the resumed run evaluates and scores that step first:
@@ -526,6 +539,7 @@ def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
   assert sorted(r['step'] for r in records if 'loss' in r) == list(range(1, 11))
 
 
+@pytest.mark.integration
 def test_a_stop_at_the_last_step_leaves_its_evaluations_to_the_rerun_which_does_them_once(
     tmp_path, monkeypatch, capsys):
   """A stop at the last step saves it with its validation pass and scoring due: the rerun of a
@@ -549,6 +563,7 @@ def test_a_stop_at_the_last_step_leaves_its_evaluations_to_the_rerun_which_does_
   assert sorted(r['step'] for r in records if 'stdlib_next_line/acc' in r) == [2, 4]
 
 
+@pytest.mark.integration
 def test_a_resumed_run_names_each_schedule_setting_it_changed(tmp_path, capsys):
   config = tiny_config(fsdp=-1)
   config.workdir, config.train_steps, config.checkpoint_every, config.eval_every = (

@@ -6,9 +6,12 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.integration
 def test_bad_settings_print_one_line_and_exit_2(tmp_path):
   (tmp_path / 'syntax.py').write_text('def get_config(:\n')
   (tmp_path / 'no_get.py').write_text('x = 1\n')

@@ -67,6 +67,7 @@ def test_unknown_preset_names_the_choices():
     load('llama.py', '3b')
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('name', ['base.py', 'default.py'])
 def test_small_configs_run_one_step_on_8_devices(name, tmp_path):
   config = load(name)

@@ -74,6 +74,7 @@ def unsharded(q, k, v, seg, cotangent, causal):
   return [out, *grads]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('mode,n,causal,kv_heads,packed', [
     ('ring', 2, True, 2, True), ('ring', 8, True, 1, True),
     ('ring', 4, False, 2, True), ('ring', 4, True, 4, False),
@@ -147,6 +148,7 @@ def one_device():
   return train_once('xla')
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('context_parallel,mesh', [('ring', dict(fsdp=2, sequence=4)),
                                                   ('all_gather', dict(tensor=2, sequence=4))])
 def test_a_train_step_over_sequence_4_equals_one_device(context_parallel, mesh):

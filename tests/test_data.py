@@ -117,6 +117,7 @@ def assert_same(a, b):
       np.testing.assert_array_equal(x[k], y[k])
 
 
+@pytest.mark.integration
 def test_same_seed_same_batches_for_any_number_of_workers(small_corpus):
   config = tiny_config()
   reference, _ = train_batches(config, small_corpus, 12)
@@ -127,6 +128,7 @@ def test_same_seed_same_batches_for_any_number_of_workers(small_corpus):
   assert not np.array_equal(other[0]['inputs'], reference[0]['inputs'])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('workers', [0, 2])
 def test_resume_from_saved_state_continues_exactly(small_corpus, workers):
   config = tiny_config()
@@ -173,6 +175,7 @@ def test_global_array_shards_hold_the_rows_the_pipeline_built(small_corpus):
       np.testing.assert_array_equal(shard.data, local[k][shard.index])
 
 
+@pytest.mark.integration
 def test_a_full_eval_pass_reads_every_validation_token_and_reports_bits_per_byte(
     small_corpus, tmp_path):
   config = tiny_config(fsdp=8)

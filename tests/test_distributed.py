@@ -69,6 +69,7 @@ def losses(workdir):
   return {r['step']: r['loss'] for r in map(json.loads, lines) if 'loss' in r}
 
 
+@pytest.mark.integration
 def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path):
   def config(workdir, **more):
     c = base.get_config()
@@ -135,6 +136,7 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(tmp_path
     assert resumed[step] == pytest.approx(reference[step], rel=2e-4), step
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('victim', [1, 0], ids=['worker-killed', 'coordinator-killed'])
 def test_killing_one_process_stops_the_other_within_the_heartbeat_timeout(tmp_path, victim):
   heartbeat_s = 10
@@ -207,6 +209,7 @@ exit $code
 '''
 
 
+@pytest.mark.integration
 def test_the_sbatch_script_runs_a_slurm_job(tmp_path):
   """scripts/slurm/train.sbatch under a stand-in srun (two tasks on this machine): its XLA flags
   are accepted by this jaxlib, and JAX finds the job from SLURM's variables."""

@@ -164,6 +164,7 @@ def test_a_chat_pair_is_its_prompts_conversation_with_each_answer_as_the_templat
       records.stored(bad, fields)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('mesh', [dict(fsdp=4, tensor=2), dict(stage=2, fsdp=4),
                                   dict(data=2, fsdp=4)],
                          ids=['fsdp-tensor', 'stages-fsdp', 'replicas-apart'])
@@ -194,6 +195,7 @@ def test_dpo_starts_at_ln2_and_is_the_formula_in_value_and_gradient(mesh):
                                 np.asarray(setup.init_state().params['embed'][...]))
 
 
+@pytest.mark.integration
 def test_under_lora_the_reference_is_the_base_without_adapters_and_no_copy_is_held():
   config = dpo_config(lora=True)  # on one device: the formula unsharded too
   setup, middle, batch, first, second = two_steps(config, jax.devices()[:1])
@@ -272,6 +274,7 @@ def test_a_validation_pass_over_nothing_reports_its_count_and_no_mean():
   assert 'eval:' not in format_line({'step': 3, **means(two, pairs=True)}, 10)
 
 
+@pytest.mark.integration
 def test_the_walkthrough_learns_the_held_out_preference_and_resumes_against_its_reference(
     tmp_path):
   data = tmp_path / 'pairs.jsonl'

@@ -43,6 +43,7 @@ def workdir(tmp_path_factory):
   return c.workdir
 
 
+@pytest.mark.integration
 def test_tasks_during_training_are_refused_without_their_hook_or_with_a_bad_name(tmp_path):
   """One line each, before the run builds anything (nothing written)."""
   c = tiny_config()
@@ -89,7 +90,7 @@ def on_one_device(loaded):
 
 
 def test_a_random_models_scores_are_its_own_log_softmax():
-  """The fast subset's: rows read after BOS, each continuation's tokens scored by the model's own
+  """The inner loop's: rows read after BOS, each continuation's tokens scored by the model's own
   log-softmax, and greedy where each was its argmax (no training, no checkpoint)."""
   run = settings.resolve(tiny_config())
   model = Transformer(run.model, rngs=nnx.Rngs(0))
@@ -107,6 +108,7 @@ def test_a_random_models_scores_are_its_own_log_softmax():
         asked('loglikelihood', ('x', 'y' * 40)))
 
 
+@pytest.mark.integration
 def test_loglikelihoods_and_greedy_answers_equal_a_direct_computation(workdir):
   loaded = sampling.load(workdir)
   assert len(jax.tree.leaves(loaded.model)[0].sharding.device_set) == 8  # sharded, as sampled
@@ -154,6 +156,7 @@ def test_loglikelihoods_and_greedy_answers_equal_a_direct_computation(workdir):
     assert answer == text.split('\n')[0].split(':')[0]
 
 
+@pytest.mark.integration
 def test_answers_equal_lm_evals_hugging_face_backend_on_the_same_checkpoint():
   """meshlm's model of tests/data/hf-llama-untied (imported, as a run started from it holds it;
   export.py writes it back bit exact) against lm-eval's HF backend with torch on the checkpoint
@@ -187,6 +190,7 @@ def test_answers_equal_lm_evals_hugging_face_backend_on_the_same_checkpoint():
       assert result['results'][task][f'{metric},none'] == value, (task, metric)
 
 
+@pytest.mark.integration
 def test_evaluate_runs_the_shipped_tasks_and_says_what_it_measured(workdir, tmp_path):
   """Both shipped tasks through lm-eval; the multiple-choice accuracy is what the model's
   log-likelihoods of the four choices say; the hook scored the same in memory during training."""
@@ -226,6 +230,7 @@ def test_evaluate_runs_the_shipped_tasks_and_says_what_it_measured(workdir, tmp_
   assert 'scored in ' in line
 
 
+@pytest.mark.integration
 def test_lm_evals_own_command_line_runs_meshlm(workdir):
   """`python -m evaluation.harness` is lm-eval's command line with meshlm registered."""
   result = subprocess.run([sys.executable, '-m', 'evaluation.harness', 'run', '--model', 'meshlm',

@@ -83,6 +83,7 @@ def test_a_row_with_nothing_to_attend_to_gives_zeros_and_neg():
   assert (lse[:, :, 32:] == flash_attention_hopper.NEG).all() and (lse[:, :, :32] > -1e3).all()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('causal,K,segments,L,S', [
     (True, 2, True, 128, 128), (False, 4, False, 64, 192), (True, 1, False, 64, 256)])
 def test_gradients_match_the_reference(causal, K, segments, L, S):
@@ -128,6 +129,7 @@ def over_two_devices(mode, causal, q, k, v, seg, do):
   return [merge(x) for x in (o, *grads)]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('mode,causal', [('ring', False), ('all_gather', True)])
 def test_context_parallel_attention_runs_on_them(mode, causal):
   """Over a sequence split of 2, values and gradients against unsharded attention: the ring's
@@ -148,6 +150,7 @@ def test_context_parallel_attention_runs_on_them(mode, causal):
                                err_msg=name)
 
 
+@pytest.mark.integration
 def test_parts_match_the_triton_kernels():
   """attention_parts and attention_parts_grads, as the causal ring's own visit runs them: o in
   fp32 and lse, then dq, dk, dv in fp32 against a given lse and delta, equal to the Triton
@@ -181,6 +184,7 @@ def test_what_it_does_not_take_is_named_before_lowering(change, message):
                                    block_k=change.get('block_k', 64), stages=change.get('stages'))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('H,segments', [(64, False), (128, True), (256, False)])
 def test_forward_and_backward_lower_for_h100_as_three_mosaic_gpu_kernels(h100, H, segments):
   """Deviceless: the kernels lower through Mosaic GPU for sm_90a (their layouts, wgmma shapes
@@ -208,6 +212,7 @@ def test_forward_and_backward_lower_for_h100_as_three_mosaic_gpu_kernels(h100, H
       'dkv', 'dq', 'fwd'] and all(k.part == 'attention' and k.seconds > 0 for k in charged)
 
 
+@pytest.mark.integration
 def test_the_time_model_charges_unmasked_kernels_under_grad_for_every_key(h100):
   """A non-causal call differentiated is named `jvp(unmasked)`: charged for all its keys, twice
   a causal one's forward FLOPs, ours in Triton as ours in Mosaic GPU."""
@@ -231,6 +236,7 @@ def test_the_time_model_charges_unmasked_kernels_under_grad_for_every_key(h100):
 
 
 
+@pytest.mark.integration
 def test_a_ring_train_step_with_them_compiles_for_8_h100s(h100):
   """config.model.attention='hopper' over a sequence split of 4 (the ring, zigzag), deviceless
   for 8 H100s: every attention is one of the three Mosaic GPU kernels (none through Triton), the
@@ -255,6 +261,7 @@ def test_a_ring_train_step_with_them_compiles_for_8_h100s(h100):
   assert plan.attention == 'hopper'
 
 
+@pytest.mark.integration
 def test_a_one_h100_step_charges_them_inside_xlas_dynamic_slice_fusions(h100):
   """On one H100 the scanned layers' kernels reach their q, k, v through XLA's
   dynamic-slice fusions (an FFI call launched with its operands' slices): the time model charges

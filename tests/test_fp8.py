@@ -79,6 +79,7 @@ def fp8(config):
   return config
 
 
+@pytest.mark.integration
 def test_fp8_training_is_the_same_sharded_and_tracks_the_default_precision(small_corpus):
   """Per-tensor scales are global (amax is exact in any order), so a sharded fp8 step equals one
   device's; later steps part a little, as reordered fp32 sums round to other fp8 values. And

@@ -70,6 +70,7 @@ def test_cached_generation_equals_full_recompute(temperature, top_k, tie):
   assert got.max() < 300  # padding ids past the tokenizer's vocabulary are never drawn
 
 
+@pytest.mark.integration
 def test_rows_stop_at_eos():
   model = tiny_model()
   key = jax.random.key(0)
@@ -107,6 +108,7 @@ def test_bad_generation_arguments_are_named():
     gen.generate(tiny_model(), [[1]], 4, temperature=-1.0)
 
 
+@pytest.mark.integration
 def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatch, capsys):
   c = tiny_config(fsdp=8)
   c.workdir, c.train_steps, c.checkpoint_every, c.eval_every = str(tmp_path), 4, 4, 0

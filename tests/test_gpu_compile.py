@@ -31,6 +31,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 H100 = gpus.GPUS['H100']
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('head_dim', [64, 128, 256])
 @pytest.mark.parametrize('segments', [False, True])
 def test_flash_attention_compiles_for_h100_with_no_spills(h100, head_dim, segments):
@@ -95,6 +96,7 @@ def built(config):
 # the same verdict (scanned, the 1b holds 1.7 GiB less). The 1b as the preset has it, unrolled, is
 # the README's dry run, in a process of its own
 # (test_readmes_dry_run_plans_the_1b_for_an_h100_as_it_says).
+@pytest.mark.integration
 def test_every_preset_compiles_for_its_h100s_and_fits(h100, name, attention, capsys):
   """With no attention flag (auto: cuDNN's, the time model's fastest here), and with ours."""
   config = preset(name, attention)
@@ -150,6 +152,7 @@ def test_cudnn_attention_with_a_sequence_split_is_refused_before_compiling(h100)
     built(config)
 
 
+@pytest.mark.integration
 def test_xla_attention_on_one_h100_does_not_fit_the_1b_step(h100):
   """The [L, S] scores of 8 × 4096 tokens: the plan says no, as a real H100 would."""
   config = preset('1b', 'xla')
@@ -159,6 +162,7 @@ def test_xla_attention_on_one_h100_does_not_fit_the_1b_step(h100):
   assert plan.fits is False and plan.total_bytes > 70 * 2**30
 
 
+@pytest.mark.integration
 def test_readmes_dry_run_plans_the_1b_for_an_h100_as_it_says(h100):
   """The README's command as written, in a process of its own on a machine of one CPU device (a
   user's; XLA_FLAGS without the tests' 8): the 1b step compiled for one H100 that is not here,
@@ -191,6 +195,7 @@ def test_the_scheduler_share_goes_to_xla_where_it_is_not_xlas_own(h100):
   assert 'xla_gpu_memory_limit_slop_factor' not in programs.compiler_options(seventy)
 
 
+@pytest.mark.integration
 def test_without_the_gpu_compiler_the_plan_is_a_labelled_cpu_stand_in(monkeypatch, capsys,
                                                                          tmp_path):
   from tests.conftest import tiny_config
@@ -286,6 +291,7 @@ def dot_operand_dtypes(hlo_text: str) -> list[tuple[str, ...]]:
   return found
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('tied,mesh', [(True, dict(fsdp=8)),
                                        (False, dict(data=2, fsdp=2, tensor=2))])
 def test_every_matmul_of_the_train_step_takes_bf16_operands(h100, tied, mesh):
@@ -309,6 +315,7 @@ def test_the_table_is_gathered_once_in_bf16_and_its_gradient_reduced_once(h100):
   assert sum(c.executions for c in reductions) <= 1, reductions
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('grad_reduce_dtype,expected,mesh', [
     ('float32', 'f32', dict(fsdp=8)), ('bfloat16', 'bf16', dict(fsdp=4, sequence=2))])
 def test_layer_gradients_are_reduced_in_grad_reduce_dtype(h100, grad_reduce_dtype, expected, mesh):
@@ -317,6 +324,7 @@ def test_layer_gradients_are_reduced_in_grad_reduce_dtype(h100, grad_reduce_dtyp
   assert scatters and {dtype for c in scatters for dtype, _ in c.arrays} == {expected}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('tied,context_parallel,mesh', [
     (True, None, dict(fsdp=8)),
     (True, None, dict(fsdp=4, sequence=2, grad_reduce_dtype='bfloat16')),
@@ -335,6 +343,7 @@ def test_the_train_step_sends_within_ten_percent_of_the_ideal(h100, tied, contex
   assert sent <= 1.10 * ideal, (sent, ideal, collectives.summary(hlo))
 
 
+@pytest.mark.integration
 def test_experts_travel_by_ragged_all_to_all_within_ten_percent_of_the_ideal(h100):
   """A tiny MoE over expert=4 × fsdp=2 with our kernel: each layer's assignments go to their
   experts' devices and back as one ragged all-to-all each way, forward and backward, only
@@ -365,6 +374,7 @@ PARTITIONS = {'hierarchical': dict(hierarchical=True),
                                                  gradients='int8')}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('devices,name', [(16, 'hierarchical'),
                                           (32, 'int8 weights and gradients')])
 def test_each_partition_sends_across_nodes_what_its_ideal_says(h100, devices, name):
@@ -405,6 +415,7 @@ def test_each_partition_sends_across_nodes_what_its_ideal_says(h100, devices, na
     assert by_op.get(('reduce-scatter', 'f32'), 0) < 0.01 * by_op[('all-to-all', 's8')]
 
 
+@pytest.mark.integration
 def test_prefetched_weights_are_gathered_a_layer_early_and_nothing_more_is_sent(h100):
   """config.model.prefetch_weights turns XLA's collective pipeliner on (the tiny model, 4 layers,
   over 16 H100s in nodes of 8, FSDP over all): each layer loop's first iteration is peeled out of
@@ -467,6 +478,7 @@ def test_a_pipeline_step_passes_only_activations_between_stages_on_h100s(h100):
   assert expected <= sums <= expected + 4 * M * b * L + 2 * D, (sums, expected, crossing)
 
 
+@pytest.mark.integration
 def test_no_whole_stack_is_copied_into_another_layout_around_the_loops(h100, tmp_path):
   """The stacked weights and their gradient sums over microbatches stay the step's own buffers:
   no transpose or copy of one before or after the loops (XLA had copied the MLP's down and
@@ -496,6 +508,7 @@ def test_no_whole_stack_is_copied_into_another_layout_around_the_loops(h100, tmp
   assert (4, 64, 2048) in shards and not transposed, transposed  # w_down's [4, d_ff, d/8], sorted
 
 
+@pytest.mark.integration
 def test_the_70b_fully_trained_on_one_node_fits_with_its_state_on_nvme(h100):
   """configs/llama.py:70b-1node: the 70b on one node of 8 H100s, its fp32 master weights and
   Adam's moments (12 bytes a parameter, 847 GB) on the node's NVMe, fits the GPUs, the step and the update after it;
@@ -518,6 +531,7 @@ def test_the_70b_fully_trained_on_one_node_fits_with_its_state_on_nvme(h100):
   assert parts['tiers']['s'] > 0 and plan.time['seconds'] < 2 * compute, parts
 
 
+@pytest.mark.integration
 def test_fp8_projections_are_cublaslt_fp8_gemms_on_h100(h100):
   """The 1b preset with matmul_precision='fp8' and remat full, compiled for its H100: every
   projection's matmul, forward and backward, is one cuBLASLt fp8 GEMM on the fp8 operands

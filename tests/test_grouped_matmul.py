@@ -49,6 +49,7 @@ def test_values_and_both_gradients_equal_the_references(dtype, sizes):
       assert not np.any(np.asarray(ours[2][g], np.float32)), 'an empty group has no gradient'
 
 
+@pytest.mark.integration
 def test_compiles_for_h100_with_no_spills_and_no_dense_expert_buffer():
   """At Mixtral's expert width: forward, dx and dw as Triton kernels for sm_90a, within shared
   memory, no register spills, and no buffer as large as every token times every expert."""

@@ -49,6 +49,7 @@ def loss(chunk: int, tied: bool, rules=(), summed=False):
   return total
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('tied', [False, True])
 def test_losses_and_gradients_equal_the_plain_paths(tied):
   """Per-token losses chunked (their backward recomputing the logits), and the loss's sums

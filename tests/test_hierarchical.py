@@ -73,6 +73,7 @@ def plain_fsdp(small_corpus):
   return train(partitioned(fsdp=8), jax.devices(), small_corpus, STEPS, keep={STEPS})
 
 
+@pytest.mark.integration
 def test_hierarchical_partitioning_trains_as_plain_fsdp(plain_fsdp, small_corpus):
   """data=2 × fsdp=4 with the state split over all 8 devices, two microbatches: losses,
   gradient norms and parameters as fsdp=8's (fp32 here; only the order of sums differs); and
@@ -95,6 +96,7 @@ def test_hierarchical_partitioning_trains_as_plain_fsdp(plain_fsdp, small_corpus
     assert len({repr(s.index) for s in shards}) == 8
 
 
+@pytest.mark.integration
 def test_int8_weights_and_gradients_train_within_a_percent(plain_fsdp, small_corpus):
   """data=4 × fsdp=2, both quantized: the losses track plain FSDP's within 1%."""
   config = partitioned(dict(hierarchical=True, weights='int8', gradients='int8'), data=4, fsdp=2)

@@ -82,6 +82,7 @@ def test_an_imported_checkpoint_computes_what_transformers_computes(path):
   assert_computes_goldens(setup, params, path)
 
 
+@pytest.mark.integration
 def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path):
   """train.py from hf:DIR (its settings, tokenizer and weights) → checkpoint → export.py →
   the same tensors transformers saved, and its context limit; DIR may move away meanwhile (the
@@ -155,6 +156,7 @@ def test_a_run_from_a_hugging_face_checkpoint_exports_it_back_bit_exact(tmp_path
   np.testing.assert_allclose(logits, golden['logits'], atol=1e-5, rtol=0)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('path', list(MOES), ids=['mixtral', 'qwen3-moe'])
 def test_an_moe_computes_what_transformers_computes_and_exports_back_bit_exact(path, tmp_path):
   """Its experts split over `fsdp` and `tensor`; the export holds every tensor transformers saved,

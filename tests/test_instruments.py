@@ -30,6 +30,7 @@ def test_mfu_matches_a_hand_count():
   assert flops.throughput(cfg, 32, 2e6, 8, 'cpu') == {'tflops_per_device': pytest.approx(0.1536)}
 
 
+@pytest.mark.integration
 def test_a_run_reports_tflops_to_stdout_metrics_and_tensorboard_and_traces_steps(tmp_path, capsys):
   c = tiny_config(fsdp=8)
   c.workdir, c.train_steps, c.log_every, c.eval_every = str(tmp_path), 4, 2, 4

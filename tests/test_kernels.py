@@ -66,11 +66,13 @@ def test_matches_reference_values_and_gradients(causal, kv_heads, packed):
   compare(q, k, v, ct, causal=causal, seg=seg, block_q=16, block_k=16)
 
 
+@pytest.mark.integration
 def test_grouped_query_heads_with_unequal_blocks_and_long_rows():
   q, k, v, ct = inputs(B=1, L=100, S=100, N=8, K=2, H=32)  # G = 4 = N / 4
   compare(q, k, v, ct, causal=True, seg=packed_segments(2, 100)[:1], block_q=32, block_k=16)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('L,S', [(24, 40), (40, 24)])
 def test_query_and_key_lengths_may_differ(L, S):
   """Causal is bottom-right aligned; with L > S the first L - S queries see nothing: zeros."""
@@ -95,6 +97,7 @@ def test_bf16_inputs():
   compare(q, k, v, ct, causal=True, seg=packed_segments(2, 40), block_q=16, block_k=16)
 
 
+@pytest.mark.integration
 def test_one_training_step_with_pallas_equals_xla():
   """On one device (sharded steps with the kernel: tests/test_context_parallel.py)."""
   runs = {}

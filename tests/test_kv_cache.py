@@ -63,6 +63,7 @@ def _decoded(model, tokens, kind):
 
 # 2·K·H = D: X is cached itself; 2·K·H < D: its projection onto [Wk | Wv]'s left singular
 # vectors, here with merged LoRA adapters and qk_norm's recomputed key norm.
+@pytest.mark.integration
 @pytest.mark.parametrize('model', [dict(n_kv_heads=2), dict(n_kv_heads=1, qk_norm=True,
                                                             lora_rank=2)],
                          ids=['X', 'latent'])
@@ -86,6 +87,7 @@ def test_the_x_cache_recomputes_the_keys_and_values_it_replaces(model):
   np.testing.assert_allclose(_decoded(m, tokens, 'x'), _decoded(m, tokens, 'full'), atol=1e-4)
 
 
+@pytest.mark.integration
 def test_quantized_caches_decode_close_to_the_full_one():
   m = tiny_model(compute_dtype='bfloat16')
   tokens = jnp.array([[1, 8, 20, 33, 2, 90, 17, 5], [1, 3, 3, 250, 7, 7, 60, 61]])
@@ -98,6 +100,7 @@ def test_quantized_caches_decode_close_to_the_full_one():
   assert kl['int8'] < kl['int4'] < 5e-2 and kl['xquant'] < kl['xquant4'] < 5e-2, kl
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('kind', ['int4', 'xquant'])
 def test_a_row_decodes_alone_as_in_a_ragged_batch(kind):
   m = tiny_model(compute_dtype='bfloat16')

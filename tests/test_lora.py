@@ -54,6 +54,7 @@ def logits(setup, params, tokens):
     return np.asarray(jax.jit(lambda m, t: m(t))(model, tokens))
 
 
+@pytest.mark.integration
 def test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does():
   tokens = np.load(UNTIED / 'goldens.npz')['tokens']
   setup, state = started(lora_config())
@@ -103,6 +104,7 @@ def steps(config, n, devices=None):
   return losses, state, setup, step
 
 
+@pytest.mark.integration
 def test_only_the_adapters_train_on_fsdp_and_tensor_as_on_one_device_and_the_base_gets_no_gradient():
   one_losses, one, _, _ = steps(lora_config(fsdp=1), 3, jax.devices()[:1])
   assert one_losses[-1] < one_losses[0]
@@ -150,6 +152,7 @@ def test_lora_settings_are_checked_before_anything_is_built():
   assert issubclass(LoRA, nnx.Param)
 
 
+@pytest.mark.integration
 def test_a_start_from_a_lora_run_takes_the_model_its_adapters_make_or_says_it_leaves_them(
     tmp_path):
   """config.init_from a LoRA run: init_adapters='merge' starts from the model it trained (the

@@ -73,6 +73,7 @@ def loss_and_grads(model, x):
   return jax.value_and_grad(f)(params)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('variant', [dict(scan_layers=False), dict(remat_policy='full'),
                                      dict(remat_policy='dots')])
 def test_unrolled_and_rematerialised_layers_compute_the_same(variant):
@@ -99,6 +100,7 @@ def launches(jaxpr, kernel: str) -> int:
   return n
 
 
+@pytest.mark.integration
 def test_policies_keeping_attention_run_our_kernels_forward_once():
   """Our kernel's output and softmax statistics kept (model/transformer.py REMAT), the backward
   pass runs its backward alone; `dots` runs its forward again first, and so does

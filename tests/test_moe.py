@@ -66,6 +66,7 @@ def value_and_grads(fn, module, x_BLD):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x_BLD)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('fields', [
     dict(router='softmax', shared_experts=1),
     # One expert's bias far below the others': its group is empty.
@@ -99,6 +100,7 @@ def numpy_kept(experts_Tk, n_experts, cap):
   return kept
 
 
+@pytest.mark.integration
 def test_dropless_keeps_every_assignment_and_a_capacity_drops_what_numpy_says():
   experts_Tk = np.array(jax.random.randint(jax.random.key(2), (48, K), 0, E))
   experts_Tk[:, 1] = (experts_Tk[:, 0] + 1) % E  # two different experts a token
@@ -156,6 +158,7 @@ def over_expert_4(module, x_BLD):
     return y, grads, forward(x_BLD)[1]['dropped'], forward.lower(x_BLD).compile().as_text()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('field', ['capacity_factor', 'expert_buffer'])
 def test_experts_over_an_expert_axis_drop_only_what_a_capacity_or_buffer_says(field):
   """Over data=2 × expert=4: the output and every gradient equal the loop over experts with
@@ -228,6 +231,7 @@ def test_the_router_losses_are_their_formulas():
                                          + cfg.router_z_loss * stats['router_z']), rtol=1e-6)
 
 
+@pytest.mark.integration
 def test_a_sigmoid_routers_bias_moves_toward_balance_and_not_by_its_gradient():
   config = moe_config()
   config.model.update(router='sigmoid', router_bias_rate=0.01)
@@ -310,6 +314,7 @@ def test_w_down_is_split_along_its_width_by_tensor_then_fsdp():
   assert {s.data.shape for s in w_gate.addressable_shards} == {(L, E // 2, D // 2, F // 2)}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('name', list(MESHES))
 def test_a_tiny_moe_trains_on_a_mesh_as_on_one_device(name, one_device, small_corpus):
   """Losses, gradient norms, router losses and parameters; two microbatches, each with its own
@@ -347,6 +352,7 @@ def test_moe_settings_that_cannot_work_are_refused_naming_the_setting(fields, me
     ModelConfig.from_config(config)
 
 
+@pytest.mark.integration
 def test_first_dense_layers_are_a_stack_of_their_own_and_decode_as_the_forward():
   config = moe_config().model
   config.update(n_layers=3, dense_layers=1, expert_matmul='ragged_dot')  # the kernel: above

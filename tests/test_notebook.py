@@ -6,10 +6,12 @@ import pathlib
 
 import nbclient
 import nbformat
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.integration
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
   monkeypatch.setenv('TMPDIR', str(tmp_path))  # its workdir (tempfile.mkdtemp), removed after
   notebook = nbformat.read(REPO / 'notebooks' / 'quickstart.ipynb', as_version=4)
@@ -35,6 +37,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
   assert [p.name[:15] for p in tmp_path.iterdir()] == ['meshlm-notebook']
 
 
+@pytest.mark.integration
 def test_finetune_notebook_runs(tmp_path, monkeypatch):
   """notebooks/finetune.ipynb: records and their template, LoRA on the imported model, both
   exports, a chat answer."""

@@ -66,6 +66,7 @@ def reference(dtype='float32'):
   return losses, jax.tree.map(np.asarray, state.params)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('remat,dtype,virtual,mesh', [
     ('save_attention', 'float32', 1, dict(stage=2, fsdp=4)),
     ('full', 'bfloat16', 1, dict(stage=4, fsdp=2)),
@@ -143,6 +144,7 @@ def test_only_activations_cross_stages_in_the_compiled_step(remat, virtual, mesh
               or math.prod(shape) == D), c  # the last, the final norm's gradient
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('virtual', [1, 2])
 def test_a_checkpoint_moves_between_stage_counts(tmp_path, virtual):
   """Saved with stage=4 (each stage holding a quarter of the layers, or of each chunk), restored

@@ -28,18 +28,21 @@ def planned(mesh=None, devices=None, **changes):
   return compile_and_plan(build(settings.resolve(config, devices)))
 
 
+@pytest.mark.integration
 def test_temporaries_decrease_none_dots_full():
   temps = {policy: planned(model_remat_policy=policy)[1].temp_bytes
            for policy in ('none', 'dots', 'full')}
   assert temps['none'] > temps['dots'] > temps['full'], temps
 
 
+@pytest.mark.integration
 def test_fsdp_divides_the_arguments_by_the_devices():
   one = planned()[1].argument_bytes
   eight = planned(dict(fsdp=8))[1].argument_bytes
   assert abs(eight - one / 8) <= 0.15 * one / 8, (one, eight)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('target', ['', 'H100'])
 def test_dry_run_prints_the_compiled_figures_and_allocates_nothing(tmp_path, capsys, monkeypatch,
                                                                    target):
@@ -84,11 +87,13 @@ def test_a_run_that_cannot_fit_stops_before_writing_anything_naming_the_settings
   assert not (tmp_path / 'run').exists()  # refused before the workdir is made
 
 
+@pytest.mark.integration
 def test_offload_remat_policies_compile_and_move_activations_to_host():
   _, the_plan = planned(model_remat_policy='offload_dots')
   assert the_plan.temp_bytes < planned(model_remat_policy='none')[1].temp_bytes
 
 
+@pytest.mark.integration
 def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corpus):
   from data import chat, pipeline, tokens
   import sharding
@@ -199,6 +204,7 @@ def test_auto_layout_puts_the_state_in_host_memory_where_nothing_fits_on_the_dev
   assert set(tried) == {('device', 'device', 'host')}
 
 
+@pytest.mark.integration
 def test_auto_layout_keeps_what_fits_fewest_microbatches_ranked_by_the_model(monkeypatch, capsys):
   """Ranked by the time model of each candidate's program; on CPU devices (no GPU of
   planning/gpus.py) against its nominal device, which the ranking says."""
@@ -335,6 +341,7 @@ def test_auto_attention_is_xla_on_cpus_and_the_time_models_fastest_that_runs_on_
   assert laid_out.model.attention == 'cudnn' and not laid_out.mesh.auto
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('policy', ['none', 'full'])
 def test_compiled_matmul_flops_are_the_formula_plus_what_remat_recomputes(policy):
   """Without remat, every dot of the step (xla attention's too, whole [L, S]) is the FLOP

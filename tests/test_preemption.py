@@ -32,6 +32,7 @@ jax.distributed.shutdown()
 '''
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
 def test_a_signal_to_one_process_stops_all_at_the_same_step(signum):
   port = free_port()

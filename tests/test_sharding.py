@@ -44,6 +44,7 @@ def single_device(small_corpus):
   return train_losses(tiny_config(), jax.devices()[:1], small_corpus)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('name', list(MESHES))
 def test_same_loss_curve_as_one_device(name, single_device, small_corpus):
   """fp32 compute: sharded reductions reorder sums, so equality is to rtol 2e-5, atol 1e-6."""

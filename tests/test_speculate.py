@@ -36,6 +36,7 @@ def drafting_model(vocab_size: int, **model):
   return m
 
 
+@pytest.mark.integration
 def test_greedy_speculation_gives_plain_greedy_tokens():
   """Clover heads (Medusa's decode in the sample.py test, tests/test_generate.py), an int8
   cache, ragged prompts."""
@@ -53,6 +54,7 @@ def test_greedy_speculation_gives_plain_greedy_tokens():
                                           cache='int8')[0], np.where(ended, 0, plain))
 
 
+@pytest.mark.integration
 def test_greedy_rounds_keep_exactly_the_guesses_training_counts_as_hits():
   """The heads' hits as training counts them (the train step's forward: each head's guess at
   each position against the base's greedy token there, the true tokens before it), on the text
@@ -104,6 +106,7 @@ def test_heads_learn_the_base_models_greedy_token_not_the_texts():
     assert (hits_BT[:, :-1] != texts_BT).any()  # the text's tokens would count otherwise
 
 
+@pytest.mark.integration
 def test_sampled_tokens_have_the_base_models_distribution():
   """Three tokens after a prompt, drawn 20,000 times at temperature 0.7 among the top 3 of 4:
   the heads guess tokens 2 and 3, and their counts over the 27 possible triples match the
@@ -131,6 +134,7 @@ def test_sampled_tokens_have_the_base_models_distribution():
   assert stats.chisquare(seen[possible], expected).pvalue > 1e-3
 
 
+@pytest.mark.integration
 def test_heads_learn_without_changing_the_model_and_train_alone_on_a_frozen_base(tmp_path):
   def run(name, steps, init_from='', **model):
     c = tiny_config(data=2)  # replicas run apart, summing the heads' counts too

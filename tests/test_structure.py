@@ -6,6 +6,8 @@ import importlib.util
 import pathlib
 import re
 
+import pytest
+
 import configs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -65,6 +67,7 @@ def test_only_the_entry_points_take_the_config():
   assert takers == TAKE_THE_CONFIG, takers
 
 
+@pytest.mark.integration
 def test_the_gpu_target_is_resolved_in_one_place():
   """config.plan (`run.plan`, a PlanConfig) is read where the run's Target is resolved
   (planning/target.py, for training/settings.py); below the configs that set it, the rest reads

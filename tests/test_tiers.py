@@ -71,6 +71,7 @@ def on_nvme_run(tmp_path_factory):
   return workdir, nvme, loop.run(config), final_state(workdir, config)
 
 
+@pytest.mark.integration
 def test_master_weights_and_both_moments_on_nvme_equal_the_all_device_run_bit_for_bit(
     all_device, on_nvme_run):
   _, records, reference = all_device
@@ -123,6 +124,7 @@ def flip_a_bit(victim):
     f.write(bytes([byte[0] ^ 0x10]))
 
 
+@pytest.mark.integration
 def test_a_tier_file_damaged_between_steps_stops_the_run_before_anything_made_from_it_is_saved(
     all_device, tmp_path, monkeypatch):
   """A bit of Adam's second moment flipped on disk after step 12, read back at step 13: one line
@@ -150,6 +152,7 @@ def test_a_tier_file_damaged_between_steps_stops_the_run_before_anything_made_fr
   assert_same_arrays(final_state(workdir, config), all_device[2])
 
 
+@pytest.mark.integration
 def test_groups_that_cut_parameters_into_rows_over_data_replicas_and_tensor_splits_update_as_one(
     tmp_path, monkeypatch):
   """Groups of 3 kB (a stacked parameter's shard cut into slices of rows, one parameter alone in
@@ -292,6 +295,7 @@ def test_the_plan_counts_the_shards_the_engine_updates_and_charges_their_streams
   assert plan.update_bytes == plan.argument_bytes + plan.output_bytes + groups
 
 
+@pytest.mark.integration
 def test_in_bf16_the_devices_hold_a_bf16_copy_of_master_weights_kept_off_them(tmp_path):
   """bf16 compute: with the moments alone off the devices the run is the all-device run's, bit
   for bit; with the master weights off them too, the devices hold a bf16 copy (what the step
@@ -312,6 +316,7 @@ def test_in_bf16_the_devices_hold_a_bf16_copy_of_master_weights_kept_off_them(tm
   assert {x.dtype for x in jax.tree.leaves(saved.params)} == {np.dtype('float32')}
 
 
+@pytest.mark.integration
 def test_a_non_finite_step_is_skipped_on_the_tiers_as_on_the_devices(tmp_path, monkeypatch):
   """A step whose loss is NaN (step 3 of 6) updates nothing on the tiers either: the bad-step
   count, the losses and the final checkpoint (AdamW's count one short) are the all-device run's."""

@@ -286,6 +286,7 @@ def compiled_for_h100(**changes):
   return compiled.as_text(), plan
 
 
+@pytest.mark.integration
 def test_remat_full_is_predicted_slower_than_dots_by_its_recomputed_flops(h100):
   dots, dots_plan = _compiled_for_h100((('remat_policy', 'dots'),))
   full, full_plan = compiled_for_h100(remat_policy='full')
@@ -304,6 +305,7 @@ def test_remat_full_is_predicted_slower_than_dots_by_its_recomputed_flops(h100):
   assert full_plan.time['seconds'] == pytest.approx(slow.seconds)  # the plan carries it
 
 
+@pytest.mark.integration
 def test_dots_attention_keeps_cudnns_forward_for_the_backward(h100):
   """`dots` runs cuDNN's attention forward twice (the backward recomputes it for its softmax
   statistics); `dots_attention` keeps its output and statistics, so once, and the time model
@@ -321,6 +323,7 @@ def test_dots_attention_keeps_cudnns_forward_for_the_backward(h100):
   assert kept_plan.temp_bytes > dots_plan.temp_bytes
 
 
+@pytest.mark.integration
 def test_dots_except_out_runs_the_output_projection_again_and_is_charged_for_it(h100):
   """`dots_except_out` leaves the output projection's output to the backward, which runs that
   matmul again (from attention's output, which `dots` recomputes anyway): exactly its FLOPs more
@@ -341,6 +344,7 @@ def banked(part: str, what: str) -> str:
     return json.load(f)['programs'][what]['hlo']
 
 
+@pytest.mark.integration
 def test_every_banked_gpu_program_is_predicted_within_the_goal():
   """What GPUs measured (benchmarks/calibrate.py's bank), re-predicted by today's model: every
   train step and GEMM of at least 4096³ within 0.85–1.18 of its time, every attention program

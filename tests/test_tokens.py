@@ -46,6 +46,7 @@ def batches(source, n, rows=None, workers=0, state=None, batch_size=8, seq_len=4
   return out, state
 
 
+@pytest.mark.integration
 def test_prepared_batches_equal_tokenizing_on_the_fly(small_corpus, bpe, tmp_path):
   docs = prepared(small_corpus, bpe, tmp_path)
   assert isinstance(docs.train, tokens.Prepared) and 'prepared in' in docs.description
@@ -163,6 +164,7 @@ def test_a_killed_preparation_is_never_read_and_the_next_prepares_afresh(tmp_pat
                                                   expected.get(range(n))))
 
 
+@pytest.mark.integration
 def test_a_run_on_prepared_ids_has_the_losses_of_one_tokenizing_on_the_fly(bpe, tmp_path):
   records = {}
   for mode in ('once', 'on_the_fly'):

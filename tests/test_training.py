@@ -130,6 +130,7 @@ def test_unknown_override_key_is_an_error_naming_it():
   assert 'n_layer' in result.stderr
 
 
+@pytest.mark.integration
 def test_train_cli_learns_configs_base_as_its_committed_curve(tmp_path):
   """As a user runs configs/base.py on a machine without a GPU (JAX picks its platform itself,
   and no CUDA plugin is there to complain), but over 8 devices: every step's loss and both
@@ -173,6 +174,7 @@ def test_flops_per_token_matches_a_hand_count():
   assert flops.peak_tflops('cpu') is None
 
 
+@pytest.mark.integration
 def test_unpacked_batches_train_like_packed_rows_of_one_document():
   import sharding
   from training import programs
@@ -193,6 +195,7 @@ def test_unpacked_batches_train_like_packed_rows_of_one_document():
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
 
+@pytest.mark.integration
 def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpus):
   from data import chat, pipeline, tokens
   from training import programs
