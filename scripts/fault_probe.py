@@ -85,7 +85,11 @@ class Probe:
                           capture_output=True, timeout=900)
 
   def start(self, *args):
+    # Ctrl-C as at a terminal: a probe started in the background (a shell's `&`, a test worker)
+    # would hand its processes SIGINT ignored, which Python then never turns into
+    # KeyboardInterrupt.
     return subprocess.Popen(self.command(args), cwd=REPO, env=self.env, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
