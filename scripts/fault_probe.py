@@ -179,6 +179,11 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'learning rate inf': (['--config.optimizer.learning_rate=inf'], 'learning_rate=inf'),
     'learning rate negative': (['--config.optimizer.learning_rate=-1'], 'learning_rate=-1'),
     'z-loss NaN': (['--config.loss.z_loss=nan'], 'config.loss.z_loss=nan'),
+    'z-loss inf': (['--config.loss.z_loss=inf'], 'config.loss.z_loss=inf is not a number a run '
+                   'can use'),
+    'hf: a model setting its config.json contradicts': (
+        ['--config.model.d_model=128', f'--config.init_from=hf:{HF}'],
+        'config.model.d_model=128, but config.init_from=hf:'),
     'warmup negative': (['--config.optimizer.warmup_steps=-3'], 'warmup_steps=-3'),
     'seq_len 0': (['--config.seq_len=0'], 'config.seq_len=0'),
     'batch not divisible': (['--config.batch_size=6'], 'config.batch_size=6'),
@@ -784,6 +789,18 @@ def _(p):
 def _(p):
   return refused(p.run('evaluate.py', f'--workdir={p.template}', '--tasks=hellaswagg'),
                  '--tasks: no lm-eval task named hellaswagg')
+
+
+EVALUATE_FLAGS = {  # name: (arguments after evaluate.py's, what the line must say)
+    'missing --workdir': (['--tasks=stdlib_next_line'], '--workdir is required'),
+    '--batch_size=0': (['--workdir=/nonexistent', '--tasks=stdlib_next_line', '--batch_size=0'],
+                       '--batch_size=0 must be at least 1'),
+    '--log_samples without --output': (['--workdir=/nonexistent', '--tasks=stdlib_next_line',
+                                        '--log_samples'], '--log_samples needs --output=FILE'),
+}
+for _name, (_args, _expected) in EVALUATE_FLAGS.items():
+  CASES[f'evaluate: {_name}'] = (lambda p, args=_args, expected=_expected:
+                                 refused(p.run('evaluate.py', *args), expected))
 
 
 @case('evaluate: --tasks= names none')

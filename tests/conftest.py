@@ -112,15 +112,17 @@ def with_file_size_limit(limit: int, args: list[str]) -> list[str]:
 
 
 LONGEST = {  # test-seconds on 2 cores (pytest --durations=0 of a whole run)
-    'test_faults.py': 1000, 'test_gpu_compile.py': 272, 'test_checkpoint.py': 189, 'test_benchmarks.py': 117,
+    'test_faults.py': 1000, 'test_gpu_compile.py': 272, 'test_checkpoint.py': 189,
+    'test_benchmarks.py': 117,
     'test_tiers.py': 109, 'test_flash_attention_hopper.py': 96, 'test_distributed.py': 90,
     'test_plan.py': 80, 'test_dpo.py': 71, 'test_evaluation.py': 70, 'test_moe.py': 61,
     'test_notebook.py': 54, 'test_pipeline.py': 52, 'test_timing.py': 51,
     'test_context_parallel.py': 48, 'test_training.py': 47, 'test_speculate.py': 45,
     'test_chat.py': 44, 'test_kernels.py': 40, 'test_generate.py': 38, 'test_model.py': 38,
-    'test_cli.py': 32, 'test_lora.py': 30, 'test_huggingface.py': 29, 'test_kv_cache.py': 25,
+    'test_lora.py': 30, 'test_huggingface.py': 29, 'test_kv_cache.py': 25,
     'test_sharding.py': 24, 'test_hierarchical.py': 21, 'test_data.py': 21,
-    'test_configs.py': 18, 'test_tokens.py': 14, 'test_head.py': 11, 'test_fp8.py': 10, 'test_preemption.py': 9,
+    'test_configs.py': 18, 'test_tokens.py': 14, 'test_head.py': 11, 'test_fp8.py': 10,
+    'test_preemption.py': 9,
     'test_grouped_matmul.py': 9, 'test_structure.py': 8, 'test_instruments.py': 3,
     'test_embedding.py': 2, 'test_workdir.py': 2}
 
