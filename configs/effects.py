@@ -18,8 +18,9 @@ to a kept setting, naming it (runtime/checkpoint.py: check_resume).
 A run started from another's parameters (config.init_from) takes the base model's settings from
 the checkpoint, a meshlm run's or a Hugging Face model's, and refuses one given otherwise
 (training/settings.py). sample.py and export.py rebuild the run from a checkpoint's shape,
-function, added, data and numerics settings, and take the rest (logging, plans, the runtime) as
-this machine's (inference/sampling.py). `python -m configs.effects` prints the table
+function, added, data and numerics settings (but for its training's layout: the mesh, partition,
+optimizer tiers and microbatches), and take the rest (logging, plans, the runtime) as this
+machine's (inference/sampling.py). `python -m configs.effects` prints the table
 docs/checkpoints.md shows.
 """
 
