@@ -37,22 +37,20 @@ DEVICELESS_COMPILER_OPTIONS = {'xla_gpu_autotune_level': 0}
 # and its compute waits for them, hidden only behind what XLA schedules between, inside the
 # layer. XLA's collective pipeliner moves each layer's gathers into the iteration before, under
 # the previous layer's compute, for one more layer's gathered weights. Where the gathers cross
-# nodes, waiting on them is the step's largest cost: the 70b on 32 H100s, predicted 13.10 ->
-# 12.25 s, +2.9 GiB. It does not always pay: with 4 microbatches XLA pipelines their loop too,
-# and the 8b preset (layers unrolled) over 16 plans 5.14 -> 9.80 s and 37 -> 81 GiB, over 8
-# 3.01 -> 6.10 s (docs/parallelism.md). So it is a preset's choice (configs/llama.py: 70b), made
-# from the plans.
+# nodes, waiting on them is the step's largest cost, and the 70b on 32 H100s plans faster for a
+# little memory. It does not always pay: with microbatches XLA pipelines their loop too, and the
+# 8b preset's unrolled layers plan slower and far larger with it (docs/parallelism.md has the
+# plans). So it is a preset's choice (configs/llama.py: 70b), made from the plans.
 PREFETCH_COMPILER_OPTIONS = {'xla_gpu_pipeline_all_gather': 'COLLECTIVE_PIPELINING_MODE_ON'}
 # config.model.scheduler_memory: XLA's scheduler (and its rematerialization) plans a step within
 # (the memory JAX's allocator holds − the step's inputs and outputs) × this share, 0.95 by default
 # (xla_gpu_memory_limit_slop_factor; docs/gpus-without-a-gpu.md says why a compile for GPUs that
 # are not there plans within the same bytes). Within less, it starts fewer collectives early and
-# holds fewer buffers at once: the 8b with its layers unrolled plans 46.71 GiB and 3.006 s at
-# 0.95, 45.44 GiB and 3.011 s at 0.67 (docs/memory.md). Above 1 is no mistake where the state is
-# most of the memory: inside the microbatch loop XLA's scheduler counts the loop's carry, the
-# gradient sums it has already taken out as the step's outputs, against the share again, finds no
-# room, and starts no collective early (the 70b-1node preset: 0% of its gathers overlapped at
-# shares up to 3, 98% from 4 on, the same buffers but 1 GiB).
+# holds fewer buffers at once: memory for a little time (docs/memory.md has the 8b's plans). Above
+# 1 is no mistake where the state is most of the memory: inside the microbatch loop XLA's
+# scheduler counts the loop's carry, the gradient sums it has already taken out as the step's
+# outputs, against the share again, finds no room, and starts no collective early (the 70b-1node
+# preset overlaps its gathers only from a share of 4 on: docs/memory.md).
 
 
 def scheduler_options(share: float) -> dict:

@@ -125,8 +125,8 @@ def resolve(config, devices=None, log=None) -> Run:
 def with_reduce_dtype(run: Run) -> Run:
   """`config.model.grad_reduce_dtype='auto'` made concrete: where the programs compile for
   several GPUs, the compute dtype, as MaxText's gradients are (docs/precision.md); on one GPU
-  float32, as no gradient crosses a device there (bf16 only rounded it: the 1b preset's plan
-  took 45.17 GiB and 0.518 s predicted, against 43.54 GiB and 0.516 s); on CPUs float32: XLA's
+  float32, as no gradient crosses a device there (bf16 only rounded it, and planned more memory
+  and time: docs/precision.md); on CPUs float32: XLA's
   CPU collectives sum bf16 in fp32 anyway, so a bf16 reduction there only rounds and converts,
   and across processes (Gloo) its bf16 reduce-scatters time out."""
   if run.model.grad_reduce_dtype != 'auto':
