@@ -206,8 +206,8 @@ EFFECTS = {field: kind for kind, names in {
         model.capacity_factor model.expert_buffer""",
     'added': """model.lora_rank model.lora_alpha model.lora_targets model.draft_heads
         model.draft_kind model.draft_only""",
-    'data': """seed batch_size seq_len init_from init_adapters data.paths data.name data.text_key data.record
-        data.prompt_field data.completion_field data.chosen_field data.rejected_field
+    'data': """seed batch_size seq_len init_from init_adapters data.paths data.name
+        data.text_key data.record data.prompt_field data.completion_field data.chosen_field data.rejected_field
         data.messages_field data.chat_template
         data.train_on data.train_split data.validation_fraction data.tokenizer
         data.tokenizer_model""",
@@ -237,7 +237,7 @@ def drops_tokens(config) -> bool:
   capacity or an expert buffer (model/moe.py)."""
   model = config['model']
   return bool(model.get('experts', 0)) and (model.get('capacity_factor', 0) > 0
-                                     or model.get('expert_buffer', 0) > 0)
+                                            or model.get('expert_buffer', 0) > 0)
 
 
 # Where what a setting changes depends on the rest of the run: {field: (its kind then, when, why)}.

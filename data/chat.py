@@ -117,9 +117,9 @@ def owned(tokenizer, data_config, workdir, recorded: str = '') -> Template | Non
     return None
   mine = Template(kept.read_text(), str(kept), dict(getattr(tokenizer, 'special_tokens', {})))
   if recorded and mine.digest != recorded:
-    raise faults.Fault(f'{kept}: the chat template is {mine.digest} now, but the run in {workdir} '
-                     f'rendered its records with {recorded}: the run\'s own copy was changed. '
-                     'Put back the template the run trained with')
+    raise faults.Fault(f'{kept}: the chat template is {mine.digest} now, but the run in '
+                       f'{workdir} rendered its records with {recorded}: the run\'s own copy was '
+                       'changed. Put back the template the run trained with')
   try:
     named = template_source(tokenizer, data_config.chat_template)
   except (OSError, ValueError):  # the .jinja file moved: the run has its own

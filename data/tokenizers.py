@@ -289,9 +289,9 @@ def owned(data_config, workdir, recorded: str = '') -> Tokenizer:
     return load(data_config)
   mine = _MODEL_FILES[data_config.tokenizer][0](kept)
   if recorded and mine.fingerprint != recorded:
-    raise faults.Fault(f'{pathlib.Path(kept).parent}: the tokenizer is {mine.fingerprint} now, but '
-                     f'the run in {workdir} trained with {recorded}: the run\'s own copy was '
-                     'changed. Put back the files the run trained with')
+    raise faults.Fault(f'{pathlib.Path(kept).parent}: the tokenizer is {mine.fingerprint} now, '
+                       f'but the run in {workdir} trained with {recorded}: the run\'s own copy '
+                       'was changed. Put back the files the run trained with')
   source = pathlib.Path(data_config.tokenizer_model).expanduser()
   if source.is_file() and source.resolve() != pathlib.Path(kept).resolve():
     theirs = load(data_config)

@@ -75,9 +75,7 @@ def load(path: str, step: int | None = None) -> Loaded:
   # Its layout (mesh, partition, optimizer tiers, microbatches) is its training's: sampling
   # lays the model out on this machine's devices.
   config = base.get_config()
-  for field in effects.of_kinds(SAVED):
-    if field in LAYOUT:
-      continue
+  for field in (f for f in effects.of_kinds(SAVED) if f not in LAYOUT):
     if (value := effects.get(saved, field, _UNSAVED)) is not _UNSAVED:
       section, _, key = field.rpartition('.')
       (config[section] if section else config)[key] = value

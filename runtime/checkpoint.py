@@ -511,7 +511,8 @@ def recorded_trained_on(workdir: str) -> dict:
   touch a device before then (runtime/distributed.py)."""
   if not (steps := saved_steps(workdir)):
     return {}
-  item = pathlib.Path(workdir).expanduser() / 'checkpoints' / str(steps[-1]) / 'config' / 'metadata'
+  newest = pathlib.Path(workdir).expanduser() / 'checkpoints' / str(steps[-1])
+  item = newest / 'config' / 'metadata'
   try:
     return json.loads(item.read_text()).get('trained_on') or {}
   except (OSError, ValueError, AttributeError):  # damaged, or written otherwise: not known

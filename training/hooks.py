@@ -216,10 +216,12 @@ def still_due(data_state: dict | None, writer: metrics_lib.MetricsWriter, step: 
   not hold at `step` yet: an earlier resume from this checkpoint may have reported them. Read on
   process 0, agreed by every process (each takes part in an evaluation)."""
   flags = [flag for flag in RECORDED_AS if (data_state or {}).get(flag)]
+  if not flags:  # every process restored the same data state: none reads metrics.jsonl then
+    return set()
   keys = writer.keys_at(step) if writer.enabled else set()
   due_now = np.array([not any(key.startswith(RECORDED_AS[flag]) for key in keys)
                       for flag in flags], bool)
-  if jax.process_count() > 1 and flags:
+  if jax.process_count() > 1:
     due_now = np.asarray(multihost_utils.broadcast_one_to_all(due_now))
   return {flag for flag, due_it in zip(flags, due_now) if due_it}
 
