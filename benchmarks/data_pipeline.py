@@ -31,10 +31,10 @@ from ml_collections import config_flags
 
 from benchmarks import report
 from data import corpus as corpus_lib
-from data import pipeline, tokenizers, train_tokenizer
+from data import tokenizers, train_tokenizer
 from data import tokens as data_tokens
 from runtime import cli
-from training import settings
+from training import loop, settings
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file.',
                                           lock_config=True)
@@ -52,7 +52,7 @@ def measure(train_documents, run, workers: int) -> dict:
                            PartitionSpec('data'))
   config, tokenizer = run.replace(data={'workers': workers}), run.tokenizer
   start = time.perf_counter()
-  batches = pipeline.train_batches(train_documents, config, one_host)
+  batches = loop.train_batches(config, train_documents, one_host)
   batches.next_local()
   first_s = time.perf_counter() - start
   for _ in range(_WARMUP.value):

@@ -12,7 +12,7 @@ import numpy as np
 import sharding
 from training import programs
 from training import settings
-from training.run import Run
+from configs.base import Run
 from training.state import Setup, TrainState, build
 
 

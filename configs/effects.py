@@ -1,6 +1,6 @@
-"""What changing a setting does to a run. Every setting of configs/base.py declares one kind, once,
-in `base.EFFECTS`; whatever compares two runs derives what it compares from those declarations, so
-a new setting cannot be forgotten (tests/test_configs.py fails on one without a declaration):
+"""What changing a setting does to a run. Every setting declares one kind, once, in its field of
+configs/base.py (`base.EFFECTS` gathers them); whatever compares two runs derives what it compares
+from those declarations, so a new setting cannot be forgotten (a field without one is refused):
 
   kind      what the setting changes                                   resumed run   init_from
   shape     the arrays of the base model (a checkpoint's shapes)       kept          the checkpoint's
@@ -26,15 +26,8 @@ docs/checkpoints.md shows.
 
 import ml_collections
 
-KINDS = {  # kind: what changing a setting of it does
-    'shape': 'the arrays of the base model',
-    'function': 'the numbers the base model computes from its arrays',
-    'added': 'LoRA adapters and draft heads: their arrays and what they compute',
-    'data': 'what the steps read, and where the run starts from',
-    'schedule': 'how the optimizer moves, from the step it applies at',
-    'numerics': 'the same function computed another way: precision, kernels, layout, memory',
-    'none': 'nothing trained: logging, evaluation, the workdir, the runtime, plans',
-}
+from configs.schema import KINDS  # kind: what changing a setting of it does
+
 KEPT_ON_RESUME = ('shape', 'function', 'added', 'data')  # a resumed run refuses changes to these
 FROM_CHECKPOINT = ('shape', 'function')  # config.init_from's checkpoint decides these
 MODEL = ('shape', 'function', 'added')  # a model's arrays and what it computes
@@ -72,21 +65,23 @@ def get(config, field: str, missing=None):
 _MISSING = object()
 
 
-def kind_of(field: str, run) -> str:
-  """What `field` changes in the run of config `run` (a saved config's dict too): its declared
-  kind, or the one base.DEPENDS gives it in such a run."""
+def kind_of(field: str, settings, effects: dict | None = None) -> str:
+  """What `field` changes in the run of these `settings` (a config, or a saved one's dict): its
+  declared kind (in `effects`, default base.EFFECTS), or the one base.DEPENDS gives it there."""
   from configs import base
   kind, applies, _ = base.DEPENDS.get(field, (None, None, None))
-  return kind if kind and applies(run) else base.EFFECTS[field]
+  return kind if kind and applies(settings) else (base.EFFECTS if effects is None else effects)[field]
 
 
-def changed(saved, config, kinds) -> list[tuple[str, object, object]]:
+def changed(saved, config, kinds, effects: dict | None = None) -> list[tuple[str, object, object]]:
   """(field, saved value, value here) for each setting of `kinds` in the saved run (kind_of) that
-  differs; settings the saved config lacks (an older meshlm's) are not compared."""
+  differs; settings the saved config lacks (an older meshlm's) are not compared. `effects`: the
+  declarations (default base.EFFECTS)."""
   from configs import base
+  effects = base.EFFECTS if effects is None else effects
   out = []
-  for field in base.EFFECTS:
-    if kind_of(field, saved) not in kinds:
+  for field in effects:
+    if kind_of(field, saved, effects) not in kinds:
       continue
     before, now = get(saved, field, _MISSING), get(config, field, _MISSING)
     if before is not _MISSING and now is not _MISSING and before != now:
@@ -94,14 +89,15 @@ def changed(saved, config, kinds) -> list[tuple[str, object, object]]:
   return out
 
 
-def table() -> str:
-  """The declarations as a Markdown table, a row per kind (docs/checkpoints.md holds it)."""
+def table(effects: dict | None = None) -> str:
+  """The declarations (`effects`, default base.EFFECTS) as a Markdown table, a row per kind
+  (docs/checkpoints.md holds it)."""
   resume = {kind: 'kept' if kind in KEPT_ON_RESUME else 'may change' for kind in KINDS}
   start = {kind: "the checkpoint's" if kind in FROM_CHECKPOINT else 'free' for kind in KINDS}
   rows = ['| kind | what it changes | resumed run | `init_from` | settings |',
           '| --- | --- | --- | --- | --- |']
   for kind, what in KINDS.items():
-    names = ', '.join(f'`{f}`' for f in of_kinds((kind,)))
+    names = ', '.join(f'`{f}`' for f in of_kinds((kind,), effects))
     rows.append(f'| {kind} | {what} | {resume[kind]} | {start[kind]} | {names} |')
   from configs import base
   depends = {}

@@ -34,17 +34,10 @@ import numpy as np
 from data import records
 from runtime import faults
 
-TRAIN_ON = ('answers', 'all')
 FALLBACK = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
             "{{ message['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 GENERATION = re.compile(r'\{%-?\s*generation\s*-?%\}')
-
-
-def check_train_on(data_config) -> None:
-  """The chat settings' own checks (the template's are `owned`'s, which reads it)."""
-  if data_config.train_on not in TRAIN_ON:
-    raise ValueError(f'config.data.train_on={data_config.train_on!r} is not one of {TRAIN_ON}')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -224,12 +224,13 @@ def pass_length(docs: DocumentSequence, batch_size: int, seq_len: int,
   return int(-(-lengths.max() // seq_len))
 
 
-def train_batches(train_documents, run, batch_sharding, state=None) -> Batches:
+def train_batches(train_documents, data_config, batch_sharding, *, seed: int, batch_size: int,
+                  seq_len: int, pad_id: int, state=None) -> Batches:
   """The endless, per-epoch reshuffled training batches of the training split's documents
-  (data/tokens.py) that a run (training/run.py: its seed, batch, data and tokenizer) reads."""
-  docs = documents(train_documents, seed=run.seed)
-  return Batches(docs, batch_sharding=batch_sharding, batch_size=run.batch_size,
-                 seq_len=run.seq_len, pad_id=run.tokenizer.pad_id, workers=run.data.workers,
-                 prefetch=run.data.prefetch, state=state,
-                 pairs=run.data.preference)
+  (data/tokens.py), as config.data (`data_config`: its workers, prefetch and records) reads
+  them."""
+  return Batches(documents(train_documents, seed=seed), batch_sharding=batch_sharding,
+                 batch_size=batch_size, seq_len=seq_len, pad_id=pad_id,
+                 workers=data_config.workers, prefetch=data_config.prefetch, state=state,
+                 pairs=data_config.preference)
 

@@ -23,9 +23,11 @@ import gzip
 import json
 import pathlib
 
-KINDS = ('text', 'prompt_completion', 'messages', 'preference', 'chat_preference')
+from configs.base import PREFERENCE_RECORDS, RECORDS
+
+KINDS = RECORDS  # config.data.record's
 CHAT_KINDS = ('messages', 'chat_preference')  # rendered by the run's chat template (data/chat.py)
-PREFERENCE_KINDS = ('preference', 'chat_preference')  # pairs, trained on by DPO
+PREFERENCE_KINDS = PREFERENCE_RECORDS  # pairs, trained on by DPO
 SUFFIXES = ('.jsonl', '.jsonl.gz', '.parquet')
 ROLES = ('system', 'user', 'assistant', 'tool')
 
@@ -35,8 +37,6 @@ def is_record_file(path: pathlib.Path) -> bool:
 
 
 def check_kind(data_config) -> None:
-  if data_config.record not in KINDS:
-    raise ValueError(f'config.data.record={data_config.record!r} is not one of {KINDS}')
   if data_config.name and data_config.record != 'text':
     raise ValueError(f'config.data.record={data_config.record!r} reads the records of '
                      f'{", ".join(SUFFIXES)} files in config.data.paths; a named TFDS dataset '

@@ -28,21 +28,18 @@ import uuid
 
 import numpy as np
 
-from data import chat, records
+from data import records
 from data.chat import Encoder
 from runtime import faults
 from runtime.workdir import writable_dir
 
-MODES = ('auto', 'once', 'on_the_fly')
 BATCH = 256  # documents encoded at once while preparing
 
 
 def check_settings(data_config) -> None:
-  """The data settings' own checks (the chat template's are chat.owned's, which reads it)."""
-  if data_config.tokenize not in MODES:
-    raise ValueError(f'config.data.tokenize={data_config.tokenize!r} is not one of {MODES}')
+  """What the data settings' declarations (configs/base.py) do not judge: what crosses them (the
+  chat template's are chat.owned's, which reads it)."""
   records.check_kind(data_config)
-  chat.check_train_on(data_config)
 
 
 def encoder(corpus, tokenizer, data_config, template=None) -> Encoder:

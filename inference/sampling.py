@@ -25,7 +25,7 @@ from runtime import faults
 import sharding
 from training import settings
 from training.state import attention_runs_on
-from training.run import Run
+from configs.base import Run
 
 ONE_AXIS = {axis: 1 for axis in sharding.AXES}  # sampling splits parameters over fsdp at most
 SAVED = (*effects.MODEL, 'data', 'numerics')  # the kinds of setting a checkpoint's model takes

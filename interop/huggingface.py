@@ -31,6 +31,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from configs import schema
+from configs.base import ModelConfig
 from runtime import faults
 
 PREFIX = 'hf:'
@@ -108,14 +110,7 @@ IGNORED = ('rotary_emb.inv_freq',)  # buffers older transformers saved; recomput
 DTYPES = {'F32': np.float32, 'BF16': ml_dtypes.bfloat16, 'F16': np.float16}
 
 # config.model field ← config.json key (transformers' LlamaConfig; its defaults where absent).
-FIELDS = {'vocab_size': 'vocab_size', 'd_model': 'hidden_size', 'n_layers': 'num_hidden_layers',
-          'n_heads': 'num_attention_heads', 'n_kv_heads': 'num_key_value_heads',
-          'head_dim': 'head_dim', 'd_ff': 'intermediate_size', 'norm_eps': 'rms_norm_eps',
-          'tie_embeddings': 'tie_word_embeddings', 'rope_theta': 'rope_theta',
-          'rope_type': 'rope_type', 'rope_factor': 'factor',
-          'rope_low_freq_factor': 'low_freq_factor', 'rope_high_freq_factor': 'high_freq_factor',
-          'rope_original_length': 'original_max_position_embeddings',
-          'max_position_embeddings': 'max_position_embeddings'}
+FIELDS = schema.hf_names(ModelConfig)  # config.model's field: its config.json key, as declared
 LLAMA3_FIELDS = ('rope_factor', 'rope_low_freq_factor', 'rope_high_freq_factor',
                  'rope_original_length')
 # An MoE's experts: transformers' MixtralConfig's names (Qwen3MoeConfig's after the slash). Both

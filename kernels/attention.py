@@ -15,13 +15,14 @@ import numpy as np
 # JAX's cuDNN module has it, at the jax this project pins (pyproject.toml).
 from jax._src.cudnn import fused_attention_stablehlo as fused_attention
 
+from configs.base import ATTENTION_KERNELS, OUR_ATTENTION
 from kernels.flash_attention import flash_attention, hopper_blocks
 from kernels.matmul import matmul
 
-IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas', 'hopper')
-# Ours, in Triton (any NVIDIA GPU) and in Mosaic GPU (Hopper's sm_90a): run per shard, and over a
-# split length (context parallelism). Neither stores the [L, S] scores; both interpret on CPU.
-OURS = ('pallas', 'hopper')
+# config.model.attention's kernels (configs/base.py declares the names). Ours, in Triton (any
+# NVIDIA GPU) and in Mosaic GPU (Hopper's sm_90a): run per shard, and over a split length (context
+# parallelism). Neither stores the [L, S] scores; both interpret on CPU.
+IMPLEMENTATIONS, OURS = ATTENTION_KERNELS, OUR_ATTENTION
 FUSED = ('cudnn', *OURS)
 
 
@@ -33,6 +34,15 @@ def hopper_refuses(head_dim: int, compute_dtype: str) -> str | None:
   if compute_dtype not in ('bfloat16', 'float16'):
     return f'compute_dtype={compute_dtype!r} (it takes bfloat16 or float16)'
   return None
+
+
+def length_tile(model_cfg) -> int:
+  """Positions that each call of config.model's attention must take in whole blocks of: the
+  Hopper kernel's key block (it masks no padding; kernels/flash_attention.py pads for the
+  others), 1 for every other implementation."""
+  if model_cfg.attention != 'hopper':
+    return 1
+  return max(64, model_cfg.attention_block_k or hopper_blocks(model_cfg.head_dim)[1])
 
 
 def fused_for(head_dim: int, compute_dtype: str, length_split: bool,

@@ -31,9 +31,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from configs.base import EXPERT_MATMULS
 from kernels.flash_attention import pallas_for_platform
 
-IMPLEMENTATIONS = ('pallas', 'ragged_dot', 'dense')  # ours, XLA's, and a one-hot reference
+IMPLEMENTATIONS = EXPERT_MATMULS  # ours, XLA's, and a one-hot reference (config.model.expert_matmul)
 
 
 class Blocks(NamedTuple):

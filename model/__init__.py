@@ -1,6 +1,6 @@
 """A Llama-style decoder in Flax NNX whose parameters and activations carry logical axis names."""
 
-from model.config import ModelConfig
+from configs.base import ModelConfig
 from model.transformer import Transformer
 
 __all__ = ['ModelConfig', 'Transformer']

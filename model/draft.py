@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.config import ModelConfig
+from configs.base import ModelConfig
 from model.layers import Draft, constrain, gathered, param, rms_norm
 
 X = ('batch', 'length', 'embed')

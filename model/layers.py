@@ -21,7 +21,7 @@ import kernels
 import sharding
 from kernels.matmul import fp8_matmul, matmul
 from model import kv_cache
-from model.config import ModelConfig
+from configs.base import ModelConfig
 
 constrain = nn.with_logical_constraint  # pins an activation to logical axes (no-op off a mesh)
 
@@ -104,7 +104,7 @@ class Adapter(nnx.Module):
 
 def adapter(cfg: ModelConfig, rngs: nnx.Rngs, target: str, in_shape, in_names, out_shape,
             out_names) -> Adapter | None:
-  """The adapter of projection `target` (model/config.py: LORA_TARGETS), if cfg adapts it."""
+  """The adapter of projection `target` (configs/base.py: LORA_TARGETS), if cfg adapts it."""
   if not cfg.lora_rank or target not in cfg.lora_target_names:
     return None
   return Adapter(cfg, rngs, in_shape, in_names, out_shape, out_names)

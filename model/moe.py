@@ -41,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 import sharding
 from kernels.all_to_all import exchange, exclusive_cumsum
 from kernels.grouped_matmul import grouped_matmul, grouped_matmul_dw
-from model.config import ModelConfig
+from configs.base import ModelConfig
 from model.layers import MLP, constrain, gathered, param, weight
 
 TOKENS = ('batch', 'length')

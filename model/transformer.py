@@ -8,7 +8,7 @@ from flax import nnx
 
 import sharding
 from model import draft, gradient_sums, head, kv_cache, moe, pipeline
-from model.config import REMAT_POLICIES, ModelConfig
+from configs.base import REMAT_POLICIES, ModelConfig
 from model.embedding import lookup
 from model.layers import OUT, MLP, Attention, RMSNorm, constrain, gathered, matmul, param, weight
 

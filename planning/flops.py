@@ -13,7 +13,7 @@ activations' gradients through them), the adapters 6 · theirs. Draft heads (mod
 (draft_only), the base runs forward only: 2 · params, and a third of the attention.
 """
 
-from model.config import ModelConfig
+from configs.base import ModelConfig
 from planning import gpus
 
 

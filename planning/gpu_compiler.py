@@ -144,7 +144,7 @@ def is_deviceless(device) -> bool:
 
 
 def plan_in_compiler_process(settings: dict, module: str) -> dict:
-  """A dry run of a run's `settings` (training.run.Run.as_dict) as `python -m module
+  """A dry run of a run's `settings` (configs.base.Run.as_dict) as `python -m module
   config.json` (training.dry_run's) in a child process that can compile for GPUs: its output
   appears here as it is printed; returns its plan, the last line. A ValueError in the child (a
   bad setting) is raised here as one."""

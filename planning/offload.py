@@ -42,16 +42,17 @@ class TierCost:
   nvme_s: float | None
 
 
-def cost(setup, gpu, gpus_per_node: int) -> TierCost | None:
-  """The tiers' cost for `setup` (training.state.Setup) on `gpu` (planning.gpus.GPU, or None
-  where the time model does not describe the devices); None where the state is on the devices."""
-  opt = setup.run.optimizer
+def cost(opt_config, params, devices, gpu, gpus_per_node: int) -> TierCost | None:
+  """The tiers' cost of config.optimizer (`opt_config`) for a state whose parameters are
+  `params` (abstract, in the shardings a checkpoint holds them in) on `devices`, `gpu`s
+  (planning.gpus.GPU, or None where the time model does not describe them); None where the state
+  is on the devices."""
+  opt = opt_config
   placement = {kind: getattr(opt, setting) for kind, setting in KINDS.items()}
   off = [kind for kind, tier in placement.items() if tier != 'device']
   if not off:
     return None
-  owned = owned_bytes(setup.checkpoint_state.params, list(setup.mesh.devices.flat),
-                      gpus_per_node)
+  owned = owned_bytes(params, list(devices), gpus_per_node)
   busiest = max(owned.values())
   per_node = {}
   for device, size in owned.items():

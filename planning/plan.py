@@ -26,9 +26,11 @@ import math
 
 import jax
 
+from configs.base import ModelConfig, OptimizerConfig, PartitionConfig
 import kernels
 from planning import flops as flops_lib
 from planning import gpu_compiler, gpus, offload, timing
+from planning.target import Target
 from reporting import metrics
 from sharding import collectives
 import sharding
@@ -97,45 +99,61 @@ class Plan:
     return {**dataclasses.asdict(self), 'fits': self.fits}
 
 
-def make_plan(compiled, setup) -> Plan:
-  """The Plan of `compiled`, the train step of `setup` (training.state.Setup), for its run's
-  target."""
-  run, target = setup.run, setup.run.target
-  devices = list(setup.mesh.devices.flat)
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """What a compiled train step is of: the model, its batch and where its state lies."""
+  model: ModelConfig
+  optimizer: OptimizerConfig
+  partition: PartitionConfig
+  target: Target  # what the programs compile for
+  mesh: jax.sharding.Mesh
+  batch_size: int
+  seq_len: int
+  microbatches: int
+  preference: bool  # DPO: a reference model's forward too
+  abstract_state: object  # what the devices hold between steps (params, opt_state)
+  checkpoint_params: object  # the parameters as a checkpoint holds them (the tiers' master)
+
+
+def make_plan(compiled, step: Step) -> Plan:
+  """The Plan of `compiled`, the train step `step` describes, for its target."""
+  target = step.target
+  devices = list(step.mesh.devices.flat)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
-  n = setup.mesh.size
-  tokens = run.batch_size * run.seq_len
+  n = step.mesh.size
+  tokens = step.batch_size * step.seq_len
   kind = sharding.local_device(devices).device_kind
   hlo = compiled.as_text()
   gpu = gpus.find(kind)  # the compiled program's, which the time model describes
-  cfg = setup.model_cfg
-  flops = flops_lib.flops_per_token(cfg, run.seq_len, reference=run.data.preference) * tokens / n
-  attention_flops = flops_lib.attention_flops_per_token(cfg, run.seq_len) * tokens / n
+  cfg = step.model
+  flops = flops_lib.flops_per_token(cfg, step.seq_len, reference=step.preference) * tokens / n
+  attention_flops = flops_lib.attention_flops_per_token(cfg, step.seq_len) * tokens / n
   predicted = timing.predict(hlo, gpu or gpus.NOMINAL)
-  attention_ranking = (timing.rank_attention(cfg.head_dim, cfg.compute_dtype, run.seq_len,
-                                             length_split=setup.mesh.shape['sequence'] > 1,
+  attention_ranking = (timing.rank_attention(cfg.head_dim, cfg.compute_dtype, step.seq_len,
+                                             length_split=step.mesh.shape['sequence'] > 1,
                                              gpu=gpu) if gpu else [])
-  tiers = offload.cost(setup, gpu, target.gpus_per_node)
+  tiers = offload.cost(step.optimizer, step.checkpoint_params, devices, gpu,
+                       target.gpus_per_node)
   on_gpu = devices[0].platform == 'gpu'  # XLA's GPU options apply (training/programs.py)
   time = predicted_time(predicted, gpu, tokens / n, flops, tiers)
-  param_bytes = _device_bytes(setup.abstract_state.params)
+  param_bytes = _device_bytes(step.abstract_state.params)
   update_bytes = 0
   if tiers:
     owned_share = tiers.owned_bytes / max(tiers.node_bytes, 1)
     # tiers train every parameter; off the devices, the master weights' copy there is freed
     # before the update makes the new one (training/tiers.py: Engine.__call__)
-    new_copy = param_bytes if run.optimizer.master_on_devices else 0
+    new_copy = param_bytes if step.optimizer.master_on_devices else 0
     update_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes + new_copy
                     + int(3 * tiers.group_bytes * owned_share))
   return Plan(
       device=target.name, compiled_for=kind,
       deviceless=gpu_compiler.is_deviceless(devices[0]), n_devices=n,
-      mesh=dict(setup.mesh.shape), remat_policy=run.model.remat_policy,
+      mesh=dict(step.mesh.shape), remat_policy=cfg.remat_policy,
       attention=cfg.attention, attention_ranking=attention_ranking,
-      context_parallel=run.model.context_parallel,
-      microbatches=run.microbatches, virtual_stages=run.model.virtual_stages,
+      context_parallel=cfg.context_parallel,
+      microbatches=step.microbatches, virtual_stages=cfg.virtual_stages,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
       total_bytes=(memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -148,10 +166,10 @@ def make_plan(compiled, setup) -> Plan:
       collectives=collectives.summary(hlo),
       across_nodes_bytes=collectives.crossing_bytes(
           hlo, lambda device: device // target.gpus_per_node),
-      gpus_per_node=target.gpus_per_node, partition=partition_name(run.partition),
+      gpus_per_node=target.gpus_per_node, partition=partition_name(step.partition),
       memory_bytes=target.memory_bytes, memory_source=target.memory_source,
       time=time, param_bytes=param_bytes,
-      optimizer_bytes=_device_bytes(setup.abstract_state.opt_state),
+      optimizer_bytes=_device_bytes(step.abstract_state.opt_state),
       prefetch_weights=on_gpu and cfg.prefetch_weights,
       scheduler_memory=cfg.scheduler_memory if on_gpu else None,
       tiers=dataclasses.asdict(tiers) if tiers else None, update_bytes=update_bytes)

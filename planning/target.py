@@ -21,16 +21,11 @@ from planning import gpu_compiler, gpus
 import sharding
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanConfig:
-  """config.plan: what the programs are compiled for and must fit in (module docstring)."""
-  target: str  # a GPU of planning/gpus.py; '': the devices here
-  devices: int  # how many of them; 0: as many as there are here
-  memory_gb: float  # per-device memory to fit; 0: the target's, or the backend's own
-
-  def __post_init__(self):
-    if self.target:
-      gpus.get(self.target)  # a ValueError naming config.plan.target
+def check(plan_config) -> None:
+  """config.plan against planning/gpus.py's table: a ValueError naming config.plan.target for a
+  GPU it lacks."""
+  if plan_config.target:
+    gpus.get(plan_config.target)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,6 @@ collective fails before the service ends it prints "meshlm: process i of n faile
 """
 
 import contextlib
-import dataclasses
 import os
 import sys
 
@@ -38,45 +37,9 @@ def scheduler_process_count(environ=os.environ) -> tuple[str, int] | None:
   return None
 
 
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-  """config.distributed (module docstring); checks itself (`check_processes`)."""
-  coordinator_address: str
-  num_processes: int
-  process_id: int
-  initialization_timeout_s: int
-  heartbeat_timeout_s: int
-
-  def __post_init__(self):
-    check_processes(self)
-
-
-def check_processes(dist_config) -> None:
-  """The explicit settings are all given or none; raised before anything starts."""
-  explicit = bool(dist_config.coordinator_address)
-  if not explicit:
-    if dist_config.num_processes or dist_config.process_id != -1:
-      raise ValueError('config.distributed.num_processes/process_id are set but '
-                       'config.distributed.coordinator_address is empty; give process 0\'s '
-                       'host:port too (or none of them under SLURM or Open MPI)')
-  else:
-    if ':' not in dist_config.coordinator_address:
-      raise ValueError(f'config.distributed.coordinator_address={dist_config.coordinator_address!r}'
-                       ' must be host:port of process 0, e.g. 10.0.0.1:1234')
-    n, i = dist_config.num_processes, dist_config.process_id
-    if n < 1 or not 0 <= i < n:
-      raise ValueError(f'config.distributed.num_processes={n} and process_id={i}: need '
-                       'num_processes ≥ 1 and 0 ≤ process_id < num_processes')
-  for field in ('initialization_timeout_s', 'heartbeat_timeout_s'):
-    if getattr(dist_config, field) < 1:
-      raise ValueError(f'config.distributed.{field}={getattr(dist_config, field)} must be at '
-                       'least 1')
-
-
 def initialize(dist_config) -> int:
   """Join the job's other processes, if there are any; returns the number of processes. Must
   run before jax touches a device (the first thing `training.loop.run` does)."""
-  check_processes(dist_config)
   if jax.distributed.is_initialized():  # a notebook or a caller did it already
     return jax.process_count()
   timeouts = dict(initialization_timeout=dist_config.initialization_timeout_s,

@@ -40,9 +40,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from configs.base import PartitionConfig
+
 AXIS = 'data'  # the level across nodes
 BLOCK = 256  # elements per scale: 1.6% on top of the int8 bytes, and a bound per 256 values
-SCHEMES = ('exact', 'int8')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,22 +68,6 @@ def replicas_run_apart(experts: int, matmul_precision: str, frozen_base: bool = 
   which reduces over data every microbatch, as it does the gradients of what trains on a frozen
   base (adapters, draft heads: small, and the base's none)."""
   return not experts and matmul_precision != 'fp8' and not frozen_base
-
-
-@dataclasses.dataclass(frozen=True)
-class PartitionConfig:
-  """config.partition: how the state crosses `data` (module docstring). Checks itself."""
-  hierarchical: bool
-  weights: str  # of SCHEMES
-  gradients: str
-
-  def __post_init__(self):
-    for field in ('weights', 'gradients'):
-      if (value := getattr(self, field)) not in SCHEMES:
-        raise ValueError(f'config.partition.{field}={value!r} is not one of {SCHEMES}')
-      if value != 'exact' and not self.hierarchical:
-        raise ValueError(f'config.partition.{field}={value!r} quantizes what crosses config.mesh.'
-                         'data, which only config.partition.hierarchical=True sends apart; set it')
 
 
 PLAIN = PartitionConfig(hierarchical=False, weights='exact', gradients='exact')  # replicas

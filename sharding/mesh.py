@@ -2,48 +2,17 @@
 sequence. The first axes vary slowest over the devices, so data and stage are the ones that span
 nodes."""
 
-import dataclasses
 import math
 
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ('data', 'stage', 'fsdp', 'expert', 'tensor', 'sequence')
+from configs.base import AXES, check_sizes  # the axes, and their settings' checks
 
 
 class MeshMismatch(ValueError):
   """A mesh shape that the devices, the model or the batch cannot use (the auto-layout search
   skips such shapes; any other ValueError is a mistake in the settings)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  """config.mesh: each axis's size (-1: the devices left over, at most one axis), and whether the
-  layout search picks them (training/layout.py). Checks itself: positive sizes or -1."""
-  data: int
-  stage: int
-  fsdp: int
-  expert: int
-  tensor: int
-  sequence: int
-  auto: bool
-
-  def __post_init__(self):
-    check_sizes(self.sizes)
-
-  @property
-  def sizes(self) -> dict[str, int]:
-    """{axis: size} as given (-1 not yet filled in: mesh_shape does)."""
-    return {axis: getattr(self, axis) for axis in AXES}
-
-
-def check_sizes(sizes: dict) -> None:
-  """Sizes positive or -1, at most one -1: ValueError naming config.mesh.<axis>."""
-  if bad := [axis for axis, size in sizes.items() if size == 0 or size < -1]:
-    raise ValueError(f'config.mesh.{bad[0]}={sizes[bad[0]]}: axis sizes are positive, or -1 for '
-                     'the remaining devices')
-  if len(free := [axis for axis, size in sizes.items() if size == -1]) > 1:
-    raise ValueError(f'config.mesh: only one axis may be -1, got {free}')
 
 
 def mesh_shape(sizes: dict[str, int], n_devices: int) -> dict[str, int]:

@@ -133,9 +133,10 @@ def _check_param(name, var, spec, mesh):
 
 
 def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
-                    microbatches: int = 1) -> None:
+                    microbatches: int = 1, length_tile: int = 1) -> None:
   """The model and batch against the mesh's axis sizes, before anything is built: MeshMismatch
-  naming the fields to change."""
+  naming the fields to change. `length_tile`: the positions each attention call takes in whole
+  blocks of (kernels/attention.py: length_tile)."""
   t, e = mesh_sizes['tensor'], mesh_sizes['expert']
   dp = mesh_sizes['data'] * mesh_sizes['fsdp'] * e
   for field in ('n_heads', 'n_kv_heads', 'd_ff', 'vocab_size'):
@@ -184,7 +185,7 @@ def check_fits_mesh(model_cfg, batch_size: int, seq_len: int, mesh_sizes: dict,
   # the ring's zigzag halves a device's share; without a sequence split either way runs whole rows
   ring = model_cfg.context_parallel == 'ring' and mesh_sizes['sequence'] > 1
   split = mesh_sizes['sequence'] * (2 if ring else 1)
-  if (tile := model_cfg.length_tile) > 1 and (per_call := seq_len // split) % tile:
+  if (tile := length_tile) > 1 and (per_call := seq_len // split) % tile:
     # A key block the user chose names itself, and a smaller one that fits is the first fix.
     chosen = model_cfg.attention_block_k
     smaller = next((k for k in (128, 64) if k < tile and per_call % k == 0), None)

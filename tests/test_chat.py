@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from configs import base
 from data import chat, corpus as corpus_lib, records, tokenizers, tokens
 from data.packing import Lane
 from runtime import faults
@@ -186,8 +187,9 @@ def test_record_settings_and_files_that_hold_nothing_are_one_clear_error(tmp_pat
     config = config_for(rows, tmp_path / 'tfds')
     config.data[field] = value
     with pytest.raises(ValueError, match=match):
-      tokens.check_settings(config.data)
-      chat.owned(tokenizers.ByteTokenizer(), config.data, None)
+      data = base.DataConfig(**config.data)  # checks each value against its declaration
+      tokens.check_settings(data)
+      chat.owned(tokenizers.ByteTokenizer(), data, None)
 
 
 def test_an_interrupted_record_preparation_leaves_nothing(tmp_path, monkeypatch):

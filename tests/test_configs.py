@@ -16,7 +16,7 @@ from training.state import build, param_count
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / 'configs'
 FILES = sorted(p.name for p in CONFIGS.glob('*.py')  # the config files, not their helpers
-               if p.name not in ('__init__.py', 'effects.py'))
+               if 'def get_config(' in p.read_text())
 PRESETS = {'125m': (115e6, 130e6), '1b': (1.2e9, 1.28e9), '8b': (7.9e9, 8.1e9)}
 
 
@@ -134,6 +134,69 @@ def test_every_setting_declares_what_changing_it_does_and_the_docs_show_the_tabl
               'mesh.fsdp', 'train_steps'} & set(kept)
   docs = (CONFIGS.parent / 'docs' / 'checkpoints.md').read_text()
   assert effects.table() in docs, 'docs/checkpoints.md: paste `python -m configs.effects` in'
+
+
+def test_the_settings_page_holds_every_declaration():
+  from configs import base, schema
+  docs = (CONFIGS.parent / 'docs' / 'settings.md').read_text()
+  assert schema.table(base.Run) in docs, 'docs/settings.md: paste `python -m configs.base` in'
+
+
+def test_a_setting_is_one_field_and_everything_else_follows_from_it(tmp_path):
+  """A new setting declared as one field of its section (configs/schema.py): `--config` overrides
+  it, type-checked; EFFECTS, the range check, the docs' tables, the Run and what a resumed run
+  compares all follow, with nothing else written."""
+  import dataclasses
+
+  from absl import flags
+  from ml_collections import config_flags
+
+  from configs import base, effects, schema
+  from training import settings
+
+  @dataclasses.dataclass(frozen=True)
+  class Loss(base.LossConfig):
+    dummy_weight: float = schema.setting(0.5, 'a term a test adds', 'data',
+                                         range=schema.at_least(0))
+
+  Run = dataclasses.make_dataclass('Run', [('loss', Loss, schema.section(Loss, 'the loss'))],
+                                   bases=(base.Run,), frozen=True, kw_only=True)
+  defaults = schema.config_dict(Run)
+  assert defaults.loss.dummy_weight == 0.5 and 'dummy_weight' not in base.get_config().loss
+
+  def parsed(*argv):  # as train.py's --config flag parses them
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_dict('config', schema.config_dict(Run), flag_values=values,
+                                    sys_argv=['train.py', *argv])
+    values(['train.py', *argv])
+    return values.config
+
+  config = parsed('--config.loss.dummy_weight=0.25')
+  assert config.loss.dummy_weight == 0.25
+  with pytest.raises(flags.IllegalFlagValueError):  # a float setting takes no word
+    parsed('--config.loss.dummy_weight=heavy')
+
+  declared = schema.effects(Run)
+  assert declared['loss.dummy_weight'] == 'data' and 'loss.dummy_weight' not in base.EFFECTS
+  raw = config.to_dict()
+  settings.check_fields(raw, Run)
+  with pytest.raises(ValueError, match=r'config\.loss\.dummy_weight=-1\.0 must be at least 0'):
+    settings.check_fields({**raw, 'loss': {**raw['loss'], 'dummy_weight': -1.0}}, Run)
+  with pytest.raises(ValueError, match=r'config\.loss\.dummy_weight is not a setting'):
+    settings.check_fields(raw)  # meshlm's own Run has no such field
+
+  assert '`loss.dummy_weight`' in effects.table(declared)
+  assert '| `loss.dummy_weight` | `0.5` | at least 0 | data | a term a test adds |' in schema.table(Run)
+
+  raw['model']['vocab_size'] = 384
+  run = Run.of(raw)
+  assert run.loss.dummy_weight == 0.25 and run.as_dict()['loss']['dummy_weight'] == 0.25
+  with pytest.raises(ValueError, match=r'config\.loss\.dummy_weight=-2 must be at least 0'):
+    run.replace(loss={'dummy_weight': -2})
+  saved = run.as_dict()  # what its checkpoints record; a resumed run with another value
+  again = {**saved, 'loss': {**saved['loss'], 'dummy_weight': 0.75}}
+  assert effects.changed(saved, again, effects.KEPT_ON_RESUME, declared) == [
+      ('loss.dummy_weight', 0.25, 0.75)]
 
 
 def test_where_an_moe_drops_tokens_its_layout_is_kept_on_resume_as_laid_out():

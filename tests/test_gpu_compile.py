@@ -18,7 +18,7 @@ import pytest
 from configs import llama
 import kernels
 from kernels.flash_attention import default_blocks
-from model.config import KEEPS_KERNEL
+from configs.base import KEEPS_KERNEL
 from planning import communication, gpu_compiler, gpus, timing
 from planning import plan as plan_lib
 from sharding import collectives, hlo

@@ -10,7 +10,7 @@ from flax import nnx
 
 import kernels
 from model import ModelConfig, Transformer
-from model.config import KEEPS_KERNEL
+from configs.base import KEEPS_KERNEL
 from tests.conftest import tiny_config
 
 

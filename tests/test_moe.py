@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from data import chat, pipeline, tokenizers, tokens
+from data import chat, tokenizers, tokens
 from model import ModelConfig, moe
 from model.layers import MLP
 from model.transformer import Transformer
 from sharding import collectives
 import sharding
 from tests.conftest import tiny_config
-from training import programs
+from training import loop, programs
 from training.hooks import scalars
 from training import settings
 from training.state import build
@@ -270,7 +270,7 @@ def train(config, devices, corpus, steps: int, keep=()):
   step = programs.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss,
                                      microbatches=config.microbatches)
   byte = tokenizers.ByteTokenizer()
-  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', chat.Encoder(byte)), run,
+  batches = loop.train_batches(run, tokens.OnTheFly(corpus.train, 'text', chat.Encoder(byte)),
                                    sharding.batch_sharding(setup.mesh))
   curve, kept = [], {}
   for i in range(1, steps + 1):

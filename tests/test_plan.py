@@ -95,7 +95,7 @@ def test_offload_remat_policies_compile_and_move_activations_to_host():
 
 @pytest.mark.integration
 def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corpus):
-  from data import chat, pipeline, tokens
+  from data import chat, tokens
   import sharding
   results = []
   for offload in (False, True):
@@ -108,7 +108,7 @@ def test_optimizer_state_offloaded_to_host_memory_gives_the_same_step(small_corp
     assert kinds == ({'pinned_host'} if offload else {'device'})
     compiled, _ = compile_and_plan(setup)
     documents = tokens.OnTheFly(small_corpus.train, 'text', chat.Encoder(run.tokenizer))
-    batches = pipeline.train_batches(documents, run, sharding.batch_sharding(setup.mesh))
+    batches = loop.train_batches(run, documents, sharding.batch_sharding(setup.mesh))
     state, _ = compiled(state, next(batches))
     batches.close()
     assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim} == kinds

@@ -10,7 +10,7 @@ from data import chat, pipeline, tokenizers, tokens
 from sharding import collectives
 import sharding
 from tests.conftest import tiny_config
-from training import programs
+from training import loop, programs
 from training import settings
 from training.state import build
 
@@ -30,7 +30,7 @@ def train_losses(config, devices, corpus):
   state = setup.init_state()
   step = programs.compile_train_step(setup, config.batch_size, config.seq_len, config.loss.z_loss)
   byte = tokenizers.ByteTokenizer()
-  batches = pipeline.train_batches(tokens.OnTheFly(corpus.train, 'text', chat.Encoder(byte)), run,
+  batches = loop.train_batches(run, tokens.OnTheFly(corpus.train, 'text', chat.Encoder(byte)),
                                    sharding.batch_sharding(setup.mesh))
   losses = []
   for _ in range(STEPS):

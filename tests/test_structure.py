@@ -13,7 +13,7 @@ import configs
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Lowest first (DEVELOPERS.md: Layout). Data flows config → mesh → abstract state → shardings →
 # compiled step → loop: what a floor needs is below it, never above.
-FLOORS = [('configs', 'kernels', 'sharding', 'reporting'), ('model', 'runtime'),
+FLOORS = [('configs',), ('kernels', 'sharding', 'reporting'), ('model', 'runtime'),
           ('planning', 'data', 'interop'), ('training',), ('inference',), ('evaluation',)]
 FLOOR = {package: i for i, packages in enumerate(FLOORS) for package in packages}
 
@@ -53,7 +53,7 @@ def test_every_package_imports_only_the_floors_below_it():
 
 
 # Where a raw config (ml-collections, or its dict) is a parameter: the entry points, and
-# settings.resolve, which makes it the Run (training/run.py) that everything below takes.
+# settings.resolve, which makes it the Run (configs/base.py) that everything below takes.
 TAKE_THE_CONFIG = {'training.loop.run', 'training.dry_run.plan', 'training.settings.resolve'}
 
 
@@ -65,6 +65,22 @@ def test_only_the_entry_points_take_the_config():
             if isinstance(node, ast.FunctionDef)
             and 'config' in [a.arg for a in node.args.args + node.args.kwonlyargs]}
   assert takers == TAKE_THE_CONFIG, takers
+
+
+def test_below_training_functions_take_the_sections_they_read_not_a_run():
+  """No function below `training/` takes a Run or training's Setup (a parameter so named or so
+  annotated): each takes the sections of configs/base.py it reads (DEVELOPERS.md: Layout)."""
+  below = {name: path for name, path in modules().items()
+           if FLOOR[name.split('.')[0]] < FLOOR['training']}
+  takers = set()
+  for name, path in below.items():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.FunctionDef):
+        for arg in node.args.args + node.args.kwonlyargs:
+          annotation = ast.unparse(arg.annotation) if arg.annotation else ''
+          if arg.arg in ('run', 'setup') or annotation.split('.')[-1] in ('Run', 'Setup'):
+            takers.add(f'{name}.{node.name}({arg.arg})')
+  assert not takers, takers
 
 
 @pytest.mark.integration

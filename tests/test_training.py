@@ -197,7 +197,7 @@ def test_unpacked_batches_train_like_packed_rows_of_one_document():
 
 @pytest.mark.integration
 def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpus):
-  from data import chat, pipeline, tokens
+  from data import chat, tokens
   from training import programs
   import sharding
   results = []
@@ -207,7 +207,7 @@ def test_microbatches_accumulate_to_the_same_update_as_one_big_batch(small_corpu
     run = settings.resolve(config)
     setup = build(run)
     documents = tokens.OnTheFly(small_corpus.train, 'text', chat.Encoder(run.tokenizer))
-    batches = pipeline.train_batches(documents, run, sharding.batch_sharding(setup.mesh))
+    batches = loop.train_batches(run, documents, sharding.batch_sharding(setup.mesh))
     step = programs.compile_train_step(setup, config.batch_size, config.seq_len,
                                        config.loss.z_loss, microbatches=microbatches)
     local = batches.next_local()

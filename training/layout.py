@@ -32,15 +32,15 @@ import math
 import jax
 
 import kernels
-from model.config import CONTEXT_PARALLEL, KEEPS_KERNEL
+from configs.base import CONTEXT_PARALLEL, KEEPS_KERNEL
 from planning import communication, gpus, timing
 from planning import plan as plan_lib
 from sharding import AXES, hierarchical
 from sharding.hierarchical import PLAIN, PartitionConfig
 import sharding
-from training.optimizer import HOST
+from configs.base import HOST
 from training.programs import compile_and_plan
-from training.run import Run
+from configs.base import Run
 from training.state import build
 
 POLICIES = ('full', 'dots_except_out', 'dots', 'dots_attention_except_out', 'dots_attention',

@@ -25,7 +25,7 @@ import sharding
 from training import hooks, settings, tiers
 from training.evaluation import Evaluator
 from training.programs import compile_and_plan
-from training.run import Run
+from configs.base import Run
 from training.state import build, check_checkpoints, initial_state, param_count
 
 
@@ -123,6 +123,14 @@ def train(run: Run, tasks=None) -> list[dict]:
         checkpointer.close()  # waits for the save in flight
 
 
+def train_batches(run: Run, train_documents, batch_sharding, state=None) -> pipeline.Batches:
+  """The run's training batches of the training split's documents (data/pipeline.py), from the
+  data-loader `state` a checkpoint saved, if any."""
+  return pipeline.train_batches(train_documents, run.data, batch_sharding, seed=run.seed,
+                                batch_size=run.batch_size, seq_len=run.seq_len,
+                                pad_id=run.tokenizer.pad_id, state=state)
+
+
 def _train(setup, train_step, eval_step, documents, workdir, checkpointer, console, stop, read,
            tasks) -> list[dict]:
   run, log = setup.run, console.log
@@ -167,7 +175,7 @@ def _train(setup, train_step, eval_step, documents, workdir, checkpointer, conso
     if engine:
       engine.close()
     return report.records
-  batches = pipeline.train_batches(documents.train, run, batch_sharding, state=data_state)
+  batches = train_batches(run, documents.train, batch_sharding, state=data_state)
   log(f'initialised in {time.perf_counter() - t0:.1f}s')
 
   guard = hooks.NonFinite(run.max_bad_steps, checkpointer)

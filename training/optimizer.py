@@ -5,78 +5,12 @@ lives between steps: the fp32 master weights and each of Adam's moments on the d
 compiled step updates them), in host memory, or in files on NVMe (training/tiers.py updates
 them outside the step, a group at a time)."""
 
-import dataclasses
-import pathlib
-
 import jax
 import optax
 from flax import nnx
 
 from model.layers import ADDED, Draft, split_adapters
 from model.moe import RouterBias
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """config.optimizer (configs/base.py says what each does)."""
-  learning_rate: float
-  warmup_steps: int
-  min_lr_ratio: float
-  b1: float
-  b2: float
-  eps: float
-  weight_decay: float
-  grad_clip: float
-  offload_state: bool
-  master_tier: str = 'device'  # where the fp32 master weights live: TIERS
-  mu_tier: str = 'device'  # Adam's first moment
-  nu_tier: str = 'device'  # Adam's second moment
-
-  def __post_init__(self):
-    for name in TIERED:
-      tier(getattr(self, name), f'config.optimizer.{name}')
-    if self.offload_state and self.tiered:
-      raise ValueError('config.optimizer.offload_state=True keeps the moments in pinned host '
-                       'memory inside the compiled step, and the tiers (master_tier, mu_tier, '
-                       "nu_tier) keep the state outside it; use one: mu_tier='host', "
-                       "nu_tier='host' and offload_state=False, or the tiers at 'device'")
-
-  @property
-  def tiered(self) -> bool:
-    """Whether any of the state lives off the devices: then training/tiers.py updates it."""
-    return any(getattr(self, name) != DEVICE for name in TIERED)
-
-  @property
-  def master_on_devices(self) -> bool:
-    """Whether the devices' parameters are the master weights (else a copy in the compute
-    dtype, which is what the step reads of them)."""
-    return self.master_tier == DEVICE
-
-  @property
-  def placements(self) -> dict[str, tuple[str, pathlib.Path | None]]:
-    """{'master': (tier, directory), 'mu': …, 'nu': …}: where each part of the state lives."""
-    return {name.removesuffix('_tier'): tier(getattr(self, name), f'config.optimizer.{name}')
-            for name in TIERED}
-
-
-DEVICE, HOST, NVME = 'device', 'host', 'nvme'
-TIERED = ('master_tier', 'mu_tier', 'nu_tier')  # the settings that place the state
-
-
-def tier(value: str, setting: str) -> tuple[str, pathlib.Path | None]:
-  """(kind, directory) of a tier setting: 'device', 'host' or 'nvme:DIR' (DIR absolute, on a
-  local disk); ValueError naming `setting` otherwise."""
-  if value in (DEVICE, HOST):
-    return value, None
-  kind, _, directory = str(value).partition(':')
-  if kind == NVME and directory.strip():
-    path = pathlib.Path(directory.strip()).expanduser()
-    if not path.is_absolute():
-      raise ValueError(f'{setting}={value!r}: give the NVMe directory as an absolute path, '
-                       f"such as 'nvme:/local_nvme/meshlm'")
-    return NVME, path
-  raise ValueError(f"{setting}={value!r} is not a tier: use 'device', 'host' or 'nvme:DIR' (a "
-                   'directory on a local NVMe disk)')
 
 
 def make_schedule(opt_config, train_steps: int) -> optax.Schedule:
@@ -89,7 +23,7 @@ def make_schedule(opt_config, train_steps: int) -> optax.Schedule:
 
 def trained(cfg, params):
   """(the parameters the optimizer trains, the frozen rest) of the model `cfg` configures
-  (model.ModelConfig): under LoRA the adapters (and draft heads) and the base; with draft_only the
+  (configs.base.ModelConfig): under LoRA the adapters (and draft heads) and the base; with draft_only the
   draft heads and the rest; else all of them and nothing."""
   if cfg.draft_only:
     return split_adapters(params, Draft)

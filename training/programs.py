@@ -135,4 +135,8 @@ def compile_and_plan(setup: Setup):
   compile_step = compile_gradient_step if run.optimizer.tiered else compile_train_step
   compiled = compile_step(setup, run.batch_size, run.seq_len, run.loss.z_loss,
                           microbatches=run.microbatches)
-  return compiled, plan_lib.make_plan(compiled, setup)
+  return compiled, plan_lib.make_plan(compiled, plan_lib.Step(
+      model=setup.model_cfg, optimizer=run.optimizer, partition=run.partition, target=run.target,
+      mesh=setup.mesh, batch_size=run.batch_size, seq_len=run.seq_len,
+      microbatches=run.microbatches, preference=run.data.preference,
+      abstract_state=setup.abstract_state, checkpoint_params=setup.checkpoint_state.params))

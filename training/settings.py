@@ -1,17 +1,18 @@
-"""From a raw config to a Run (training/run.py): the first thing every entry point does (train.py
+"""From a raw config to a Run (configs/base.py): the first thing every entry point does (train.py
 through `loop.run`, the dry run, sample.py through `sampling.load`, the benchmarks, a notebook),
 and the only place the raw config is read.
 
   run = settings.resolve(config)
 
-Resolving checks every field (those of configs/base.py, no others; every number finite and within
-RANGES) and fills in what the config leaves open: `config.init_from` gives the base model's
+Resolving checks every field (those configs/base.py declares, no others; each value against its
+declaration: a number finite and within its range, a choice among its choices) and fills in what the config leaves open: `config.init_from` gives the base model's
 settings (and the tokenizer) from where it starts, a Hugging Face checkpoint's config.json or a
 meshlm run's saved config (`with_start`; another tokenizer than its own is refused); the tokenizer
 and the chat template are a resumed run's own copies (`owned` of data/tokenizers.py and
 data/chat.py); `config.model.vocab_size=0` becomes the tokenizer's size, padded. Each section is
-then built into its typed form, which checks itself (model.ModelConfig, sharding.MeshConfig, …),
-and `check_sections` judges what crosses sections. It joins the job's other processes
+then built into its typed form, which checks what crosses its fields (configs/base.py:
+ModelConfig, MeshConfig, …), and `check_sections` judges what crosses sections and what needs
+the kernels' or GPUs' tables (our Hopper kernel's head dims, config.plan.target). It joins the job's other processes
 (runtime/distributed.py), finds the run's Target (planning/target.py: the devices its programs are
 compiled for), and lays the run out: `config.model.attention='auto'` becomes a kernel, and
 `config.mesh.auto` runs the layout search (training/layout.py);
@@ -24,66 +25,21 @@ checkpoints, the workdir) are checked where they are opened, before anything is 
 
 import copy
 import difflib
-import math
 
 import jax
 import ml_collections
 
-from configs import base, effects
+from configs import base, effects, schema
 from data import chat, tokenizers, tokens
-from data.config import DataConfig
 from interop import huggingface
-from model.config import KEEPS_KERNEL
+from kernels.attention import hopper_refuses
 from planning import target as target_lib
 from runtime import checkpoint, distributed
 from runtime import workdir as workdir_lib
 from sharding import hierarchical
 import sharding
 from training import layout
-from training.run import HF, RANDOM, RUN, Run, Start
-
-
-INIT_ADAPTERS = ('merge', 'leave')  # config.init_adapters: what a start takes of a run's LoRA
-
-
-def _at_least(low):
-  return lambda value: value >= low, f'at least {low}'
-
-
-POSITIVE = (lambda value: value > 0, 'positive')
-SHARE = (lambda value: 0 <= value < 1, 'in [0, 1)')
-
-# The values every number of a config may take. The model's shapes and blocks and the mesh's sizes
-# are ModelConfig's and sharding.MeshConfig's to judge, with what they must divide.
-RANGES = {
-    'seed': _at_least(0), 'train_steps': _at_least(1), 'batch_size': _at_least(1),
-    'microbatches': _at_least(1), 'seq_len': _at_least(1), 'log_every': _at_least(1),
-    'profile_steps': _at_least(0), 'profile_start': _at_least(0), 'eval_every': _at_least(0),
-    'eval_batches': _at_least(0), 'checkpoint_every': _at_least(0),
-    'keep_checkpoints': _at_least(1), 'max_bad_steps': _at_least(1),
-    'model.rope_theta': POSITIVE, 'model.rope_factor': POSITIVE,
-    'model.rope_low_freq_factor': POSITIVE, 'model.rope_high_freq_factor': POSITIVE,
-    'model.rope_original_length': _at_least(1), 'model.max_position_embeddings': _at_least(0),
-    'model.norm_eps': POSITIVE, 'model.lora_rank': _at_least(0), 'model.lora_alpha': POSITIVE,
-    'model.experts': _at_least(0), 'model.experts_per_token': _at_least(1),
-    'model.shared_experts': _at_least(0), 'model.expert_d_ff': _at_least(0),
-    'model.dense_layers': _at_least(0), 'model.router_bias_rate': _at_least(0),
-    'model.capacity_factor': _at_least(0),
-    'model.scheduler_memory': (lambda value: 0 < value <= 10, 'in (0, 10]'), 'model.expert_buffer': _at_least(0),
-    'model.load_balance_loss': _at_least(0), 'model.router_z_loss': _at_least(0),
-    'optimizer.learning_rate': _at_least(0), 'optimizer.warmup_steps': _at_least(0),
-    'optimizer.min_lr_ratio': (lambda value: 0 <= value <= 1, 'in [0, 1]'),
-    'optimizer.b1': SHARE, 'optimizer.b2': SHARE, 'optimizer.eps': _at_least(0),
-    'optimizer.weight_decay': _at_least(0), 'optimizer.grad_clip': _at_least(0),
-    'loss.z_loss': _at_least(0), 'dpo.beta': POSITIVE,
-    'dpo.label_smoothing': (lambda value: 0 <= value < 0.5, 'in [0, 0.5)'),
-    'distributed.num_processes': _at_least(0), 'distributed.process_id': _at_least(-1),
-    'distributed.initialization_timeout_s': POSITIVE,
-    'distributed.heartbeat_timeout_s': POSITIVE,
-    'plan.devices': _at_least(0), 'plan.memory_gb': _at_least(0),
-    'data.validation_fraction': SHARE, 'data.workers': _at_least(0), 'data.prefetch': _at_least(1),
-    'lm_eval.every': _at_least(0), 'lm_eval.limit': _at_least(0), 'lm_eval.batch_size': _at_least(1),
-}
+from configs.base import HF, RANDOM, RUN, Run, Start
 
 
 def resolve(config, devices=None, log=None) -> Run:
@@ -97,7 +53,7 @@ def resolve(config, devices=None, log=None) -> Run:
   start = started_from(values['init_from'])
   values = with_start(values, start)
   workdir = values['workdir']
-  data = DataConfig(**values['data'])
+  data = base.DataConfig(**values['data'])
   # A resumed run's own copies of its tokenizer and chat template, as its checkpoints record them.
   recorded = checkpoint.recorded_trained_on(workdir) if workdir else {}
   tokenizer = tokenizers.owned(data, workdir, recorded.get('tokenizer', ''))
@@ -245,30 +201,31 @@ def check_start_tokenizer(start: Start, tokenizer) -> None:
         "the run's own, or name the same files")
 
 
-def check_fields(values: dict) -> None:
-  """The fields first: those of configs/base.py, no others (a typo in a config file would
-  otherwise set a field nothing reads); then every number: finite, and within RANGES."""
-  unknown(values, base.get_config())
-  for field, value in numbers(values):
-    if not math.isfinite(value):
-      raise ValueError(f'config.{field}={value} is not a number a run can use; give a finite one')
-    if field in RANGES and not RANGES[field][0](value):
-      raise ValueError(f'config.{field}={value} must be {RANGES[field][1]}')
+def check_fields(values: dict, declared=base.Run) -> None:
+  """The fields first: those configs/base.py declares, no others (a typo in a config file would
+  otherwise set a field nothing reads); then every value against its declaration (a number
+  finite and within its range, a choice among its choices: configs/schema.py)."""
+  unknown(values, schema.config_dict(declared))
+  for field, setting in schema.by_name(declared).items():
+    if (value := effects.get(values, field, _UNSAVED)) is not _UNSAVED:
+      schema.check_value(field, value, setting)
 
 
 def check_sections(run: Run) -> None:
   """What crosses a Run's sections, which no device or file decides: ValueError naming the
   setting. (Each section checked itself when it was built; the numbers were check_fields'.)"""
   model = run.model
-  if run.init_adapters not in INIT_ADAPTERS:
-    raise ValueError(f'config.init_adapters={run.init_adapters!r} is not one of '
-                     f'{", ".join(INIT_ADAPTERS)}')
+  if model.attention == 'hopper' and (why := hopper_refuses(model.head_dim,
+                                                                     model.compute_dtype)):
+    raise ValueError(f"config.model.attention='hopper' cannot run {why}; use "
+                     '--config.model.attention=pallas (ours in Triton) or auto')
+  target_lib.check(run.plan)
   if model.draft_heads and model.draft_heads + 2 > run.seq_len:
     raise ValueError(f'config.model.draft_heads={model.draft_heads}: head k guesses the token '
                      f'k + 1 after each position, which needs rows of at least '
                      f'{model.draft_heads + 2} tokens, and config.seq_len={run.seq_len}; '
                      'lower draft_heads or raise seq_len')
-  if model.remat_policy in KEEPS_KERNEL and model.attention == 'xla':  # named so; auto's choice
+  if model.remat_policy in base.KEEPS_KERNEL and model.attention == 'xla':  # named so; auto's choice
     # on a CPU keeps what its dots twin keeps: the same program
     twin = model.remat_policy.replace('_attention', '')
     raise ValueError(f"config.model.remat_policy='{model.remat_policy}' keeps an attention "

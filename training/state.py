@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from configs import effects
 from data import tokenizers
 from interop import huggingface
+from kernels.attention import length_tile
 from model import ModelConfig, Transformer
 from model.layers import (ADDED, Draft, LoRA, adapters_merged, added_kind, is_added,
                           split_adapters)
@@ -29,7 +30,7 @@ import sharding
 from sharding import hierarchical
 from training import optimizer
 from training.optimizer import base_params, trained
-from training.run import HF, RUN, Run
+from configs.base import HF, RUN, Run
 
 
 @flax.struct.dataclass
@@ -111,7 +112,8 @@ def build(run: Run) -> Setup:
   devices = list(run.target.devices)
   model_cfg = run.model
   sizes = sharding.mesh_shape(run.mesh.sizes, len(devices))
-  sharding.check_fits_mesh(model_cfg, run.batch_size, run.seq_len, sizes, run.microbatches)
+  sharding.check_fits_mesh(model_cfg, run.batch_size, run.seq_len, sizes, run.microbatches,
+                           length_tile(model_cfg))
   if (model_cfg.experts and model_cfg.expert_matmul == 'pallas' and sizes['stage'] > 1
       and target_lib.compiled_for(devices) is None):
     raise ValueError("config.model.expert_matmul='pallas' runs in interpret mode off GPUs, which "

@@ -44,7 +44,8 @@ from planning.plan import readable_bytes
 from runtime import checkpoint, faults
 from runtime.pieces import Pieces
 from training import optimizer
-from training.optimizer import DEVICE, HOST, NVME, trained
+from configs.base import HOST, NVME
+from training.optimizer import trained
 from training.state import Setup, has_host_memory
 
 GROUP_BYTES = offload.GROUP_BYTES  # the state a group holds (planning/offload.py says why)
