@@ -89,10 +89,12 @@ def kind_of(file: str, row: dict) -> str:
   return ''
 
 
-def check(results_dir: str = 'benchmarks/results') -> list[Checked]:
-  """Every banked program of a GPU in planning/gpus.py, re-predicted for that GPU."""
+def check(results_dir: str = 'benchmarks/results', parts: str = '*',
+          only=None) -> list[Checked]:
+  """Every banked program of a GPU in planning/gpus.py, re-predicted for that GPU; of the parts
+  matching `parts` (a glob: 'steps_*'), and, given `only`, the programs `only(file, what)` keeps."""
   checked = []
-  for path in sorted(glob.glob(f'{results_dir}/calibrate_*.programs.json.gz')):
+  for path in sorted(glob.glob(f'{results_dir}/calibrate_{parts}.programs.json.gz')):
     file = os.path.basename(path).removeprefix('calibrate_').removesuffix('.programs.json.gz')
     gpu = gpus.find(file.rpartition('-')[2].upper())
     if gpu is None:  # a CPU's plumbing run
@@ -102,6 +104,8 @@ def check(results_dir: str = 'benchmarks/results') -> list[Checked]:
     with gzip.open(path) as f:
       programs = json.load(f)['programs']
     for what, program in programs.items():
+      if only and not only(file, what):
+        continue
       # its row, and where in the row its measurement is: `… fwd_bwd` is row['fwd_bwd']
       row_what = max((r for r in rows if what == r or what.startswith(r + ' ')), key=len)
       row = timed = rows[row_what]

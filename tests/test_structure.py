@@ -169,3 +169,24 @@ def test_the_model_never_holds_a_mesh():
 
 MESH_HOLDERS = {'shard_map', 'PartitionSpec', 'get_abstract_mesh', 'NamedSharding', 'Mesh',
                 'AbstractMesh', 'set_mesh', 'use_mesh'}
+
+
+DATE = re.compile(r'\b20\d\d-\d\d(-\d\d)?\b')
+
+
+def test_no_dated_line_outside_the_notes():
+  """The docs say what is true now; what changed when is docs/notes/'s."""
+  dated = [f'{doc.relative_to(REPO)}:{i}' for doc in DOCS
+           for i, line in enumerate(doc.read_text().splitlines(), 1) if DATE.search(line)]
+  assert not dated, dated
+
+
+@pytest.mark.integration
+def test_the_docs_figures_are_what_their_results_render():
+  """Each `<!-- figures: NAME -->` block of the docs is what scripts/doc_figures.py renders from
+  benchmarks/results/ (`python scripts/doc_figures.py` rewrites them)."""
+  spec = importlib.util.spec_from_file_location('doc_figures', REPO / 'scripts' / 'doc_figures.py')
+  figures = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(figures)
+  assert 'figures: speed' in (REPO / 'README.md').read_text()
+  assert not figures.stale(), 'run python scripts/doc_figures.py'

@@ -1,9 +1,11 @@
-"""The training loop: config resolved into a Run (training/settings.py, its layout chosen) →
-setup → data and checkpoints checked (a resumed run keeps what it trained with) → the steps
-compiled and their plan checked → data prepared → workdir created and held → checkpoints checked
-again → state restored or initialised → steps, each handed to the hooks of training/hooks.py
-(logs, evals, saves, …). A dry run, which trains nothing, is training/dry_run.py's."""
+"""The training loop: config resolved into a Run (training/settings.py, its layout chosen), then
+two phases. `check`, writing nothing: setup → data and checkpoints checked (a resumed run keeps
+what it trained with) → the steps compiled and their plan checked. `open_and_train`: data
+prepared → workdir created and held → checkpoints checked again → state restored or initialised
+→ steps, each handed to the hooks of training/hooks.py (logs, evals, saves, …). A dry run, which
+trains nothing, is training/dry_run.py's."""
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -26,7 +28,7 @@ from training import hooks, settings, tiers
 from training.evaluation import Evaluator
 from training.programs import compile_and_plan
 from configs.base import Run
-from training.state import build, check_checkpoints, initial_state, param_count
+from training.state import Setup, build, check_checkpoints, initial_state, param_count
 
 
 def load_data(run: Run) -> tuple[corpus_lib.Corpus, tokens.Documents]:
@@ -56,8 +58,43 @@ def run(config, devices=None, tasks=None) -> list[dict]:
   return train(settings.resolve(config, devices), tasks)  # every setting checked, nothing built
 
 
+@dataclasses.dataclass
+class Checked:
+  """What `check` found of a run, having written nothing: the steps compiled and their plan
+  fitting, and what the run reads beyond its settings."""
+  run: Run
+  setup: Setup
+  train_step: object  # compiled (training/programs.py)
+  eval_step: object | None  # compiled, where the run evaluates
+  tasks: object | None  # lm-eval's hook, where the run scores tasks
+  read: dict | None  # runtime/checkpoint.py: TRAINED_ON, saved with each checkpoint
+  console: metrics_lib.Console
+  is_main: bool  # process 0: holds the workdir and writes the console
+
+
+@dataclasses.dataclass
+class Opened:
+  """A checked run with what it writes opened: its data prepared, its workdir held, its
+  checkpoints, and the signals that stop it."""
+  checked: Checked
+  documents: tokens.Documents
+  workdir: pathlib.Path
+  checkpointer: checkpoint_lib.Checkpointer | None
+  stop: StopSignals
+
+
 def train(run: Run, tasks=None) -> list[dict]:
-  """Train `run` (settings.resolve's); returns the logged records. `tasks`: as `run`'s."""
+  """Train `run` (settings.resolve's); returns the logged records. `tasks`: as `run`'s. Two
+  phases: every check, in the order that fails earliest and writing nothing (`check`); then what
+  the run writes, opened (`open_and_train`)."""
+  return open_and_train(check(run, tasks))
+
+
+def check(run: Run, tasks=None) -> Checked:
+  """Every check a run's start makes before it writes anything, cheapest first: the settings a
+  training run needs, the tasks, the model against the devices, the tiers' disks, the workers,
+  the workdir free, the data's files and pairs, the checkpoints it resumes or starts from, and
+  the steps compiled, their plan fitting the devices."""
   settings.check_start(run)
   if run.lm_eval.task_names and tasks is None:
     raise ValueError('config.lm_eval.tasks needs the hook that scores them, which train.py adds: '
@@ -74,7 +111,7 @@ def train(run: Run, tasks=None) -> list[dict]:
   # A resumed run keeps what it must, a new one starts from what it names (metadata and headers
   # only): checked before its data is prepared, and again once the workdir is held; never while
   # a live run holds it (and may be writing a checkpoint).
-  is_main = jax.process_index() == 0  # process 0 holds the workdir and writes the console
+  is_main = jax.process_index() == 0
   workdir_lib.check_free(run.workdir, enabled=is_main)
   # The data's files, every record rendered with the run's chat template; nothing prepared yet.
   corpus_holds = corpus_lib.check_source(run.data, run.template)
@@ -103,21 +140,26 @@ def train(run: Run, tasks=None) -> list[dict]:
   plan_lib.check_fits(the_plan)  # before the data is prepared and the state allocated
   eval_step = Evaluator.compile(setup) if run.eval_every else None
   console.log(f'compiled in {time.perf_counter() - t0:.1f}s')
-  # Prepared before the workdir is created or held: a failure there (a full disk) leaves none.
+  return Checked(run, setup, train_step, eval_step, tasks, read, console, is_main)
+
+
+def open_and_train(checked: Checked) -> list[dict]:
+  """The checked run's data prepared (before the workdir is created or held: a failure there, a
+  full disk, leaves none), its workdir held, its checkpoints checked again there; then trained."""
+  run, console = checked.run, checked.console
   corpus, documents = load_data(run)
   console.log(f'data: {corpus.description}, {run.tokenizer.name} tokenizer '
               f'({run.tokenizer.vocab_size} tokens, model vocab {run.model.vocab_size}), '
               f'{documents.description}, {run.data.workers} worker(s)')
   workdir = workdir_lib.prepare(run.workdir)
-  with workdir_lib.hold(workdir, enabled=is_main):  # one run per workdir
+  with workdir_lib.hold(workdir, enabled=checked.is_main):  # one run per workdir
     checkpointer = (checkpoint_lib.Checkpointer(workdir / 'checkpoints',
                                                 keep=run.keep_checkpoints)
                     if run.checkpoint_every else None)
     try:
-      check_checkpoints(checkpointer, setup, read)
+      check_checkpoints(checkpointer, checked.setup, checked.read)
       with StopSignals() as stop, distributed.explain_failures(run.distributed):
-        return _train(setup, train_step, eval_step, documents, workdir, checkpointer, console,
-                      stop, read, tasks)
+        return _train(Opened(checked, documents, workdir, checkpointer, stop))
     finally:
       if checkpointer:
         checkpointer.close()  # waits for the save in flight
@@ -131,10 +173,15 @@ def train_batches(run: Run, train_documents, batch_sharding, state=None) -> pipe
                                 pad_id=run.tokenizer.pad_id, state=state)
 
 
-def _train(setup, train_step, eval_step, documents, workdir, checkpointer, console, stop, read,
-           tasks) -> list[dict]:
-  run, log = setup.run, console.log
-  is_main = jax.process_index() == 0
+def _train(opened: Opened) -> list[dict]:
+  """The opened run's steps, from where its state starts, each handed to the hooks."""
+  checked = opened.checked
+  run, setup, console, log = checked.run, checked.setup, checked.console, checked.console.log
+  train_step, eval_step, tasks, read = (checked.train_step, checked.eval_step, checked.tasks,
+                                        checked.read)
+  documents, workdir, checkpointer, stop = (opened.documents, opened.workdir,
+                                            opened.checkpointer, opened.stop)
+  is_main = checked.is_main
   if is_main:  # the run's own tokenizer, chat template and settings, read from here on (resumed,
     tokenizers.keep(run.tokenizer, workdir)  # sampled, exported)
     if run.template:

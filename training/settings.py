@@ -5,14 +5,15 @@ and the only place the raw config is read.
   run = settings.resolve(config)
 
 Resolving checks every field (those configs/base.py declares, no others; each value against its
-declaration: a number finite and within its range, a choice among its choices) and fills in what the config leaves open: `config.init_from` gives the base model's
-settings (and the tokenizer) from where it starts, a Hugging Face checkpoint's config.json or a
-meshlm run's saved config (`with_start`; another tokenizer than its own is refused); the tokenizer
-and the chat template are a resumed run's own copies (`owned` of data/tokenizers.py and
-data/chat.py); `config.model.vocab_size=0` becomes the tokenizer's size, padded. Each section is
-then built into its typed form, which checks what crosses its fields (configs/base.py:
-ModelConfig, MeshConfig, …), and `check_sections` judges what crosses sections and what needs
-the kernels' or GPUs' tables (our Hopper kernel's head dims, config.plan.target). It joins the job's other processes
+declaration: a number finite and within its range, a choice among its choices) and fills in what
+the config leaves open: `config.init_from` gives the base model's settings (and the tokenizer) from
+where it starts, a Hugging Face checkpoint's config.json or a meshlm run's saved config
+(`with_start`; another tokenizer than its own is refused); the tokenizer and the chat template are
+a resumed run's own copies (`owned` of data/tokenizers.py and data/chat.py);
+`config.model.vocab_size=0` becomes the tokenizer's size, padded. Each section is then built into
+its typed form, which checks what crosses its fields (configs/base.py: ModelConfig, MeshConfig, …),
+and `check_sections` judges what crosses sections and what needs the kernels' or GPUs' tables (our
+Hopper kernel's head dims, config.plan.target). It joins the job's other processes
 (runtime/distributed.py), finds the run's Target (planning/target.py: the devices its programs are
 compiled for), and lays the run out: `config.model.attention='auto'` becomes a kernel, and
 `config.mesh.auto` runs the layout search (training/layout.py);

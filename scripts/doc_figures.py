@@ -1,0 +1,83 @@
+"""The figures the docs show, generated from benchmarks/results/: each a block of a page between
+`<!-- figures: NAME -->` and `<!-- /figures -->`, rendered by the function of that name here.
+tests/test_structure.py fails when a block differs from what its results render.
+
+  python scripts/doc_figures.py           # rewrite every block from the results
+  python scripts/doc_figures.py --check   # exit 1 naming each stale block
+"""
+
+import pathlib
+import re
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import bank  # noqa: E402  (after the repository is on the path)
+PAGES = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
+BLOCK = re.compile(r'(<!-- figures: (\w+) -->\n)(.*?)(<!-- /figures -->)', re.S)
+
+ATTENTION = {'cudnn': 'cuDNN', 'pallas': 'ours (`pallas`)'}
+PRECISION = {'default': 'bf16', 'fp8': 'fp8 projections'}
+# The README's speed table: each preset as it ships, on the GPUs that measured it.
+SPEED = [('125m', 'cudnn', 'default'), ('1b', 'cudnn', 'default'), ('1b', 'cudnn', 'fp8'),
+         ('1b', 'pallas', 'default')]
+
+
+def speed() -> str:
+  """Each preset's train step as measured (benchmarks/results/calibrate_steps_*.json) beside
+  today's time model's prediction of the same banked program (benchmarks/bank.py)."""
+  wanted = {(f'steps_{preset}-{gpu}', f'configs/llama.py:{preset} {attention} {precision}')
+            for preset, attention, precision in SPEED for gpu in ('h200', 'h100')}
+  checked = {(c.file, c.what): c for c in bank.check(parts='steps_*',
+                                                     only=lambda *key: key in wanted)}
+  rows = ['| preset | GPU | attention, precision | step, measured | tokens/s a GPU | MFU | '
+          'step, predicted |', '| --- | --- | --- | --- | --- | --- | --- |']
+  for preset, attention, precision in SPEED:
+    for gpu in ('h200', 'h100'):
+      c = checked[(f'steps_{preset}-{gpu}', f'configs/llama.py:{preset} {attention} {precision}')]
+      rows.append(f'| {preset} | {gpu.upper()} | {ATTENTION[attention]}, {PRECISION[precision]} '
+                  f'| {c.measured_s * 1e3:.1f} ms | {c.row["tokens_per_s_per_device"]:,.0f} | '
+                  f'{c.row["mfu"]:.1%} | {c.predicted_s * 1e3:.1f} ms |')
+  return '\n'.join(rows) + '\n'
+
+
+RENDERERS = {'speed': speed}
+
+
+def refreshed(text: str, rendered: dict) -> str:
+  """`text` with each block's body replaced by what its renderer gives (`rendered`, cached)."""
+  def body(match):
+    name = match.group(2)
+    if name not in RENDERERS:
+      raise ValueError(f'<!-- figures: {name} --> names no renderer of scripts/doc_figures.py')
+    if name not in rendered:
+      rendered[name] = RENDERERS[name]()
+    return match.group(1) + rendered[name] + match.group(4)
+  return BLOCK.sub(body, text)
+
+
+def stale() -> list[str]:
+  """The pages whose blocks differ from what the results render."""
+  rendered = {}
+  return [str(page.relative_to(REPO)) for page in PAGES
+          if refreshed(page.read_text(), rendered) != page.read_text()]
+
+
+def main(argv) -> int:
+  if '--check' in argv:
+    if pages := stale():
+      print(f'stale figures in {", ".join(pages)}: run python scripts/doc_figures.py')
+      return 1
+    return 0
+  rendered = {}
+  for page in PAGES:
+    text = page.read_text()
+    if (new := refreshed(text, rendered)) != text:
+      page.write_text(new)
+      print(f'rewrote {page.relative_to(REPO)}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))
