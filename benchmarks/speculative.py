@@ -78,9 +78,8 @@ def top1_on_text(model, prompts, new_BN) -> list[float]:
   L = max(map(len, texts))
   text_BL = jnp.asarray([t + [0] * (L - len(t)) for t in texts], jnp.int32)
   graphdef, state = nnx.split(model)
-  gap_KBL = jax.jit(lambda state, text_BL: nnx.merge(graphdef, state)(
-      text_BL[:, :-1], then=lambda out, rows: out.draft_losses(rows)[1], rows=text_BL[:, 1:])[0])(
-          state, text_BL)
+  gap_KBL = jax.jit(lambda state, text_BL: nnx.merge(graphdef, state).output(
+      text_BL[:, :-1])[0].draft_losses(text_BL[:, 1:])[1])(state, text_BL)
   hits_KBL = np.asarray(gap_KBL == 0)
   t_L = np.arange(L - 1)
   out = []

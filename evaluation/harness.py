@@ -204,7 +204,8 @@ def _token_scores(graphdef, state, tokens_BL, targets_BL):
               jnp.argmax(logits_BcV, axis=-1) == targets_Bc)
     logprob_nBc, greedy_nBc = jax.lax.map(chunk, (x_nBcD, targets_nBc))
     return logprob_nBc.swapaxes(0, 1).reshape(B, L), greedy_nBc.swapaxes(0, 1).reshape(B, L)
-  (logprob_BL, greedy_BL), _ = nnx.merge(graphdef, state)(tokens_BL, then=scores, rows=targets_BL)
+  output, _ = nnx.merge(graphdef, state).output(tokens_BL)
+  logprob_BL, greedy_BL = scores(output, targets_BL)
   return logprob_BL, greedy_BL
 
 

@@ -161,9 +161,10 @@ class Transformer(nnx.Module):
       self.draft = draft.Heads(cfg, rngs)
 
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, microbatches: int = 1,
-               *, then=None, rows=None, sums=None):
+               *, then=None, rows=None):
     """Logits[B, L, V] in fp32; or, with `then`, what then(Output, rows) makes of the last hidden
-    states (a loss's sums: training/step.py), `rows` a pytree of [B, L] arrays (the targets, the
+    states (under pipeline stages, a loss's sums: training/step.py; outside them a loss reads
+    `output`'s Output), `rows` a pytree of [B, L] arrays (the targets, the
     weights) laid out as the states are, with the MoE layers' router statistics (model/moe.py:
     balance_stats, each [moe_layers, ...] in execution order; {} for a dense model). Under
     pipeline stages each stage runs `then` on its share of the microbatches, and the stages'
@@ -172,14 +173,11 @@ class Transformer(nnx.Module):
     ring attention over a sequence split, rows come in the zigzag order
     (training.step.context_layout lays a batch out so; positions then must be given). With the
     layers split into pipeline stages, the batch flows through them as `microbatches` slices
-    (model/pipeline.py). `sums`: {stack name: running gradient sums of its trained parameters},
-    which the backward adds each layer's gradient into (model/gradient_sums.py: the gradient of
-    `sums` is then the new sums; the stacks' own parameters get none); not under stages."""
+    (model/pipeline.py)."""
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     if (stage_axis := sharding.mesh_axis('layers')) is None:
-      return self._forward(tokens_BL, positions_BL, segment_ids_BL, then, rows, sums=sums)
-    assert sums is None, 'pipeline stages take their microbatches themselves'  # step.py's own
+      return self._forward(tokens_BL, positions_BL, segment_ids_BL, then, rows)
     # Pipeline stages: every stage runs the whole forward on its own share of the layers.
     graphdef, blocks, rest = nnx.split(self, nnx.PathContains('blocks'), ...)
 
@@ -190,6 +188,18 @@ class Transformer(nnx.Module):
     staged_dim = int(self.cfg.virtual_stages > 1)  # the 'layers' dimension
     return sharding.per_stage(forward, stage_axis, staged_dim)(
         blocks, rest, tokens_BL, positions_BL, segment_ids_BL, rows)
+
+  def output(self, tokens_BL, positions_BL=None, segment_ids_BL=None, sums=None):
+    """(Output, the MoE layers' router statistics) of a forward outside pipeline stages: the
+    last hidden states and how the model turns them into predictions, which a loss reads
+    (training/step.py). `sums`: {stack name: running gradient sums of its trained parameters},
+    which the backward adds each layer's gradient into (model/gradient_sums.py: the gradient of
+    `sums` is then the new sums; the stacks' own parameters get none). Under stages a loss goes in as __call__'s `then`,
+    each stage running it on its share."""
+    if positions_BL is None:
+      positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    assert sharding.mesh_axis('layers') is None, 'under pipeline stages: __call__(then=…)'
+    return self._forward(tokens_BL, positions_BL, segment_ids_BL, lambda out, _: out, sums=sums)
 
   def _forward(self, tokens_BL, positions_BL, segment_ids_BL, then=None, rows=None,
                microbatches=1, stage_axis=None, sums=None):

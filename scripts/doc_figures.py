@@ -13,7 +13,10 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import json  # noqa: E402
+
 from benchmarks import bank  # noqa: E402  (after the repository is on the path)
+from planning.plan import readable_seconds  # noqa: E402
 PAGES = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
 BLOCK = re.compile(r'(<!-- figures: (\w+) -->\n)(.*?)(<!-- /figures -->)', re.S)
 
@@ -42,7 +45,23 @@ def speed() -> str:
   return '\n'.join(rows) + '\n'
 
 
-RENDERERS = {'speed': speed}
+def plan_8b() -> str:
+  """The 8b preset's dry run on 8 H100s as its console shows it, from the plan the side-by-side
+  benchmark banked (benchmarks/results/peers-h100-deviceless.json: meshlm's row)."""
+  peers = json.loads((REPO / 'benchmarks/results/peers-h100-deviceless.json').read_text())
+  plan = next(p for p in peers['presets'] if p['preset'] == '8b')['meshlm']
+  step = plan['step_s']
+  parts = [('GEMMs', plan['gemm_s']), ('attention', plan['attention_s']),
+           ('other fusions', plan['fusion_s']), ('other, launches', plan['rest_s']),
+           ('exposed communication', plan['exposed_communication_s'])]
+  lines = [f'{"step time (predicted)":<25}{readable_seconds(step)}, '
+           f'{plan["tokens_per_s_per_gpu"]:,.0f} tokens/s a device, MFU {plan["mfu"]:.1%}: the '
+           'time model of this program on H100, not a measurement']
+  lines += [f'{"  " + name:<25}{readable_seconds(s)} ({s / step:.0%})' for name, s in parts]
+  return '```\n' + '\n'.join(lines) + '\n  …\n```\n'
+
+
+RENDERERS = {'speed': speed, 'plan_8b': plan_8b}
 
 
 def refreshed(text: str, rendered: dict) -> str:

@@ -1,4 +1,4 @@
-"""DPO (training/step.py: preference_sums; config.data.record='preference'): a pair takes a row,
+"""DPO (training/dpo.py: preference_sums; config.data.record='preference'): a pair takes a row,
 its chosen answer segment 1 and its rejected one segment 2; the loss starts at ln 2 with the
 policy its own reference, and its value and gradient are Rafailov et al.'s formula computed
 directly from the model's logits, on one device and sharded, with the reference held in the state
@@ -170,7 +170,7 @@ def test_a_chat_pair_is_its_prompts_conversation_with_each_answer_as_the_templat
                          ids=['fsdp-tensor', 'stages-fsdp', 'replicas-apart'])
 def test_dpo_starts_at_ln2_and_is_the_formula_in_value_and_gradient(mesh):
   """Over FSDP and tensor parallelism; over pipeline stages, where each stage scores its share of
-  the pairs (the reference's too: training/step.py reference_logps); and over data replicas that
+  the pairs (the reference's too: training/dpo.py reference_logps); and over data replicas that
   run apart (sharding/hierarchical.py apart), each with the reference's compute copy."""
   config = dpo_config(**mesh)
   if mesh.get('data', 1) > 1:

@@ -73,8 +73,7 @@ def test_greedy_rounds_keep_exactly_the_guesses_training_counts_as_hits():
   L = max(map(len, texts))
   text_BL = jnp.asarray([t + [0] * (L - len(t)) for t in texts], jnp.int32)
   # Trailing padding changes no earlier position's hidden state (the forward is causal).
-  nll_KBL, gap_KBL = model(text_BL[:, :-1], then=lambda out, rows: out.draft_losses(rows),
-                           rows=text_BL[:, 1:])[0]
+  nll_KBL, gap_KBL = model.output(text_BL[:, :-1])[0].draft_losses(text_BL[:, 1:])
   hits_KBL = np.asarray(gap_KBL == 0)
   kept_BK = stats['accepted']
   assert (kept_BK[:, K - 1] > 0).any() and (kept_BK[:, 0] < stats['forwards']).all()
@@ -96,8 +95,7 @@ def test_heads_learn_the_base_models_greedy_token_not_the_texts():
   model.draft.w_o[...] = jnp.zeros_like(model.draft.w_o[...])
   text_BL = jax.random.randint(jax.random.key(5), (4, 24), 0, 8)
   greedy_BL = np.asarray(jnp.argmax(model(text_BL[:, :-1]), axis=-1))
-  nll_KBL, gap_KBL = model(text_BL[:, :-1], then=lambda out, rows: out.draft_losses(rows),
-                           rows=text_BL[:, 1:])[0]
+  nll_KBL, gap_KBL = model.output(text_BL[:, :-1])[0].draft_losses(text_BL[:, 1:])
   L = greedy_BL.shape[1]
   for k in range(2):
     hits_BT = np.asarray(gap_KBL[k, :, :L - k - 1] == 0)

@@ -44,7 +44,7 @@ class TrainState:
 @flax.struct.dataclass
 class PreferenceState(TrainState):
   """A DPO run's state where every parameter trains: with `reference`, the parameters it started
-  from, which the loss measures the policy against (training/step.py: reference_logps); saved with
+  from, which the loss measures the policy against (training/dpo.py: reference_logps); saved with
   the state, so a resumed run compares against the same model. Under LoRA the frozen base stands
   for it and a TrainState is enough."""
   reference: nnx.State
