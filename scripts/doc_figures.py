@@ -61,7 +61,42 @@ def plan_8b() -> str:
   return '```\n' + '\n'.join(lines) + '\n  …\n```\n'
 
 
-RENDERERS = {'speed': speed, 'plan_8b': plan_8b}
+# Each preset of the side-by-side table, as its row names it (what the results do not record).
+PEERS = {
+    '8b': "8b (8), 32 × 8192, dots_except_out, 4 microbatches, layers unrolled, the head 1024 "
+          "tokens at a time, XLA's scheduler within 67%",
+    '1b': '1b (1), 8 × 4096, dots_attention_except_out, layers unrolled, the head 2048 tokens at '
+          'a time',
+    '70b': '70b (32), 32 × 8192, full, weights a layer early',
+    'mixtral-8x7b': 'Mixtral-8x7B (16), 16 × 4096, full, fsdp=16',
+    'mixtral-8x7b-ep8': "Mixtral-8x7B (16), experts over 8 (fsdp=2 × expert=8, meshlm's plan)",
+}
+
+
+def peers() -> str:
+  """meshlm and MaxText, each preset compiled by both for the same deviceless H100s and read by
+  the time model (benchmarks/results/peers-h100-deviceless.json, `python -m benchmarks.peers`)."""
+  results = json.loads((REPO / 'benchmarks/results/peers-h100-deviceless.json').read_text())
+  rows = ['| preset (H100s) | system | memory | step | tokens/s a GPU | MFU | GEMM | attention | '
+          'other fusions | exposed comm. | reduce-scatter |',
+          '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+  for preset in results['presets']:
+    for system in ('meshlm', 'MaxText'):
+      plan = preset[system]
+      scatter = plan['collectives'].get('reduce-scatter')
+      scattered = (f'{scatter["bytes"] / 2**30:.1f} GiB '
+                   f'({max(scatter["by_dtype"], key=scatter["by_dtype"].get)})' if scatter
+                   else '—')
+      exposed = f'{plan["exposed_communication_s"]:.3f}' if preset['gpus'] > 1 else '—'
+      name = f' {PEERS[preset["preset"]]} ' if system == 'meshlm' else ' '
+      rows.append(f'|{name}| {system} | {plan["total_bytes"] / 2**30:.2f} GiB | '
+                  f'{plan["step_s"]:.3f} s | {plan["tokens_per_s_per_gpu"]:,.0f} | '
+                  f'{plan["mfu"]:.1%} | {plan["gemm_s"]:.3f} | {plan["attention_s"]:.3f} | '
+                  f'{plan["fusion_s"]:.3f} | {exposed} | {scattered} |')
+  return '\n'.join(rows) + '\n'
+
+
+RENDERERS = {'speed': speed, 'plan_8b': plan_8b, 'peers': peers}
 
 
 def refreshed(text: str, rendered: dict) -> str:
