@@ -38,11 +38,14 @@ def run(main, log_level: int = absl_logging.WARNING) -> None:
       signal.signal(signal.SIGTERM, _terminated)
     try:
       try:
-        return _reported(main, argv)
+        result = _reported(main, argv)
       finally:
         _close_checkpoints()
     except KeyboardInterrupt:
       _interrupted()
+    if _TERMINATED:  # the handler's SystemExit was swallowed where it ran (a finalizer's frame)
+      sys.exit(128 + _TERMINATED[0])
+    return result
   app.run(quiet_then_main, flags_parser=_parse)
 
 
@@ -84,9 +87,17 @@ def _without_closed_loops(unraisablehook):
   return hook
 
 
+_TERMINATED = []  # the SIGTERM received, which the program's exit status must say
+
+
 def _terminated(signum, frame):
-  print(f'{os.path.basename(sys.argv[0])}: stopped by SIGTERM', file=sys.stderr, flush=True)
-  sys.exit(128 + signum)  # SystemExit unwinds: files being written are removed by their owners
+  if not _TERMINATED:
+    print(f'{os.path.basename(sys.argv[0])}: stopped by SIGTERM', file=sys.stderr, flush=True)
+  _TERMINATED.append(signum)
+  # SystemExit unwinds: files being written are removed by their owners. Python runs a handler
+  # wherever the main thread next runs bytecode, which may be a finalizer that swallows it: then
+  # `run` ends the program with the same status once main returns.
+  sys.exit(128 + signum)
 
 
 def names_a_setting(message: str) -> bool:

@@ -50,3 +50,29 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(signum):
       p.kill()
   assert [p.returncode for p in processes] == [0, 0]
   assert stops[0].startswith('stopped at ') and stops[0] == stops[1], stops
+
+
+SWALLOWED = '''
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from runtime import cli
+
+def main(argv):
+  try:  # where Python ran the handler may swallow its SystemExit (a finalizer's frame does)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)
+  except SystemExit:
+    pass
+  print('finished the work')
+
+cli.run(main)
+'''
+
+
+def test_a_sigterm_outside_training_ends_the_program_with_its_status_even_if_swallowed():
+  """An entry point (sample.py, export.py, evaluate.py) stopped by SIGTERM says so in one line
+  and exits 128 + 15, even where the handler's SystemExit was caught on its way out."""
+  result = subprocess.run([sys.executable, '-c', SWALLOWED, str(REPO)], capture_output=True,
+                          text=True, timeout=60)
+  assert result.returncode == 128 + signal.SIGTERM, result
+  assert result.stderr.strip().splitlines()[-1].endswith('stopped by SIGTERM'), result.stderr
