@@ -739,6 +739,9 @@ def _(p):
   last = lines(first.stderr)[-1:]
   if first.returncode != 2 or not last or 'moved to' not in last[0]:
     return 'UGLY', f'first run: exit {first.returncode}, {last}'
+  aside = run / 'checkpoints-damaged'
+  if not aside.is_dir() or sorted(x.name for x in aside.iterdir()) != ['3', '6']:
+    return 'BAD', f'the damaged checkpoints are not both in {aside}'
   return refused(second, 'every checkpoint of this run is damaged')
 
 

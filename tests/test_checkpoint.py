@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime import checkpoint, faults, pieces
+from runtime import checkpoint, pieces
 from runtime.checkpoint import (Checkpointer, CheckpointMismatch, CheckpointWarning,
                                 checksums, restore_params)
 from tests.conftest import SMALL_CORPUS, tiny_config, with_file_size_limit
@@ -577,26 +577,6 @@ def test_a_resumed_run_names_each_schedule_setting_it_changed(tmp_path, capsys):
   assert ("from step 2 on, the schedule differs from its checkpoint's: config.train_steps 2 → 3, "
           "config.optimizer.learning_rate 0.003 → 0.001, config.loss.z_loss 0.0001 → 0.0\n"
           ) in capsys.readouterr().out
-
-
-def test_when_every_checkpoint_is_damaged_the_run_says_where_they_went_and_never_restarts(
-    tmp_path):
-  """Both checkpoints truncated: each is moved aside, and the run stops saying where, instead of
-  training from step 0 over the old run's metrics; so does every later run in that workdir."""
-  loop.run(tiny_run(tmp_path, train_steps=4))
-  metrics_before = (tmp_path / 'metrics.jsonl').read_text()
-  for step in (2, 4):
-    for f in array_files(tmp_path / 'checkpoints' / str(step)):
-      f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 3])
-  message = (rf'config.workdir: every checkpoint of this run is damaged and was moved to '
-             rf'{tmp_path}/checkpoints-damaged \(2, 4\); nothing restores, so nothing was '
-             rf'trained. Use a new --config.workdir')
-  with pytest.raises(faults.Fault, match=message), pytest.warns(CheckpointWarning):
-    loop.run(tiny_run(tmp_path, train_steps=6))
-  with pytest.raises(faults.Fault, match=message):  # and before compiling, the next time
-    loop.run(tiny_run(tmp_path, train_steps=6))
-  assert (tmp_path / 'metrics.jsonl').read_text() == metrics_before
-  assert sorted(p.name for p in (tmp_path / 'checkpoints-damaged').iterdir()) == ['2', '4']
 
 
 @pytest.mark.parametrize('shape, dtype, cut', [((6, 10, 12), np.float32, (2, 5, 6)),
