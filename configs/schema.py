@@ -50,9 +50,9 @@ def setting(default, doc: str, effect: str, *, range=None, choices=None, hf: str
                            metadata={'setting': Setting(doc, effect, range, choices, hf)})
 
 
-def section(kind: type, doc: str):
-  """The Run's field holding a section (`kind`, a Section)."""
-  return dataclasses.field(metadata={'section': kind, 'doc': doc})
+def section(kind: type):
+  """The Run's field holding a section (`kind`, a Section: its docstring says what it is)."""
+  return dataclasses.field(metadata={'section': kind})
 
 
 def at_least(low):
@@ -152,8 +152,7 @@ def table(kind: type) -> str:
   top = [row(*entry) for entry in declared(kind) if '.' not in entry[0]]
   parts = ['## config\n', *head, *top]
   for name, inner in sections(kind).items():
-    doc = next(f.metadata['doc'] for f in dataclasses.fields(kind) if f.name == name)
-    parts += [f'\n## config.{name}\n', ' '.join(doc.split()) + '\n', *head,
+    parts += [f'\n## config.{name}\n', ' '.join((inner.__doc__ or '').split()) + '\n', *head,
               *(row(*entry) for entry in declared(inner, f'{name}.'))]
   return '\n'.join(parts) + '\n'
 

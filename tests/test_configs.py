@@ -98,9 +98,10 @@ def test_every_number_of_the_base_config_must_be_finite_and_in_range():
   """Each int and float setting of configs/base.py, set to NaN, inf (floats: an int setting takes
   neither) and a negative value (-2 where -1 means something), is refused by settings.resolve
   naming it; nothing the rule leaves out can reach a run."""
+  from configs import schema
   from training import settings
-  base = load('base.py')
-  fields = dict(settings.numbers(base))
+  fields = {name: default for name, _, default in schema.declared(configs.base.Run)
+            if isinstance(default, (int, float)) and not isinstance(default, bool)}
   assert {'optimizer.learning_rate', 'loss.z_loss', 'model.norm_eps', 'seed'} <= set(fields)
   for field, default in fields.items():
     bad = [-2 if field.startswith('mesh.') or field == 'distributed.process_id' else -1]
@@ -159,7 +160,7 @@ def test_a_setting_is_one_field_and_everything_else_follows_from_it(tmp_path):
     dummy_weight: float = schema.setting(0.5, 'a term a test adds', 'data',
                                          range=schema.at_least(0))
 
-  Run = dataclasses.make_dataclass('Run', [('loss', Loss, schema.section(Loss, 'the loss'))],
+  Run = dataclasses.make_dataclass('Run', [('loss', Loss, schema.section(Loss))],
                                    bases=(base.Run,), frozen=True, kw_only=True)
   defaults = schema.config_dict(Run)
   assert defaults.loss.dummy_weight == 0.5 and 'dummy_weight' not in base.get_config().loss

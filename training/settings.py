@@ -283,16 +283,6 @@ def check_start(run: Run) -> None:
                      f'--config.init_from={RANDOM} to mean it')
 
 
-def numbers(values, prefix: str = ''):
-  """(field, value) for every int and float a config's `values` hold (not its booleans), nested
-  fields as `optimizer.b1`."""
-  for key, value in values.items():
-    if isinstance(value, (ml_collections.ConfigDict, dict)):
-      yield from numbers(value, f'{prefix}{key}.')
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-      yield f'{prefix}{key}', value
-
-
 def unknown(values, known, prefix: str = '') -> None:
   """ValueError naming a field of a config's `values` that `known` (configs/base.py's config)
   lacks."""
