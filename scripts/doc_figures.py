@@ -96,7 +96,220 @@ def peers() -> str:
   return '\n'.join(rows) + '\n'
 
 
-RENDERERS = {'speed': speed, 'plan_8b': plan_8b, 'peers': peers}
+def efficiencies() -> str:
+  """The time model's constants as planning/gpus.py and planning/offload.py hold them, each with
+  the measurements (or the prior) it stands for."""
+  from planning import gpus, offload
+  h100 = gpus.GPUS['H100']
+  tflops = lambda kernel, k: [v for by_keys in gpus.ATTENTION_TFLOPS[kernel].values()
+                              for pair in by_keys.values() for v in (pair[k],)]
+  span = lambda kernel, k: f'{min(tflops(kernel, k)):.0f}–{max(tflops(kernel, k)):.0f}'
+  rows = [
+      ('`GEMM_EFFICIENCY`', f'{gpus.GEMM_EFFICIENCY} of the bf16 peak, at full waves of '
+       f'{gpus.GEMM_TILE[0]}×{gpus.GEMM_TILE[1]} output tiles',
+       "cuBLAS GEMMs of at least 4096³ on the H100 and the H200 (`calibrate_gemm-*`): their "
+       'geometric mean'),
+      ('`FP8_GEMM_EFFICIENCY`', f'{gpus.FP8_GEMM_EFFICIENCY} of the fp8 peak',
+       'the same GEMMs in fp8, the scaling kernels of each program charged beside them'),
+      ('`HBM_EFFICIENCY`', f'{gpus.HBM_EFFICIENCY} of the bandwidth',
+       "XLA's element-wise passes on the H200 (`calibrate_copy-h200`)"),
+      ('`ASYNC_COPY_EFFICIENCY`', f'{gpus.ASYNC_COPY_EFFICIENCY} of the bandwidth',
+       "the memcpy kernels that move a scanned layer's slices of its stacked arrays, in the banked "
+       'scanned steps'),
+      ('`ATTENTION_TFLOPS`', f'cuDNN {span("cudnn", 0)} TFLOP/s forward, {span("cudnn", 1)} '
+       f'backward; ours {span("pallas", 0)} and {span("pallas", 1)}; ours in Mosaic GPU '
+       '(`hopper`): ours in Triton\'s, a prior until measured',
+       'the mean of the H100\'s and the H200\'s measurements by kernel, head dim and keys '
+       '(`calibrate_attention-*`), geometric between lengths'),
+      ('`ATTENTION_LENGTH_FACTOR`', ', '.join(f'{v} at {k} keys' for k, v in
+                                            gpus.ATTENTION_LENGTH_FACTOR.items()),
+       "below the shortest measured keys: the FlashAttention-3 paper's non-causal sweep"),
+      ('`CUDNN_BIAS_SLOWDOWN`', f'{gpus.CUDNN_BIAS_SLOWDOWN[0]} forward, '
+       f'{gpus.CUDNN_BIAS_SLOWDOWN[1]} backward',
+       "cuDNN's kernels with the document mask as a dense bias against without it, in the "
+       "banked steps' kernel profiles"),
+      ('`PALLAS_SEGMENT_SLOWDOWN`', ', '.join(f'{v} {k}' for k, v in
+                                            gpus.PALLAS_SEGMENT_SLOWDOWN.items()),
+       "our kernels with segment ids against without, one document a row, in the H100's banked "
+       'steps'),
+      ('`GROUPED_GEMM_EFFICIENCY`', f'{gpus.GROUPED_GEMM_EFFICIENCY:.3f} of the bf16 peak',
+       "a prior: JAX's Pallas Triton attention forward's published share, until "
+       '`benchmarks/moe.py --measure` times our grouped matmul'),
+      ('`LINK_EFFICIENCY`, `NETWORK_EFFICIENCY`', f'{gpus.LINK_EFFICIENCY} of NVLink, '
+       f'{gpus.NETWORK_EFFICIENCY} of the NIC', 'nccl-tests bus bandwidth on 8 × H100; a prior, '
+       'since one GPU cannot measure it'),
+      ('`LINK_LATENCY_S`, `NETWORK_LATENCY_S`', f'{gpus.LINK_LATENCY_S * 1e6:.0f} µs, '
+       f'{gpus.NETWORK_LATENCY_S * 1e6:.0f} µs', 'a prior'),
+      ('`GPU.host_bandwidth`, `host_duplex_bandwidth`', f'H100: {h100.host_bandwidth / 1e9:.0f} '
+       f'GB/s each way, {h100.host_duplex_bandwidth / 1e9:.0f} GB/s the two ways together',
+       "the H100 copying to and from pinned host memory inside one program (calibrate's `host` "
+       'part); a copy that overlaps the other way\'s moves at half the duplex rate'),
+      ('`offload.NVME_BANDWIDTH`', f'{offload.NVME_BANDWIDTH / 1e9:.0f} GB/s a node, reads and '
+       'writes sharing it', "a DGX node's RAID of local NVMe (ZeRO-Infinity); a prior: "
+       '`python -m benchmarks.nvme --dir=DIR` measures a drive'),
+      ('`KERNEL_LAUNCH_S`', f'{gpus.KERNEL_LAUNCH_S * 1e6:.1f} µs',
+       "the banked steps' time beyond their kernels' sum, a launch"),
+  ]
+  return '\n'.join(['| constant | value | fitted to |', '| --- | --- | --- |',
+                    *(f'| {name} | {value} | {source} |' for name, value, source in rows)]) + '\n'
+
+
+def result(name: str) -> dict:
+  return json.loads((REPO / 'benchmarks' / 'results' / f'{name}.json').read_text())
+
+
+def kv_cache() -> str:
+  """What each `--kv_cache` kind costs the default model's predictions, on this machine's CPU
+  (benchmarks/results/kv_cache-cpu.json: `python -m benchmarks.kv_cache`)."""
+  kinds = result('kv_cache-cpu')['kinds']
+  rows = ['| `--kv_cache` | bytes of full | loss (nats/token) | bits per byte | vs full | greedy tokens '
+          "as full's | first that differs (mean) |", '| --- | --- | --- | --- | --- | --- | --- |']
+  for kind, k in kinds.items():
+    change = '—' if kind == 'full' else f'{k["bits_per_byte_change"]:+.3%}'
+    differs = '—' if k['greedy_same'] == 1 else f'{k["greedy_tokens_before_change"]:.1f}'
+    rows.append(f'| `{kind}` | {k["bytes_of_full"]:.3g} | {k["loss"]:.4f} | {k["bits_per_byte"]:.4f} '
+                f'| {change} | {k["greedy_same"]:.1%} | {differs} |')
+  return '\n'.join(rows) + '\n'
+
+
+def kv_cache_plan() -> str:
+  """One decode step of the 8b per `--kv_cache` kind, compiled for an H100 that is not there and
+  read by the time model (benchmarks/results/kv_cache_plan_8b-h100-deviceless.json)."""
+  kinds = result('kv_cache_plan_8b-h100-deviceless')['kinds']
+  rows = ['| `--kv_cache` | cache | temporaries | step (predicted) | tokens/s a row (predicted) |',
+          '| --- | --- | --- | --- | --- |']
+  rows += [f'| `{kind}` | {k["cache_bytes"] / 2**30:.2f} GiB | {k["temp_bytes"] / 2**30:.2f} GiB | '
+           f'{readable_seconds(k["predicted_step_s"])} | {k["predicted_tokens_per_s"]:.0f} |'
+           for kind, k in kinds.items()]
+  return '\n'.join(rows) + '\n'
+
+
+SPECULATIVE = [('speculative_medusa-cpu', 'Medusa, with the model (`draft_kind=medusa`)'),
+               ('speculative_draft-cpu', 'Clover, with the model'),
+               ('speculative_draft_alone-cpu', 'Clover, alone on the finished model (`draft_only`)')]
+
+
+def speculative() -> str:
+  """Tokens a forward and each head's kept share, greedy and at temperature 0.8, for the three
+  runs of docs/sampling.md (benchmarks/results/speculative_*-cpu.json)."""
+  rows = ['| heads, trained | greedy: tokens per forward | kept, head by head | temperature 0.8: '
+          'tokens per forward | kept |', '| --- | --- | --- | --- | --- |']
+  for name, label in SPECULATIVE:
+    cells = []
+    for r in result(name)['results']:
+      cells += [f'{r["tokens_per_forward"]:.2f}', ' / '.join(f'{k:.0%}' for k in r['kept_per_head'])]
+    rows.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(rows) + '\n'
+
+
+def speculative_plan() -> str:
+  """A plain decode step and a round of speculation of the 8b with 3 heads, compiled for an
+  H100 that is not there (benchmarks/results/speculative_plan_8b_*-h100-deviceless.json), and what
+  the default model's heads trained alone would make of it."""
+  alone = next(r for r in result('speculative_draft_alone-cpu')['results']
+               if r['temperature'] == 0)['tokens_per_forward']
+  rows = ['| rows × slots | plain step | round of speculation | break-even tokens a round | '
+          f'at {alone:.2f} tokens a round |', '| --- | --- | --- | --- | --- |']
+  for batch, slots in ((1, 8192), (8, 8192), (64, 2048), (8, 32768)):
+    r = result(f'speculative_plan_8b_b{batch}_s{slots}-h100-deviceless')
+    plain, spec = r['plain_step']['predicted_s'], r['speculative_round']['predicted_s']
+    rows.append(f'| {batch} × {slots:,} | {readable_seconds(plain)} | {readable_seconds(spec)} | '
+                f'{r["break_even_tokens_per_round"]:.2f} | {alone * plain / spec:.1f}× the tokens/s |')
+  return '\n'.join(rows) + '\n'
+
+
+def grad_reduce() -> str:
+  """The default model over fsdp=8 on CPU with gradients summed in fp32 and in bf16
+  (benchmarks/results/precision_grad_reduce-cpu.json: every step of both curves)."""
+  r = result('precision_grad_reduce-cpu')
+  loss, evals = r['loss'], r['eval_loss']
+  row = lambda d: ' / '.join(f'{loss[d][step - 1]:.4f}' for step in (50, 100, 200))
+  late = lambda d: sum(loss[d][180:200]) / 20
+  return '\n'.join([
+      '| | fp32 | bf16 |', '| --- | --- | --- |',
+      f'| loss at step 50 / 100 / 200 | {row("float32")} | {row("bfloat16")} |',
+      f'| mean loss, steps 181–200 | {late("float32"):.4f} | {late("bfloat16"):.4f} |',
+      f'| eval loss at step 200 | {evals["float32"]:.4f} | {evals["bfloat16"]:.4f} |',
+      f'| relative gap over the second half, mean (largest) | | '
+      f'{r["mean_relative_gap_second_half"]:.2%} ({r["max_relative_gap_second_half"]:.2%}) |']) + '\n'
+
+
+def fp8() -> str:
+  """The default model's 200 steps in bf16 and with fp8 projections, fp8 emulated on CPU
+  (benchmarks/results/precision-cpu.json)."""
+  r = result('precision-cpu')
+  steps = list(r['loss_default'])
+  line = lambda name, d, e: f'| {name} | ' + ' | '.join(f'{d[k]:.4f}' for k in steps) + f' | {e:.4f} |'
+  return '\n'.join([
+      '| step | ' + ' | '.join(steps) + ' | eval (200) |', '| --- ' * (len(steps) + 2) + '|',
+      line('bf16 projections', r['loss_default'], r['eval_loss_default']),
+      line('fp8 projections', r['loss_fp8'], r['eval_loss_fp8'])]) + '\n' + (
+      f'\nfp8 against bf16 over the second half: {r["mean_relative_gap_second_half"]:.2%} on '
+      f'average, {r["max_relative_gap_second_half"]:.2%} at most.\n')
+
+
+def cudnn_packed() -> str:
+  """cuDNN's attention, forward and backward of one call, on packed rows: its dense document mask,
+  its packed layout at several `cudnn_segments`, and plain causal attention, on an H200
+  (benchmarks/results/cudnn_packed_probe-h200.json; the packed layout as kernels/attention.py
+  builds it, padding a document of its own, is the second run's)."""
+  first, second = result('cudnn_packed_probe-h200')['runs']
+  shapes = {'1b': "the 1b's: 8 × 4096, 32/8 heads of 64", '8b': "the 8b's: 2 × 8192, 32/8 heads of 128"}
+  ms = lambda r, key: f'{r[key]["fwd_bwd_ms"]:.2f} ms'
+  rows = ['| shape | dense mask | packed, 16 a row | packed, 32 | packed, 128 | no mask (plain causal) |',
+          '| --- | --- | --- | --- | --- | --- |']
+  for a, b in zip(first, second):
+    rows.append(f'| {shapes[a["shape"]]} | {ms(a, "bias")} | {ms(b, "packed_M16_own")} | '
+                f'{ms(b, "packed_M32_own")} | {ms(a, "packed_M128")} | {ms(a, "plain")} |')
+  return '\n'.join(rows) + '\n'
+
+
+# Published figures for Llama-class 8B training on 8 H100s, FSDP at sequence 8192, cited as their
+# authors give them: (system, what, tokens/s a GPU, MFU, source).
+PUBLISHED = [
+    ('torchtitan', 'Llama 3.1 8B, FSDP, torch.compile', '5,762 (measured)', '33–39%',
+     "torchtitan's published benchmark"),
+    ('MaxText', 'Llama 2 7B, sequence 4096, FSDP', '—', '46–50% (492 TFLOP/s)',
+     "MaxText's published figures"),
+    ('Megatron-Core', '1.7B–462B models', '—', '41–49%', "Megatron-Core's published figures"),
+]
+
+
+def published() -> str:
+  """The 8b preset's predicted step on 8 H100s (meshlm's row of
+  benchmarks/results/peers-h100-deviceless.json) beside the published figures of other systems."""
+  plan = next(p for p in result('peers-h100-deviceless')['presets'] if p['preset'] == '8b')['meshlm']
+  rows = ['| system | what | tokens/s a GPU | MFU | source |', '| --- | --- | --- | --- | --- |',
+          f'| meshlm | the 8b preset, fsdp=8 | {plan["tokens_per_s_per_gpu"]:,.0f} (predicted) | '
+          f'{plan["mfu"]:.1%} | the time model of its compiled program |']
+  rows += [f'| {system} | {what} | {tokens} | {mfu} | {source} |'
+           for system, what, tokens, mfu, source in PUBLISHED]
+  return '\n'.join(rows) + '\n'
+
+
+TOKENIZERS = {'byte': 'byte', 'sentencepiece': 'SentencePiece 4k', 'hf': 'byte-level BPE 32k'}
+
+
+def data_pipeline() -> str:
+  """Packed tokens a second of the training pipeline, by tokenizer, tokenizing on the fly or
+  once, and grain workers (benchmarks/results/data_pipeline-cpu.json, on its 2-core machine)."""
+  r = result('data_pipeline-cpu')
+  by = {(x['tokenizer'], x['tokenize'], x['workers']): x for x in r['results']}
+  rows = ['| tokenizer | tokenize | 0 workers | 1 worker | 2 workers | first batch (0 workers) |',
+          '| --- | --- | --- | --- | --- | --- |']
+  for tokenizer, name in TOKENIZERS.items():
+    for how in ('on_the_fly', 'once'):
+      if (tokenizer, how, 0) not in by or (tokenizer == 'byte' and how == 'once'):
+        continue  # bytes need no preparing
+      label = 'on the fly' if how == 'on_the_fly' else f'once (prepared in {r["prepare_s"][tokenizer]:.1f} s)'
+      rates = ' | '.join(f'{by[(tokenizer, how, w)]["tokens_per_sec"] / 1e6:.2f}M' for w in (0, 1, 2))
+      rows.append(f'| {name} | {label} | {rates} | {by[(tokenizer, how, 0)]["first_batch_s"]:.2f} s |')
+  return '\n'.join(rows) + '\n'
+
+
+RENDERERS = {'data_pipeline': data_pipeline, 'published': published, 'cudnn_packed': cudnn_packed, 'grad_reduce': grad_reduce, 'fp8': fp8, 'speed': speed, 'plan_8b': plan_8b, 'peers': peers, 'efficiencies': efficiencies,
+             'kv_cache': kv_cache, 'kv_cache_plan': kv_cache_plan, 'speculative': speculative,
+             'speculative_plan': speculative_plan}
 
 
 def refreshed(text: str, rendered: dict) -> str:

@@ -181,6 +181,20 @@ def test_no_dated_line_outside_the_notes():
   assert not dated, dated
 
 
+# A line carrying a measured or planned figure: a number with a unit of bytes, time or share.
+FIGURE = re.compile(r'(?<![\w.])\d[\d.,]*\s?(GiB|MiB|KiB|GB|TB/s|GB/s|ms|µs|%|s\b|TFLOP)')
+
+
+def test_the_docs_are_a_manual_not_a_lab_notebook():
+  """At most 6% of README's and docs/' lines carry a figure: the docs say how to do things, each
+  figure once, generated (scripts/doc_figures.py) or beside its command; sweeps and history are
+  docs/notes/'s."""
+  lines = [line for page in [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
+           for line in page.read_text().splitlines()]
+  figures = [line for line in lines if FIGURE.search(line)]
+  assert len(figures) <= 0.06 * len(lines), f'{len(figures)} of {len(lines)} lines carry a figure'
+
+
 @pytest.mark.integration
 def test_the_docs_figures_are_what_their_results_render():
   """Each `<!-- figures: NAME -->` block of the docs is what scripts/doc_figures.py renders from
