@@ -200,31 +200,6 @@ def test_a_setting_is_one_field_and_everything_else_follows_from_it(tmp_path):
       ('loss.dummy_weight', 0.25, 0.75)]
 
 
-def test_where_an_moe_drops_tokens_its_layout_is_kept_on_resume_as_laid_out():
-  """configs/base.py: DEPENDS: with a capacity, microbatches and the mesh act as `function`;
-  the mesh compared as laid out (the sizes -1 stood for), where both configs hold it."""
-  from configs import base, effects
-  from runtime import checkpoint
-  where = pathlib.Path('/w/checkpoints/3')
-  saved = base.get_config()
-  saved.model.experts, saved.model.capacity_factor = 4, 1.0
-  saved = {**saved.to_dict(), 'mesh_shape': {'fsdp': 8}}
-  assert effects.kind_of('microbatches', saved) == 'function'
-  assert effects.kind_of('microbatches', {**saved, 'model': {**saved['model'],
-                                                            'capacity_factor': 0.0}}) == 'numerics'
-  more = {**saved, 'microbatches': 2}
-  with pytest.raises(ValueError, match=r"config.microbatches=2, .* keeps its function settings "
-                                       r"\(configs/base.py: EFFECTS; DEPENDS: the run's MoE drops"):
-    checkpoint.check_resume(saved, more, where)
-  fewer = {**saved, 'mesh_shape': {'fsdp': 4}}  # fsdp=-1 both times, on fewer devices
-  with pytest.raises(ValueError, match=r'config.mesh.fsdp=4, but checkpoint .* with 8'):
-    checkpoint.check_resume(saved, fewer, where)
-  checkpoint.check_resume(saved, {**saved, 'mesh': {**saved['mesh'], 'fsdp': 8}}, where)
-  dropless = {**saved, 'model': {**saved['model'], 'capacity_factor': 0.0}}
-  checkpoint.check_resume(dropless, {**dropless, 'microbatches': 2, 'mesh_shape': {'fsdp': 4}},
-                          where)
-
-
 def test_a_change_of_every_kept_setting_is_refused_on_resume_and_no_other():
   """runtime/checkpoint.py: check_resume, against a saved config, for each setting in turn."""
   from configs import base, effects
