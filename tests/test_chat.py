@@ -213,6 +213,7 @@ def test_an_interrupted_record_preparation_leaves_nothing(tmp_path, monkeypatch)
   assert len(corpus.train) + len(corpus.validation) == 20
 
 
+@pytest.mark.integration
 def test_prepared_chat_ids_carry_their_weights_and_a_run_evaluates_only_answers(tmp_path):
   """Ids prepared once equal those encoded on the fly, weights and all; a short run on the chat
   corpus trains, and its evaluation counts the answers' tokens only."""

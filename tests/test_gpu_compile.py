@@ -303,6 +303,7 @@ def test_every_matmul_of_the_train_step_takes_bf16_operands(h100, tied, mesh):
   assert all(dtypes == ('bf16', 'bf16') for dtypes in matmuls), matmuls
 
 
+@pytest.mark.integration
 def test_the_table_is_gathered_once_in_bf16_and_its_gradient_reduced_once(h100):
   hlo, setup, config = tiny_step_for_h100s(fsdp=8)
   table = (config.model.vocab_size, config.model.d_model)
@@ -443,6 +444,7 @@ def test_prefetched_weights_are_gathered_a_layer_early_and_nothing_more_is_sent(
   assert collectives.total_bytes(text) <= 1.10 * ideal
 
 
+@pytest.mark.integration
 def test_every_ring_hop_is_sent_while_the_kernel_works(h100):
   """The GPU scheduler keeps one collective-permute in flight: a step's keys, values, segment ids
   and gradients go as one buffer, and each such buffer has the visit's kernel (or other compute)
@@ -453,6 +455,7 @@ def test_every_ring_hop_is_sent_while_the_kernel_works(h100):
   assert {dtype for c in hops for dtype, _ in c.arrays} == {'u32'}  # packed
 
 
+@pytest.mark.integration
 def test_a_pipeline_step_passes_only_activations_between_stages_on_h100s(h100):
   """Compiled for 8 H100s as stage=2 × fsdp=4: what crosses from one stage's devices to the
   other's is a microbatch's bf16 activations, by collective-permute once a tick each way with

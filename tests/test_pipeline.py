@@ -98,6 +98,7 @@ def test_stages_train_as_one_device(remat, dtype, virtual, mesh):
   assert {s.data.shape[0] for s in wq.addressable_shards} == {virtual} or virtual == 1
 
 
+@pytest.mark.integration
 def test_a_non_finite_step_is_skipped_by_every_stage():
   setup, config, step = compiled('dots', M, 'float32', stage=2, fsdp=2, tensor=2)
   state = setup.init_state()
@@ -113,6 +114,7 @@ def test_a_non_finite_step_is_skipped_by_every_stage():
 @pytest.mark.parametrize('remat,virtual,mesh', [
     ('dots', 1, dict(stage=2, fsdp=2, tensor=2)), ('none', 2, dict(stage=2, fsdp=4))],
     ids=['gpipe', 'virtual=2'])
+@pytest.mark.integration
 def test_only_activations_cross_stages_in_the_compiled_step(remat, virtual, mesh):
   """Along `stage` the program moves a microbatch's activations by collective-permute, once a
   tick each way, plus the sums that hand the last stage's outputs (and the input's gradient) to

@@ -90,6 +90,7 @@ PLACEMENTS = {'to the devices': {},
               'to other tiers past a damaged checkpoint': {'mu_tier': 'host'}}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('placement', PLACEMENTS)
 def test_a_checkpoint_resumes_onto_another_placement_exactly(all_device, on_nvme_run, tmp_path,
                                                              placement):
