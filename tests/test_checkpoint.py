@@ -394,6 +394,7 @@ def test_max_bad_steps_in_a_row_stop_the_run_keeping_the_last_good_checkpoint(tm
   assert Checkpointer(tmp_path / 'checkpoints').steps() == [2]  # nothing saved after step 2
 
 
+@pytest.mark.integration
 def test_no_checkpoint_is_saved_from_a_bad_streak_and_the_good_one_is_kept(tmp_path,
                                                                           monkeypatch):
   """Steps 3–5 not finite, a checkpoint due every 2 steps and only one kept: step 4's is not
@@ -407,6 +408,7 @@ def test_no_checkpoint_is_saved_from_a_bad_streak_and_the_good_one_is_kept(tmp_p
   assert Checkpointer(tmp_path / 'checkpoints').steps() == [2]
 
 
+@pytest.mark.integration
 def test_a_save_due_in_a_bad_streak_waits_for_the_next_finite_step(tmp_path, monkeypatch):
   monkeypatch.setattr(loop.pipeline, 'train_batches', poison({3, 4}))
   with pytest.warns(RuntimeWarning):
