@@ -307,7 +307,44 @@ def data_pipeline() -> str:
   return '\n'.join(rows) + '\n'
 
 
-RENDERERS = {'data_pipeline': data_pipeline, 'published': published, 'cudnn_packed': cudnn_packed, 'grad_reduce': grad_reduce, 'fp8': fp8, 'speed': speed, 'plan_8b': plan_8b, 'peers': peers, 'efficiencies': efficiencies,
+def kernel_resources() -> str:
+  """Our Triton attention kernels at their default tiles, compiled deviceless for an H100, with
+  segment ids (their most registers) (benchmarks/results/kernel_resources-h100-deviceless.json)."""
+  names = ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_dkv')
+  rows = ['| head dim | tiles, warps, stages | kernel | grid | threads | shared memory | registers | '
+          'spills |', '| --- | --- | --- | --- | --- | --- | --- | --- |']
+  for r in result('kernel_resources-h100-deviceless')['results']:
+    if not r['segments']:
+      continue
+    k = [r['kernels'][name] for name in names]
+    grids = ' / '.join('×'.join(map(str, x['grid'])) for x in k)
+    spills = sum(x['spill_stores'] + x['spill_loads'] for x in k)
+    rows.append(f'| {r["head_dim"]} | {r["block_q"]} × {r["block_k"]}, {r["num_warps"]}, '
+                f'{r["num_stages"]} | fwd / dq / dkv | {grids} | {k[0]["threads"]} | '
+                + ' / '.join(f'{x["shared_memory"] / 1024:.0f}' for x in k) + ' KiB | '
+                + ' / '.join(str(x['registers']) for x in k) + f' | {spills} |')
+  return '\n'.join(rows) + '\n'
+
+
+def mosaic_attention() -> str:
+  """JAX's own Mosaic GPU attention beside cuDNN on an H100, TFLOP/s forward / backward
+  (benchmarks/results/mosaic_attention-h100.json; its backward has no causal mask: —)."""
+  rows = {(r['head_dim'], r['seq_len'], r['causal']): r
+          for r in result('mosaic_attention-h100')['rows']}
+  pair = lambda r, who: (f'{r[who + " fwd_tflops"]:.0f} / '
+                         + (f'{r[who + " bwd_tflops"]:.0f}' if who + ' bwd_tflops' in r else '—'))
+  lines = ['| head dim, keys | causal: cuDNN | causal: Mosaic GPU | full: cuDNN | full: Mosaic GPU |',
+           '| --- | --- | --- | --- | --- |']
+  for head_dim in (64, 128):
+    for keys in (2048, 8192):
+      causal, full = rows[(head_dim, keys, True)], rows[(head_dim, keys, False)]
+      lines.append(f'| {head_dim}, {keys} | {pair(causal, "cudnn")} | {pair(causal, "mosaic")} | '
+                   f'{pair(full, "cudnn")} | {pair(full, "mosaic")} |')
+  return '\n'.join(lines) + '\n'
+
+
+RENDERERS = {'kernel_resources': kernel_resources, 'mosaic_attention': mosaic_attention,
+             'data_pipeline': data_pipeline, 'published': published, 'cudnn_packed': cudnn_packed, 'grad_reduce': grad_reduce, 'fp8': fp8, 'speed': speed, 'plan_8b': plan_8b, 'peers': peers, 'efficiencies': efficiencies,
              'kv_cache': kv_cache, 'kv_cache_plan': kv_cache_plan, 'speculative': speculative,
              'speculative_plan': speculative_plan}
 
