@@ -48,7 +48,7 @@ def speed() -> str:
 def plan_8b() -> str:
   """The 8b preset's dry run on 8 H100s as its console shows it, from the plan the side-by-side
   benchmark banked (benchmarks/results/peers-h100-deviceless.json: meshlm's row)."""
-  peers = json.loads((REPO / 'benchmarks/results/peers-h100-deviceless.json').read_text())
+  peers = result('peers-h100-deviceless')
   plan = next(p for p in peers['presets'] if p['preset'] == '8b')['meshlm']
   step = plan['step_s']
   parts = [('GEMMs', plan['gemm_s']), ('attention', plan['attention_s']),
@@ -76,7 +76,7 @@ PEERS = {
 def peers() -> str:
   """meshlm and MaxText, each preset compiled by both for the same deviceless H100s and read by
   the time model (benchmarks/results/peers-h100-deviceless.json, `python -m benchmarks.peers`)."""
-  results = json.loads((REPO / 'benchmarks/results/peers-h100-deviceless.json').read_text())
+  results = result('peers-h100-deviceless')
   rows = ['| preset (H100s) | system | memory | step | tokens/s a GPU | MFU | GEMM | attention | '
           'other fusions | exposed comm. | reduce-scatter |',
           '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
