@@ -23,6 +23,8 @@ def main(argv):
   # ml_collections reports a config file it could not load at the config's first use: used
   # here, its mistakes are reported before jax, flax and the data stack are imported (1.5 s).
   config.keys()
+  from configs import fields
+  fields.check(config)  # each setting's name and value, before jax, flax and the data stack load
   if config.dry_run:  # plans, and trains nothing
     from evaluation import during
     from training import dry_run

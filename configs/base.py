@@ -14,7 +14,6 @@ import dataclasses
 import pathlib
 import typing
 
-import jax.numpy as jnp
 import ml_collections
 
 from configs.schema import (POSITIVE, SHARE, Section, at_least, between, config_dict, section,
@@ -53,6 +52,13 @@ RANDOM = 'random'  # config.init_from: freshly drawn parameters, on purpose
 POWER_OF_TWO = (lambda block: block >= 0 and not block & (block - 1),
                 '0 (the default for the device) or a power of two such as 64 or 128')
 
+
+
+def _dtype(name: str):
+  # jax loads only when a dtype is asked for: a config and its checks need no jax
+  # (train.py refuses a bad setting before jax, flax and the data stack are imported).
+  import jax.numpy as jnp
+  return jnp.dtype(name)
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Section):
@@ -310,20 +316,20 @@ class ModelConfig(Section):
 
   @property
   def dtype(self):
-    return jnp.dtype(self.compute_dtype)
+    return _dtype(self.compute_dtype)
 
   @property
   def reduce_dtype(self):
     """What gradients are summed across devices in: grad_reduce_dtype. A resolved run's is a
     dtype (training/settings.py: with_reduce_dtype decides 'auto'); an unresolved 'auto' is
     taken as the compute dtype, its value on GPUs (docs/precision.md)."""
-    return jnp.dtype(self.compute_dtype if self.grad_reduce_dtype == 'auto'
-                     else self.grad_reduce_dtype)
+    return _dtype(self.compute_dtype if self.grad_reduce_dtype == 'auto'
+                  else self.grad_reduce_dtype)
 
   @property
   def weight_dtype(self):
     """The base parameters': param_dtype, or, frozen under adapters, the compute dtype."""
-    return jnp.dtype(self.compute_dtype if self.lora_rank else self.param_dtype)
+    return _dtype(self.compute_dtype if self.lora_rank else self.param_dtype)
 
   @property
   def lora_target_names(self) -> tuple[str, ...]:

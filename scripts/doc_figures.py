@@ -158,6 +158,82 @@ def result(name: str) -> dict:
   return json.loads((REPO / 'benchmarks' / 'results' / f'{name}.json').read_text())
 
 
+def planned(name: str) -> dict:
+  """One dry run of benchmarks/plans.py's (benchmarks/results/plans-h100-deviceless.json)."""
+  return result('plans-h100-deviceless')['plans'][name]
+
+
+def gib(n: float) -> str:
+  return f'{n / 2**30:.2f} GiB'
+
+
+def predicted(plan: dict) -> str:
+  return f'{readable_seconds(plan["time"]["seconds"])} (MFU {plan["time"]["mfu"]:.1%})'
+
+
+def tokens(plan: dict) -> int:
+  """The tokens of a planned step (the plan keeps its rate and time, not the batch)."""
+  time = plan['time']
+  return round(time['tokens_per_s_per_device'] * time['seconds'] * plan['n_devices'])
+
+
+def plan_1b() -> str:
+  """The README's 1b dry run on one H100 (benchmarks/plans.py), a paragraph."""
+  p = planned('llama_1b')
+  return (f'The 1b\'s dry run above plans {gib(p["total_bytes"])} of the '
+          f'{gib(p["memory_bytes"])} JAX takes of the H100, and a step of {predicted(p)}, the '
+          'time model\'s prediction.\n')
+
+
+def finetune_8b() -> str:
+  """The 8b fine-tuned whole and with LoRA on one H100, planned (benchmarks/plans.py)."""
+  full, lora = planned('finetune_8b_full'), planned('finetune_8b_lora')
+  fits = lambda p: f'yes, of {gib(p["memory_bytes"])}' if p['fits'] else 'no'
+  rows = [f'| 8b, 1 H100, batch {tokens(lora) // 4096} × 4096, {lora["remat_policy"]}, '
+          f'{lora["microbatches"]} microbatches | parameters | optimizer state | total | fits | '
+          'step (predicted) |', '| --- | --- | --- | --- | --- | --- |']
+  for name, p, kind in (('full fine-tuning (`lora_rank=0`)', full, 'fp32'),
+                        ('LoRA r=16', lora, 'bf16 base, fp32 adapters')):
+    rows.append(f'| {name} | {gib(p["param_bytes"])} ({kind}) | {gib(p["optimizer_bytes"])} | '
+                f'{gib(p["total_bytes"])} | {fits(p)} | {predicted(p)} |')
+  return '\n'.join(rows) + '\n'
+
+
+def finetune_1b() -> str:
+  """The 1b preset's shapes with LoRA on one H100 (benchmarks/plans.py), a paragraph."""
+  p = planned('finetune_1b_lora')
+  batch = tokens(p) // 4096
+  return (f'Llama-3.2-1B\'s shapes fine-tune on one H100 the same way, `configs/finetune.py:1b` '
+          f'(batch {batch} × 4096, `{p["remat_policy"]}`, {p["microbatches"]} microbatch'
+          f'{"es" if p["microbatches"] > 1 else ""}): `{p["command"][len("python "):]}` plans '
+          f'{gib(p["total_bytes"])} of {gib(p["memory_bytes"])} (the bf16 base and adapters '
+          f'{gib(p["param_bytes"])}, Adam\'s moments {gib(p["optimizer_bytes"])}), predicted at '
+          f'{predicted(p)} a step.\n')
+
+
+def dpo_8b() -> str:
+  """The 8b with LoRA under DPO on 8 H100s (benchmarks/plans.py), a paragraph."""
+  p = planned('dpo_8b_lora_8gpu')
+  pairs = tokens(p) // 2 // 2048
+  return (f'The 8b with LoRA rank 16 on 8 H100s, planned: `{p["command"]}` fits in '
+          f'{gib(p["total_bytes"])} a GPU and is predicted (by the time model, not measured) at '
+          f'{predicted(p)} a step of {pairs} pairs × 2048 tokens.\n')
+
+
+def llama_1b_8gpu() -> str:
+  """The 1b preset on 8 H100s at its own batch and at 64 sequences (benchmarks/plans.py)."""
+  rows = ['| 1b, 8 × H100, fsdp=8, the preset\'s remat policy | batch | memory a GPU | '
+          'step (predicted) | tokens/s a GPU | MFU |', '| --- | --- | --- | --- | --- | --- |']
+  for label, name in (('the preset as it is', 'llama_1b_8gpu'),
+                      ('`--config.batch_size=64`', 'llama_1b_8gpu_b64')):
+    p = planned(name)
+    time, batch = p['time'], tokens(p) // 4096
+    rows.append(f'| {label} | {batch} × 4096 | {gib(p["total_bytes"])} | '
+                f'{readable_seconds(time["seconds"])} | {time["tokens_per_s_per_device"]:,.0f} | '
+                f'{time["mfu"]:.1%} |')
+  return '\n'.join(rows) + '\n'
+
+
 def kv_cache() -> str:
   """What each `--kv_cache` kind costs the default model's predictions, on this machine's CPU
   (benchmarks/results/kv_cache-cpu.json: `python -m benchmarks.kv_cache`)."""
@@ -343,7 +419,9 @@ def mosaic_attention() -> str:
   return '\n'.join(lines) + '\n'
 
 
-RENDERERS = {'kernel_resources': kernel_resources, 'mosaic_attention': mosaic_attention,
+RENDERERS = {'plan_1b': plan_1b, 'finetune_8b': finetune_8b, 'finetune_1b': finetune_1b,
+             'dpo_8b': dpo_8b, 'llama_1b_8gpu': llama_1b_8gpu,
+             'kernel_resources': kernel_resources, 'mosaic_attention': mosaic_attention,
              'data_pipeline': data_pipeline, 'published': published, 'cudnn_packed': cudnn_packed, 'grad_reduce': grad_reduce, 'fp8': fp8, 'speed': speed, 'plan_8b': plan_8b, 'peers': peers, 'efficiencies': efficiencies,
              'kv_cache': kv_cache, 'kv_cache_plan': kv_cache_plan, 'speculative': speculative,
              'speculative_plan': speculative_plan}

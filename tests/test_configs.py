@@ -10,6 +10,7 @@ import jax
 import pytest
 
 import configs
+import configs.fields
 from planning import flops
 from training import loop, settings
 from training.state import build, param_count
@@ -180,11 +181,11 @@ def test_a_setting_is_one_field_and_everything_else_follows_from_it(tmp_path):
   declared = schema.effects(Run)
   assert declared['loss.dummy_weight'] == 'data' and 'loss.dummy_weight' not in base.EFFECTS
   raw = config.to_dict()
-  settings.check_fields(raw, Run)
+  configs.fields.check_fields(raw, Run)
   with pytest.raises(ValueError, match=r'config\.loss\.dummy_weight=-1\.0 must be at least 0'):
-    settings.check_fields({**raw, 'loss': {**raw['loss'], 'dummy_weight': -1.0}}, Run)
+    configs.fields.check_fields({**raw, 'loss': {**raw['loss'], 'dummy_weight': -1.0}}, Run)
   with pytest.raises(ValueError, match=r'config\.loss\.dummy_weight is not a setting'):
-    settings.check_fields(raw)  # meshlm's own Run has no such field
+    configs.fields.check_fields(raw)  # meshlm's own Run has no such field
 
   assert '`loss.dummy_weight`' in effects.table(declared)
   assert '| `loss.dummy_weight` | `0.5` | at least 0 | data | a term a test adds |' in schema.table(Run)

@@ -25,12 +25,11 @@ checkpoints, the workdir) are checked where they are opened, before anything is 
 """
 
 import copy
-import difflib
 
 import jax
-import ml_collections
 
-from configs import base, effects, schema
+from configs import base, effects
+from configs.fields import _UNSAVED, check_fields, filled
 from data import chat, tokenizers, tokens
 from interop import huggingface
 from kernels.attention import hopper_refuses
@@ -93,16 +92,6 @@ def with_reduce_dtype(run: Run) -> Run:
                             else 'float32'})
 
 
-def filled(values: dict) -> dict:
-  """`values` with every setting it lacks at configs/base.py's default (a config written for an
-  older meshlm, or a run's saved one)."""
-  defaults = base.get_config().to_dict()
-  for key, value in values.items():
-    if isinstance(value, dict) and isinstance(defaults.get(key), dict):
-      defaults[key].update(value)
-    else:
-      defaults[key] = value
-  return defaults
 
 
 def started_from(init_from: str) -> Start:
@@ -177,9 +166,6 @@ def _with_hf_start(values: dict, path, defaults: dict) -> dict:
   return values
 
 
-_UNSAVED = object()
-
-
 def check_start_tokenizer(start: Start, tokenizer) -> None:
   """ValueError if the checkpoint the run starts from, a Hugging Face model or a meshlm run, was
   trained with another tokenizer than `tokenizer` (its embeddings are those ids'), naming both."""
@@ -202,14 +188,6 @@ def check_start_tokenizer(start: Start, tokenizer) -> None:
         "the run's own, or name the same files")
 
 
-def check_fields(values: dict, declared=base.Run) -> None:
-  """The fields first: those configs/base.py declares, no others (a typo in a config file would
-  otherwise set a field nothing reads); then every value against its declaration (a number
-  finite and within its range, a choice among its choices: configs/schema.py)."""
-  unknown(values, schema.config_dict(declared))
-  for field, setting in schema.by_name(declared).items():
-    if (value := effects.get(values, field, _UNSAVED)) is not _UNSAVED:
-      schema.check_value(field, value, setting)
 
 
 def check_sections(run: Run) -> None:
@@ -281,17 +259,3 @@ def check_start(run: Run) -> None:
     raise ValueError(f'{what}, and config.init_from is empty: it would be random weights. Start '
                      "from a model (--config.init_from=hf:DIR, or a run's workdir), or set "
                      f'--config.init_from={RANDOM} to mean it')
-
-
-def unknown(values, known, prefix: str = '') -> None:
-  """ValueError naming a field of a config's `values` that `known` (configs/base.py's config)
-  lacks."""
-  for key, value in values.items():
-    if key not in known:
-      hint = difflib.get_close_matches(key, list(known), n=1)
-      raise ValueError(f'config.{prefix}{key} is not a setting meshlm has'
-                       f'{f"; did you mean config.{prefix}{hint[0]}?" if hint else ""} '
-                       '(configs/base.py lists every setting); fix the config file')
-    if isinstance(value, (ml_collections.ConfigDict, dict)) and isinstance(
-        known[key], (ml_collections.ConfigDict, dict)):
-      unknown(value, known[key], f'{prefix}{key}.')
