@@ -154,7 +154,6 @@ def test_a_setting_is_one_field_and_everything_else_follows_from_it(tmp_path):
   from ml_collections import config_flags
 
   from configs import base, effects, schema
-  from training import settings
 
   @dataclasses.dataclass(frozen=True)
   class Loss(base.LossConfig):
