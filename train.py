@@ -24,7 +24,7 @@ def main(argv):
   # here, its mistakes are reported before jax, flax and the data stack are imported (1.5 s).
   config.keys()
   from configs import fields
-  fields.check(config)  # each setting's name and value, before jax, flax and the data stack load
+  fields.checked(config)  # each setting's name and value, before jax, flax and the data stack load
   if config.dry_run:  # plans, and trains nothing
     from evaluation import during
     from training import dry_run

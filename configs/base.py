@@ -53,12 +53,12 @@ POWER_OF_TWO = (lambda block: block >= 0 and not block & (block - 1),
                 '0 (the default for the device) or a power of two such as 64 or 128')
 
 
-
 def _dtype(name: str):
   # jax loads only when a dtype is asked for: a config and its checks need no jax
   # (train.py refuses a bad setting before jax, flax and the data stack are imported).
   import jax.numpy as jnp
   return jnp.dtype(name)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Section):

@@ -2,19 +2,23 @@
 that a bad setting would waste: train.py checks them first, and `training.settings.resolve` again
 (a notebook's config reaches only it)."""
 
+import copy
 import difflib
 
 import ml_collections
 
 from configs import base, effects, schema
 
-_UNSAVED = object()
+UNSAVED = object()
 
 
-def check(config) -> None:
-  """ValueError naming the first setting of `config` (a ConfigDict or its dict) that is not one
-  meshlm has, or whose value its declaration refuses."""
-  check_fields(filled(config.to_dict() if hasattr(config, 'to_dict') else dict(config)))
+def checked(config) -> dict:
+  """The settings of `config` (a ConfigDict or its dict, never changed) as nested dicts, each it
+  lacks at its default; ValueError naming the first that is not one meshlm has, or whose value
+  its declaration refuses."""
+  values = filled(config.to_dict() if hasattr(config, 'to_dict') else copy.deepcopy(config))
+  check_fields(values)
+  return values
 
 
 def filled(values: dict) -> dict:
@@ -35,7 +39,7 @@ def check_fields(values: dict, declared=base.Run) -> None:
   finite and within its range, a choice among its choices: configs/schema.py)."""
   unknown(values, schema.config_dict(declared))
   for field, setting in schema.by_name(declared).items():
-    if (value := effects.get(values, field, _UNSAVED)) is not _UNSAVED:
+    if (value := effects.get(values, field, UNSAVED)) is not UNSAVED:
       schema.check_value(field, value, setting)
 
 

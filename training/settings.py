@@ -24,12 +24,11 @@ which raises `sharding.MeshMismatch` for a mesh the model or batch cannot use; f
 checkpoints, the workdir) are checked where they are opened, before anything is written.
 """
 
-import copy
 
 import jax
 
 from configs import base, effects
-from configs.fields import _UNSAVED, check_fields, filled
+from configs import fields
 from data import chat, tokenizers, tokens
 from interop import huggingface
 from kernels.attention import hopper_refuses
@@ -48,8 +47,7 @@ def resolve(config, devices=None, log=None) -> Run:
 
     run = settings.resolve(config)
   """
-  values = filled(config.to_dict() if hasattr(config, 'to_dict') else copy.deepcopy(config))
-  check_fields(values)
+  values = fields.checked(config)
   start = started_from(values['init_from'])
   values = with_start(values, start)
   workdir = values['workdir']
@@ -118,8 +116,8 @@ def with_start(values: dict, start: Start) -> dict:
     return values
   saved = start.saved
   for field in effects.of_kinds(effects.FROM_CHECKPOINT):
-    value, given = effects.get(saved, field, _UNSAVED), effects.get(values, field)
-    if value is _UNSAVED or value == given:
+    value, given = effects.get(saved, field, fields.UNSAVED), effects.get(values, field)
+    if value is fields.UNSAVED or value == given:
       continue
     if given != effects.get(defaults, field):
       raise ValueError(
@@ -192,7 +190,7 @@ def check_start_tokenizer(start: Start, tokenizer) -> None:
 
 def check_sections(run: Run) -> None:
   """What crosses a Run's sections, which no device or file decides: ValueError naming the
-  setting. (Each section checked itself when it was built; the numbers were check_fields'.)"""
+  setting. (Each section checked itself when it was built; the numbers were configs/fields.py's.)"""
   model = run.model
   if model.attention == 'hopper' and (why := hopper_refuses(model.head_dim,
                                                                      model.compute_dtype)):
