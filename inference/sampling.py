@@ -14,7 +14,7 @@ import pathlib
 import jax
 from flax import nnx
 
-from configs import base, effects
+from configs import base, effects, fields
 from data import chat, tokenizers
 from inference.generate import generate
 from inference.speculate import speculate
@@ -31,8 +31,8 @@ ONE_AXIS = {axis: 1 for axis in sharding.AXES}  # sampling splits parameters ove
 SAVED = (*effects.MODEL, 'data', 'numerics')  # the kinds of setting a checkpoint's model takes
 # How the run laid its training out over its devices: numerics, but of the step, not the model.
 LAYOUT = frozenset(f for f in effects.of_kinds(('numerics',)) if not f.startswith('model.'))
-_UNSAVED = object()
 MAX_LEN_FACTOR = 16  # --max_len past the trained seq_len, at most this many times it
+
 
 @dataclasses.dataclass
 class Loaded:
@@ -76,7 +76,7 @@ def load(path: str, step: int | None = None) -> Loaded:
   # lays the model out on this machine's devices.
   config = base.get_config()
   for field in (f for f in effects.of_kinds(SAVED) if f not in LAYOUT):
-    if (value := effects.get(saved, field, _UNSAVED)) is not _UNSAVED:
+    if (value := effects.get(saved, field, fields.UNSAVED)) is not fields.UNSAVED:
       section, _, key = field.rpartition('.')
       (config[section] if section else config)[key] = value
   config.init_from = ''  # the run's model settings are saved: where it started is not needed
