@@ -199,7 +199,7 @@ def tier(data: np.ndarray, folder: str, block: int) -> tuple[float, float]:
     store.files[0].flush()
   seconds, _ = timed(write)
   store.close()  # its map dropped, or the page cache keeps the mapped pages
-  del store
+  store = None  # the last reference, so the map is collected
   gc.collect()
   evict(path)
   back = np.empty_like(matrix)

@@ -419,12 +419,39 @@ def mosaic_attention() -> str:
   return '\n'.join(lines) + '\n'
 
 
+def checkpoint_save() -> str:
+  """What a save costs the loop, on the 2-core CPU that ran it
+  (benchmarks/results/checkpoint-cpu.json), a paragraph."""
+  r = result('checkpoint-cpu')
+  return (f'`{r["command"]}` times it ({r["n_devices"]} {r["platform"].upper()} device, a '
+          f'{r["checkpoint_bytes"] / 2**30:.2f} GiB checkpoint): a step takes '
+          f'{r["step_time_s"]:.1f} s and a save {r["save_s"]:.1f} s in all, of which the loop is '
+          f'blocked for {r["blocked_s"]:.2f} s, {r["blocked_fraction_of_step"]:.1%} of a step '
+          f'(goal: 5%). Restore takes {r["restore_s"]:.1f} s, checksums verified. The steps the '
+          f'background write overlaps took {r["overlapped_step_slowdown_s"]:+.1f} s each: on a '
+          'CPU the write and checksums share the cores with the step, which a GPU\'s step does '
+          'not.\n')
+
+
+def two_processes() -> str:
+  """docs/multi-host.md's two-process job as run, process 0's log and the losses of one process
+  (benchmarks/results/two_processes-cpu.json)."""
+  r = result('two_processes-cpu')
+  one = ', '.join(f'{x:.4f}' for x in r['one_process_losses'])
+  return ('```\n' + '\n'.join(r['process0_log']) + '\n```\n'
+          'Process 0\'s output (process 1 prints nothing of its own; gloo logs its connections on '
+          f'both), from `{r["command"]}`. One process × 8 devices gives {one} (jax {r["jax"]} on '
+          f'Python {r["python"]}), within {r["largest_relative_difference"]:.0e} of these: bf16 '
+          'rounding of sums taken in another order.\n')
+
+
 RENDERERS = {'plan_1b': plan_1b, 'finetune_8b': finetune_8b, 'finetune_1b': finetune_1b,
              'dpo_8b': dpo_8b, 'llama_1b_8gpu': llama_1b_8gpu,
              'kernel_resources': kernel_resources, 'mosaic_attention': mosaic_attention,
              'data_pipeline': data_pipeline, 'published': published, 'cudnn_packed': cudnn_packed, 'grad_reduce': grad_reduce, 'fp8': fp8, 'speed': speed, 'plan_8b': plan_8b, 'peers': peers, 'efficiencies': efficiencies,
              'kv_cache': kv_cache, 'kv_cache_plan': kv_cache_plan, 'speculative': speculative,
-             'speculative_plan': speculative_plan}
+             'speculative_plan': speculative_plan,
+             'checkpoint_save': checkpoint_save, 'two_processes': two_processes}
 
 
 def refreshed(text: str, rendered: dict) -> str:

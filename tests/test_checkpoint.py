@@ -1,6 +1,6 @@
 """Checkpoints and fault tolerance: a run killed with SIGKILL (or stopped by SIGTERM) and restarted
-matches an uninterrupted one exactly; a second signal exits at once and leaves good checkpoints;
-checkpoints restore under other meshes; a corrupted newest checkpoint falls back to the previous;
+matches an uninterrupted one exactly (a second signal, a stop on an evaluation step or at the
+last step: tests/test_faults.py's cases, their one home); checkpoints restore under other meshes; a corrupted newest checkpoint falls back to the previous;
 another model's checkpoint is a clear error before training; non-finite steps are skipped and
 counted, and too many in a row stop the run with its last good checkpoint intact."""
 
@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -126,20 +125,6 @@ def test_sigterm_saves_at_the_step_reached_and_exits_0_then_resumes_exactly(tmp_
   assert latest(tmp_path)[0] == step
   assert f'resuming from step {step} ' in run_to_end(tmp_path)
   assert_same_as_uninterrupted(tmp_path, straight)
-
-
-@pytest.mark.integration
-def test_a_second_signal_exits_at_once_and_keeps_the_last_complete_checkpoint(tmp_path):
-  process = start(tmp_path)
-  read_until(process, 'step 12/')
-  process.send_signal(signal.SIGINT)
-  read_until(process, 'meshlm: SIGINT received')
-  process.send_signal(signal.SIGINT)
-  assert process.wait(timeout=30) == -signal.SIGINT
-  with warnings.catch_warnings():
-    warnings.simplefilter('error', CheckpointWarning)  # the newest complete one restores
-    step, _, _ = latest(tmp_path)
-  assert 10 <= step < STEPS
 
 
 @pytest.mark.integration
@@ -354,6 +339,7 @@ def poison(steps):
   return train_batches
 
 
+@pytest.mark.integration
 def test_a_non_finite_step_is_skipped_and_counted_and_the_run_goes_on(tmp_path, monkeypatch):
   monkeypatch.setattr(loop.pipeline, 'train_batches', poison({3}))
   with pytest.warns(RuntimeWarning, match='step 3: the loss or gradient is not finite'):
@@ -495,55 +481,6 @@ def test_a_save_the_disk_refuses_stops_the_run_with_one_line_and_the_next_run_is
   assert Checkpointer(tmp_path / 'checkpoints').steps() == []
   assert 'resuming' not in run_to_end(tmp_path)
   assert_same_as_uninterrupted(tmp_path, straight)
-
-
-@pytest.mark.integration
-def test_a_stop_that_skips_an_evaluation_leaves_it_to_the_resumed_run(tmp_path):
-  """With an evaluation and an lm-eval task every step, a SIGINT always lands on an evaluation
-  step; its grace period is for saving, and the resumed run evaluates and scores that step first:
-  each step is evaluated and scored once."""
-  every_step = ['--config.eval_every=1', '--config.eval_batches=1', '--config.train_steps=10',
-                '--config.lm_eval.tasks=stdlib_next_line', '--config.lm_eval.every=1',
-                '--config.lm_eval.limit=2']
-  process = subprocess.Popen(command(tmp_path) + every_step, cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=ENV)
-  read_until(process, 'step  3/')
-  process.send_signal(signal.SIGINT)
-  stopped = read_until(process, 'stopped by SIGINT after step ')
-  assert process.wait(timeout=60) == 0
-  step = int(stopped.split('after step ')[1].split(';')[0])
-  resumed = subprocess.run(command(tmp_path) + every_step, cwd=REPO, capture_output=True,
-                           text=True, timeout=600, env=ENV)
-  assert resumed.returncode == 0 and f'resuming from step {step} ' in resumed.stdout, (
-      resumed.stdout[-3000:] + resumed.stderr[-3000:])  # an abort's reason, for the reruns
-  records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').open()]
-  assert sorted(r['step'] for r in records if 'eval_loss' in r) == list(range(1, 11))
-  assert sorted(r['step'] for r in records if 'stdlib_next_line/acc' in r) == list(range(1, 11))
-  assert sorted(r['step'] for r in records if 'loss' in r) == list(range(1, 11))
-
-
-@pytest.mark.integration
-def test_a_stop_at_the_last_step_leaves_its_evaluations_to_the_rerun_which_does_them_once(
-    tmp_path, monkeypatch, capsys):
-  """A stop at the last step saves it with its validation pass and scoring due: the rerun of a
-  finished run computes them, and a rerun after that finds them in metrics.jsonl."""
-  from evaluation import during
-  config = tiny_config(fsdp=-1)
-  config.workdir, config.train_steps, config.checkpoint_every = str(tmp_path), 4, 2
-  config.eval_every, config.eval_batches, config.seq_len = 2, 1, 64  # the task's rows fit
-  config.lm_eval.tasks, config.lm_eval.every, config.lm_eval.limit = 'stdlib_next_line', 2, 2
-  with monkeypatch.context() as patched:
-    patched.setattr(loop.StopSignals, 'requested', lambda self, step: step == 4)
-    first = loop.run(config, tasks=during.TaskScores)
-  assert [r['step'] for r in first if 'eval_loss' in r] == [2]  # step 4's skipped by the stop
-  rerun = loop.run(config, tasks=during.TaskScores)
-  assert [r['step'] for r in rerun if 'eval_loss' in r] == [4]
-  assert [r['step'] for r in rerun if 'stdlib_next_line/acc' in r] == [4]
-  assert loop.run(config, tasks=during.TaskScores) == []
-  assert capsys.readouterr().out.count('is finished') == 2
-  records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').open()]
-  assert sorted(r['step'] for r in records if 'eval_loss' in r) == [2, 4]
-  assert sorted(r['step'] for r in records if 'stdlib_next_line/acc' in r) == [2, 4]
 
 
 @pytest.mark.integration

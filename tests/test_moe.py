@@ -187,6 +187,7 @@ def test_experts_over_an_expert_axis_drop_only_what_a_capacity_or_buffer_says(fi
   assert float(dropped) == pytest.approx((~taken).mean())
 
 
+@pytest.mark.integration
 def test_dropless_over_an_expert_axis_holds_the_worst_case_and_no_more():
   """Over data=2 × expert=4, one expert a device and two a token: every token choosing expert 0
   sends device 0 one row from each token of each source, the most it can receive (a token's

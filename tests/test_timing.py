@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from planning import gpu_compiler, gpus, timing
+from planning import gpus, timing
 from sharding import collectives
 from tests.conftest import tiny_config
 from training import settings

@@ -19,7 +19,7 @@ from data.packing import ROW_KEYS
 from runtime import faults
 from training import loop
 from tests.conftest import tiny_config
-from tests.test_data import Arrays, one_device_sharding
+from tests.test_data import one_device_sharding
 
 
 @pytest.fixture(scope='module')

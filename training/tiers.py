@@ -46,7 +46,7 @@ from runtime.pieces import Pieces
 from training import optimizer
 from configs.base import HOST, NVME
 from training.optimizer import trained
-from training.state import Setup, has_host_memory
+from training.state import Setup
 
 GROUP_BYTES = offload.GROUP_BYTES  # the state a group holds (planning/offload.py says why)
 KINDS = ('master', 'mu', 'nu')  # what a tier holds, by the setting that places it
