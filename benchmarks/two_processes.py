@@ -13,12 +13,12 @@ workdir of its own under a temporary folder (removed after), a free port for the
 the losses read from each run's metrics.jsonl.
 """
 
+import importlib.metadata
 import json
 import os
 import pathlib
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,17 +28,12 @@ from absl import app, flags
 
 from benchmarks import report
 from reporting.metrics import print_table
+from runtime.distributed import free_port
 
 _STEPS = flags.DEFINE_integer('steps', 6, 'Training steps of each run.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
 
 
 def train(workdir: pathlib.Path, devices_each: int, processes: int) -> tuple[list[str], float]:
@@ -88,10 +83,9 @@ def main(argv):
   ours = [line.replace(str(folder / 'two'), '/tmp/meshlm-2proc') for line in log
           if line.startswith(('meshlm:', 'compiled in', 'data:', 'initialised in', 'step '))]
   largest = max(abs(a - b) / abs(b) for a, b in zip(two, one))
-  import jax  # only for its version: the runs above are processes of their own
   figures = {'benchmark': 'two_processes', 'config': 'configs/default.py', 'steps': _STEPS.value,
              'platform': 'cpu', 'machine': platform.processor() or platform.machine(),
-             'cpus': os.cpu_count(), 'jax': jax.__version__,
+             'cpus': os.cpu_count(), 'jax': importlib.metadata.version('jax'),
              'python': platform.python_version(), 'two_process_losses': two,
              'one_process_losses': one, 'largest_relative_difference': largest,
              'two_process_s': two_s, 'one_process_s': one_s, 'process0_log': ours,

@@ -20,9 +20,18 @@ collective fails before the service ends it prints "meshlm: process i of n faile
 
 import contextlib
 import os
+import socket
 import sys
 
 import jax
+
+def free_port() -> int:
+  """A TCP port nobody listens on now, for a coordinator started on this machine (a test's, a
+  benchmark's local job)."""
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
 
 SLURM_VARS = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID',
               'SLURM_LOCALID')

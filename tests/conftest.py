@@ -8,7 +8,6 @@ their own."""
 import os
 import re
 import shutil
-import socket
 import sys
 import sysconfig
 import tempfile
@@ -46,6 +45,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from configs import base  # noqa: E402
+from runtime.distributed import free_port  # noqa: E402, F401  (the tests' coordinators)
 
 assert jax.device_count() == 8, 'tests expect 8 CPU devices (XLA_FLAGS was set too late)'
 
@@ -93,13 +93,6 @@ def tiny_config(**mesh):
 def f32_shapes(hlo: str) -> list[tuple[int, ...]]:
   """The shape of every fp32 array a compiled program's text names."""
   return [tuple(map(int, dims.split(','))) for dims in re.findall(r'f32\[([\d,]+)\]', hlo)]
-
-
-def free_port() -> int:
-  """A TCP port nobody listens on now, for a test's jax.distributed coordinator."""
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
 
 
 def with_file_size_limit(limit: int, args: list[str]) -> list[str]:
