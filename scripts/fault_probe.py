@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -138,6 +139,30 @@ def resumed(result, expected: list[str], workdir, n: int):
   """A resumed run's verdict: `survived` with `expected`, and steps 1..n each logged once."""
   verdict = survived(result, expected)
   return verdict if steps_once(workdir, n) else ('BAD', 'steps logged twice or missing')
+
+
+def as_uninterrupted(p, verdict, workdir, n: int = 12):
+  """`verdict`, if GOOD only when `workdir`, stopped and resumed, trained as the same command
+  uninterrupted does (trained once, the cases' reference), bit for bit: every step's loss,
+  gradient norm and learning rate, and the checksums of every array of the final state."""
+  if verdict[0] != 'GOOD':
+    return verdict
+  reference = p.root / f'uninterrupted-{n}'
+  if not reference.exists():
+    result = p.run(*p.train(reference, n))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+  def trained(run):
+    steps = {r['step']: (r['loss'], r['grad_norm'], r['learning_rate'])
+             for r in metrics(run) if 'loss' in r}
+    return steps, json.loads((run / 'checkpoints' / str(n) / 'checksums' / 'metadata').read_text())
+
+  (ours, our_state), (theirs, their_state) = trained(workdir), trained(reference)
+  if differ := [step for step in theirs if ours.get(step) != theirs[step]]:
+    return 'BAD', f'steps {differ} trained otherwise than uninterrupted'
+  if our_state != their_state:
+    return 'BAD', f'the state at step {n} differs from the uninterrupted run\'s'
+  return verdict[0], f'{verdict[1]}, as uninterrupted bit for bit'
 
 
 def read_until(process, prefix: str) -> str:
@@ -439,8 +464,10 @@ def _(p):
   return resumed(result, ['resuming from step 6'], run, 9)
 
 
-MOE_DROPS = ('--config.model.experts=4', '--config.model.experts_per_token=2',
-             '--config.model.capacity_factor=1.0')
+MOE = ('--config.model.experts=4', '--config.model.expert_matmul=ragged_dot')
+# An MoE that drops tokens, in fp32 so that identical prompts sample identically; its cases share
+# one trained run (ragged_dot: Pallas's interpreter would only slow them).
+MOE_DROPS = (*MOE, '--config.model.capacity_factor=1.0', '--config.model.compute_dtype=float32')
 
 
 @case('resume: an MoE that drops tokens, with other microbatches')
@@ -462,9 +489,8 @@ def _(p):
 
 @case('resume: a dropless MoE, with other microbatches')
 def _(p):
-  args = ('--config.model.experts=4', '--config.model.experts_per_token=2')
-  run = trained_with(p, 'moe-dropless', *args)
-  return resumed(p.run(*p.train(run, 9), *args, '--config.microbatches=2'),
+  run = trained_with(p, 'moe', *MOE)
+  return resumed(p.run(*p.train(run, 9), *MOE, '--config.microbatches=2'),
                  ['resuming from step 6'], run, 9)
 
 
@@ -481,9 +507,11 @@ def stopped_and_resumed(p, signum, at='step  4/'):
   read_until(process, at)
   process.send_signal(signum)
   out, _ = process.communicate(timeout=300)
-  if process.returncode != 0 or 'stopped by' not in out:
+  if process.returncode != 0 or not (stopped := re.search(r'stopped by \w+ after step (\d+)', out)):
     return 'BAD', f'exit {process.returncode} without saving'
-  return resumed(p.run(*p.train(workdir, 12)), ['resuming from step'], workdir, 12)
+  # Saved where the signal found it, not at a regular checkpoint, and resumed from there.
+  return as_uninterrupted(p, resumed(p.run(*p.train(workdir, 12)),
+                                     [f'resuming from step {stopped[1]}'], workdir, 12), workdir)
 
 
 @case('signal: SIGTERM mid-run, then resume')
@@ -536,7 +564,8 @@ def _(p):
     return 'BAD', f'exit {process.returncode}: {lines(out)[-1:]}'
   if (workdir / 'checkpoints').exists() and any((workdir / 'checkpoints').iterdir()):
     return 'BAD', 'killed with a checkpoint begun'
-  return resumed(p.run(*p.train(workdir, 12)), ['step 12/12'], workdir, 12)
+  return as_uninterrupted(p, resumed(p.run(*p.train(workdir, 12)), ['step 12/12'], workdir, 12),
+                          workdir)
 
 
 @case('signal: SIGKILL mid-run, then resume')
@@ -546,7 +575,8 @@ def _(p):
   read_until(process, 'step  5/')
   process.send_signal(signal.SIGKILL)
   process.wait()
-  return resumed(p.run(*p.train(workdir, 12)), ['resuming from step 3'], workdir, 12)
+  return as_uninterrupted(p, resumed(p.run(*p.train(workdir, 12)), ['resuming from step 3'],
+                                     workdir, 12), workdir)
 
 
 def on_nvme(directory) -> list[str]:
@@ -673,7 +703,8 @@ def _(p):
     return 'BAD', f'exit {process.returncode}: {lines(out)[-3:]}'
   if lines(out)[-1:] != ['train.py: stopped by SIGINT'] or 'Traceback' in out:
     return 'UGLY', f'said {lines(out)[-3:]}'
-  return resumed(p.run(*p.train(workdir, 12)), ['resuming from step'], workdir, 12)
+  return as_uninterrupted(p, resumed(p.run(*p.train(workdir, 12)), ['resuming from step'],
+                                     workdir, 12), workdir)
 
 
 def sample_stopped(p, signum, returncode: int):
@@ -764,30 +795,41 @@ def damaged_reader(p, *args, how='bytes'):
   return run, [a.format(run=run, out=p.path('out')) for a in args]
 
 
+def refused_damaged(result, run, untouched=()):
+  """A reader's refusal of checkpoint 6 whose bytes changed: it names the checkpoint, the
+  checksums and the checkpoints left, before writing anything, and leaves the damaged one."""
+  verdict = refused(result, f'checkpoint {run}/checkpoints/6 is damaged', untouched)
+  if verdict[0] == 'GOOD' and not ('arrays differ from their checksums: params.' in result.stderr
+                                   and 'The run has checkpoints [3] too' in result.stderr):
+    return 'UGLY', f'does not name the arrays or checkpoint 3: {lines(result.stderr)[-1][:160]}'
+  return verdict if (run / 'checkpoints' / '6').is_dir() else ('BAD', 'checkpoint 6 is gone')
+
+
 @case('checkpoint: sample.py from one whose metadata does not read')
 def _(p):
   run, args = damaged_reader(p, 'sample.py', '--workdir={run}', '--max_new_tokens=4',
                              how='truncate')
-  return refused(p.run(*args), '--workdir: checkpoint')
+  return refused(p.run(*args), f'--workdir: checkpoint {run}/checkpoints/6 is damaged (its '
+                 'metadata does not read); it is left as it is. The run has checkpoints [3] too')
 
 
 @case('checkpoint: sample.py from a damaged one')
 def _(p):
   run, args = damaged_reader(p, 'sample.py', '--workdir={run}', '--max_new_tokens=4')
-  return refused(p.run(*args), 'arrays differ from their checksums')
+  return refused_damaged(p.run(*args), run)
 
 
 @case('checkpoint: export.py from a damaged one')
 def _(p):
   run, args = damaged_reader(p, 'export.py', '--workdir={run}', '--output={out}')
-  return refused(p.run(*args), 'arrays differ from their checksums', [args[-1][9:]])
+  return refused_damaged(p.run(*args), run, [args[-1][9:]])
 
 
 @case('checkpoint: evaluate.py from a damaged one')
 def _(p):
   run, args = damaged_reader(p, 'evaluate.py', '--workdir={run}', '--tasks=stdlib_next_line',
                              '--limit=2', '--output={out}')
-  return refused(p.run(*args), 'arrays differ from their checksums', [args[-1][9:]])
+  return refused_damaged(p.run(*args), run, [args[-1][9:]])
 
 
 @case('evaluate: its output file exists')
@@ -919,32 +961,49 @@ def _(p):
 @case('checkpoint: init_from a damaged one')
 def _(p):
   run, _ = damaged_reader(p)
-  return refused(p.run(*p.train(p.path('new')), f'--config.init_from={run}'),
-                 'arrays differ from their checksums')
+  new = p.path('new')  # stopped before its first step: no metrics, no checkpoint
+  return refused_damaged(p.run(*p.train(new), f'--config.init_from={run}'), run,
+                         [new / 'metrics.jsonl', new / 'checkpoints' / '3'])
 
 
 @case('non-finite: learning rate 1e30')
 def _(p):
   result = p.run(*p.train(p.path('nan'), 12), '--config.optimizer.learning_rate=1e30',
                  '--config.optimizer.warmup_steps=0', '--config.max_bad_steps=2')
+  # 1e30 is finite, so it is accepted; from step 2 on every step is skipped, and the stop reads
+  # as the steps' warnings and one error line (exit 2).
   err = lines(result.stderr)
   if result.returncode != 2 or 'Traceback' in result.stderr:
     return 'UGLY', f'exit {result.returncode}, {len(err)} lines'
-  if not all(line.startswith(('warning: step', 'error: ')) for line in err):
-    return 'UGLY', f'other lines: {[l for l in err if not l.startswith("warning: step")][:2]}'
-  return ('GOOD', err[-1][:160]) if 'max_bad_steps=2' in err[-1] else ('UGLY', err[-1][:160])
+  skipped = [f'warning: step {step}: the loss or gradient is not finite; the step was skipped'
+             for step in (2, 3)]
+  if err[:-1] != skipped:
+    return 'UGLY', f'other lines: {[l for l in err[:-1] if l not in skipped][:2]}'
+  return ('GOOD', err[-1][:160]) if err[-1].startswith(
+      'error: steps 2..3: 2 steps in a row had a non-finite loss or gradient '
+      '(config.max_bad_steps=2); no checkpoint was saved.') else ('UGLY', err[-1][:160])
 
 
 @case('disk: full during a training save')
 def _(p):
+  """The first save's array files are past the limit (the prepared data and the cached programs
+  are not): the save fails in orbax's background thread and the run stops at once, rather than
+  train on with nothing saved; the next run, with room, clears the unfinished save and trains
+  as an uninterrupted run."""
   workdir = p.path('full')
   verdict = refused(p.run(*p.train(workdir, 12), file_size_limit=300_000),
-                    'saving checkpoint 3')
+                    f'saving checkpoint 3 to {workdir}/checkpoints: File too large; raise the '
+                    'file size limit (ulimit -f)')
   if verdict[0] != 'GOOD':
     return verdict
-  again = survived(p.run(*p.train(workdir, 12)))
-  return verdict if again[0] == 'GOOD' and steps_once(workdir, 12) else (
-      'BAD', f'the next run: {again[1]}')
+  if not 3 <= max(r['step'] for r in metrics(workdir)) <= 5:
+    return 'BAD', 'trained on past the failed save'
+  if whole := [c.name for c in (workdir / 'checkpoints').glob('*') if c.name.isdigit()]:
+    return 'BAD', f'checkpoints {whole} look whole'  # the unfinished save is the next run's
+  again = p.run(*p.train(workdir, 12))
+  if 'resuming' in again.stdout:
+    return 'BAD', 'the next run resumed from an unfinished save'
+  return as_uninterrupted(p, resumed(again, ['step 12/12'], workdir, 12), workdir)
 
 
 @case('disk: full under an export')
@@ -1210,7 +1269,6 @@ def trained_with(p, name, *args, steps=6):
 
 
 LORA = ('--config.model.lora_rank=4', '--config.model.lora_alpha=32')
-MOE = ('--config.model.experts=4', '--config.model.expert_matmul=ragged_dot')
 
 
 def lora_run(p):
@@ -1711,8 +1769,7 @@ def _(p):
 
 @case('sample.py: MoE with a capacity factor, identical prompts')
 def _(p):
-  run = trained_with(p, 'moe-capacity', *MOE, '--config.model.capacity_factor=1.0',
-                     '--config.model.compute_dtype=float32')
+  run = trained_with(p, 'moe-drops', *MOE_DROPS)
   result = p.run('sample.py', f'--workdir={run}', '--temperature=0', '--max_new_tokens=12',
                  *['--prompt=def '] * 6)
   if result.returncode:

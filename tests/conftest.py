@@ -105,19 +105,17 @@ def with_file_size_limit(limit: int, args: list[str]) -> list[str]:
 
 
 LONGEST = {  # test-seconds on 2 cores (pytest --durations=0 of a whole run)
-    'test_faults.py': 1000, 'test_gpu_compile.py': 272, 'test_checkpoint.py': 189,
-    'test_benchmarks.py': 117,
-    'test_tiers.py': 109, 'test_flash_attention_hopper.py': 96, 'test_distributed.py': 90,
-    'test_plan.py': 80, 'test_dpo.py': 71, 'test_evaluation.py': 70, 'test_moe.py': 61,
-    'test_notebook.py': 54, 'test_pipeline.py': 52, 'test_timing.py': 51,
-    'test_context_parallel.py': 48, 'test_training.py': 47, 'test_speculate.py': 45,
-    'test_chat.py': 44, 'test_kernels.py': 40, 'test_generate.py': 38, 'test_model.py': 38,
-    'test_lora.py': 30, 'test_huggingface.py': 29, 'test_kv_cache.py': 25,
-    'test_sharding.py': 24, 'test_hierarchical.py': 21, 'test_data.py': 21,
-    'test_configs.py': 18, 'test_tokens.py': 14, 'test_head.py': 11, 'test_fp8.py': 10,
-    'test_preemption.py': 9,
-    'test_grouped_matmul.py': 9, 'test_structure.py': 8, 'test_instruments.py': 3,
-    'test_embedding.py': 2, 'test_workdir.py': 2}
+    'test_faults.py': 1950, 'test_gpu_compile.py': 400, 'test_benchmarks.py': 213,
+    'test_tiers.py': 175, 'test_flash_attention_hopper.py': 164, 'test_distributed.py': 155,
+    'test_evaluation.py': 140, 'test_moe.py': 132, 'test_dpo.py': 125,
+    'test_context_parallel.py': 112, 'test_pipeline.py': 105, 'test_notebook.py': 101,
+    'test_checkpoint.py': 100, 'test_plan.py': 98, 'test_speculate.py': 90, 'test_training.py': 89,
+    'test_timing.py': 79, 'test_model.py': 78, 'test_kernels.py': 72, 'test_generate.py': 70,
+    'test_chat.py': 58, 'test_lora.py': 50, 'test_huggingface.py': 47, 'test_kv_cache.py': 42,
+    'test_sharding.py': 39, 'test_data.py': 39, 'test_configs.py': 31, 'test_hierarchical.py': 29,
+    'test_tokens.py': 27, 'test_fp8.py': 20, 'test_head.py': 17, 'test_grouped_matmul.py': 15,
+    'test_preemption.py': 12, 'test_structure.py': 11, 'test_instruments.py': 6,
+    'test_workdir.py': 3, 'test_embedding.py': 3}
 
 
 def pytest_collection_modifyitems(config, items):
