@@ -1,6 +1,8 @@
 """One run per workdir, held by an OS lock that dies with its process; nothing is created in a
 workdir before the settings are known to be good."""
 
+import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -9,10 +11,25 @@ import time
 import pytest
 
 from runtime import workdir as workdir_lib
-from tests.conftest import tiny_config
-from tests.test_checkpoint import ENV, REPO, command, read_until
+from tests.conftest import SMALL_CORPUS, tiny_config
 from training import loop
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ENV = {**os.environ, 'PYTHONUNBUFFERED': '1'}
+
+
+def command(workdir):
+  return [sys.executable, 'train.py', '--config=configs/base.py', f'--config.workdir={workdir}',
+          f'--config.data.paths={SMALL_CORPUS}', '--config.data.validation_fraction=0.1']
+
+
+def read_until(process, prefix):
+  seen = []
+  for line in process.stdout:
+    if line.startswith(prefix):
+      return line
+    seen.append(line)
+  raise AssertionError(f'the process ended before printing {prefix!r}:\n{"".join(seen[-80:])}')
 
 # A holder that is only the hold: a live training run holding it is the fault probe's case
 # ('workdir: held by a live run'), which trains first.
