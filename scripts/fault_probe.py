@@ -509,7 +509,7 @@ def stopped_and_resumed(p, signum, at='step  4/'):
   out, _ = process.communicate(timeout=300)
   if process.returncode != 0 or not (stopped := re.search(r'stopped by \w+ after step (\d+)', out)):
     return 'BAD', f'exit {process.returncode} without saving'
-  # Saved where the signal found it, not at a regular checkpoint, and resumed from there.
+  # Resumed from the step the signal's save holds, wherever the signal found the run.
   return as_uninterrupted(p, resumed(p.run(*p.train(workdir, 12)),
                                      [f'resuming from step {stopped[1]}'], workdir, 12), workdir)
 
