@@ -6,6 +6,16 @@ model's prediction, never a measurement; memory is each compiler's own plan.
   python -m benchmarks.peers                                  # every preset of PRESETS
   python -m benchmarks.peers --presets=8b --out=benchmarks/results/peers-h100-deviceless.json
   python -m benchmarks.peers --presets=8b,70b --meshlm=model.grad_reduce_dtype=bfloat16
+  python -m benchmarks.peers --search --presets=1b,8b --out=benchmarks/results/peers_best-h100-deviceless.json
+
+Two comparisons. By default each preset as it ships (its tuned remat policy, layers, head chunk)
+beside MaxText at its defaults and the nearest remat policy (REMAT). With --search, best against
+best: each system compiles every combination of the settings its users turn for speed against
+memory (MESHLM_SPACE: layers scanned or unrolled × every remat policy of the layout search;
+MAXTEXT_SPACE: scan_layers × its remat policies, `custom` among them, and vocabulary tiling where
+it could make a candidate fit), on the preset's mesh, batch and microbatches; each candidate is
+listed with its memory and step, the curve of step against memory is marked, and each system's
+fastest that fits (--memory_gb, default what JAX's allocator takes of an H100) is compared.
 
 MaxText (PyPI's maxtext==MAXTEXT) lives in an environment of its own, made on first use beside this
 one (<environment>/meshlm-peers/maxtext-<version>-jax-<jaxlib>, about 2 GB of downloads; not part
@@ -45,11 +55,11 @@ import jax
 from absl import flags
 
 from benchmarks import report
-from configs import llama, moe
+from configs import base, llama, moe
 from planning import gpu_compiler, gpus, timing
 from runtime import cli
 from sharding import collectives
-from training import settings
+from training import layout, settings
 from training.programs import compile_and_plan
 from training.state import build
 
@@ -73,6 +83,11 @@ class Preset:
 
 # MaxText's model files where it has the model; Llama-3.2-1B's shapes over its llama3-8b otherwise.
 PRESETS = {
+    # configs/base.py's tiny model on one GPU: the search and its judgement, in seconds (tests)
+    'tiny': lambda: Preset(base.get_config(), 1, (
+        'model_name=llama3-8b', 'override_model_config=true', 'base_emb_dim=64',
+        'base_num_query_heads=4', 'base_num_kv_heads=2', 'base_num_decoder_layers=2',
+        'base_mlp_dim=192', 'head_dim=16', 'vocab_size=384')),
     '8b': lambda: Preset(llama.get_config('8b'), llama.GPUS['8b'], ('model_name=llama3-8b',)),
     '1b': lambda: Preset(llama.get_config('1b'), llama.GPUS['1b'], (
         'model_name=llama3-8b', 'override_model_config=true', 'base_emb_dim=2048',
@@ -91,9 +106,36 @@ PRESETS = {
 }
 # meshlm's policy: MaxText's that saves the same (dots_attention: the nearest, above)
 REMAT = {'dots': 'minimal', 'dots_attention': 'minimal', 'dots_except_out': 'minimal',
+         'none': 'minimal_with_context',
          'dots_attention_except_out': 'minimal', 'full': 'full'}
 
-_PRESETS = flags.DEFINE_string('presets', ','.join(PRESETS), 'Comma-separated, of PRESETS.')
+# What each system's users turn for speed against memory, every combination compiled by
+# --search; the preset's mesh, batch, microbatches and precision stay (the same work).
+MESHLM_SPACE = [{'model.scan_layers': scan, 'model.remat_policy': policy}
+                for scan in (False, True) for policy in layout.POLICIES]
+# MaxText's remat policies (configs/base.yml's list, less the offloading ones), and its `custom`
+# keeping what meshlm's `_except_out` policies keep: every projection's output but attention's
+# output projection's, and with `context` attention's output too
+_EXCEPT_OUT = {'remat_policy': 'custom', **dict.fromkeys(
+    ('query_proj', 'key_proj', 'value_proj', 'mlpwi_0', 'mlpwi_1', 'mlpwo'), 'device')}
+MAXTEXT_SPACE = [{'scan_layers': scan, **remat} for scan in ('false', 'true') for remat in (
+    *({'remat_policy': policy} for policy in (
+        'full', 'save_qkv_proj', 'save_dot_except_mlp', 'save_dot_except_mlpwi',
+        'save_dot_with_context_except_mlp', 'minimal', 'minimal_with_context')),
+    _EXCEPT_OUT, {**_EXCEPT_OUT, 'context': 'device'})]
+# MaxText's vocabulary tiling computes the loss in this many tiles, for less memory: tried on each
+# candidate that does not fit without it and is predicted faster than the fastest that does.
+VOCAB_TILES = 4
+
+_PRESETS = flags.DEFINE_string('presets', ','.join(p for p in PRESETS if p != 'tiny'),
+                               'Comma-separated, of PRESETS.')
+_SEARCH = flags.DEFINE_bool('search', False, "Best against best: each system's fastest "
+                            'configuration that fits (MESHLM_SPACE, MAXTEXT_SPACE), and the curve '
+                            'of step against memory; else each preset as it ships beside MaxText at '
+                            'the nearest remat policy, its other settings its defaults.')
+_MEMORY_GB = flags.DEFINE_float('memory_gb', None, "--search: what fits, in GiB a GPU; default "
+                                "what JAX's allocator takes of an H100")
+_WITH_MAXTEXT = flags.DEFINE_bool('maxtext', True, "--nomaxtext: meshlm's side alone")
 _ENV = flags.DEFINE_string('maxtext_env', None, "MaxText's environment; default beside this one.")
 _OUT = flags.DEFINE_string('out', None, 'Also write the JSON figures to this file.')
 _MESHLM = flags.DEFINE_multi_string('meshlm', [], "A setting of meshlm's side, as section.field="
@@ -135,27 +177,33 @@ def maxtext_python() -> pathlib.Path:
   return python
 
 
-def maxtext_settings(preset: Preset, out: pathlib.Path) -> list[str]:
+def maxtext_settings(preset: Preset, out: pathlib.Path, overrides: dict | None = None) -> list[str]:
+  """MaxText's command line for `preset`: the same work, then `overrides` (a search's settings)."""
   c = preset.config
-  return [*preset.maxtext, 'hardware=gpu', 'attention=cudnn_flash_jax', 'dtype=bfloat16',
-          'weight_dtype=float32', f'remat_policy={REMAT[c.model.remat_policy]}',
-          f'per_device_batch_size={c.batch_size / c.microbatches / preset.gpus}',
-          f'gradient_accumulation_steps={c.microbatches}', f'max_target_length={c.seq_len}',
-          f'ici_fsdp_parallelism={preset.gpus // preset.expert}',
-          f'ici_expert_parallelism={preset.expert}', 'internal_compile=true',
-          f'internal_compile_num_devices={preset.gpus}', 'dataset_type=synthetic',
-          'enable_checkpointing=false', 'run_name=peers', f'base_output_directory={out}']
+  settings = dict(s.split('=', 1) for s in preset.maxtext)
+  settings.update({
+      'hardware': 'gpu', 'attention': 'cudnn_flash_jax', 'dtype': 'bfloat16',
+      'weight_dtype': 'float32', 'remat_policy': REMAT[c.model.remat_policy],
+      'per_device_batch_size': str(c.batch_size / c.microbatches / preset.gpus),
+      'gradient_accumulation_steps': str(c.microbatches), 'max_target_length': str(c.seq_len),
+      'ici_fsdp_parallelism': str(preset.gpus // preset.expert),
+      'ici_expert_parallelism': str(preset.expert), 'internal_compile': 'true',
+      'internal_compile_num_devices': str(preset.gpus), 'dataset_type': 'synthetic',
+      'enable_checkpointing': 'false', 'run_name': 'peers', 'base_output_directory': str(out),
+      **(overrides or {})})
+  return [f'{k}={v}' for k, v in settings.items()]
 
 
-def maxtext_program(preset: Preset) -> tuple[dict, str]:
+def maxtext_program(preset: Preset, overrides: dict | None = None,
+                    xla_flags: str = '') -> tuple[dict, str]:
   """(MaxText's compiled memory and shapes, its optimized program) for `preset`."""
   with tempfile.TemporaryDirectory(prefix='meshlm-peers-') as tmp:
     child = pathlib.Path(__file__).with_name('peers_maxtext.py')
     done = subprocess.run(
         [str(maxtext_python()), str(child), tmp, str(preset.gpus),
-         *maxtext_settings(preset, pathlib.Path(tmp))],
+         *maxtext_settings(preset, pathlib.Path(tmp), overrides)],
         env={**gpu_compiler.environment(),
-             **({'XLA_FLAGS': _MAXTEXT_XLA_FLAGS.value} if _MAXTEXT_XLA_FLAGS.value else {})},
+             **({'XLA_FLAGS': xla_flags} if xla_flags else {})},
         capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f'MaxText did not compile: {done.stderr.strip().splitlines()[-1]}')
@@ -164,18 +212,22 @@ def maxtext_program(preset: Preset) -> tuple[dict, str]:
       return figures, f.read()
 
 
-def meshlm_program(preset: Preset) -> tuple[dict, str]:
-  """(meshlm's compiled memory and shapes, its optimized program), compiled as a dry run does."""
-  config = preset.config
+def meshlm_program(preset: Preset, overrides: dict | None = None,
+                   given: tuple[str, ...] = ()) -> tuple[dict, str]:
+  """(meshlm's compiled memory and shapes, its optimized program), compiled as a dry run does:
+  the preset, then `given` (--meshlm's section.field=value), then `overrides` (a search's,
+  {'section.field': value})."""
+  config = preset.config.copy_and_resolve_references()
   config.model.attention = 'cudnn'
-  for setting in _MESHLM.value:
-    field, _, value = setting.partition('=')
+  for field, value in [*(s.partition('=')[::2] for s in given), *(overrides or {}).items()]:
     section, _, key = field.rpartition('.')
     holder = config[section] if section else config
     if key not in holder:
-      raise SystemExit(f'--meshlm={setting}: {field} is not a setting of configs/base.py')
-    holder[key] = type(holder[key])(value) if not isinstance(holder[key], bool) else (
-        value.lower() in ('1', 'true'))
+      raise SystemExit(f'--meshlm={field}={value}: {field} is not a setting of configs/base.py')
+    if isinstance(value, str):
+      value = type(holder[key])(value) if not isinstance(holder[key], bool) else (
+          value.lower() in ('1', 'true'))
+    holder[key] = value
   config.plan.target, config.plan.devices, config.dry_run = 'H100', preset.gpus, True
   if preset.expert > 1:
     config.mesh.fsdp, config.mesh.expert = preset.gpus // preset.expert, preset.expert
@@ -207,7 +259,21 @@ def figures(memory: dict, hlo: str, preset: Preset, flops: float) -> dict:
           'exposed_communication_s': parts['communication'], 'gemm_flops': step.gemm_flops,
           'loops_of_unknown_trips': step.loops_charged_once,
           'collectives': {op: {'bytes': s['bytes'], 'by_dtype': s['by_dtype']}
-                          for op, s in sent.items()}}
+                          for op, s in sent.items()},
+          'fusions_by_op': fusions_by_op(step)}
+
+
+def fusions_by_op(step: timing.StepTime, top: int = 12) -> dict[str, dict]:
+  """Where the time outside GEMMs and attention goes: the fusions and other kernels grouped by
+  the JAX operation they come from (the op_name's last two parts), costliest first, each with its
+  seconds and launches a step."""
+  ops = {}
+  for k in step.kernels:
+    if k.part in ('fusion', 'other'):
+      o = ops.setdefault(k.op, {'s': 0.0, 'launches': 0})
+      o['s'] += k.seconds * k.runs
+      o['launches'] += k.runs
+  return dict(sorted(ops.items(), key=lambda kv: -kv[1]['s'])[:top])
 
 
 def sent(row: dict, op: str) -> str:
@@ -216,6 +282,160 @@ def sent(row: dict, op: str) -> str:
     return '—'
   most = max(s['by_dtype'], key=s['by_dtype'].get)  # the dtype that carries the most bytes
   return f'{s["bytes"] / 2**30:.1f} ({most})'
+
+
+@dataclasses.dataclass(frozen=True)
+class Given:
+  """What the command line adds to every compile of a system."""
+  meshlm: tuple[str, ...] = ()  # --meshlm
+  maxtext_xla_flags: str = ''  # --maxtext_xla_flags
+  programs: str | None = None  # --programs: keep each program there
+
+
+def search(name: str, preset: Preset, system: str, space: list[dict], memory_bytes: int,
+           flops: float | None = None, given: Given = Given(), log=print) -> list[dict]:
+  """Every candidate of `space` compiled by `system` ('meshlm' or 'MaxText') and read by the time
+  model, as rows of `figures` with their settings (or the error that stopped them) and whether
+  they fit `memory_bytes`; MaxText's again with vocabulary tiling where that could make it win.
+  MFU counts the model's FLOPs (`flops`, a step's a GPU; meshlm's rows count their own)."""
+  rows = [candidate(name, preset, system, settings, flops, given, log) for settings in space]
+  if system == 'MaxText':
+    fastest = min((r['step_s'] for r in rows if fits(r, memory_bytes)), default=float('inf'))
+    rows += [candidate(name, preset, system,
+                       {**r['settings'], 'num_vocab_tiling': str(VOCAB_TILES)}, flops, given,
+                       log)
+             for r in list(rows) if 'error' not in r and not fits(r, memory_bytes)
+             and r['step_s'] < fastest]
+  return judge(rows, memory_bytes)
+
+
+def judge(rows: list[dict], memory_bytes: int) -> list[dict]:
+  """`rows`, each marked with whether it fits `memory_bytes` (a row that did not compile does
+  not)."""
+  for r in rows:
+    r['fits'] = fits(r, memory_bytes)
+  return rows
+
+
+def candidate(name: str, preset: Preset, system: str, settings: dict, flops: float | None,
+              given: Given = Given(), log=print) -> dict:
+  """One configuration's row; a configuration its system refuses or fails to compile is a row
+  with its error, so that one bad combination does not end the search."""
+  try:
+    memory, hlo = (meshlm_program(preset, settings, given.meshlm) if system == 'meshlm' else
+                   maxtext_program(preset, settings, given.maxtext_xla_flags))
+  except (RuntimeError, ValueError) as e:
+    log(f'  {system} {label(settings)}: {e}')
+    return {'settings': settings, 'label': label(settings), 'error': str(e)}
+  c = preset.config
+  if any(memory[k] != c[k] for k in ('batch_size', 'microbatches', 'seq_len')):
+    raise SystemExit(f'{name}: {system} was given other shapes than the preset ({memory})')
+  flops = memory.pop('flops', flops)
+  row = {'settings': settings, 'label': label(settings), 'flops': flops,
+         **figures(memory, hlo, preset, flops)}
+  if given.programs:
+    keep(hlo, given.programs, f'{name}-{system.lower()}-{label(settings, sep="-")}')
+  log(f'  {system:<8}{label(settings):<52}{row["total_bytes"] / 2**30:>7.2f} GiB'
+      f'{row["step_s"]:>8.3f} s')
+  return row
+
+
+def fits(row: dict, memory_bytes: int) -> bool:
+  return 'error' not in row and row['total_bytes'] <= memory_bytes
+
+
+def best(rows: list[dict]) -> dict | None:
+  """The fastest of the rows that fit; None where none does."""
+  return min((r for r in rows if r['fits']), key=lambda r: r['step_s'], default=None)
+
+
+def front(rows: list[dict]) -> list[dict]:
+  """The curve of step against memory: each compiled row faster than every row that needs less
+  memory, least memory first (what a reader with a given memory can have at best)."""
+  curve = []
+  for r in sorted((r for r in rows if 'error' not in r),
+                  key=lambda r: (r['total_bytes'], r['step_s'])):
+    if not curve or r['step_s'] < curve[-1]['step_s']:
+      curve.append(r)
+  return curve
+
+
+_SHORT = {'query_proj': 'qkv', 'key_proj': 'qkv', 'value_proj': 'qkv', 'mlpwi_0': 'mlp',
+          'mlpwi_1': 'mlp', 'mlpwo': 'mlp'}
+
+
+def label(settings: dict, sep: str = ', ') -> str:
+  """A candidate's settings as a row names them: the values, MaxText's custom by what it keeps."""
+  parts = []
+  for key, value in settings.items():
+    key = key.rpartition('.')[2]
+    if value == 'device':
+      continue  # named in 'custom(…)'
+    if key == 'remat_policy' and value == 'custom':
+      kept = [_SHORT.get(k, k) for k, v in settings.items() if v == 'device']
+      value = 'custom(' + '+'.join(dict.fromkeys(kept)) + ')'
+    parts.append(('scanned' if value in (True, 'true') else 'unrolled') if key == 'scan_layers'
+                 else f'vocab tiles {value}' if key == 'num_vocab_tiling' else str(value))
+  return sep.join(parts)
+
+
+def keep(hlo: str, where: str, name: str) -> None:
+  kept = pathlib.Path(where)
+  kept.mkdir(parents=True, exist_ok=True)
+  with gzip.open(kept / f'{name}.hlo.txt.gz', 'wt') as f:
+    f.write(hlo)
+
+
+def best_against_best(names: list[str], given: Given) -> tuple[list[dict], int]:
+  """Each system's search on each preset: every candidate, the curve, the fastest that fits."""
+  memory_bytes = (int(_MEMORY_GB.value * 2**30) if _MEMORY_GB.value
+                  else gpus.usable_memory_bytes(gpus.get('H100')))
+  print(f'fits: at most {memory_bytes / 2**30:.2f} GiB a GPU')
+  results = []
+  for name in names:
+    preset = PRESETS[name]()
+    print(f'{name}: {preset.gpus} GPU(s), {preset.config.batch_size} × {preset.config.seq_len} '
+          f'tokens, {preset.config.microbatches} microbatch(es)', flush=True)
+    rows = {'meshlm': search(name, preset, 'meshlm', MESHLM_SPACE, memory_bytes, given=given)}
+    if _WITH_MAXTEXT.value:
+      flops = next(r['flops'] for r in rows['meshlm'] if 'error' not in r)
+      rows['MaxText'] = search(name, preset, 'MaxText', MAXTEXT_SPACE, memory_bytes, flops,
+                               given)
+    print(f'{"":<2}{"system":<9}{"settings":<52}{"GiB":>7}{"step":>8}{"MFU":>7}{"GEMM":>7}'
+          f'{"attn":>7}{"fusion":>7}{"rest":>7}{"comm":>7}')
+    result = {'preset': name, 'gpus': preset.gpus, 'batch_size': preset.config.batch_size,
+              'seq_len': preset.config.seq_len, 'microbatches': preset.config.microbatches}
+    for system, found in rows.items():
+      curve, fastest = front(found), best(found)
+      for r in sorted(found, key=lambda r: r.get('total_bytes', float('inf'))):
+        mark = ('*' if r is fastest else '·' if any(r is c for c in curve) else ' ')
+        if 'error' in r:
+          print(f'{mark:<2}{system:<9}{label(r["settings"]):<52}  {r["error"][:60]}')
+          continue
+        print(f'{mark:<2}{system:<9}{label(r["settings"]):<52}{r["total_bytes"] / 2**30:>7.2f}'
+              f'{r["step_s"]:>8.3f}{r["mfu"]:>7.1%}{r["gemm_s"]:>7.3f}{r["attention_s"]:>7.3f}'
+              f'{r["fusion_s"]:>7.3f}{r["rest_s"]:>7.3f}{r["exposed_communication_s"]:>7.3f}'
+              + ('' if r['fits'] else '  does not fit'))
+      result[system] = {'candidates': found, 'best': found.index(fastest) if fastest else None,
+                        'front': [found.index(c) for c in curve]}
+    print('  * the fastest that fits; · on the curve of step against memory (faster than every '
+          'candidate needing less)')
+    if _WITH_MAXTEXT.value:
+      ours, theirs = best(rows['meshlm']), best(rows['MaxText'])
+      if ours and theirs:
+        result['step_ratio'] = ours['step_s'] / theirs['step_s']
+        result['memory_ratio'] = ours['total_bytes'] / theirs['total_bytes']
+        print(f'  best against best within {memory_bytes / 2**30:.2f} GiB: meshlm '
+              f'{label(ours["settings"])} {ours["step_s"]:.3f} s at {ours["total_bytes"] / 2**30:.2f}'
+              f' GiB, MaxText {label(theirs["settings"])} {theirs["step_s"]:.3f} s at '
+              f'{theirs["total_bytes"] / 2**30:.2f} GiB: meshlm ÷ MaxText {result["step_ratio"]:.3f}',
+              flush=True)
+        for system, r in (('meshlm', ours), ('MaxText', theirs)):
+          print(f'  {system}\'s best outside GEMMs and attention, by JAX operation (s, launches): '
+                + '; '.join(f'{op} {o["s"]:.3f} ({o["launches"]})'
+                            for op, o in list(r['fusions_by_op'].items())[:8]))
+    results.append(result)
+  return results, memory_bytes
 
 
 def main(argv):
@@ -227,16 +447,31 @@ def main(argv):
     raise SystemExit(f'--presets: {unknown} are not of {list(PRESETS)}')
   print(f'H100 (deviceless), jaxlib {jax.__version__}, MaxText {MAXTEXT}; per GPU a step, '
         'predicted by the time model; GiB and seconds')
+  figures_of = {'benchmark': 'peers', 'compiled_for': 'H100', 'deviceless': True,
+                'source': 'model', 'jax': jax.__version__, 'maxtext': MAXTEXT,
+                'flax': importlib.metadata.version('flax'), 'meshlm_settings': _MESHLM.value,
+                'maxtext_xla_flags': _MAXTEXT_XLA_FLAGS.value}
+  given = Given(tuple(_MESHLM.value), _MAXTEXT_XLA_FLAGS.value, _PROGRAMS.value)
+  if _SEARCH.value:
+    results, memory_bytes = best_against_best(names, given)
+    figures_of.update(search=True, memory_bytes=memory_bytes)
+  else:
+    results = as_shipped(names, given)
+  report.emit({**figures_of, 'presets': results, 'command': report.command()}, _OUT.value)
+
+
+def as_shipped(names: list[str], given: Given) -> list[dict]:
+  """Each preset as it ships beside MaxText at the nearest remat policy (REMAT)."""
   head = (f'{"preset":<18}{"system":<9}{"GiB":>7}{"step":>8}{"tok/s":>8}{"MFU":>7}{"GEMM":>7}'
           f'{"attn":>7}{"fusion":>7}{"rest":>7}{"comm":>7}  {"reduce-scatter":<16}all-gather')
   print(head)
   results = []
   for name in names:
     preset = PRESETS[name]()
-    ours, our_hlo = meshlm_program(preset)
+    ours, our_hlo = meshlm_program(preset, given=given.meshlm)
     flops = ours.pop('flops')
     try:
-      theirs, their_hlo = maxtext_program(preset)
+      theirs, their_hlo = maxtext_program(preset, xla_flags=given.maxtext_xla_flags)
     except RuntimeError as e:
       print(f'{name:<18}{"MaxText":<9}{e}')
       results.append({'preset': name, 'gpus': preset.gpus, 'maxtext_error': str(e),
@@ -246,12 +481,9 @@ def main(argv):
       raise SystemExit(f'{name}: MaxText was given other shapes than meshlm ({theirs} vs {ours})')
     rows = {'meshlm': figures(ours, our_hlo, preset, flops),
             'MaxText': figures(theirs, their_hlo, preset, flops)}
-    if _PROGRAMS.value:
-      kept = pathlib.Path(_PROGRAMS.value)
-      kept.mkdir(parents=True, exist_ok=True)
+    if given.programs:
       for system, hlo in (('meshlm', our_hlo), ('maxtext', their_hlo)):
-        with gzip.open(kept / f'{name}-{system}.hlo.txt.gz', 'wt') as f:
-          f.write(hlo)
+        keep(hlo, given.programs, f'{name}-{system}')
     for system, r in rows.items():
       print(f'{name:<18}{system:<9}{r["total_bytes"] / 2**30:>7.2f}{r["step_s"]:>8.3f}'
             f'{r["tokens_per_s_per_gpu"]:>8.0f}{r["mfu"]:>7.1%}{r["gemm_s"]:>7.3f}'
@@ -271,12 +503,7 @@ def main(argv):
                     'remat': preset.config.model.remat_policy,
                     'maxtext_model': list(preset.maxtext),
                     'step_ratio': ratio, 'memory_ratio': memory, **rows})
-  report.emit({'benchmark': 'peers', 'compiled_for': 'H100', 'deviceless': True,
-               'source': 'model', 'jax': jax.__version__, 'maxtext': MAXTEXT,
-               'flax': importlib.metadata.version('flax'), 'meshlm_settings': _MESHLM.value,
-               'maxtext_xla_flags': _MAXTEXT_XLA_FLAGS.value,
-               'presets': results,
-               'command': report.command()}, _OUT.value)
+  return results
 
 
 if __name__ == '__main__':

@@ -96,6 +96,49 @@ def peers() -> str:
   return '\n'.join(rows) + '\n'
 
 
+def peers_best() -> str:
+  """Best against best: each system's fastest configuration that fits and its curve of step
+  against memory (benchmarks/results/peers_best-h100-deviceless.json, `--search`)."""
+  results = result('peers_best-h100-deviceless')
+  fits = results['memory_bytes'] / 2**30
+  rows = ['| preset (H100s) | system | fastest that fits | memory | step | the curve: GiB a GPU → '
+          'step (s), each point faster than all that need less |', '| --- | --- | --- | --- | --- | --- |']
+  ratios = []
+  for preset in results['presets']:
+    for system in ('meshlm', 'MaxText'):
+      found = preset[system]
+      fastest = found['candidates'][found['best']] if found['best'] is not None else None
+      curve = ', '.join(f'{r["total_bytes"] / 2**30:.1f} → {r["step_s"]:.3f}'
+                        + ('' if r['fits'] else ' (does not fit)')
+                        for r in (found['candidates'][i] for i in found['front']))
+      name = (f' {preset["preset"]} ({preset["gpus"]}), {preset["batch_size"]} × '
+              f'{preset["seq_len"]}, {preset["microbatches"]} microbatch'
+              f'{"es" if preset["microbatches"] > 1 else ""} ' if system == 'meshlm' else ' ')
+      best = (f'{fastest["label"]} | {fastest["total_bytes"] / 2**30:.2f} GiB | '
+              f'{fastest["step_s"]:.3f} s' if fastest else 'nothing fits | — | —')
+      rows.append(f'|{name}| {system} | {best} | {curve} |')
+    if 'step_ratio' in preset:
+      ratios.append(best_against_best(preset))
+  return ('\n'.join(rows) + f'\n\nPredicted, each fitting the {fits:.2f} GiB JAX takes of an H100. '
+          + ' '.join(ratios) + '\n')
+
+
+def best_against_best(preset: dict) -> str:
+  """One preset's comparison: the fastest of each that fits, then both within the memory the
+  leaner of the two needs (each system's fastest candidate that needs no more)."""
+  best = {system: preset[system]['candidates'][preset[system]['best']]
+          for system in ('meshlm', 'MaxText')}
+  leaner = min(best, key=lambda system: best[system]['total_bytes'])
+  within = best[leaner]['total_bytes']
+  fastest = {system: min((r for r in preset[system]['candidates']
+                          if 'error' not in r and r['total_bytes'] <= within),
+                         key=lambda r: r['step_s']) for system in best}
+  return (f'On the {preset["preset"]}, meshlm\'s fastest step is {preset["step_ratio"]:.3f}× '
+          f'MaxText\'s fastest; within the {within / 2**30:.2f} GiB {leaner}\'s fastest needs, '
+          f'{fastest["meshlm"]["step_s"] / fastest["MaxText"]["step_s"]:.3f}× '
+          f'(meshlm {fastest["meshlm"]["label"]}, MaxText {fastest["MaxText"]["label"]}).')
+
+
 def efficiencies() -> str:
   """The time model's constants as planning/gpus.py and planning/offload.py hold them, each with
   the measurements (or the prior) it stands for."""
@@ -448,7 +491,7 @@ def two_processes() -> str:
 RENDERERS = {'plan_1b': plan_1b, 'finetune_8b': finetune_8b, 'finetune_1b': finetune_1b,
              'dpo_8b': dpo_8b, 'llama_1b_8gpu': llama_1b_8gpu,
              'kernel_resources': kernel_resources, 'mosaic_attention': mosaic_attention,
-             'data_pipeline': data_pipeline, 'published': published, 'cudnn_packed': cudnn_packed, 'grad_reduce': grad_reduce, 'fp8': fp8, 'speed': speed, 'plan_8b': plan_8b, 'peers': peers, 'efficiencies': efficiencies,
+             'data_pipeline': data_pipeline, 'published': published, 'cudnn_packed': cudnn_packed, 'grad_reduce': grad_reduce, 'fp8': fp8, 'speed': speed, 'plan_8b': plan_8b, 'peers': peers, 'peers_best': peers_best, 'efficiencies': efficiencies,
              'kv_cache': kv_cache, 'kv_cache_plan': kv_cache_plan, 'speculative': speculative,
              'speculative_plan': speculative_plan,
              'checkpoint_save': checkpoint_save, 'two_processes': two_processes}

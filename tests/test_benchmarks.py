@@ -77,6 +77,36 @@ def test_moe_benchmark_compiles_each_implementation_for_h100():
 
 
 @pytest.mark.integration
+def test_the_peers_search_compiles_each_candidate_and_judges_what_fits(h100):
+  """Deviceless, meshlm's side on the tiny preset: every candidate of a space compiled and read
+  by the time model; what fits a memory is what needs no more, the best the fastest of those,
+  and the curve holds each candidate faster than all that need less."""
+  from benchmarks import peers
+  space = [{'model.scan_layers': scan, 'model.remat_policy': policy}
+           for scan in (False, True) for policy in ('full', 'none')]
+  rows = peers.search('tiny', peers.PRESETS['tiny'](), 'meshlm', space, memory_bytes=2**40,
+                      log=lambda *_: None)
+  assert [r['settings'] for r in rows] == space and all(r['fits'] for r in rows)
+  by = {(r['settings']['model.scan_layers'], r['settings']['model.remat_policy']): r for r in rows}
+  for scan in (False, True):  # keeping every activation needs more, and recomputes none
+    assert by[scan, 'none']['total_bytes'] > by[scan, 'full']['total_bytes']
+    assert by[scan, 'none']['gemm_flops'] < by[scan, 'full']['gemm_flops']
+  totals = sorted({r['total_bytes'] for r in rows})
+  limit = totals[len(totals) // 2] - 1
+  peers.judge(rows, limit)
+  fitting = [r for r in rows if r['fits']]
+  assert 0 < len(fitting) < len(rows)
+  assert all(r['fits'] == (r['total_bytes'] <= limit) for r in rows)
+  assert peers.best(rows) is min(fitting, key=lambda r: r['step_s'])
+  curve = peers.front(rows)
+  assert [r['total_bytes'] for r in curve] == sorted(r['total_bytes'] for r in curve)
+  assert all(a['step_s'] > b['step_s'] for a, b in zip(curve, curve[1:]))
+  assert all(any(c['total_bytes'] <= r['total_bytes'] and c['step_s'] <= r['step_s']
+                 for c in curve) for r in rows)
+  assert peers.label(space[1]) == 'unrolled, none' and peers.best(peers.judge(rows, 0)) is None
+
+
+@pytest.mark.integration
 def test_the_cache_and_speculation_plans_compile_decode_steps_for_h100():
   """Deviceless, the 125m preset: each kind's cache is what its compiled step takes as arguments
   beside the weights, and the time model predicts each step; a round of speculation, its draft
