@@ -35,9 +35,9 @@ byte-level on the default corpus; --config.data.tokenizer=hf with a Llama 3 toke
 them their real vocabulary). Compiled for H100 (cudnn attention, gradients reduced in bf16 across
 GPUs), a step needs 8.7 GiB (125m, dots), 44.8 GiB (1b, dots_attention_except_out: cuDNN's
 output and softmax statistics kept, so its forward runs once, and the output projection redone
-from them) and 41.9 GiB a GPU (8b, dots_except_out over 4 microbatches, FSDP over 8), within the
+from them) and 46.2 GiB a GPU (8b, dots_attention over 4 microbatches, FSDP over 8), within the
 59.7 GiB JAX's allocator takes of each. The time model predicts (the dry run prints it) 84.6 ms,
-525 ms and 3.06 s a step: MFU 31%, 52% and 56% (jaxlib 0.12.0.1, the model fitted to an H200's
+525 ms and 2.89 s a step: MFU 31%, 52% and 59% (jaxlib 0.12.0.1, the model fitted to an H200's
 and an H100's measurements; docs/time-model.md, docs/memory.md).
 Measured on one H200: the 125m's step 71.4 ms, the 1b's 561 ms scanned and 528 ms unrolled
 (benchmarks/results/calibrate_steps_*-h200.json); on one H100 the 1b preset's 530.0 ms, against
@@ -72,13 +72,13 @@ PRESETS = {
                 rope_high_freq_factor=4.0, rope_original_length=8192),
 }
 RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches: the fastest the
-          # time model predicts of those that fit the preset's H100s within MaxText's memory for
-          # the same step (benchmarks/peers.py; docs/memory.md). The 1b and the 8b leave the
-          # output projection's output to recompute (_except_out: a matmul a layer for 2 GiB a
-          # GPU); the 8b recomputes attention too (dots_attention costs it 2 GiB more again)
+          # time model predicts of those that fit the preset's H100s with a fifth of the memory
+          # to spare, for what a GPU's own compile and its allocator add to the deviceless plan
+          # (benchmarks/peers.py --search; docs/memory.md). The 1b keeps the policy GPUs measured:
+          # it leaves the output projection's output to recompute (_except_out)
     '125m': (32, 1024, 'dots', 1),
     '1b': (8, 4096, 'dots_attention_except_out', 1),
-    '8b': (32, 8192, 'dots_except_out', 4),
+    '8b': (32, 8192, 'dots_attention', 4),
     '70b': (32, 8192, 'full', 1),
 }
 # Layers unrolled (config.model.scan_layers=False) where a GPU measured it faster and it fits: on
