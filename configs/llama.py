@@ -85,9 +85,8 @@ RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches:
 # an H200 the 1b took 528 ms a step against 561 ms scanned, for 1.7 GiB more
 # (benchmarks/results/calibrate_steps_1b-h200.json). The 8b's too, as predicted (no GPU has run
 # it yet), with its head 1024 tokens at a time and XLA's scheduler within 67% of the memory
-# beside the step's inputs and outputs (config.model.scheduler_memory; 0.24 GiB less than its
-# default 95% on jaxlib 0.12, the same step; since the backward sums each layer's gradient,
-# model/gradient_sums.py, the same bytes and step as 95%). The 70b's is slower; the 125m's is not measured.
+# beside the step's inputs and outputs (config.model.scheduler_memory; 1.5 GiB less than its
+# default 95% on jaxlib 0.12, the same step). The 70b's is slower; the 125m's is not measured.
 UNROLLED = {'1b', '8b'}
 # Tokens the head takes at once, where not configs/base.py's: the 1b's 2048 plans 1.5 GiB less
 # than 4096 for 0.4 ms (jaxlib 0.12, one H100)
