@@ -415,7 +415,9 @@ def best_against_best(names: list[str], given: Given) -> tuple[list[dict], int]:
         print(f'{mark:<2}{system:<9}{label(r["settings"]):<52}{r["total_bytes"] / 2**30:>7.2f}'
               f'{r["step_s"]:>8.3f}{r["mfu"]:>7.1%}{r["gemm_s"]:>7.3f}{r["attention_s"]:>7.3f}'
               f'{r["fusion_s"]:>7.3f}{r["rest_s"]:>7.3f}{r["exposed_communication_s"]:>7.3f}'
-              + ('' if r['fits'] else '  does not fit'))
+              + ('' if r['fits'] else '  does not fit')
+              + ('  (loops whose trips depend on the data, each charged once: undercounted)'
+                 if r['loops_of_unknown_trips'] else ''))
       result[system] = {'candidates': found, 'best': found.index(fastest) if fastest else None,
                         'front': [found.index(c) for c in curve]}
     print('  * the fastest that fits; · on the curve of step against memory (faster than every '
