@@ -335,7 +335,7 @@ def candidate(name: str, preset: Preset, system: str, settings: dict, flops: flo
          **figures(memory, hlo, preset, flops)}
   if given.programs:
     keep(hlo, given.programs, f'{name}-{system.lower()}-{label(settings, sep="-")}')
-  log(f'  {system:<8}{label(settings):<52}{row["total_bytes"] / 2**30:>7.2f} GiB'
+  log(f'  {system:<8}{row["label"]:<52}{row["total_bytes"] / 2**30:>7.2f} GiB'
       f'{row["step_s"]:>8.3f} s')
   return row
 
@@ -410,9 +410,9 @@ def best_against_best(names: list[str], given: Given) -> tuple[list[dict], int]:
       for r in sorted(found, key=lambda r: r.get('total_bytes', float('inf'))):
         mark = ('*' if r is fastest else '·' if any(r is c for c in curve) else ' ')
         if 'error' in r:
-          print(f'{mark:<2}{system:<9}{label(r["settings"]):<52}  {r["error"][:60]}')
+          print(f'{mark:<2}{system:<9}{r["label"]:<52}  {r["error"][:60]}')
           continue
-        print(f'{mark:<2}{system:<9}{label(r["settings"]):<52}{r["total_bytes"] / 2**30:>7.2f}'
+        print(f'{mark:<2}{system:<9}{r["label"]:<52}{r["total_bytes"] / 2**30:>7.2f}'
               f'{r["step_s"]:>8.3f}{r["mfu"]:>7.1%}{r["gemm_s"]:>7.3f}{r["attention_s"]:>7.3f}'
               f'{r["fusion_s"]:>7.3f}{r["rest_s"]:>7.3f}{r["exposed_communication_s"]:>7.3f}'
               + ('' if r['fits'] else '  does not fit')
@@ -428,8 +428,8 @@ def best_against_best(names: list[str], given: Given) -> tuple[list[dict], int]:
         result['step_ratio'] = ours['step_s'] / theirs['step_s']
         result['memory_ratio'] = ours['total_bytes'] / theirs['total_bytes']
         print(f'  best against best within {memory_bytes / 2**30:.2f} GiB: meshlm '
-              f'{label(ours["settings"])} {ours["step_s"]:.3f} s at {ours["total_bytes"] / 2**30:.2f}'
-              f' GiB, MaxText {label(theirs["settings"])} {theirs["step_s"]:.3f} s at '
+              f'{ours["label"]} {ours["step_s"]:.3f} s at {ours["total_bytes"] / 2**30:.2f}'
+              f' GiB, MaxText {theirs["label"]} {theirs["step_s"]:.3f} s at '
               f'{theirs["total_bytes"] / 2**30:.2f} GiB: meshlm ÷ MaxText {result["step_ratio"]:.3f}',
               flush=True)
         for system, r in (('meshlm', ours), ('MaxText', theirs)):
