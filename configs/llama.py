@@ -84,14 +84,11 @@ RUNS = {  # name: global batch (sequences), seq_len, remat policy, microbatches:
 # Layers unrolled (config.model.scan_layers=False) where a GPU measured it faster and it fits: on
 # an H200 the 1b took 528 ms a step against 561 ms scanned, for 1.7 GiB more
 # (benchmarks/results/calibrate_steps_1b-h200.json). The 8b's too, as predicted (no GPU has run
-# it yet), with its head 1024 tokens at a time and XLA's scheduler within 67% of the memory
-# beside the step's inputs and outputs (config.model.scheduler_memory; 1.5 GiB less than its
-# default 95% on jaxlib 0.12, the same step). The 70b's is slower; the 125m's is not measured.
+# it yet), with its head 1024 tokens at a time. The 70b's is slower; the 125m's is not measured.
 UNROLLED = {'1b', '8b'}
 # Tokens the head takes at once, where not configs/base.py's: the 1b's 2048 plans 1.5 GiB less
 # than 4096 for 0.4 ms (jaxlib 0.12, one H100)
 HEAD_CHUNK = {'1b': 2048, '8b': 1024}
-SCHEDULER_MEMORY = {'8b': 0.67}  # config.model.scheduler_memory, where not XLA's 0.95
 # Each layer's weight gathers started in the layer before (config.model.prefetch_weights), where
 # they cross nodes and the plan is faster for it: the 70b on 32 H100s, predicted 12.25 against
 # 13.10 s, for 2.9 GiB more. The 8b over 16 is slower for it (docs/parallelism.md).
@@ -148,7 +145,6 @@ def get_config(preset: str = '1b'):
   c.model.update(PRESETS[preset])
   c.model.scan_layers = preset not in UNROLLED
   c.model.head_chunk = HEAD_CHUNK.get(preset, c.model.head_chunk)
-  c.model.scheduler_memory = SCHEDULER_MEMORY.get(preset, c.model.scheduler_memory)
   c.model.prefetch_weights = preset in PREFETCHED
   c.optimizer.learning_rate = 3e-4
   c.optimizer.warmup_steps = 500

@@ -54,6 +54,8 @@ class Draft(nnx.Param):
 # The output projection's name: a remat policy may leave it to recompute from attention's output
 # (one matmul a layer) rather than keep it (model/transformer.py: REMAT).
 OUT = 'out_projection'
+# Queries and keys rotated, as attention takes them: what the dots policies keep of them
+ROTATED = 'rotated'
 ADDED = (LoRA, Draft)  # parameters a base model's checkpoint does not hold: they start afresh
 
 
@@ -341,6 +343,8 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
     q_BLNH, k_BLKH, v_BLKH = self._project(x_BLD, positions_BL)
+    if not self.cfg.qk_norm:  # whose backward needs the projections' outputs: keep those alone
+      q_BLNH, k_BLKH = checkpoint_name(q_BLNH, ROTATED), checkpoint_name(k_BLKH, ROTATED)
     q_BLNH = checkpoint_name(q_BLNH, 'query_proj')
     k_BLKH = checkpoint_name(k_BLKH, 'key_proj')
     v_BLKH = checkpoint_name(v_BLKH, 'value_proj')

@@ -10,12 +10,16 @@ import sharding
 from model import draft, gradient_sums, head, kv_cache, moe, pipeline
 from configs.base import REMAT_POLICIES, ModelConfig
 from model.embedding import lookup
-from model.layers import OUT, MLP, Attention, RMSNorm, constrain, gathered, matmul, param, weight
+from model.layers import OUT, ROTATED, MLP, Attention, RMSNorm, constrain, gathered, matmul, param, weight
 
 _policies = jax.checkpoint_policies
 _QKV = ('query_proj', 'key_proj', 'value_proj')  # checkpoint_name tags in model/layers.py
 _ATTENTION = _QKV + ('attention_out',)
 _PROJECTIONS = ('projection', OUT)  # every matmul by a weight: OUT is attention's output projection
+# The dots policies keep queries and keys rotated (model/layers.py: ROTATED), as attention takes
+# them, rather than rotate the kept projections again in the backward (the same bytes: the
+# projections' outputs are then not kept)
+_DOTS = _PROJECTIONS + (ROTATED,)
 
 
 def _offload(names):
@@ -43,15 +47,15 @@ def _with_attention_kernel(policy):
 REMAT = {
     'none': None,  # everything
     'full': _policies.nothing_saveable,  # only the layer's input
-    'dots': _policies.save_only_these_names(*_PROJECTIONS),  # every projection's output
+    'dots': _policies.save_only_these_names(*_DOTS),  # every projection's output
     'dots_attention': _with_attention_kernel(
-        _policies.save_only_these_names(*_PROJECTIONS, 'attention_kernel')),
+        _policies.save_only_these_names(*_DOTS, 'attention_kernel')),
     # As the two above, less the output projection's: the backward redoes that matmul from
     # attention's output (which `dots` recomputes anyway, and `dots_attention` keeps), one
     # [batch, length, embed] array a layer for a matmul a layer.
-    'dots_except_out': _policies.save_only_these_names('projection'),
+    'dots_except_out': _policies.save_only_these_names('projection', ROTATED),
     'dots_attention_except_out': _with_attention_kernel(
-        _policies.save_only_these_names('projection', 'attention_kernel')),
+        _policies.save_only_these_names('projection', ROTATED, 'attention_kernel')),
     'save_qkv_proj': _policies.save_only_these_names(*_QKV),
     'save_attention': _with_attention_kernel(
         _policies.save_only_these_names(*_ATTENTION, 'attention_kernel')),

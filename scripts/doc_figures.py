@@ -63,8 +63,8 @@ def plan_8b() -> str:
 
 # Each preset of the side-by-side table, as its row names it (what the results do not record).
 PEERS = {
-    '8b': "8b (8), 32 × 8192, dots_attention, 4 microbatches, layers unrolled, the head 1024 "
-          "tokens at a time, XLA's scheduler within 67%",
+    '8b': '8b (8), 32 × 8192, dots_attention, 4 microbatches, layers unrolled, the head 1024 '
+          'tokens at a time',
     '1b': '1b (1), 8 × 4096, dots_attention_except_out, layers unrolled, the head 2048 tokens at '
           'a time',
     '70b': '70b (32), 32 × 8192, full, weights a layer early',

@@ -142,6 +142,30 @@ def test_except_out_policies_keep_one_array_a_layer_less(capsys):
   assert len(kept['dots']) == len(kept['dots_except_out']) + 1
 
 
+def test_dots_policies_keep_queries_and_keys_rotated_in_the_bytes_the_projections_took(
+    monkeypatch, capsys):
+  """The dots policies keep q and k as attention takes them (rotated) rather than the
+  projections' outputs: the same residuals, shape for shape, and the backward no longer rotates
+  them again. The gradients are the same."""
+  from model import transformer
+  x = tokens(3, (2, 32))
+  residuals, programs, grads = {}, {}, {}
+  old = jax.checkpoint_policies.save_only_these_names(*transformer._PROJECTIONS)
+  for kept in ('rotated', 'projections'):
+    if kept == 'projections':
+      monkeypatch.setitem(transformer.REMAT, 'dots', old)
+    graphdef, params = nnx.split(make_model(remat_policy='dots', scan_layers=False))
+    f = lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+    jax.ad_checkpoint.print_saved_residuals(f, params)
+    residuals[kept] = sorted(line.split(' ')[0] for line in capsys.readouterr().out.splitlines())
+    programs[kept] = len(str(jax.make_jaxpr(jax.grad(f))(params)).splitlines())
+    grads[kept] = jax.grad(f)(params)
+  assert residuals['rotated'] == residuals['projections']
+  assert programs['rotated'] < programs['projections']
+  for a, b in zip(jax.tree.leaves(grads['rotated']), jax.tree.leaves(grads['projections'])):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize('policy', KEEPS_KERNEL)
 def test_keeping_attention_with_xla_named_is_refused_and_with_auto_on_a_cpu_is_dots(policy):
   from training import settings
@@ -298,6 +322,12 @@ def test_the_summed_layer_scan_adds_each_layers_gradient_in_place(policy):
   expected, got = (jax.jit(f)(sums, layers, x_BD) for f in (autodiff, summed))
   for k in sums:
     np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
+  # Unrolled, the sums may be a buffer a layer: the same sums, layer by layer
+  layered = [jax.tree.map(lambda a: a[i], sums) for i in range(N)]
+  apart = jax.jit(lambda sums, layers, x_BD: jax.grad(lambda sums: loss(*gradient_sums.scan(
+      layer, layers, sums, x_BD, (scale_D,), unroll=True)))(sums))(layered, layers, x_BD)
+  for k in sums:
+    np.testing.assert_array_equal(jnp.stack([s[k] for s in apart]), expected[k], err_msg=k)
   temporaries = {f.__name__: jax.jit(f, donate_argnums=0).lower(sums, layers, x_BD).compile()
                  .memory_analysis().temp_size_in_bytes for f in (autodiff, summed)}
   stack = N * D * D * 4  # the trained weights' gradients of every layer, fp32

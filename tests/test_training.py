@@ -223,6 +223,58 @@ def test_microbatches_must_split_each_devices_rows(tmp_path):
     loop.run(c)
 
 
+def test_unrolled_microbatches_sum_each_layer_apart_and_cast_the_weights_once(monkeypatch):
+  """Over microbatches, unrolled layers' gradient sums are a buffer a layer (model/gradient_sums.py)
+  and, gradients reduced in bf16, the weights are cast to it once a step rather than in every
+  microbatch (norm scales stay fp32): the gradients are bit for bit the stacked sums' and the
+  per-microbatch casts'."""
+  import sharding
+  from model import gradient_sums
+  from training import programs, step as step_module
+  config = tiny_config(fsdp=8)
+  config.model.update(grad_reduce_dtype='bfloat16', compute_dtype='bfloat16', scan_layers=False)
+  config.microbatches, config.batch_size = 2, 16
+  setup = build(settings.resolve(config))
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  host = {'inputs': rng.integers(0, 256, shape), 'targets': rng.integers(0, 256, shape),
+          'positions': np.broadcast_to(np.arange(shape[1]), shape), 'weights': np.ones(shape)}
+  batch = {k: jax.device_put(np.asarray(v, programs.BATCH_KEYS[k]),
+                             sharding.batch_sharding(setup.mesh)) for k, v in host.items()}
+  seen, scan, gradients = {}, gradient_sums.scan, step_module.gradients
+
+  def scan_spy(step, layers, sums, *args):
+    seen['per layer'] = isinstance(sums, list)
+    return scan(step, layers, sums, *args)
+
+  def gradients_spy(setup, loss, microbatches, params, *args, **kwargs):
+    seen['dtypes'] = {jax.tree_util.keystr(p): a.dtype
+                      for p, a in jax.tree_util.tree_leaves_with_path(params)}
+    return gradients(setup, loss, microbatches, params, *args, **kwargs)
+  monkeypatch.setattr(gradient_sums, 'scan', scan_spy)
+  monkeypatch.setattr(step_module, 'gradients', gradients_spy)
+  results, microbatched = {}, step_module.microbatched
+  for way in ('new', 'old'):
+    if way == 'old':
+      monkeypatch.setattr(step_module, 'cast_once', lambda setup: None)
+      monkeypatch.setattr(step_module, 'microbatched',
+                          lambda *a, **k: microbatched(*a, **{**k, 'per_layer': False}))
+    gradient_step = step_module.make_gradient_step(setup, 1e-4, 2)
+    with jax.set_mesh(setup.mesh):
+      grads, _, _, metrics = jax.jit(gradient_step)(setup.init_state(), batch)
+    results[way] = jax.tree.map(np.asarray, grads), dict(seen), float(metrics['loss'])
+  (new, seen_new, loss_new), (old, seen_old, loss_old) = results['new'], results['old']
+  assert seen_new['per layer'] and not seen_old['per layer']
+  dtypes = seen_new['dtypes']
+  assert {str(d) for k, d in dtypes.items() if 'norm' in k} == {'float32'}
+  assert {str(d) for k, d in dtypes.items() if 'norm' not in k} == {'bfloat16'}
+  assert {str(d) for d in seen_old['dtypes'].values()} == {'float32'}
+  assert loss_new == loss_old
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(old)):
+    assert a.dtype == b.dtype == np.float32, path
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize('model', [dict(experts=4, experts_per_token=2, dense_layers=1,
                                         n_layers=3), dict(lora_rank=2)])
 def test_microbatches_add_each_layers_gradient_to_the_sums_in_the_backward(model, monkeypatch):

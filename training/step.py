@@ -96,7 +96,13 @@ def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
   staged = pipeline_stages(setup) > 1  # the stages take the microbatches themselves
   grad_fn = functools.partial(gradients, setup, loss, microbatches if staged else 1)
   if microbatches > 1 and not staged:
-    grad_fn = microbatched(grad_fn, loss, microbatches, widened=copy_of_master(setup))
+    cfg = setup.model_cfg
+    matrices = cast_once(setup) if setup.hierarchy is None else None
+    grad_fn = microbatched(grad_fn, loss, microbatches,
+                           widened=copy_of_master(setup) or matrices is not None,
+                           per_layer=not cfg.scan_layers and cfg.virtual_stages == 1)
+    if matrices is not None:
+      grad_fn = in_reduce_dtype(grad_fn, matrices, cfg.reduce_dtype)
   if setup.hierarchy is not None:
     grad_fn = replicas_apart(setup, loss, grad_fn)
   return functools.partial(gradient_step, setup, grad_fn)
@@ -136,12 +142,15 @@ def gradients(setup: Setup, loss, microbatches: int, params, frozen, reference, 
                                                               total, share, sums)
 
 
-def microbatched(grad_fn, loss, microbatches: int, widened: bool = False):
+def microbatched(grad_fn, loss, microbatches: int, widened: bool = False,
+                 per_layer: bool = False):
   """`grad_fn` accumulated over `microbatches` slices of the batch by a scan (only one's
   activations live at a time): the same as one pass over the batch. The layer stacks' sums go
   through the model, whose backward adds each layer's gradient to them as it makes it, so no
   microbatch's gradients of a whole stack are held. `widened`: bf16 gradients summed in fp32
-  (the parameters a compute-dtype copy of master weights kept off the devices)."""
+  (the parameters a compute-dtype copy of master weights kept off the devices). `per_layer`
+  (unrolled layers): each layer's sums a buffer of its own until the microbatches are done,
+  which its gradient is added to in place (model/gradient_sums.py), stacked once at the end."""
   def accumulated(params, frozen, reference, batch, total=None):
     total = jnp.maximum(loss.weight(batch), 1.0) if total is None else total
     slices = split_microbatches(batch, microbatches)
@@ -153,8 +162,70 @@ def microbatched(grad_fn, loss, microbatches: int, widened: bool = False):
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, wider(a.dtype)), shapes)
     step = functools.partial(add_microbatch, grad_fn, stacks, params, frozen, reference, total,
                              1 / microbatches)
-    return jax.lax.scan(step, zeros, slices)[0]
+    if not per_layer:
+      return jax.lax.scan(step, zeros, slices)[0]
+    outputs, grads = zeros
+    rest = {key: a for key, a in keyed(grads).items() if not key.startswith(stack_keys(stacks))}
+    layered = {name: [jax.tree.map(lambda a: a[0], grads[name])] * layers(grads[name])
+               for name in stacks}
+    (outputs, rest, layered), _ = jax.lax.scan(
+        functools.partial(add_microbatch_per_layer, grad_fn, params, frozen, reference, total,
+                          1 / microbatches), (outputs, rest, layered), slices)
+    for name in stacks:  # each leaf's layers stacked again
+      per = [keyed(layer) for layer in layered[name]]
+      prefix = stack_keys([name])[0]
+      rest.update({prefix + key: jnp.stack([p[key] for p in per]) for key in per[0]})
+    return outputs, jax.tree_util.tree_map_with_path(
+        lambda path, _: rest[jax.tree_util.keystr(path)], grads)
   return accumulated
+
+
+def keyed(tree) -> dict:
+  """{path as keystr: leaf}."""
+  return {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def stack_keys(stacks) -> tuple:
+  return tuple(jax.tree_util.keystr((jax.tree_util.DictKey(name),)) for name in stacks)
+
+
+def layers(stack) -> int:
+  return jax.tree.leaves(stack)[0].shape[0]
+
+
+def add_microbatch_per_layer(grad_fn, params, frozen, reference, total, share, carry,
+                             microbatch):
+  """add_microbatch's, the stacks' sums one tree a layer (`layered`), the rest's by path."""
+  outputs, rest, layered = carry
+  outputs_mb, (grads, layered) = grad_fn(params, frozen, reference, microbatch, total, share,
+                                         layered)
+  grads = keyed(grads)
+  rest = {key: s + grads[key] for key, s in rest.items()}
+  return sharding.row_major((jax.tree.map(jnp.add, outputs, outputs_mb), rest, layered)), None
+
+
+def cast_once(setup: Setup):
+  """Where a step's microbatches would each cast the same fp32 weights to the gradient reduction
+  dtype (and a remat policy cast them again in the backward), a tree as the trained parameters
+  saying which to cast once a step instead; else None. The weights it names are the ones the
+  model reads only so cast (`model.layers.weight`): everything of a dense model but its norm
+  scales, which it reads in fp32 (an MoE router is read in fp32 too: MoE models keep the casts).
+  The values the step computes with, and their gradients, are the same either way."""
+  cfg = setup.model_cfg
+  if cfg.experts or jnp.dtype(cfg.reduce_dtype) == jnp.dtype(cfg.param_dtype):
+    return None
+  params, _ = trained(cfg, setup.abstract_state.params)
+  return jax.tree.map(lambda v: v.replace('norm' not in (v.out_sharding or ())), params,
+                      is_leaf=lambda x: hasattr(x, 'out_sharding'))
+
+
+def in_reduce_dtype(grad_fn, matrices, dtype):
+  """`grad_fn` (microbatched, its sums fp32) of the trained parameters with `matrices` cast to
+  `dtype` once, before the microbatches, rather than in each."""
+  def cast(params, frozen, reference, batch, total=None):
+    compute = jax.tree.map(lambda w, matrix: w.astype(dtype) if matrix else w, params, matrices)
+    return grad_fn(compute, frozen, reference, batch, total)
+  return cast
 
 
 def add_microbatch(grad_fn, stacks, params, frozen, reference, total, share, carry, microbatch):
