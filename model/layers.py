@@ -343,7 +343,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
     q_BLNH, k_BLKH, v_BLKH = self._project(x_BLD, positions_BL)
-    if not self.cfg.qk_norm:  # whose backward needs the projections' outputs: keep those alone
+    # With qk_norm, whose backward reads the projections' outputs, those alone are kept; under
+    # LoRA the time model predicts the rotated ones slower (docs/notes/retunings.md)
+    if not (self.cfg.qk_norm or self.cfg.lora_rank):
       q_BLNH, k_BLKH = checkpoint_name(q_BLNH, ROTATED), checkpoint_name(k_BLKH, ROTATED)
     q_BLNH = checkpoint_name(q_BLNH, 'query_proj')
     k_BLKH = checkpoint_name(k_BLKH, 'key_proj')

@@ -97,10 +97,11 @@ def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
   grad_fn = functools.partial(gradients, setup, loss, microbatches if staged else 1)
   if microbatches > 1 and not staged:
     cfg = setup.model_cfg
-    matrices = cast_once(setup) if setup.hierarchy is None else None
+    unrolled = not cfg.scan_layers and cfg.virtual_stages == 1
+    matrices = cast_once(setup) if setup.hierarchy is None and unrolled else None
     grad_fn = microbatched(grad_fn, loss, microbatches,
                            widened=copy_of_master(setup) or matrices is not None,
-                           per_layer=not cfg.scan_layers and cfg.virtual_stages == 1)
+                           per_layer=unrolled)
     if matrices is not None:
       grad_fn = in_reduce_dtype(grad_fn, matrices, cfg.reduce_dtype)
   if setup.hierarchy is not None:
