@@ -386,8 +386,10 @@ def keep(hlo: str, where: str, name: str) -> None:
     f.write(hlo)
 
 
-def best_against_best(names: list[str], given: Given) -> tuple[list[dict], int]:
-  """Each system's search on each preset: every candidate, the curve, the fastest that fits."""
+def best_against_best(names: list[str], given: Given, done=lambda results: None
+                      ) -> tuple[list[dict], int]:
+  """Each system's search on each preset: every candidate, the curve, the fastest that fits;
+  `done(results so far)` after each preset."""
   memory_bytes = (int(_MEMORY_GB.value * 2**30) if _MEMORY_GB.value
                   else gpus.usable_memory_bytes(gpus.get('H100')))
   print(f'fits: at most {memory_bytes / 2**30:.2f} GiB a GPU')
@@ -437,6 +439,7 @@ def best_against_best(names: list[str], given: Given) -> tuple[list[dict], int]:
                 + '; '.join(f'{op} {o["s"]:.3f} ({o["launches"]})'
                             for op, o in list(r['fusions_by_op'].items())[:8]))
     results.append(result)
+    done(results)
   return results, memory_bytes
 
 
@@ -454,12 +457,20 @@ def main(argv):
                 'flax': importlib.metadata.version('flax'), 'meshlm_settings': _MESHLM.value,
                 'maxtext_xla_flags': _MAXTEXT_XLA_FLAGS.value}
   given = Given(tuple(_MESHLM.value), _MAXTEXT_XLA_FLAGS.value, _PROGRAMS.value)
+  # A long search keeps each finished preset in OUT.partial (the results file itself is written
+  # whole, at the end, so a stopped run leaves the last one as it was)
+  partial = pathlib.Path(f'{_OUT.value}.partial') if _OUT.value else None
   if _SEARCH.value:
-    results, memory_bytes = best_against_best(names, given)
+    def done(results):
+      if partial:
+        partial.write_text(json.dumps({**figures_of, 'presets': results}, indent=2) + '\n')
+    results, memory_bytes = best_against_best(names, given, done)
     figures_of.update(search=True, memory_bytes=memory_bytes)
   else:
     results = as_shipped(names, given)
   report.emit({**figures_of, 'presets': results, 'command': report.command()}, _OUT.value)
+  if partial:
+    partial.unlink(missing_ok=True)
 
 
 def as_shipped(names: list[str], given: Given) -> list[dict]:

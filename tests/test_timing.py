@@ -296,11 +296,11 @@ def test_remat_full_is_predicted_slower_than_dots_by_its_recomputed_flops(h100):
   rate = H100.peak_bf16_flops * gpus.GEMM_EFFICIENCY * gpus.tile_waves(8192, 1024, 1, H100.sms)
   extra_gemm_s = slow.breakdown['gemm'] - fast.breakdown['gemm']
   assert extra_gemm_s == pytest.approx(recomputed / rate, rel=0.05)
-  # The recompute's cost is its matmuls: `full` recomputes the element-wise work too, but saves
-  # the HBM traffic of `dots` writing every projection's output for the backward and reading it
-  # back, and the two nearly cancel (jaxlib 0.10 predicted `full`'s fusions faster, 0.11 slightly
-  # slower).
-  assert abs(slow.breakdown['fusion'] - fast.breakdown['fusion']) < 0.1 * extra_gemm_s
+  # The recompute's cost is mostly its matmuls: `full` recomputes the element-wise work too
+  # (RoPE among it, which `dots` no longer does: it keeps q and k rotated), but saves the HBM
+  # traffic of `dots` writing every projection's output for the backward and reading it back,
+  # and the two nearly cancel (jaxlib 0.10 predicted `full`'s fusions faster, 0.11 slower).
+  assert abs(slow.breakdown['fusion'] - fast.breakdown['fusion']) < 0.15 * extra_gemm_s
   assert slow.seconds > fast.seconds
   assert full_plan.time['seconds'] == pytest.approx(slow.seconds)  # the plan carries it
 
