@@ -192,6 +192,27 @@ def test_readmes_dry_run_plans_the_1b_for_an_h100_as_it_says(h100):
   assert 'Traceback' not in result.stderr and 'plugin' not in result.stderr.lower()
 
 
+@pytest.mark.integration
+def test_the_auto_layout_of_a_dry_run_searches_in_the_gpu_compilers_process(h100):
+  """`--config.mesh.auto=True` on a dry run for GPUs this process cannot compile for: the GPU
+  compiler's process runs the search (docs/memory.md's commands), ranks the candidates and plans
+  the first, the fastest predicted."""
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  result = subprocess.run(
+      [sys.executable, 'train.py', '--config=configs/llama.py:125m', '--config.dry_run=True',
+       '--config.plan.target=H100', '--config.mesh.auto=True'], cwd=REPO, env=env,
+      capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  figures = json.loads(result.stdout.strip().splitlines()[-1])
+  ranked = [line.split() for line in result.stdout.splitlines()
+            if re.match(r'\s+\d+\s+1×1×1×1×1×1\s', line)]
+  assert len(ranked) >= 3 and figures['fits'] and figures['deviceless']
+  assert figures['remat_policy'] == ranked[0][3]  # the plan is of the first in the ranking
+  steps = [float(r[6]) for r in ranked]
+  assert steps == sorted(steps) and figures['time']['seconds'] == pytest.approx(steps[0], rel=0.01)
+  assert 'Traceback' not in result.stderr
+
+
 def test_the_scheduler_share_goes_to_xla_where_it_is_not_xlas_own(h100):
   config = preset('8b', 'auto')
   config.model.scheduler_memory = 0.67

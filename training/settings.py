@@ -69,7 +69,7 @@ def resolve(config, devices=None, log=None) -> Run:
     hierarchical.check_nodes(run.partition, sharding.mesh_shape(run.mesh.sizes,
                                                                 run.target.n_devices),
                              run.target.gpus_per_node)
-  if not run.mesh.auto:
+  if not run.mesh.auto or run.target.in_child:  # the GPU compiler's process searches
     return layout.with_attention(run)
   if log is None:
     log = print if jax.process_index() == 0 else lambda *_: None
