@@ -113,12 +113,17 @@ def hierarchy(partition_config, abstract_params, shardings, mesh) -> Hierarchy:
   dims = data_dims(abstract_params, shardings, mesh)
   if not partition_config.hierarchical:
     dims = jax.tree.map(lambda _: -1, dims)
-  norms = jax.tree.map(lambda v: v.replace('norm' not in (v.out_sharding or ())),
-                       abstract_params, is_leaf=lambda x: hasattr(x, 'out_sharding'))
   specs = jax.tree.map(lambda sharding: sharding.spec, shardings)
   return Hierarchy(partition_config.hierarchical, partition_config.weights,
                    partition_config.gradients, specs, dims,
-                   block_sizes(abstract_params, shardings, dims, mesh), norms)
+                   block_sizes(abstract_params, shardings, dims, mesh), matrices(abstract_params))
+
+
+def matrices(abstract_params):
+  """For each model parameter (an nnx Variable naming its logical axes), whether it is a matrix
+  rather than a norm scale: what the model reads in the compute dtype, not in fp32."""
+  return jax.tree.map(lambda v: v.replace('norm' not in (v.out_sharding or ())),
+                      abstract_params, is_leaf=lambda x: hasattr(x, 'out_sharding'))
 
 
 def data_dims(abstract_params, shardings, mesh):

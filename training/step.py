@@ -215,9 +215,7 @@ def cast_once(setup: Setup):
   cfg = setup.model_cfg
   if cfg.experts or jnp.dtype(cfg.reduce_dtype) == jnp.dtype(cfg.param_dtype):
     return None
-  params, _ = trained(cfg, setup.abstract_state.params)
-  return jax.tree.map(lambda v: v.replace('norm' not in (v.out_sharding or ())), params,
-                      is_leaf=lambda x: hasattr(x, 'out_sharding'))
+  return hierarchical.matrices(trained(cfg, setup.abstract_state.params)[0])
 
 
 def in_reduce_dtype(grad_fn, matrices, dtype):
