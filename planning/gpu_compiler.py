@@ -23,6 +23,10 @@ process; the tests put it on their own path (tests/conftest.py, `put_on_path`).
 The folder is `<environment>/meshlm-gpu-compiler/<jaxlib version>` (the plugin must match jaxlib
 exactly, and pip leaves an older one's metadata behind) unless MESHLM_GPU_COMPILER names another.
 On a GPU machine (pip install -e '.[gpu]') the environment's own CUDA plugin serves instead.
+
+jaxlib 0.12.1 cannot do this for cuDNN's attention: its XLA builds cuDNN's execution plan while
+compiling, loading cuDNN's runtime-compiled engines, which need a CUDA driver (libcuda), so
+pyproject.toml keeps jax below it.
 """
 
 import dataclasses
