@@ -27,6 +27,10 @@ PLANS = {  # name: the flags after train.py (its dry run's own)
     'llama_1b_8gpu': ('--config=configs/llama.py:1b', '--config.plan.devices=8'),
     'llama_1b_8gpu_b64': ('--config=configs/llama.py:1b', '--config.batch_size=64',
                           '--config.plan.devices=8'),
+    'qwen3_0.6b': ('--config=configs/qwen3.py:0.6b',),
+    'qwen3_8b_8gpu': ('--config=configs/qwen3.py:8b', '--config.plan.devices=8'),
+    'qwen3_32b_8gpu': ('--config=configs/qwen3.py:32b', '--config.plan.devices=8'),
+    'finetune_qwen3_8b_lora': ('--config=configs/finetune.py:qwen3-8b',),
 }
 
 

@@ -36,12 +36,22 @@ Should reach: it fits one H100, 39.71 GiB of the 59.74 JAX's allocator takes (th
 and the adapters 15.11 GiB, Adam's moments of the adapters 0.31 GiB), predicted at 2.51 s a
 step (MFU 44.3%, counting no weight gradient for the base). Full fine-tuning
 (--config.model.lora_rank=0) needs 146.8 GiB a GPU, its Adam moments alone 59.83 GiB.
+
+qwen3-8b (Qwen3-8B's shapes, q/k norms included, LoRA rank 16 on one H100), planned on any
+machine, then on a GPU from the real checkpoint:
+  python train.py --config=configs/finetune.py:qwen3-8b --config.dry_run=True \
+      --config.plan.target=H100
+  python train.py --config=configs/finetune.py:qwen3-8b --config.init_from=hf:/path/to/Qwen3-8B \
+      --config.data.paths=/path/to/chats.jsonl
+Should reach: it fits one H100 (docs/recipes.md has its plan: python -m benchmarks.plans
+--only=qwen3).
 """
 
 from configs import base
 from configs import llama
+from configs import qwen3
 
-PRESETS = ('tiny', '1b', '8b')
+PRESETS = ('tiny', '1b', '8b', 'qwen3-8b')
 
 
 def get_config(preset: str = 'tiny'):
@@ -65,7 +75,10 @@ def get_config(preset: str = 'tiny'):
     return c
   c.train_steps, c.log_every, c.eval_every = 1000, 10, 200
   c.optimizer.learning_rate = 2e-4
-  c.model.update(llama.PRESETS[preset])
+  if preset.startswith('qwen3-'):
+    c.model.update(qwen3.PRESETS[preset.removeprefix('qwen3-')], **qwen3.COMMON)
+  else:
+    c.model.update(llama.PRESETS[preset])
   c.model.remat_policy = 'dots'
   c.batch_size, c.seq_len, c.microbatches = 8, 4096, 1 if preset == '1b' else 4
   return c

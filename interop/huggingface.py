@@ -1,6 +1,7 @@
-"""Hugging Face Llama checkpoints in and out. meshlm's model computes the function of
-transformers' `LlamaForCausalLM` for the same weights, so a checkpoint is a renaming and a
-re-layout of tensors (`TENSORS`).
+"""Hugging Face checkpoints in and out: Llama, Qwen3, Mixtral and Qwen3-MoE (`FAMILIES`).
+meshlm's model computes the function of transformers' `LlamaForCausalLM` (or the family's
+`...ForCausalLM`) for the same weights, so a checkpoint is a renaming and a re-layout of tensors
+(`TENSORS`, and a family's own in `FAMILY_TENSORS`).
 
 Import, `--config.init_from=hf:DIR` (DIR holds config.json and model.safetensors, or the shards a
 model.safetensors.index.json names): `model_settings` gives config.model's fields from
@@ -86,9 +87,16 @@ TENSORS = {
     ('final_norm', 'scale'): Layout('model.norm.weight'),
     ('unembed',): Layout('lm_head.weight', True),
 }
-# An MoE model's in place of the MLP's, by family (model_type); its experts' weights [E, ...] are
-# E tensors. Mixtral's, and Qwen3-MoE's, which also has per-head q/k norms.
-MOE_TENSORS = {
+# Each family's tensors beside or in place of Llama's. Qwen3's per-head q/k norms; an MoE's in
+# place of the MLP's, its experts' weights [E, ...] as E tensors: Mixtral's, and Qwen3-MoE's,
+# which has Qwen3's q/k norms too.
+QK_NORMS = {
+    ('blocks', 'attn', 'q_norm', 'scale'): Layout('self_attn.q_norm.weight'),
+    ('blocks', 'attn', 'k_norm', 'scale'): Layout('self_attn.k_norm.weight'),
+}
+FAMILY_TENSORS = {
+    'llama': {},
+    'qwen3': QK_NORMS,
     'mixtral': {
         ('blocks', 'mlp', 'router'): Layout('block_sparse_moe.gate.weight', True),
         ('blocks', 'mlp', 'w_gate'): Layout('block_sparse_moe.experts.{}.w1.weight', True, (),
@@ -102,10 +110,11 @@ MOE_TENSORS = {
         ('blocks', 'mlp', 'w_gate'): Layout('mlp.experts.{}.gate_proj.weight', True, (), True),
         ('blocks', 'mlp', 'w_up'): Layout('mlp.experts.{}.up_proj.weight', True, (), True),
         ('blocks', 'mlp', 'w_down'): Layout('mlp.experts.{}.down_proj.weight', True, (), True),
-        ('blocks', 'attn', 'q_norm', 'scale'): Layout('self_attn.q_norm.weight'),
-        ('blocks', 'attn', 'k_norm', 'scale'): Layout('self_attn.k_norm.weight'),
+        **QK_NORMS,
     },
 }
+FAMILIES = tuple(FAMILY_TENSORS)  # the model_types meshlm imports and exports
+MOE_FAMILIES = ('mixtral', 'qwen3_moe')
 IGNORED = ('rotary_emb.inv_freq',)  # buffers older transformers saved; recomputed from the config
 DTYPES = {'F32': np.float32, 'BF16': ml_dtypes.bfloat16, 'F16': np.float16}
 
@@ -125,9 +134,9 @@ MOE_FIELDS = {'experts': 'num_local_experts/num_experts',
 
 
 def family(cfg) -> str:
-  """The HF model_type whose checkpoints hold this model."""
+  """The HF model_type whose checkpoints hold this model: Qwen3's have q/k norms."""
   if not cfg.experts:
-    return 'llama'
+    return 'qwen3' if cfg.qk_norm else 'llama'
   return 'qwen3_moe' if cfg.qk_norm else 'mixtral'
 
 
@@ -138,13 +147,14 @@ def directory(init_from: str) -> pathlib.Path | None:
   path = pathlib.Path(init_from[len(PREFIX):]).expanduser()
   if not (path / 'config.json').is_file():
     raise ValueError(f'{SETTING}={init_from!r}: {path} holds no config.json; give a directory '
-                     'with a Hugging Face Llama checkpoint (config.json and model.safetensors)')
+                     'with a Hugging Face checkpoint (config.json and model.safetensors)')
   return path
 
 
 def model_settings(path: pathlib.Path) -> dict:
-  """config.model's fields from a Llama config.json (transformers 4's `rope_scaling` and
-  `rope_theta` or 5's `rope_parameters`); anything meshlm's Llama does not compute is an error."""
+  """config.model's fields from the config.json of a family of FAMILIES (transformers 4's
+  `rope_scaling` and `rope_theta` or 5's `rope_parameters`); anything meshlm does not compute
+  exactly is an error naming the key."""
   where = f'{SETTING}={PREFIX}{path}: its config.json'
   try:
     hf = json.loads((path / 'config.json').read_text())
@@ -154,7 +164,7 @@ def model_settings(path: pathlib.Path) -> dict:
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
   model_type = hf.get('model_type')
   unsupported = {
-      'model_type': model_type not in ('llama', 'mixtral', 'qwen3_moe'),
+      'model_type': model_type not in FAMILIES,
       'hidden_act': hf.get('hidden_act', 'silu') != 'silu',
       'attention_bias': hf.get('attention_bias', False),
       'mlp_bias': hf.get('mlp_bias', False),
@@ -164,18 +174,19 @@ def model_settings(path: pathlib.Path) -> dict:
       'use_sliding_window': hf.get('use_sliding_window', False),
       'rope_type': rope_type not in ('default', 'llama3'),
       'sliding_window': hf.get('sliding_window') is not None,
+      'layer_types': any(t != 'full_attention' for t in hf.get('layer_types') or ()),
       'router_jitter_noise': bool(hf.get('router_jitter_noise')),
   }
   if bad := [key for key, is_bad in unsupported.items() if is_bad]:
     raise ValueError(f'{where} has {", ".join(f"{k}={hf.get(k, rope_type)!r}" for k in bad)}; '
-                     "meshlm imports Llama, Mixtral and Qwen3-MoE (model_type 'llama', 'mixtral' "
-                     "or 'qwen3_moe': SwiGLU, no biases, full causal attention, every layer's "
-                     "experts alike, rope_type 'default' or 'llama3')")
+                     "meshlm imports Llama, Qwen3, Mixtral and Qwen3-MoE (model_type "
+                     f"{' or '.join(map(repr, FAMILIES))}: SwiGLU, no biases, full causal "
+                     "attention, every layer's experts alike, rope_type 'default' or 'llama3')")
   required = ['vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads',
               'intermediate_size'] + [key for f, key in FIELDS.items()
                                       if f in LLAMA3_FIELDS and rope_type == 'llama3']
   if missing := [key for key in required if key not in {**hf, **rope}]:
-    raise ValueError(f'{where} lacks {missing}; it is not a whole Llama config')
+    raise ValueError(f'{where} lacks {missing}; it is not a whole {model_type} config')
   heads = hf['num_attention_heads']
   values = {**hf, **rope, 'rope_type': rope_type,
             'rope_theta': float(rope.get('rope_theta', hf.get('rope_theta', 10_000.0))),
@@ -189,8 +200,8 @@ def model_settings(path: pathlib.Path) -> dict:
   for field in LLAMA3_FIELDS[:3]:
     if field in fields:
       fields[field] = float(fields[field])
-  fields.update(experts=0, qk_norm=False)
-  if model_type in MOE_TENSORS:
+  fields.update(experts=0, qk_norm=model_type in ('qwen3', 'qwen3_moe'))
+  if model_type in MOE_FAMILIES:
     k = hf.get('num_experts_per_tok', 2)
     mixtral = model_type == 'mixtral'
     fields.update(
@@ -199,7 +210,7 @@ def model_settings(path: pathlib.Path) -> dict:
         experts_per_token=k,
         expert_d_ff=hf['intermediate_size'] if mixtral else hf.get('moe_intermediate_size', 768),
         router='softmax', router_renormalize=mixtral or hf.get('norm_topk_prob', False),
-        shared_experts=0, dense_layers=0, qk_norm=not mixtral,
+        shared_experts=0, dense_layers=0,
         load_balance_loss=float(hf.get('router_aux_loss_coef', 0.001)) * k)
   return fields
 
@@ -213,7 +224,7 @@ def _parameters(abstract_params, cfg):
   """(leaf path, leaf, Layout, lead) of each meshlm parameter; the stacked ones have `lead`
   leading dimensions, each index one HF tensor: the layers [n], or [V, n/V] (layer v·n/V + j at
   [v, j]) with virtual stages, then an MoE layer's experts [E]."""
-  tensors = {**TENSORS, **MOE_TENSORS.get(family(cfg), {})}
+  tensors = {**TENSORS, **FAMILY_TENSORS[family(cfg)]}
   for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
     names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
     layout = tensors[names]
@@ -280,8 +291,8 @@ class Checkpoint(contextlib.ExitStack):
     unused = {n for n in self.tensors if n not in wanted and not n.endswith(IGNORED)
               and n != TENSORS['unembed',].name}  # a tied head may be saved as well
     if unused:
-      raise ValueError(f'{self.where} holds tensors meshlm\'s Llama has no place for, such as '
-                       f'{sorted(unused)[:3]}; it is not a plain Llama checkpoint')
+      raise ValueError(f'{self.where} holds tensors meshlm\'s {family(cfg)} has no place for, '
+                       f'such as {sorted(unused)[:3]}; it is not a plain {family(cfg)} checkpoint')
 
   def read(self, name: str, layout: Layout, shape: tuple, index: list) -> np.ndarray:
     """meshlm's part `index` ((start, stop) per dimension) of one layer's parameter of `shape`,
@@ -331,12 +342,9 @@ def load_params(path: pathlib.Path, abstract_params, model_cfg):
 
 
 def check_exportable(cfg) -> None:
-  """ValueError naming the setting, for a model no Llama, Mixtral or Qwen3-MoE checkpoint can
-  hold."""
+  """ValueError naming the setting, for a model no checkpoint of FAMILIES can hold (a dense
+  model, with q/k norms or without, is a Qwen3 or a Llama)."""
   if not cfg.experts:
-    if cfg.qk_norm:
-      raise ValueError('config.model.qk_norm=True without experts: a Llama checkpoint has no '
-                       'q/k norms, and meshlm exports q/k norms only as Qwen3-MoE')
     return
   unlike = {'router': cfg.router != 'softmax',
             'router_renormalize': not cfg.router_renormalize and family(cfg) == 'mixtral',
@@ -350,8 +358,9 @@ def check_exportable(cfg) -> None:
 
 
 def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
-  """config.json for transformers' LlamaConfig, or MixtralConfig for a model with experts (the
-  form transformers 4 writes, which 5 reads)."""
+  """config.json for transformers' config of the model's family: LlamaConfig, Qwen3Config (q/k
+  norms), MixtralConfig or Qwen3MoeConfig (experts); the form transformers 4 writes, which 5
+  reads."""
   rope_scaling = None
   if cfg.rope_type == 'llama3':
     rope_scaling = {'rope_type': 'llama3', 'factor': cfg.rope_factor,
@@ -371,8 +380,14 @@ def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
       'tie_word_embeddings': cfg.tie_embeddings, 'attention_bias': False, 'mlp_bias': False,
       'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id,
       'pad_token_id': tokenizer.pad_id, 'torch_dtype': dtype, 'dtype': dtype,
-      **{'mixtral': _mixtral_config, 'qwen3_moe': _qwen3_moe_config}.get(
+      **{'qwen3': _qwen3_config, 'mixtral': _mixtral_config, 'qwen3_moe': _qwen3_moe_config}.get(
           family(cfg), lambda _: {})(cfg)}
+
+
+def _qwen3_config(cfg) -> dict:
+  return {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3',
+          'use_sliding_window': False, 'sliding_window': None,
+          'max_window_layers': cfg.n_layers, 'layer_types': ['full_attention'] * cfg.n_layers}
 
 
 def _mixtral_config(cfg) -> dict:

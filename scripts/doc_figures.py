@@ -284,6 +284,23 @@ def llama_1b_8gpu() -> str:
   return '\n'.join(rows) + '\n'
 
 
+def qwen3_plans() -> str:
+  """configs/qwen3.py's presets and the Qwen3-8B LoRA preset on their H100s (benchmarks/plans.py),
+  a table."""
+  rows = ['| command (with `--config.dry_run=True --config.plan.target=H100`) | H100s | tokens a '
+          'step | remat, microbatches | memory a GPU | step (predicted) | MFU |',
+          '| --- | --- | --- | --- | --- | --- | --- |']
+  for name in ('qwen3_0.6b', 'qwen3_8b_8gpu', 'qwen3_32b_8gpu', 'finetune_qwen3_8b_lora'):
+    p = planned(name)
+    flags = p['command'].replace(' --config.dry_run=True --config.plan.target=H100', '')
+    tiers = p['tiers'] and ', moments in host memory'
+    rows.append(f'| `{flags}` | {p["n_devices"]} | {tokens(p):,} | {p["remat_policy"]}, '
+                f'{p["microbatches"]}{tiers or ""} | {gib(p["total_bytes"])} of '
+                f'{gib(p["memory_bytes"])} | {readable_seconds(p["time"]["seconds"])} | '
+                f'{p["time"]["mfu"]:.1%} |')
+  return '\n'.join(rows) + '\n'
+
+
 def kv_cache() -> str:
   """What each `--kv_cache` kind costs the default model's predictions, on this machine's CPU
   (benchmarks/results/kv_cache-cpu.json: `python -m benchmarks.kv_cache`)."""
@@ -501,7 +518,8 @@ RENDERERS = {'plan_1b': plan_1b, 'finetune_8b': finetune_8b, 'finetune_1b': fine
              'data_pipeline': data_pipeline, 'published': published, 'cudnn_packed': cudnn_packed, 'grad_reduce': grad_reduce, 'fp8': fp8, 'speed': speed, 'plan_8b': plan_8b, 'peers': peers, 'peers_best': peers_best, 'efficiencies': efficiencies,
              'kv_cache': kv_cache, 'kv_cache_plan': kv_cache_plan, 'speculative': speculative,
              'speculative_plan': speculative_plan,
-             'checkpoint_save': checkpoint_save, 'two_processes': two_processes}
+             'checkpoint_save': checkpoint_save, 'two_processes': two_processes,
+             'qwen3_plans': qwen3_plans}
 
 
 def refreshed(text: str, rendered: dict) -> str:

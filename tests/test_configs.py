@@ -43,6 +43,16 @@ def test_llama_presets_have_their_real_sizes_and_shard_over_8_devices(preset):
   assert low <= param_count(setup.abstract_state.params) <= high
 
 
+@pytest.mark.parametrize('preset, total', [('0.6b', 0.596e9), ('8b', 8.19e9), ('32b', 32.76e9)])
+def test_qwen3_presets_have_their_real_sizes_with_qk_norms(preset, total):
+  config = load('qwen3.py', preset)
+  config.mesh.fsdp = -1
+  setup = build(settings.resolve(config))  # abstract only
+  assert abs(param_count(setup.abstract_state.params) - total) < 0.005 * total
+  assert setup.model_cfg.qk_norm and 'q_norm' in setup.abstract_state.params['blocks']['attn']
+  assert setup.model_cfg.tie_embeddings == (preset == '0.6b')
+
+
 @pytest.mark.parametrize('preset, total, active', [('mixtral-8x7b', 46.7e9, 12.9e9),
                                                    ('qwen3-30b-a3b', 30.5e9, 3.3e9)])
 def test_moe_presets_have_their_real_sizes_and_active_parameters(preset, total, active):

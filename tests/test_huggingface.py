@@ -29,6 +29,7 @@ DATA = REPO / 'tests' / 'data'
 UNTIED = DATA / 'hf-llama-untied'  # float32, one file, plain RoPE, eps 1e-6
 TIED = DATA / 'hf-llama-tied-llama3'  # bfloat16, four files and an index, llama3 RoPE
 MIXTRAL = DATA / 'hf-mixtral'  # float32, 4 experts of width 32, 2 a token
+QWEN3 = DATA / 'hf-qwen3'  # float32, q/k norms, tied, norms' weights random
 QWEN3_MOE = DATA / 'hf-qwen3-moe'  # float32, q/k norms, 8 experts of width 16, 2 a token
 MOES = {  # path: (experts, width, renormalised, load-balancing weight, an expert's up projection)
     MIXTRAL: (4, 32, True, 0.04, 'block_sparse_moe.experts.3.w3.weight'),
@@ -195,6 +196,53 @@ def test_an_moe_computes_what_transformers_computes_and_exports_back_bit_exact(p
   if path == MIXTRAL:
     assert written['intermediate_size'] == original['intermediate_size']
   assert huggingface.model_settings(output) == huggingface.model_settings(path)
+
+
+def test_a_qwen3_computes_what_transformers_computes_and_exports_back_bit_exact(tmp_path):
+  """Qwen3 dense: Llama with per-head q/k norms before RoPE, here tied; split over fsdp and
+  tensor, and over fsdp, tensor and sequence (a ring), it gives transformers' logits and greedy
+  tokens, and exports to the same tensors and a
+  config.json that reads back as the same settings."""
+  config = hf_config(QWEN3)
+  config.mesh.update(data=1, fsdp=4, tensor=2)
+  config = settings.resolve(config)
+  m = config.model
+  assert (m.qk_norm, m.experts, m.tie_embeddings, m.rope_theta) == (True, 0, True, 1e6)
+  setup = build(config)
+  params = huggingface.load_params(QWEN3, setup.abstract_state.params, setup.model_cfg)
+  hf = tensors(QWEN3)
+  np.testing.assert_array_equal(params['blocks']['attn']['k_norm']['scale'][...][1],
+                                hf['model.layers.1.self_attn.k_norm.weight'])
+  assert_computes_goldens(setup, params, QWEN3)
+  # and with the sequence split too, attention a ring of our kernel's (interpreted here)
+  ring = hf_config(QWEN3, mesh=dict(data=1, fsdp=2, tensor=2, sequence=2))
+  ring.model.context_parallel = 'ring'
+  ring = build(settings.resolve(ring))
+  assert (ring.model_cfg.attention, ring.model_cfg.context_parallel) == ('pallas', 'ring')
+  assert ring.mesh.shape['sequence'] == 2 and ring.mesh.shape['tensor'] == 2
+  assert_computes_goldens(ring, huggingface.load_params(QWEN3, ring.abstract_state.params,
+                                                        ring.model_cfg), QWEN3)
+  output = tmp_path / 'export'
+  huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
+                     tokenizers.load(config.data), config.seq_len, output, dtype='float32',
+                     max_shard_bytes=10**9, log=lambda *_: None)
+  exported = tensors(output)
+  assert sorted(exported) == sorted(hf)
+  for name in hf:
+    np.testing.assert_array_equal(exported[name], hf[name], err_msg=name)
+  written = json.loads((output / 'config.json').read_text())
+  assert (written['model_type'], written['architectures']) == ('qwen3', ['Qwen3ForCausalLM'])
+  assert huggingface.model_settings(output) == huggingface.model_settings(QWEN3)
+  # A Qwen3 whose layers attend in a sliding window is refused, by the key that says so.
+  original = json.loads((QWEN3 / 'config.json').read_text())
+  for change, message in [({'use_sliding_window': True, 'sliding_window': 16},
+                           'use_sliding_window=True, sliding_window=16'),
+                          ({'layer_types': ['full_attention', 'sliding_attention']},
+                           "layer_types=\\['full_attention', 'sliding_attention'\\]")]:
+    (tmp_path / 'config.json').write_text(json.dumps({**original, **change}))
+    with pytest.raises(ValueError, match=rf'its config.json has {message}; meshlm imports Llama, '
+                                         'Qwen3'):
+      huggingface.model_settings(tmp_path)
 
 
 def test_an_moe_that_mixtral_cannot_hold_is_refused_naming_the_setting():

@@ -26,11 +26,12 @@ from training.state import build
 DATA = pathlib.Path(__file__).resolve().parent / 'data'
 UNTIED = DATA / 'hf-llama-untied'
 PEFT = DATA / 'hf-peft-lora'  # r=4, lora_alpha=8, every projection, B random
+QWEN3, PEFT_QWEN3 = DATA / 'hf-qwen3', DATA / 'hf-peft-lora-qwen3'  # the same, on a Qwen3
 
 
-def lora_config(rank=4, **mesh):
+def lora_config(rank=4, base_model=UNTIED, **mesh):
   c = base.get_config()
-  c.init_from = f'hf:{UNTIED}'
+  c.init_from = f'hf:{base_model}'
   c.model.compute_dtype = 'float32'
   c.model.lora_rank, c.model.lora_alpha = rank, 8.0
   c.batch_size, c.seq_len, c.microbatches = 16, 32, 2
@@ -45,7 +46,8 @@ def started(config, devices=None):
   """The setup and its state from the imported base, adapters fresh."""
   setup = build(settings.resolve(config, devices))
   base = base_params(setup.model_cfg, setup.abstract_state.params)
-  return setup, setup.init_state(huggingface.load_params(UNTIED, base, setup.model_cfg))
+  path = huggingface.directory(config.init_from)
+  return setup, setup.init_state(huggingface.load_params(path, base, setup.model_cfg))
 
 
 def logits(setup, params, tokens):
@@ -55,27 +57,31 @@ def logits(setup, params, tokens):
 
 
 @pytest.mark.integration
-def test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does():
-  tokens = np.load(UNTIED / 'goldens.npz')['tokens']
-  setup, state = started(lora_config())
-  plain = build(settings.resolve(lora_config(rank=0)))
-  plain_params = huggingface.load_params(UNTIED, plain.abstract_state.params, plain.model_cfg)
+@pytest.mark.parametrize('base_model,adapter', [(UNTIED, PEFT), (QWEN3, PEFT_QWEN3)],
+                         ids=['llama', 'qwen3'])
+def test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does(base_model,
+                                                                                    adapter):
+  tokens = np.load(base_model / 'goldens.npz')['tokens']
+  setup, state = started(lora_config(base_model=base_model))
+  plain = build(settings.resolve(lora_config(rank=0, base_model=base_model)))
+  plain_params = huggingface.load_params(base_model, plain.abstract_state.params,
+                                         plain.model_cfg)
   # B starts at zero: the adapted model is the base, exactly.
   np.testing.assert_array_equal(logits(setup, state.params, tokens),
                                 logits(plain, plain_params, tokens))
-  adapted = peft.load(PEFT, jax.tree.map(np.asarray, nnx.to_pure_dict(state.params)),
+  adapted = peft.load(adapter, jax.tree.map(np.asarray, nnx.to_pure_dict(state.params)),
                       setup.model_cfg)
   params = nnx.State(state.params)
   nnx.replace_by_pure_dict(params, adapted)
-  golden = np.load(PEFT / 'goldens.npz')['logits']
+  golden = np.load(adapter / 'goldens.npz')['logits']
   np.testing.assert_allclose(logits(setup, params, tokens), golden, atol=1e-4, rtol=0)
   written = peft.tensors(params, setup.model_cfg, np.float32)
-  theirs = load_file(PEFT / 'adapter_model.safetensors')
+  theirs = load_file(adapter / 'adapter_model.safetensors')
   assert sorted(written) == sorted(theirs) and len(theirs) == 2 * 7 * 2
   for name in theirs:
     np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)
   config, golden_config = (peft.adapter_config(setup.model_cfg, ''),
-                           json.loads((PEFT / 'adapter_config.json').read_text()))
+                           json.loads((adapter / 'adapter_config.json').read_text()))
   for key in ('peft_type', 'r', 'lora_alpha', 'use_rslora', 'use_dora', 'bias', 'fan_in_fan_out'):
     assert config[key] == golden_config[key], key
   assert sorted(config['target_modules']) == sorted(golden_config['target_modules'])

@@ -118,7 +118,7 @@ def test_no_module_imports_itself_back_through_others():
 
 DOCS = [REPO / 'README.md', REPO / 'DEVELOPERS.md', *sorted((REPO / 'docs').glob('*.md'))]
 LINK = re.compile(r'\]\(([^)\s]+)\)')
-CONFIG = re.compile(r'\bconfigs/[\w-]+\.py(?::[\w-]+)?')
+CONFIG = re.compile(r'\bconfigs/[\w-]+\.py(?::[\w.-]*[\w-])?')  # a preset may hold a dot: qwen3.py:0.6b
 MODULE = re.compile(r'\bpython3? -m ([\w.]+)')
 SCRIPT = re.compile(r'\bpython3? ([\w/.-]+\.py)\b')
 

@@ -1,11 +1,12 @@
-"""Makes the Hugging Face test data: tiny random Llama, Mixtral and Qwen3-MoE models saved by
-transformers,
-with their logits on fixed tokens and greedy continuations, and a byte-level BPE tokenizer
+"""Makes the Hugging Face test data: tiny random Llama, Qwen3, Mixtral and Qwen3-MoE models saved
+by transformers, with their logits on fixed tokens and greedy continuations, and a byte-level BPE tokenizer
 trained on the standard library. tests/test_huggingface.py checks meshlm against these without
 torch.
 
-  python -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers safetensors tokenizers
-  /tmp/hf/bin/python tests/data/make_hf_goldens.py [NAME ...]   # all of MODELS by default
+  python3.11 -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers safetensors tokenizers
+  cd /tmp && /tmp/hf/bin/python REPO/tests/data/make_hf_goldens.py [NAME ...]   # all of MODELS by default
+
+(from outside the repository: its kernels/ package would hide the one transformers imports)
 
 Each model directory holds what from_pretrained wrote (config.json, safetensors) and
 goldens.npz: `tokens` [2, 24], their float32 `logits` [2, 24, vocab], and `greedy`, 12 tokens
@@ -37,6 +38,11 @@ MODELS = {
                              low_freq_factor=1.0, high_freq_factor=4.0,
                              original_max_position_embeddings=64),
         shard='60KB'),
+    # Qwen3: per-head q/k norms, tied head (as Qwen3-0.6B to 4B), its RoPE base, float32; every
+    # norm's weight drawn around 1, so that a norm read into another's place shows.
+    'hf-qwen3': dict(architecture='qwen3', tie_word_embeddings=True, rms_norm_eps=1e-6, norms=0.2,
+                     rope_parameters=dict(rope_type='default', rope_theta=1e6),
+                     num_key_value_heads=2, dtype=torch.float32, shard='1GB'),
     # Mixtral: 4 experts of width 32, 2 a token, softmax router renormalised; float32, one file.
     'hf-mixtral': dict(architecture='mixtral', num_local_experts=4, num_experts_per_tok=2,
                        intermediate_size=32, router_aux_loss_coef=0.02, tie_word_embeddings=False,
@@ -49,6 +55,7 @@ MODELS = {
                          num_key_value_heads=2, dtype=torch.float32, shard='1GB'),
 }
 CLASSES = {'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            'mixtral': (transformers.MixtralConfig, transformers.MixtralForCausalLM),
            'qwen3_moe': (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
 
@@ -70,13 +77,17 @@ def main(names):
   tok = tokenizer()
   for name in names or MODELS:
     settings = {'intermediate_size': 128, **MODELS[name]}
-    dtype, shard = settings.pop('dtype'), settings.pop('shard')
+    dtype, shard, norms = settings.pop('dtype'), settings.pop('shard'), settings.pop('norms', 0)
     config_class, model_class = CLASSES[settings.pop('architecture', 'llama')]
     config = config_class(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         head_dim=16, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, **settings)
     torch.manual_seed(0)
     model = model_class(config).to(dtype).eval()
+    with torch.no_grad():
+      for param_name, param in model.named_parameters():
+        if norms and param_name.endswith('norm.weight'):
+          param.add_(torch.randn_like(param) * norms)
     directory = HERE / name
     model.save_pretrained(directory, max_shard_size=shard)
     tok.save(str(directory / 'tokenizer.json'))
