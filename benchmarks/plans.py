@@ -31,6 +31,10 @@ PLANS = {  # name: the flags after train.py (its dry run's own)
     'qwen3_8b_8gpu': ('--config=configs/qwen3.py:8b', '--config.plan.devices=8'),
     'qwen3_32b_8gpu': ('--config=configs/qwen3.py:32b', '--config.plan.devices=8'),
     'finetune_qwen3_8b_lora': ('--config=configs/finetune.py:qwen3-8b',),
+    'gemma3_1b': ('--config=configs/gemma3.py:1b',),
+    'gemma3_4b_8gpu': ('--config=configs/gemma3.py:4b', '--config.plan.devices=8'),
+    'gemma3_27b_8gpu': ('--config=configs/gemma3.py:27b', '--config.plan.devices=8'),
+    'finetune_gemma3_4b_lora': ('--config=configs/finetune.py:gemma3-4b',),
 }
 
 

@@ -22,7 +22,9 @@ from configs import schema
 
 # The values some settings choose among; the modules that act on them import these.
 DTYPES = ('float32', 'bfloat16', 'float16')
-ROPE_TYPES = ('default', 'llama3')  # transformers' names: plain RoPE, Llama 3.1's rescaling
+ROPE_TYPES = ('default', 'llama3', 'linear')  # transformers' names: plain RoPE, Llama 3.1's
+# rescaling, positions divided by rope_factor (Gemma 3's global layers)
+MLP_ACTIVATIONS = ('silu', 'gelu_tanh')  # the gated MLP's: SwiGLU, GeGLU (Gemma's)
 ATTENTION_KERNELS = ('xla', 'cudnn', 'pallas', 'hopper')  # kernels/attention.py
 OUR_ATTENTION = ('pallas', 'hopper')  # ours: Triton, and Mosaic GPU for sm_90a
 CONTEXT_PARALLEL = ('all_gather', 'ring')  # kernels/context_parallel.py
@@ -81,9 +83,10 @@ class ModelConfig(Section):
   rope_theta: float = setting(10_000.0, "RoPE's base", 'function', range=POSITIVE,
                               hf='rope_theta')
   rope_type: str = setting('default', "default | llama3: Llama 3.1's frequency rescaling, with "
-                           'the four below', 'function', choices=ROPE_TYPES, hf='rope_type')
-  rope_factor: float = setting(8.0, 'llama3: low frequencies are divided by this', 'function',
-                               range=POSITIVE, hf='factor')
+                           'the four below | linear: every frequency divided by rope_factor',
+                           'function', choices=ROPE_TYPES, hf='rope_type')
+  rope_factor: float = setting(8.0, 'llama3: low frequencies are divided by this; linear: all',
+                               'function', range=POSITIVE, hf='factor')
   rope_low_freq_factor: float = setting(1.0, 'llama3: wavelengths above original_length / this '
                                         'are low frequencies', 'function', range=POSITIVE,
                                         hf='low_freq_factor')
@@ -101,6 +104,27 @@ class ModelConfig(Section):
                             hf='rms_norm_eps')
   qk_norm: bool = setting(False, "queries and keys RMS-normalised per head before RoPE (Qwen3's, "
                           "OLMoE's)", 'shape')
+  norm_plus_one: bool = setting(False, 'every RMSNorm multiplies by (1 + its scale), the scale '
+                                "starting at 0 (Gemma's)", 'function')
+  post_norms: bool = setting(False, "an RMSNorm on attention's and the MLP's outputs too, before "
+                             "each residual add (Gemma 2 and 3's)", 'shape')
+  mlp_activation: str = setting('silu', "the gated MLP's: silu (SwiGLU) | gelu_tanh (GeGLU with "
+                                "tanh-approximated GELU, Gemma's)", 'function',
+                                choices=MLP_ACTIVATIONS)
+  embed_scale: bool = setting(False, "the embedding's rows enter the blocks multiplied by "
+                              "√d_model (Gemma's; a tied head's table is not)", 'function')
+  query_scale: float = setting(0.0, "attention's scores are scaled by 1/√this (Gemma's "
+                               'query_pre_attn_scalar); 0: 1/√head_dim', 'function',
+                               range=at_least(0))
+  sliding_window: int = setting(0, 'local layers attend to the last this many positions, their '
+                                'own included; 0: no layer is local', 'function',
+                                range=at_least(0))
+  global_every: int = setting(0, 'with sliding_window: layer i attends globally when (i + 1) % '
+                              "this == 0, the others are local (Gemma 3's 6); 0: every layer "
+                              'local', 'function', range=at_least(0))
+  rope_local_theta: float = setting(0.0, "local layers' RoPE base, unscaled (Gemma 3's 10,000); "
+                                    "0: the global layers' (rope_theta, rope_type)", 'function',
+                                    range=at_least(0))
   tie_embeddings: bool = setting(False, 'the head is the embedding table', 'shape',
                                  hf='tie_word_embeddings')
   param_dtype: str = setting('float32', 'what the trained parameters are kept in', 'numerics',
@@ -212,6 +236,11 @@ class ModelConfig(Section):
           "config.model.rope_type='llama3' needs rope_factor >= 1 and 0 < rope_low_freq_factor < "
           f'rope_high_freq_factor; got {self.rope_factor}, {self.rope_low_freq_factor}, '
           f'{self.rope_high_freq_factor}')
+    if self.rope_type == 'linear' and self.rope_factor < 1:
+      raise ValueError(f"config.model.rope_type='linear' divides positions by rope_factor, which "
+                       f'must be at least 1 (it is {self.rope_factor})')
+    if self.sliding_window:
+      self._check_windows()
     if self.attention == 'hopper' and (self.attention_block_q not in (0, 64)
                                        or self.attention_block_k not in (0, 64, 128, 256)):
       raise ValueError(f"config.model.attention='hopper' takes attention_block_q 0 or 64 (one "
@@ -229,11 +258,48 @@ class ModelConfig(Section):
                        f'as a {self.grad_reduce_dtype} copy, so the forward would run on rounded '
                        "weights; reduce in 'float32', or compute in "
                        f'{self.grad_reduce_dtype!r}')
+    if self.experts and self.mlp_activation != 'silu':
+      raise ValueError(f'config.model.mlp_activation={self.mlp_activation!r}: the experts are '
+                       "SwiGLU only; set mlp_activation='silu' or experts=0")
     if self.experts:
       self._check_experts()
     if self.lora_rank:
       self._check_lora()
     self._check_draft()
+
+  def _check_windows(self):
+    if self.virtual_stages > 1:
+      raise ValueError(f'config.model.sliding_window={self.sliding_window} with virtual_stages='
+                       f'{self.virtual_stages}: pipeline chunks of local and global layers are '
+                       'not built yet; set virtual_stages=1')
+    if self.attention == 'hopper':
+      raise ValueError(f"config.model.sliding_window={self.sliding_window}: the Hopper kernel "
+                       "has no window yet; set config.model.attention='pallas', 'cudnn' or "
+                       "'auto'")
+    if self.context_parallel == 'ring':
+      raise ValueError(f'config.model.sliding_window={self.sliding_window}: ring attention has '
+                       "no window yet; set config.model.context_parallel='all_gather'")
+    if self.attention == 'cudnn' and self.windows == 'mixed':
+      raise ValueError(f'config.model.sliding_window={self.sliding_window} with global_every='
+                       f'{self.global_every}: each layer takes its window at run time, which '
+                       "cuDNN cannot; set config.model.attention='pallas' (or 'auto')")
+
+  @property
+  def local_layers(self) -> tuple[bool, ...]:
+    """Whether each layer, in order, attends within sliding_window (config.model.global_every
+    says which do not)."""
+    if not self.sliding_window:
+      return (False,) * self.n_layers
+    every = self.global_every
+    return tuple(not (every and (i + 1) % every == 0) for i in range(self.n_layers))
+
+  @property
+  def windows(self) -> str:
+    """none: every layer global | uniform: every layer local, one window | mixed: local and global
+    layers, each taking its window and RoPE as the layer scan's input (known only at run time,
+    which cuDNN's attention cannot take)."""
+    kinds = set(self.local_layers)
+    return 'mixed' if len(kinds) > 1 else 'uniform' if True in kinds else 'none'
 
   def _check_lora(self):
     if not self.lora_target_names or set(self.lora_target_names) - set(LORA_TARGETS):

@@ -45,13 +45,21 @@ machine, then on a GPU from the real checkpoint:
       --config.data.paths=/path/to/chats.jsonl
 Should reach: it fits one H100 (docs/recipes.md has its plan: python -m benchmarks.plans
 --only=qwen3).
+
+gemma3-4b (Gemma 3 4B's text model: local and global layers, its 262k-token tied head), the same
+way:
+  python train.py --config=configs/finetune.py:gemma3-4b --config.dry_run=True \
+      --config.plan.target=H100
+Should reach: it fits one H100 (its plan too: python -m benchmarks.plans --only=gemma3).
 """
 
 from configs import base
 from configs import llama
+from configs import gemma3
 from configs import qwen3
 
-PRESETS = ('tiny', '1b', '8b', 'qwen3-8b')
+PRESETS = ('tiny', '1b', '8b', 'qwen3-8b', 'gemma3-4b')
+FAMILIES = {'qwen3': qwen3, 'gemma3': gemma3}  # a preset 'family-size': that file's shapes
 
 
 def get_config(preset: str = 'tiny'):
@@ -75,8 +83,9 @@ def get_config(preset: str = 'tiny'):
     return c
   c.train_steps, c.log_every, c.eval_every = 1000, 10, 200
   c.optimizer.learning_rate = 2e-4
-  if preset.startswith('qwen3-'):
-    c.model.update(qwen3.PRESETS[preset.removeprefix('qwen3-')], **qwen3.COMMON)
+  if '-' in preset:
+    family, size = preset.split('-')
+    c.model.update(FAMILIES[family].PRESETS[size], **FAMILIES[family].COMMON)
   else:
     c.model.update(llama.PRESETS[preset])
   c.model.remat_policy = 'dots'

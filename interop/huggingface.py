@@ -97,6 +97,14 @@ QK_NORMS = {
 FAMILY_TENSORS = {
     'llama': {},
     'qwen3': QK_NORMS,
+    # Gemma 3's four norms a layer: its post_attention_layernorm is on attention's output (Llama's
+    # is the MLP's input norm, here pre_feedforward_layernorm).
+    'gemma3_text': {
+        **QK_NORMS,
+        ('blocks', 'attn_post_norm', 'scale'): Layout('post_attention_layernorm.weight'),
+        ('blocks', 'mlp_norm', 'scale'): Layout('pre_feedforward_layernorm.weight'),
+        ('blocks', 'mlp_post_norm', 'scale'): Layout('post_feedforward_layernorm.weight'),
+    },
     'mixtral': {
         ('blocks', 'mlp', 'router'): Layout('block_sparse_moe.gate.weight', True),
         ('blocks', 'mlp', 'w_gate'): Layout('block_sparse_moe.experts.{}.w1.weight', True, (),
@@ -134,7 +142,10 @@ MOE_FIELDS = {'experts': 'num_local_experts/num_experts',
 
 
 def family(cfg) -> str:
-  """The HF model_type whose checkpoints hold this model: Qwen3's have q/k norms."""
+  """The HF model_type whose checkpoints hold this model: Qwen3's have q/k norms, Gemma 3's
+  norms scale by (1 + w)."""
+  if cfg.norm_plus_one and not cfg.experts:
+    return 'gemma3_text'
   if not cfg.experts:
     return 'qwen3' if cfg.qk_norm else 'llama'
   return 'qwen3_moe' if cfg.qk_norm else 'mixtral'
@@ -160,9 +171,15 @@ def model_settings(path: pathlib.Path) -> dict:
     hf = json.loads((path / 'config.json').read_text())
   except (ValueError, UnicodeDecodeError) as e:
     raise ValueError(f'{where} is not JSON ({e}); copy the checkpoint again') from None
+  model_type = hf.get('model_type')
+  if model_type == 'gemma3_text':
+    return _gemma3_settings(hf, where)
+  if model_type == 'gemma3':
+    raise ValueError(f"{where} has model_type='gemma3': Gemma 3 with its vision tower "
+                     "(Gemma3ForConditionalGeneration); meshlm imports Gemma 3's text models "
+                     "(model_type 'gemma3_text', Gemma3ForCausalLM) and would drop the tower")
   rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
-  model_type = hf.get('model_type')
   unsupported = {
       'model_type': model_type not in FAMILIES,
       'hidden_act': hf.get('hidden_act', 'silu') != 'silu',
@@ -179,7 +196,7 @@ def model_settings(path: pathlib.Path) -> dict:
   }
   if bad := [key for key, is_bad in unsupported.items() if is_bad]:
     raise ValueError(f'{where} has {", ".join(f"{k}={hf.get(k, rope_type)!r}" for k in bad)}; '
-                     "meshlm imports Llama, Qwen3, Mixtral and Qwen3-MoE (model_type "
+                     "meshlm imports Llama, Qwen3, Mixtral, Qwen3-MoE and Gemma 3 (model_type "
                      f"{' or '.join(map(repr, FAMILIES))}: SwiGLU, no biases, full causal "
                      "attention, every layer's experts alike, rope_type 'default' or 'llama3')")
   required = ['vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads',
@@ -215,9 +232,72 @@ def model_settings(path: pathlib.Path) -> dict:
   return fields
 
 
+GEMMA3_ROPE = ('default', 'linear')  # the rope_types of Gemma 3's checkpoints
+
+
+def _gemma3_settings(hf: dict, where: str) -> dict:
+  """config.model's fields from a Gemma 3 text model's config.json (Gemma3TextConfig's keys:
+  transformers 5's `rope_parameters` by layer type, or 4's `rope_theta`, `rope_local_base_freq`
+  and `rope_scaling`); which layers are global comes from `layer_types` (or the older
+  `sliding_window_pattern`), and must repeat every N-th layer, as global_every says."""
+  layers = hf.get('num_hidden_layers', 26)
+  pattern = hf.get('sliding_window_pattern', hf.get('_sliding_window_pattern', 6))
+  types = hf.get('layer_types') or ['sliding_attention' if (i + 1) % pattern else 'full_attention'
+                                    for i in range(layers)]
+  globals_ = [i for i, t in enumerate(types) if t == 'full_attention']
+  every = globals_[0] + 1 if globals_ else 0
+  rope = hf.get('rope_parameters') or {}
+  full = rope.get('full_attention') or {'rope_theta': hf.get('rope_theta', 1e6),
+                                        **(hf.get('rope_scaling') or {})}
+  local = rope.get('sliding_attention') or {'rope_theta': hf.get('rope_local_base_freq', 1e4)}
+  full_type = full.get('rope_type', full.get('type', 'default'))
+  unsupported = {
+      'hidden_activation': hf.get('hidden_activation', hf.get('hidden_act',
+                                                              'gelu_pytorch_tanh'))
+                           not in ('gelu_pytorch_tanh', 'gelu_tanh'),
+      'attention_bias': hf.get('attention_bias', False),
+      'final_logit_softcapping': hf.get('final_logit_softcapping') is not None,
+      'attn_logit_softcapping': hf.get('attn_logit_softcapping') is not None,
+      'use_bidirectional_attention': hf.get('use_bidirectional_attention', False),
+      'layer_types': (len(types) != layers or set(types) - {'sliding_attention', 'full_attention'}
+                      or types != ['full_attention' if every and (i + 1) % every == 0
+                                   else 'sliding_attention' for i in range(layers)]),
+      'rope_parameters': (full_type not in GEMMA3_ROPE
+                          or local.get('rope_type', 'default') != 'default'),
+  }
+  if bad := [key for key, is_bad in unsupported.items() if is_bad]:
+    raise ValueError(f'{where} has {", ".join(f"{k}={hf.get(k, rope)!r}" for k in bad)}; '
+                     "meshlm imports Gemma 3's text models (model_type 'gemma3_text': GeGLU with "
+                     'tanh GELU, no softcapping, causal attention, every N-th layer global, '
+                     "rope_type 'default' or 'linear')")
+  required = ['vocab_size', 'hidden_size', 'num_attention_heads', 'intermediate_size',
+              'num_hidden_layers', 'head_dim']
+  if missing := [key for key in required if key not in hf]:
+    raise ValueError(f'{where} lacks {missing}; it is not a whole gemma3_text config')
+  window = hf.get('sliding_window') or 0
+  return {
+      'vocab_size': hf['vocab_size'], 'd_model': hf['hidden_size'], 'n_layers': layers,
+      'n_heads': hf['num_attention_heads'],
+      'n_kv_heads': hf.get('num_key_value_heads') or hf['num_attention_heads'],
+      'head_dim': hf['head_dim'], 'd_ff': hf['intermediate_size'],
+      'rope_theta': float(full.get('rope_theta', 1e6)), 'rope_type': full_type,
+      **({'rope_factor': float(full['factor'])} if full_type == 'linear' else {}),
+      'rope_local_theta': float(local.get('rope_theta', 1e4)) if window and every != 1 else 0.0,
+      'max_position_embeddings': int(hf.get('max_position_embeddings') or 0),
+      'norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
+      'tie_embeddings': hf.get('tie_word_embeddings', True),
+      'qk_norm': True, 'norm_plus_one': True, 'post_norms': True, 'embed_scale': True,
+      'mlp_activation': 'gelu_tanh', 'query_scale': float(hf.get('query_pre_attn_scalar', 256)),
+      'sliding_window': window if every != 1 else 0, 'global_every': every if window else 0,
+      'experts': 0,
+  }
+
+
 def source(field: str, value) -> str:
   """Where config.json gives config.model.`field`, for an error: 'hidden_size=2048'."""
-  return f'{FIELDS[field]}={value!r}' if field in FIELDS else f'{MOE_FIELDS[field]} giving {value!r}'
+  if field in FIELDS:
+    return f'{FIELDS[field]}={value!r}'
+  return f'{MOE_FIELDS.get(field, "model_type")} giving {value!r}'
 
 
 def _parameters(abstract_params, cfg):
@@ -343,7 +423,24 @@ def load_params(path: pathlib.Path, abstract_params, model_cfg):
 
 def check_exportable(cfg) -> None:
   """ValueError naming the setting, for a model no checkpoint of FAMILIES can hold (a dense
-  model, with q/k norms or without, is a Qwen3 or a Llama)."""
+  model, with q/k norms or without, is a Qwen3 or a Llama; with norms scaling by (1 + w), a
+  Gemma 3, which has all of Gemma's settings)."""
+  gemma = family(cfg) == 'gemma3_text'
+  unlike = {  # a setting: whether this family's checkpoints cannot hold its value
+      'norm_plus_one': cfg.norm_plus_one != gemma,
+      'post_norms': cfg.post_norms != gemma, 'embed_scale': cfg.embed_scale != gemma,
+      'mlp_activation': cfg.mlp_activation != ('gelu_tanh' if gemma else 'silu'),
+      'qk_norm': gemma and not cfg.qk_norm,
+      'query_scale': not gemma and cfg.query_scale not in (0, cfg.head_dim),
+      'sliding_window': not gemma and cfg.sliding_window > 0,
+      'rope_local_theta': not gemma and cfg.rope_local_theta > 0,
+      'rope_type': (cfg.rope_type not in GEMMA3_ROPE) if gemma else cfg.rope_type == 'linear',
+  }
+  if bad := [field for field, is_bad in unlike.items() if is_bad]:
+    raise ValueError(f'config.model.{bad[0]}={getattr(cfg, bad[0])!r}: a '
+                     f'{"Gemma 3" if gemma else "Llama or Qwen3"} checkpoint cannot hold it (a '
+                     'Gemma 3 has norm_plus_one, post_norms, embed_scale, qk_norm and '
+                     "mlp_activation='gelu_tanh'; the others none of them)")
   if not cfg.experts:
     return
   unlike = {'router': cfg.router != 'softmax',
@@ -359,15 +456,15 @@ def check_exportable(cfg) -> None:
 
 def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
   """config.json for transformers' config of the model's family: LlamaConfig, Qwen3Config (q/k
-  norms), MixtralConfig or Qwen3MoeConfig (experts); the form transformers 4 writes, which 5
-  reads."""
+  norms), Gemma3TextConfig (its RoPE by layer type, as transformers 5 writes it), MixtralConfig or
+  Qwen3MoeConfig (experts); otherwise the form transformers 4 writes, which 5 reads."""
   rope_scaling = None
   if cfg.rope_type == 'llama3':
     rope_scaling = {'rope_type': 'llama3', 'factor': cfg.rope_factor,
                     'low_freq_factor': cfg.rope_low_freq_factor,
                     'high_freq_factor': cfg.rope_high_freq_factor,
                     'original_max_position_embeddings': cfg.rope_original_length}
-  return {
+  config = {
       'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
       'vocab_size': cfg.vocab_size, 'hidden_size': cfg.d_model,
       'intermediate_size': cfg.d_ff, 'num_hidden_layers': cfg.n_layers,
@@ -380,14 +477,35 @@ def hf_config(cfg, tokenizer, seq_len: int, dtype: str) -> dict:
       'tie_word_embeddings': cfg.tie_embeddings, 'attention_bias': False, 'mlp_bias': False,
       'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id,
       'pad_token_id': tokenizer.pad_id, 'torch_dtype': dtype, 'dtype': dtype,
-      **{'qwen3': _qwen3_config, 'mixtral': _mixtral_config, 'qwen3_moe': _qwen3_moe_config}.get(
+      **{'qwen3': _qwen3_config, 'gemma3_text': _gemma3_config, 'mixtral': _mixtral_config,
+         'qwen3_moe': _qwen3_moe_config}.get(
           family(cfg), lambda _: {})(cfg)}
+  if family(cfg) == 'gemma3_text':  # Llama's names for what Gemma3TextConfig names otherwise
+    for key in ('hidden_act', 'rope_theta', 'rope_scaling', 'mlp_bias'):
+      config.pop(key)
+  return config
 
 
 def _qwen3_config(cfg) -> dict:
   return {'architectures': ['Qwen3ForCausalLM'], 'model_type': 'qwen3',
           'use_sliding_window': False, 'sliding_window': None,
           'max_window_layers': cfg.n_layers, 'layer_types': ['full_attention'] * cfg.n_layers}
+
+
+def _gemma3_config(cfg) -> dict:
+  local, scalar = cfg.local_layers, cfg.query_scale or cfg.head_dim
+  full = {'rope_type': cfg.rope_type, 'rope_theta': cfg.rope_theta,
+          **({'factor': cfg.rope_factor} if cfg.rope_type == 'linear' else {})}
+  return {'architectures': ['Gemma3ForCausalLM'], 'model_type': 'gemma3_text',
+          'hidden_activation': 'gelu_pytorch_tanh',
+          # an int where it is one: transformers 5's Gemma3TextConfig takes no float there
+          'query_pre_attn_scalar': int(scalar) if float(scalar).is_integer() else scalar,
+          'sliding_window': cfg.sliding_window or None,
+          'layer_types': ['sliding_attention' if l else 'full_attention' for l in local],
+          'rope_parameters': {'full_attention': full, 'sliding_attention': {
+              'rope_type': 'default', 'rope_theta': cfg.rope_local_theta or cfg.rope_theta}},
+          'final_logit_softcapping': None, 'attn_logit_softcapping': None,
+          'use_bidirectional_attention': False}
 
 
 def _mixtral_config(cfg) -> dict:

@@ -3,7 +3,10 @@
 Layout follows `jax.nn.dot_product_attention`:
   q[B, L, N, H], k and v [B, S, K, H] with N a multiple of K (grouped-query attention: each of the
   K key/value heads serves G = N // K query heads, without copying K/V), output [B, L, N, H].
-Segment ids mark packed documents: a query attends only to keys with the same segment id.
+Segment ids mark packed documents: a query attends only to keys with the same segment id. A
+`window` W (causal only: a local layer's sliding window) lets a query see only the W keys ending
+at its own position; an int, or an int32 scalar known at run time (0: no window), for the XLA
+path and ours.
 """
 
 import functools
@@ -46,20 +49,22 @@ def length_tile(model_cfg) -> int:
 
 
 def fused_for(head_dim: int, compute_dtype: str, length_split: bool,
-              hopper: bool = False) -> tuple[str, ...]:
+              hopper: bool = False, windows: str = 'none') -> tuple[str, ...]:
   """The fused implementations that run this attention on an NVIDIA GPU, Hopper's (sm_90a)
   when `hopper`. cuDNN's flash attention takes head dims up to 128 in multiples of 8, in bf16 or
-  fp16, and cannot split the length (XLA partitions it whole); ours in Triton takes any of these,
-  ours in Mosaic GPU what `hopper_refuses` does not refuse."""
+  fp16, a window fixed when compiled (`windows`: config.model's) and no split length (XLA
+  partitions it whole); ours in Triton takes any of these, ours in Mosaic GPU what
+  `hopper_refuses` does not refuse, and no window yet."""
   cudnn = (head_dim <= 128 and head_dim % 8 == 0 and compute_dtype in ('bfloat16', 'float16')
-           and not length_split)
-  ours = OURS if hopper and not hopper_refuses(head_dim, compute_dtype) else ('pallas',)
+           and not length_split and windows != 'mixed')
+  ours = (OURS if hopper and not hopper_refuses(head_dim, compute_dtype) and windows == 'none'
+          else ('pallas',))
   return (('cudnn',) if cudnn else ()) + ours
 
 
 def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_segment_ids_BS=None,
               implementation: str = 'xla', block_q: int = 0, block_k: int = 0,
-              cudnn_segments: int = 0):
+              cudnn_segments: int = 0, window=None):
   """Scaled dot-product attention with `implementation` in IMPLEMENTATIONS.
 
   `kv_segment_ids_BS` defaults to `segment_ids_BL` (self-attention over one packed row).
@@ -71,32 +76,50 @@ def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_s
   """
   if segment_ids_BL is not None and kv_segment_ids_BS is None:
     kv_segment_ids_BS = segment_ids_BL
+  if window is not None and not causal:
+    raise ValueError('attention: a window is for causal attention (a local layer\'s)')
   if implementation == 'xla':
     return xla_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
-                         kv_segment_ids_BS=kv_segment_ids_BS)
+                         kv_segment_ids_BS=kv_segment_ids_BS, window=window)
   if implementation == 'cudnn':
+    if window is not None and not isinstance(window, int):
+      raise ValueError('attention: cuDNN takes a window fixed when compiled, not one known only '
+                       'at run time (local and global layers scanned alike); use ours or xla')
     return _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
-                            kv_segment_ids_BS=kv_segment_ids_BS, segments=cudnn_segments)
+                            kv_segment_ids_BS=kv_segment_ids_BS, segments=cudnn_segments,
+                            window=window)
   if implementation in OURS:
     return flash_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
                            kv_segment_ids_BS=kv_segment_ids_BS, block_q=block_q, block_k=block_k,
-                           hopper=implementation == 'hopper')
+                           hopper=implementation == 'hopper', window=window)
   raise ValueError(f'attention implementation {implementation!r} is not one of {IMPLEMENTATIONS}')
 
 
-def xla_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL=None, kv_segment_ids_BS=None):
+def xla_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL=None, kv_segment_ids_BS=None,
+                  window=None):
   """The reference: plain einsums and an fp32 softmax, materialising the [L, S] scores."""
   if segment_ids_BL is not None and kv_segment_ids_BS is None:
     kv_segment_ids_BS = segment_ids_BL
   B, L, S = q_BLNH.shape[0], q_BLNH.shape[1], k_BSKH.shape[1]
   return masked_attention(q_BLNH, k_BSKH, v_BSKH,
-                          _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS))
+                          _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS, window))
 
 
-def cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT):
+def within(distance, window):
+  """Where a key `distance` positions before its query is inside `window` (None or 0: all)."""
+  if window is None:
+    return True
+  if isinstance(window, int):
+    return distance < window
+  return (window <= 0) | (distance < window)
+
+
+def cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, window=None):
   """Decoding against a KV cache of S slots: query t of row b, at position positions_BT[b, t],
-  attends to the slots 0 … that position (slot s holds position s's key and value)."""
-  mask_BTS = positions_BT[:, :, None] >= jnp.arange(k_BSKH.shape[1])[None, None, :]
+  attends to the slots 0 … that position (slot s holds position s's key and value), within the
+  last `window` of them where given."""
+  distance_BTS = positions_BT[:, :, None] - jnp.arange(k_BSKH.shape[1])[None, None, :]
+  mask_BTS = (distance_BTS >= 0) & within(distance_BTS, window)
   return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
 
 
@@ -119,13 +142,13 @@ def masked_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS):
   return out_BLKGH.reshape(B, L, N, H).astype(q_BLNH.dtype)
 
 
-def _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS):
+def _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS, window=None):
   """Boolean [B, L, S] (True = attend) or None when nothing is masked."""
   mask = None
   if causal:
     # Queries are the last L positions of the S keys (L == S for training).
-    q_pos = jnp.arange(L)[:, None] + (S - L)
-    mask = jnp.broadcast_to(q_pos >= jnp.arange(S)[None, :], (B, L, S))
+    distance = jnp.arange(L)[:, None] + (S - L) - jnp.arange(S)[None, :]
+    mask = jnp.broadcast_to((distance >= 0) & within(distance, window), (B, L, S))
   if segment_ids_BL is not None:
     same = segment_ids_BL[:, :, None] == kv_segment_ids_BS[:, None, :]
     mask = same if mask is None else mask & same
@@ -138,15 +161,17 @@ DENSE_FALLBACK = 'cudnn_dense_mask_fallback'
 
 
 def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL, kv_segment_ids_BS,
-                     segments: int = 0):
+                     segments: int = 0, window: int | None = None):
   """cuDNN's fused flash attention. Packed rows (segment ids, self-attention, causal) take its
   packed layout when every row of the batch is laid out as data/packing.py lays rows (documents
   numbered 1, 2, … end to end, padding 0 at the end) in at most `segments` documents, padding
   counted as one: each attends within itself and the blocks between documents are skipped.
   Otherwise cuDNN takes the segment mask as a dense [B, 1, L, S] bias (1.6–1.75× the kernels'
-  time, planning/gpus.py: CUDNN_BIAS_SLOWDOWN)."""
+  time, planning/gpus.py: CUDNN_BIAS_SLOWDOWN). A `window` is cuDNN's sliding window (its
+  left edge: the window's keys before the query's own)."""
   attend = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                             implementation='cudnn')
+                             implementation='cudnn',
+                             local_window_size=None if window is None else (window - 1, 0))
   if segment_ids_BL is None:
     return attend(q_BLNH, k_BSKH, v_BSKH)
 
@@ -162,7 +187,8 @@ def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL, kv_segme
     return fused_attention.dot_product_attention(
         q, k, v, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=starts_BM1,
         kv_offsets=starts_BM1, scale=1 / np.sqrt(q.shape[-1]),
-        mask_type=fused_attention.MaskType.PADDING_CAUSAL, qkv_layout='BTNH')
+        mask_type=fused_attention.MaskType.PADDING_CAUSAL, qkv_layout='BTNH',
+        **({} if window is None else {'sliding_window_length': window}))
 
   return jax.lax.cond(laid_out, packed, dense, q_BLNH, k_BSKH, v_BSKH, segment_ids_BL,
                       kv_segment_ids_BS)

@@ -238,13 +238,15 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def gathered_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=None, *, causal: bool,
                        axis_name: str, block_q: int = 0, block_k: int = 0,
-                       interpret: bool | None = None, hopper: bool = False):
+                       interpret: bool | None = None, hopper: bool = False, window=None,
+                       window_mix=None):
   """This device's queries against the keys and values of every device along `axis_name`,
   all-gathered (module docstring); the plain layout, device r holding the r-th chunk. hopper: by
-  our Hopper kernels, causal from the device's offset as the Triton kernel."""
+  our Hopper kernels, causal from the device's offset as the Triton kernel. window, window_mix:
+  flash_attention's (a local layer's: the kernel skips the gathered blocks outside it)."""
   gather = lambda x: None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
   offset = jax.lax.axis_index(axis_name) * q_BLNH.shape[1] if causal else None
   return flash_attention(q_BLNH, gather(k_BLKH), gather(v_BLKH), causal=causal,
                          segment_ids_BL=segment_ids_BL, kv_segment_ids_BS=gather(segment_ids_BL),
                          q_offset=offset, block_q=block_q, block_k=block_k, interpret=interpret,
-                         hopper=hopper)
+                         hopper=hopper, window=window, window_mix=window_mix)

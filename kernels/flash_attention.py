@@ -14,7 +14,10 @@ Backward (jax.custom_vjp) recomputes p = exp(s − lse) block by block instead o
 Causal is bottom-right aligned (queries are the last L of the S positions), matching the xla
 reference, unless `q_offset` (known only at run time, e.g. a device's share of a sequence split)
 places query 0 at that key; causal loops stop at the diagonal, so fully masked blocks cost
-nothing. Lengths are padded up to the block sizes and the padding masked; a row with nothing to
+nothing. A `window` W (a local layer's sliding window: a query sees the W keys ending at its
+own) is an input (known at run time, 0: none), and the loops start at the first key block the
+window reaches: a query block visits about (W + bq)/bk key blocks, not all those before it.
+Lengths are padded up to the block sizes and the padding masked; a row with nothing to
 attend to gives zeros (and lse = NEG). `attention_parts` and `attention_parts_grads` expose the
 forward with its lse and the backward against a whole row's lse, for attention assembled from
 parts (kernels/context_parallel.py).
@@ -84,11 +87,25 @@ def _block(size: int, requested: int) -> int:
   return min(requested, max(16, 1 << (size - 1).bit_length()))
 
 
-def _mask(q_pos, k_idx, *, causal, kv_len, q_seg=None, k_seg=None):
-  """[bq, bk] True where a query at key index q_pos may attend to key k_idx."""
+WIDE = 1 << 30  # a window no row reaches: "no window"
+
+
+def keys_seen(length: int, window: int = 0) -> float:
+  """The keys a query of a causal row of `length` sees on average: half the row (the convention
+  of FLOP counts), or within a `window` shorter than the row, W − W(W − 1)/(2·length)."""
+  if window and window < length:
+    return window - window * (window - 1) / (2 * length)
+  return length / 2
+
+
+def _mask(q_pos, k_idx, *, causal, kv_len, q_seg=None, k_seg=None, window=None):
+  """[bq, bk] True where a query at key index q_pos may attend to key k_idx (within `window`
+  keys ending at its own, where given)."""
   mask = k_idx[None, :] < kv_len
   if causal:
     mask &= q_pos[:, None] >= k_idx[None, :]
+  if window is not None:
+    mask &= q_pos[:, None] - k_idx[None, :] < window
   if q_seg is not None:
     mask &= q_seg[:, None] == k_seg[None, :]
   return mask
@@ -102,14 +119,32 @@ def _kv_blocks_to_visit(last_q, *, causal, bk, n_kv):
   return jnp.clip(last_q // bk + 1, 0, n_kv)
 
 
-def _split_refs(refs, segments, positions, n_in):
-  """(inputs, segment refs or Nones, query-position ref or None, outputs) of a kernel's refs:
-  the n_in plain inputs, then [q_seg, kv_seg] with segments, then [q_pos] with positions."""
+def _first_kv_block(first_q, window, *, bk, n_kv):
+  """The first key block a query block whose first query sits at key index first_q reaches
+  within `window` (0 without one)."""
+  if window is None:
+    return jnp.int32(0)
+  return jnp.clip((first_q - window + 1) // bk, 0, n_kv)
+
+
+def _read_window(window_ref):
+  """The window an input holds, WIDE for 0 (none); None without the input."""
+  if window_ref is None:
+    return None
+  window = window_ref[0]
+  return jnp.where(window > 0, window, WIDE)
+
+
+def _split_refs(refs, segments, positions, n_in, windowed=False):
+  """(inputs, segment refs or Nones, query-position ref or None, window ref or None, outputs) of
+  a kernel's refs: the n_in plain inputs, then [q_seg, kv_seg] with segments, then [q_pos] with
+  positions, then [window] when windowed."""
   refs = list(refs)
   ins, rest = refs[:n_in], refs[n_in:]
   segs = (rest.pop(0), rest.pop(0)) if segments else (None, None)
   qpos = rest.pop(0) if positions else None
-  return ins, segs, qpos, rest
+  window = rest.pop(0) if windowed else None
+  return ins, segs, qpos, window, rest
 
 
 def _query_positions(qpos_ref, i, bq, offset):
@@ -121,13 +156,15 @@ def _query_positions(qpos_ref, i, bq, offset):
   return i * bq + jnp.arange(bq) + offset, (i + 1) * bq - 1 + offset
 
 
-def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, positions):
-  (q_ref, k_ref, v_ref), (qs_ref, ks_ref), qp_ref, (o_ref, lse_ref) = _split_refs(
-      refs, segments, positions, 3)
+def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, positions,
+                windowed):
+  (q_ref, k_ref, v_ref), (qs_ref, ks_ref), qp_ref, w_ref, (o_ref, lse_ref) = _split_refs(
+      refs, segments, positions, 3, windowed)
   i = pl.program_id(2)
   q = q_ref[...]
   q_pos, last_q = _query_positions(qp_ref, i, bq, offset)
   q_seg = qs_ref[...] if segments else None
+  window = _read_window(w_ref)
 
   def body(j, carry):
     m, l, acc = carry
@@ -136,7 +173,7 @@ def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, po
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
     k_seg = ks_ref[pl.ds(j * bk, bk)] if segments else None
     mask = _mask(q_pos, j * bk + jnp.arange(bk), causal=causal, kv_len=kv_len, q_seg=q_seg,
-                 k_seg=k_seg)
+                 k_seg=k_seg, window=window)
     s = jnp.where(mask, s, NEG)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -148,7 +185,8 @@ def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, po
   init = (jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32),
           jnp.zeros((bq, H), jnp.float32))
   upper = _kv_blocks_to_visit(last_q, causal=causal, bk=bk, n_kv=n_kv)
-  m, l, acc = jax.lax.fori_loop(0, upper, body, init)
+  lower = _first_kv_block(q_pos.min(), window, bk=bk, n_kv=n_kv)
+  m, l, acc = jax.lax.fori_loop(lower, upper, body, init)
   # A row that may attend to nothing (padding, or no key of its document in this block of keys)
   # gives zeros and lse = NEG: the weight exp(lse − lse_total) it gets when partial results are
   # merged (kernels/context_parallel.py) is then 0.
@@ -158,21 +196,23 @@ def _fwd_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, po
   lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)
 
 
-def _dq_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, positions):
-  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), qp_ref, (dq_ref,) = \
-      _split_refs(refs, segments, positions, 6)
+def _dq_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, positions,
+               windowed):
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), qp_ref, w_ref, (dq_ref,) = \
+      _split_refs(refs, segments, positions, 6, windowed)
   i = pl.program_id(2)
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   q_pos, last_q = _query_positions(qp_ref, i, bq, offset)
   q_seg = qs_ref[...] if segments else None
+  window = _read_window(w_ref)
 
   def body(j, dq):
     k = k_ref[pl.ds(j * bk, bk), :]
     v = v_ref[pl.ds(j * bk, bk), :]
     k_seg = ks_ref[pl.ds(j * bk, bk)] if segments else None
     mask = _mask(q_pos, j * bk + jnp.arange(bk), causal=causal, kv_len=kv_len, q_seg=q_seg,
-                 k_seg=k_seg)
+                 k_seg=k_seg, window=window)
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
     p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
     dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
@@ -180,13 +220,16 @@ def _dq_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_kv, segments, pos
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   upper = _kv_blocks_to_visit(last_q, causal=causal, bk=bk, n_kv=n_kv)
-  dq = jax.lax.fori_loop(0, upper, body, jnp.zeros(q.shape, jnp.float32))
+  lower = _first_kv_block(q_pos.min(), window, bk=bk, n_kv=n_kv)
+  dq = jax.lax.fori_loop(lower, upper, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segments, positions):
-  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), qp_ref, (dk_ref, dv_ref) = \
-      _split_refs(refs, segments, positions, 6)
+def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segments, positions,
+                windowed):
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), qp_ref, w_ref, \
+      (dk_ref, dv_ref) = _split_refs(refs, segments, positions, 6, windowed)
+  window = _read_window(w_ref)
   b, kv_head, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   k_idx = j * bk + jnp.arange(bk)
@@ -195,7 +238,10 @@ def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segmen
     offset = qp_ref[pl.ds(0, bq)].min()
   # The first query block that can see key block j (causal), else 0.
   first = jnp.clip((j * bk - offset) // bq, 0, n_q) if causal else jnp.int32(0)
-  per_head = n_q - first  # query blocks each head contributes
+  # Past the last query block whose queries reach key block j within the window: none see it.
+  end = (n_q if window is None else
+         jnp.clip(((j + 1) * bk - 1 + window - 1 - offset) // bq + 1, first, n_q))
+  per_head = end - first  # query blocks each head contributes
 
   def body(t, carry):
     dk, dv = carry
@@ -210,7 +256,7 @@ def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segmen
     delta = delta_ref[b, head, rows]
     q_seg = qs_ref[b, rows] if segments else None
     mask = _mask(i * bq + jnp.arange(bq) + offset, k_idx, causal=causal, kv_len=kv_len,
-                 q_seg=q_seg, k_seg=k_seg)
+                 q_seg=q_seg, k_seg=k_seg, window=window)
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
     p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
     dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
@@ -245,10 +291,12 @@ class _Static(NamedTuple):
   num_stages: int
   out_dtype: str | None = None  # o, dq, dk, dv in this dtype; None: their inputs' dtypes
   hopper: bool = False  # forward and backward by kernels/flash_attention_hopper.py (sm_90a)
+  windowed: bool = False  # a window is an input (its value known at run time)
+  work: float = 1.0  # with a window: the share of causal attention's work it leaves, on average
 
   def kernel_args(self, H):
     return dict(causal=self.causal, scale=1 / math.sqrt(H), offset=self.S - self.L,
-                kv_len=self.S, bq=self.bq, bk=self.bk)
+                kv_len=self.S, bq=self.bq, bk=self.bk, windowed=self.windowed)
 
   def launch(self):
     return dict(interpret=self.interpret, num_warps=self.num_warps, num_stages=self.num_stages)
@@ -259,15 +307,16 @@ class _Static(NamedTuple):
   def scope(self):
     """Names a launch by its mask in the program's metadata, where the time model reads it
     (planning/timing.py): a causal kernel skips the blocks past the diagonal."""
-    return jax.named_scope('causal' if self.causal else 'unmasked')
+    return jax.named_scope(f'windowed_{round(1000 * self.work):04d}' if self.windowed else
+                           'causal' if self.causal else 'unmasked')
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, q_seg, kv_seg, q_pos, static):
-  return _forward(q, k, v, q_seg, kv_seg, q_pos, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, q_seg, kv_seg, q_pos, window, static):
+  return _forward(q, k, v, q_seg, kv_seg, q_pos, window, static)[0]
 
 
-def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
+def _forward(q, k, v, q_seg, kv_seg, q_pos, window, st: _Static):
   """On padded inputs: o[B, Lp, N, H] and the residuals, lse[B, N, Lp] last."""
   B, Lp, N, H = q.shape
   Sp, K = k.shape[1], k.shape[2]
@@ -287,6 +336,9 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
   if positions:
     in_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
     args.append(q_pos)
+  if st.windowed:
+    in_specs.append(pl.BlockSpec((1,), lambda b, n, i: (0,)))
+    args.append(window)
   if st.hopper:  # the same o and lse from the Hopper kernel
     if (Lp, Sp) != (st.L, st.S):
       raise ValueError(f'flash_attention(hopper=True): L={st.L} and S={st.S} must be multiples '
@@ -309,14 +361,14 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, st: _Static):
           name='flash_attention_fwd', **st.launch())
   # the remat policies that keep attention (model/transformer.py) save these two by this name
   o, lse = checkpoint_name(o, 'attention_kernel'), checkpoint_name(lse, 'attention_kernel')
-  return o, (q, k, v, q_seg, kv_seg, q_pos, o, lse)
+  return o, (q, k, v, q_seg, kv_seg, q_pos, window, o, lse)
 
 
 def _backward(st: _Static, residuals, do, delta=None):
-  """(dq, dk, dv, None, None, None) on padded inputs. p = exp(s − lse) with the lse given, so
-  with the lse of a whole row (over keys this call does not see) these are that row's
+  """(dq, dk, dv, None, None, None, None) on padded inputs. p = exp(s − lse) with the lse given,
+  so with the lse of a whole row (over keys this call does not see) these are that row's
   gradients' shares from these keys. delta = rowsum(do ⊙ o) of the whole output likewise."""
-  q, k, v, q_seg, kv_seg, q_pos, o, lse = residuals
+  q, k, v, q_seg, kv_seg, q_pos, window, o, lse = residuals
   B, Lp, N, H = q.shape
   Sp, K = k.shape[1], k.shape[2]
   G, bq, bk = N // K, st.bq, st.bk
@@ -330,10 +382,11 @@ def _backward(st: _Static, residuals, do, delta=None):
           q, k, v, do.astype(q.dtype), lse, delta, q_seg, kv_seg, causal=st.causal,
           scale=1 / math.sqrt(H), q_offset=q_pos[0] if positions else None,
           out_dtype=st.out_dtype, interpret=st.interpret)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
   common = dict(**st.kernel_args(H), segments=segments, positions=positions)
   sq = pl.squeezed
-  extra = ([q_seg, kv_seg] if segments else []) + ([q_pos] if positions else [])
+  extra = (([q_seg, kv_seg] if segments else []) + ([q_pos] if positions else [])
+           + ([window] if st.windowed else []))
 
   dq_specs = [pl.BlockSpec((sq, bq, sq, H), lambda b, n, i: (b, i, n, 0)),
               pl.BlockSpec((sq, Sp, sq, H), lambda b, n, i: (b, 0, n // G, 0)),
@@ -346,6 +399,8 @@ def _backward(st: _Static, residuals, do, delta=None):
                  pl.BlockSpec((sq, Sp), lambda b, n, i: (b, 0))]
   if positions:
     dq_specs.append(pl.BlockSpec((bq,), lambda b, n, i: (i,)))
+  if st.windowed:
+    dq_specs.append(pl.BlockSpec((1,), lambda b, n, i: (0,)))
   with st.scope():
     dq = pallas_for_platform(
         functools.partial(_dq_kernel, n_kv=Sp // bk, **common), [q, k, v, do, lse, delta, *extra],
@@ -365,6 +420,8 @@ def _backward(st: _Static, residuals, do, delta=None):
     dkv_specs += [whole, pl.BlockSpec((sq, bk), lambda b, h, j: (b, j))]
   if positions:
     dkv_specs.append(whole)
+  if st.windowed:
+    dkv_specs.append(pl.BlockSpec((1,), lambda b, h, j: (0,)))
   with st.scope():
     dk, dv = pallas_for_platform(
         functools.partial(_dkv_kernel, n_q=Lp // bq, group=G, **common),
@@ -373,15 +430,20 @@ def _backward(st: _Static, residuals, do, delta=None):
         out_shape=[jax.ShapeDtypeStruct(k.shape, st.dtype(k)),
                    jax.ShapeDtypeStruct(v.shape, st.dtype(v))],
         name='flash_attention_dkv', **st.launch())
-  return dq, dk, dv, None, None, None
+  return dq, dk, dv, None, None, None, None
 
 
 _flash.defvjp(_forward, _backward)
 
 
 def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset, *, causal,
-             block_q, block_k, num_warps, num_stages, interpret, out_dtype=None, hopper=False):
-  """Checks, defaults, padding to whole blocks: (q, k, v, q_seg, kv_seg, q_pos, static)."""
+             block_q, block_k, num_warps, num_stages, interpret, out_dtype=None, hopper=False,
+             window=None, window_mix=None):
+  """Checks, defaults, padding to whole blocks: (q, k, v, q_seg, kv_seg, q_pos, window,
+  static)."""
+  if window is not None and (hopper or not causal):
+    raise ValueError('flash_attention: a window is for causal attention by the Triton kernels '
+                     '(hopper=False)')
   B, L, N, H = q_BLNH.shape
   defaults = default_blocks(H, q_BLNH.dtype)
   if hopper:  # one consumer warpgroup's 64 rows; its own key tile
@@ -404,16 +466,26 @@ def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset
     kv_seg = _pad(kv_segment_ids_BS.astype(jnp.int32), 1, Sp)
   if q_offset is not None:
     q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(Lp, dtype=jnp.int32)
-  static = _Static(causal, bq, bk, L, S, interpret, num_warps, num_stages, out_dtype, hopper)
-  return q, k, v, q_seg, kv_seg, q_pos, static
+  # What a window leaves of the causal work, as the time model charges it: a window fixed here;
+  # one known at run time, as `window_mix` (its value where local, the share of runs local) says
+  size, local = (window, 1.0) if isinstance(window, int) else window_mix or (0, 0.0)
+  work = local * keys_seen(S, size) / keys_seen(S) + 1 - local
+  static = _Static(causal, bq, bk, L, S, interpret, num_warps, num_stages, out_dtype, hopper,
+                   window is not None, work)
+  if window is not None:
+    window = jnp.asarray(window, jnp.int32).reshape(1)
+  return q, k, v, q_seg, kv_seg, q_pos, window, static
 
 
 def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,
                     kv_segment_ids_BS=None, q_offset=None, block_q: int = 0, block_k: int = 0,
                     num_warps: int = 0, num_stages: int = 0, interpret: bool | None = None,
-                    hopper: bool = False):
+                    hopper: bool = False, window=None, window_mix: tuple | None = None):
   """Fused attention with the layout of jax.nn.dot_product_attention (see the module docstring).
 
+  window: causal only, the keys a query sees ending at its own (an int, or an int32 scalar
+  known at run time; 0: all), as kernels/attention.py's; window_mix, for one known at run time:
+  (its value where it is not 0, the share of calls it is not), which the time model charges.
   q_offset: causal only, the key index of query 0 (a traced int32 is fine, e.g. this device's
   share of a sequence split); None: S − L (bottom-right aligned).
   block_q, block_k: query and key rows per program (powers of two; shorter inputs use less).
@@ -428,7 +500,7 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
   *args, static = _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset,
                            causal=causal, block_q=block_q, block_k=block_k,
                            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                           hopper=hopper)
+                           hopper=hopper, window=window, window_mix=window_mix)
   return _flash(*args, static)[:, :q_BLNH.shape[1]]
 
 
@@ -438,11 +510,11 @@ def attention_parts(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
   """The forward kernel's o[B, L, N, H] in fp32 and lse[B, N, L] (NEG where a query sees no key):
   one part of an attention over more keys, to be merged with the others by their lse. hopper:
   by the Hopper kernel (flash_attention's)."""
-  q, k, v, q_seg, kv_seg, q_pos, st = _prepare(
+  q, k, v, q_seg, kv_seg, q_pos, window, st = _prepare(
       q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, None, causal=causal,
       block_q=block_q, block_k=block_k, num_warps=0, num_stages=0, interpret=interpret,
       out_dtype='float32', hopper=hopper)
-  o, residuals = _forward(q, k, v, q_seg, kv_seg, q_pos, st)
+  o, residuals = _forward(q, k, v, q_seg, kv_seg, q_pos, window, st)
   L = q_BLNH.shape[1]
   return o[:, :L], residuals[-1][:, :, :L]
 
@@ -453,12 +525,12 @@ def attention_parts_grads(q_BLNH, k_BSKH, v_BSKH, o_BLNH, lse_BNL, do_BLNH, delt
                           hopper: bool = False):
   """The backward kernels for one part (attention_parts) of an attention whose whole output o,
   lse and delta = rowsum(do ⊙ o) are given: this part's dq and its keys' dk, dv, in fp32."""
-  q, k, v, q_seg, kv_seg, q_pos, st = _prepare(
+  q, k, v, q_seg, kv_seg, q_pos, window, st = _prepare(
       q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, None, causal=causal,
       block_q=block_q, block_k=block_k, num_warps=0, num_stages=0, interpret=interpret,
       out_dtype='float32', hopper=hopper)
   Lp, L, S = q.shape[1], q_BLNH.shape[1], k_BSKH.shape[1]
   # Padded query rows: do = 0 and lse = 0 make their p finite and their ds, dv shares 0.
-  residuals = (q, k, v, q_seg, kv_seg, q_pos, _pad(o_BLNH, 1, Lp), _pad(lse_BNL, 2, Lp))
+  residuals = (q, k, v, q_seg, kv_seg, q_pos, window, _pad(o_BLNH, 1, Lp), _pad(lse_BNL, 2, Lp))
   dq, dk, dv, *_ = _backward(st, residuals, _pad(do_BLNH, 1, Lp), _pad(delta_BNL, 2, Lp))
   return dq[:, :L], dk[:, :S], dv[:, :S]

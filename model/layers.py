@@ -183,34 +183,42 @@ def project(spec: str, x, p: nnx.Param, cfg: ModelConfig, lora: Adapter | None =
 
 
 class RMSNorm(nnx.Module):
-  """x / rms(x) * scale over the last dimension, computed in fp32. scale[D] (or [size]) is
-  logical 'norm' (replicated, no decay)."""
+  """x / rms(x) * scale over the last dimension, computed in fp32; with cfg.norm_plus_one
+  (Gemma's) * (1 + scale), the scale starting at 0. scale[D] (or [size]) is logical 'norm'
+  (replicated, no decay)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, size: int | None = None):
-    self.eps = cfg.norm_eps
-    self.scale = param(rngs, (size or cfg.d_model,), ('norm',), cfg.weight_dtype)
+    self.eps, self.plus_one = cfg.norm_eps, cfg.norm_plus_one
+    self.scale = param(rngs, (size or cfg.d_model,), ('norm',), cfg.weight_dtype,
+                       0 if cfg.norm_plus_one else None)
 
   def __call__(self, x_BLD):
-    return rms_norm(x_BLD, self.scale[...], self.eps)
+    return rms_norm(x_BLD, self.scale[...], self.eps, self.plus_one)
 
 
-def rms_norm(x, scale, eps: float):
-  """x / rms(x) * scale over the last dimension, in fp32, returned in x's dtype."""
+def rms_norm(x, scale, eps: float, plus_one: bool = False):
+  """x / rms(x) * scale (or * (1 + scale)) over the last dimension, in fp32, returned in x's
+  dtype."""
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+  scale32 = scale.astype(jnp.float32)
+  return (x32 * (1.0 + scale32 if plus_one else scale32)).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-  """RoPE's inverse frequencies, one per pair of head dimensions: theta^(-2i/H), and with
-  rope_type 'llama3' Llama 3.1's rescaling (as transformers computes it): wavelengths longer
-  than original_length/low_freq_factor are stretched by `factor`, those shorter than
-  original_length/high_freq_factor kept, those between blended linearly in
-  original_length/wavelength."""
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+  """RoPE's inverse frequencies, one per pair of head dimensions: theta^(-2i/H); with rope_type
+  'linear' divided by rope_factor, and with 'llama3' Llama 3.1's rescaling (as transformers
+  computes it): wavelengths longer than original_length/low_freq_factor are stretched by
+  `factor`, those shorter than original_length/high_freq_factor kept, those between blended
+  linearly in original_length/wavelength. A `local` layer's (sliding_window) with
+  rope_local_theta: that base's, unscaled."""
   H = cfg.head_dim
-  inv_freq_h = cfg.rope_theta ** (-np.arange(0, H // 2, dtype=np.float32) / (H // 2))
-  if cfg.rope_type == 'default':
+  theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+  inv_freq_h = (theta ** (-np.arange(0, H // 2, dtype=np.float32) / (H // 2))).astype(np.float32)
+  if cfg.rope_type == 'default' or (local and cfg.rope_local_theta):
     return inv_freq_h
+  if cfg.rope_type == 'linear':
+    return (inv_freq_h / np.float32(cfg.rope_factor)).astype(np.float32)
   wavelength_h = 2 * np.pi / inv_freq_h
   low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
   original = cfg.rope_original_length
@@ -256,24 +264,31 @@ class Attention(nnx.Module):
     if cfg.qk_norm:  # one scale[H] each, shared by the heads
       self.q_norm, self.k_norm = RMSNorm(cfg, rngs, H), RMSNorm(cfg, rngs, H)
 
-  def _project(self, x_BLD, positions_BL):
+  def _project(self, x_BLD, positions_BL, layer: dict):
     """q, k, v with rotary embeddings applied to q and k (after their norms, with qk_norm)."""
     cfg = self.cfg
     k_BLKH = project('bld,dkh->blkh', x_BLD, self.wk, cfg, self.wk_lora)
     v_BLKH = project('bld,dkh->blkh', x_BLD, self.wv, cfg, self.wv_lora)
-    return self._queries(x_BLD, positions_BL), self._keys(k_BLKH, positions_BL), v_BLKH
+    return (self._queries(x_BLD, positions_BL, layer), self._keys(k_BLKH, positions_BL, layer),
+            v_BLKH)
 
-  def _queries(self, x_BLD, positions_BL):
-    q_BLNH = project('bld,dnh->blnh', x_BLD, self.wq, self.cfg, self.wq_lora)
-    if self.cfg.qk_norm:
+  def _queries(self, x_BLD, positions_BL, layer: dict):
+    """Projected queries as attention takes them: normed (with qk_norm), rotated, and with
+    query_scale rescaled so that attention's 1/√head_dim makes the scale asked for."""
+    cfg = self.cfg
+    q_BLNH = project('bld,dnh->blnh', x_BLD, self.wq, cfg, self.wq_lora)
+    if cfg.qk_norm:
       q_BLNH = self.q_norm(q_BLNH)
-    return rotary(q_BLNH, positions_BL, rope_frequencies(self.cfg))
+    q_BLNH = rotary(q_BLNH, positions_BL, layer['rope'])
+    if cfg.query_scale and cfg.query_scale != cfg.head_dim:
+      q_BLNH = q_BLNH * jnp.asarray((cfg.head_dim / cfg.query_scale) ** 0.5, q_BLNH.dtype)
+    return q_BLNH
 
-  def _keys(self, k_BLKH, positions_BL):
+  def _keys(self, k_BLKH, positions_BL, layer: dict):
     """Projected keys as attention takes them: normed (with qk_norm), then rotated."""
     if self.cfg.qk_norm:
       k_BLKH = self.k_norm(k_BLKH)
-    return rotary(k_BLKH, positions_BL, rope_frequencies(self.cfg))
+    return rotary(k_BLKH, positions_BL, layer['rope'])
 
   def kv_weights(self):
     """(Wk, Wv) [embed, kv_heads, head_dim] in fp32 with their adapters merged: what an X cache
@@ -286,35 +301,41 @@ class Attention(nnx.Module):
                                          lora.b[...].astype(jnp.float32))
     return merged(self.wk, self.wk_lora), merged(self.wv, self.wv_lora)
 
-  def decode(self, x_BTD, positions_BT, cache: dict, layer, weights: dict):
+  def decode(self, x_BTD, positions_BT, cache: dict, layer, weights: dict, kind: dict):
     """T new tokens per row against layer `layer` of the cache, S slots a row (model/kv_cache.py;
     slot s holds position s): writes what the cache keeps of them into the slots of their
-    positions and attends to slots 0 … position. An X cache's keys and values are recomputed
-    from it with `weights` (kv_cache.x_weights). Returns (out, the whole cache)."""
+    positions and attends to slots 0 … position (within the layer's window: `kind`, the layer's
+    window and RoPE). An X cache's keys and values are recomputed from it with `weights`
+    (kv_cache.x_weights). Returns (out, the whole cache)."""
     cfg = self.cfg
     rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
     if 'x' in cache:
-      q_BTNH = self._queries(x_BTD, positions_BT)
+      q_BTNH = self._queries(x_BTD, positions_BT, kind)
       new = kv_cache.latent(x_BTD, weights, kv_cache.x_group(cfg))
       cache = {'x': kv_cache.store(cache['x'], layer, rows_B1, positions_BT, new)}
       k_BSKH, v_BSKH = kv_cache.recompute(kv_cache.read(cache['x'], layer, cfg.dtype), weights)
       B, S = k_BSKH.shape[:2]
-      k_BSKH = self._keys(k_BSKH, jnp.broadcast_to(jnp.arange(S), (B, S)))
+      k_BSKH = self._keys(k_BSKH, jnp.broadcast_to(jnp.arange(S), (B, S)), kind)
     else:
-      q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT)
+      q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT, kind)
       cache = {name: kv_cache.store(cache[name], layer, rows_B1, positions_BT, new)
                for name, new in (('k', k_BTKH), ('v', v_BTKH))}
       k_BSKH, v_BSKH = (kv_cache.read(cache[name], layer, cfg.dtype) for name in ('k', 'v'))
-    out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
+    out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT,
+                                        window=kind['window'])
     return project('btnh,nhd->btd', out_BTNH, self.wo, cfg, self.wo_lora, OUT), cache
 
-  def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL):
+  def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, window):
+    """Attention by cfg.attention; `window`: None (global), the window (a local layer's, an int)
+    or, with local and global layers scanned alike, an int32 scalar known at run time (0:
+    global), which the XLA path and our kernel take as an input."""
     cfg = self.cfg
     ours = dict(block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
                 hopper=cfg.attention == 'hopper')  # in Triton, or Mosaic GPU for Hopper
     run = sharding.per_shard
     if cfg.attention == 'xla':
-      return kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids_BL=segment_ids_BL)
+      return kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids_BL=segment_ids_BL,
+                               window=window)
     if cfg.attention == 'cudnn':  # XLA partitions it, where it can
       attend = functools.partial(kernels.attention, causal=True, implementation='cudnn',
                                  cudnn_segments=cfg.cudnn_segments)
@@ -330,19 +351,26 @@ class Attention(nnx.Module):
                                  reduce_dtype=cfg.reduce_dtype.name, **ours)
     else:
       attend = functools.partial(kernels.gathered_attention, causal=True, axis_name=axis, **ours)
+    if cfg.attention in kernels.OURS and window is not None and not isinstance(window, int):
+      local = cfg.local_layers  # what the windows leave of the work, for the time model
+      attend = functools.partial(attend, window_mix=(cfg.sliding_window, sum(local) / len(local)))
     # XLA cannot partition a Pallas call: each device runs it on its rows, heads and, under a
     # length split, its share of the length, against the others' keys (context parallelism).
     q_names = ('batch', 'length', 'heads', 'head_dim')
     kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
-    if segment_ids_BL is None:
-      return run(lambda q, k, v: attend(q, k, v), (q_names, kv_names, kv_names),
-                 q_names)(q_BLNH, k_BLKH, v_BLKH)
-    return run(lambda q, k, v, s: attend(q, k, v, segment_ids_BL=s),
-               (q_names, kv_names, kv_names, ('batch', 'length')),
-               q_names)(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+    args, names, keywords = [q_BLNH, k_BLKH, v_BLKH], [q_names, kv_names, kv_names], []
+    if segment_ids_BL is not None:
+      args, names, keywords = args + [segment_ids_BL], names + [('batch', 'length')], ['segment_ids_BL']
+    if isinstance(window, int):  # a constant of the program
+      attend = functools.partial(attend, window=window)
+    elif window is not None:  # a scalar input, every device the same
+      args, names, keywords = args + [window], names + [()], keywords + ['window']
+    return run(lambda q, k, v, *rest: attend(q, k, v, **dict(zip(keywords, rest))),
+               tuple(names), q_names)(*args)
 
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-    q_BLNH, k_BLKH, v_BLKH = self._project(x_BLD, positions_BL)
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, layer: dict):
+    """`layer`: this layer's kind (Block.kind): its RoPE frequencies and window (None: global)."""
+    q_BLNH, k_BLKH, v_BLKH = self._project(x_BLD, positions_BL, layer)
     # With qk_norm, whose backward reads the projections' outputs, those alone are kept; under
     # LoRA the time model predicts the rotated ones slower (docs/notes/retunings.md)
     if not (self.cfg.qk_norm or self.cfg.lora_rank):
@@ -360,14 +388,15 @@ class Attention(nnx.Module):
     if self.cfg.attention not in kernels.OURS:
       kv_names = ('batch', 'kv_length', 'kv_heads', 'head_dim')
       k_BLKH, v_BLKH = constrain(k_BLKH, kv_names), constrain(v_BLKH, kv_names)
-    out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+    out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, layer['window'])
     out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
                                'attention_out')
     return project('blnh,nhd->bld', out_BLNH, self.wo, self.cfg, self.wo_lora, OUT)
 
 
 class MLP(nnx.Module):
-  """SwiGLU: (silu(x Wg) * x Wu) Wd with Wg, Wu[embed, mlp] and Wd[mlp, embed]."""
+  """SwiGLU: (silu(x Wg) * x Wu) Wd with Wg, Wu[embed, mlp] and Wd[mlp, embed]; GeGLU (gelu with
+  tanh's approximation for silu) with cfg.mlp_activation 'gelu_tanh'."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
     self.cfg = cfg
@@ -384,6 +413,8 @@ class MLP(nnx.Module):
     cfg = self.cfg
     gate_BLF = project('bld,df->blf', x_BLD, self.w_gate, cfg, self.w_gate_lora)
     up_BLF = project('bld,df->blf', x_BLD, self.w_up, cfg, self.w_up_lora)
-    h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
+    act = jax.nn.silu if cfg.mlp_activation == 'silu' else functools.partial(jax.nn.gelu,
+                                                                            approximate=True)
+    h_BLF = constrain(act(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
     h_BLF = checkpoint_name(h_BLF, 'mlp_hidden')
     return project('blf,fd->bld', h_BLF, self.w_down, cfg, self.w_down_lora)

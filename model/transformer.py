@@ -4,13 +4,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import sharding
 from model import draft, gradient_sums, head, kv_cache, moe, pipeline
 from configs.base import REMAT_POLICIES, ModelConfig
 from model.embedding import lookup
-from model.layers import OUT, ROTATED, MLP, Attention, RMSNorm, constrain, gathered, matmul, param, weight
+from model.layers import (OUT, ROTATED, MLP, Attention, RMSNorm, constrain, gathered, matmul,
+                          param, rope_frequencies, weight)
 
 _policies = jax.checkpoint_policies
 _QKV = ('query_proj', 'key_proj', 'value_proj')  # checkpoint_name tags in model/layers.py
@@ -66,30 +68,56 @@ REMAT = {
 assert tuple(REMAT) == REMAT_POLICIES
 
 
+def layer_kinds(cfg: ModelConfig, first: int = 0, n: int | None = None):
+  """What layers first … first + n − 1 attend with: {'window', 'rope'}, one for all of them
+  where they are alike (the window an int, or None for global layers; RoPE's inverse
+  frequencies), else stacked [n] and [n, head_dim/2] for the scan to hand each layer its own
+  (window 0: global)."""
+  local = cfg.local_layers[first:first + (cfg.n_layers if n is None else n)]
+  if cfg.windows != 'mixed' or len(set(local)) == 1:
+    return {'window': cfg.sliding_window if local[0] else None,
+            'rope': rope_frequencies(cfg, local[0])}
+  return {'window': jnp.asarray([cfg.sliding_window if l else 0 for l in local], jnp.int32),
+          'rope': jnp.asarray(np.stack([rope_frequencies(cfg, l) for l in local]))}
+
+
+def stacked(kind: dict) -> bool:
+  """Whether layer_kinds gave one kind a layer (scanned with the layers) rather than one for all."""
+  return isinstance(kind['rope'], jax.Array) and kind['rope'].ndim == 2
+
+
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)), the MLP dense or routed
-  experts (model/moe.py). Returns (x, the experts' balance_stats; {} for a dense block)."""
+  experts (model/moe.py); with cfg.post_norms (Gemma's) each output normed again before its
+  residual add. Returns (x, the experts' balance_stats; {} for a dense block)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, experts: bool = False):
     self.attn_norm = RMSNorm(cfg, rngs)
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg, rngs)
     self.mlp = moe.MoE(cfg, rngs) if experts else MLP(cfg, rngs)
+    if cfg.post_norms:
+      self.attn_post_norm, self.mlp_post_norm = RMSNorm(cfg, rngs), RMSNorm(cfg, rngs)
 
   def _mlp(self, x_BLD):
     out = self.mlp(self.mlp_norm(x_BLD))
-    return out if isinstance(out, tuple) else (out, {})
+    out, stats = out if isinstance(out, tuple) else (out, {})
+    return (self.mlp_post_norm(out) if hasattr(self, 'mlp_post_norm') else out), stats
 
-  def decode(self, x_BTD, positions_BT, cache: dict, layer, weights: dict):
+  def _attn_out(self, out_BLD):
+    return self.attn_post_norm(out_BLD) if hasattr(self, 'attn_post_norm') else out_BLD
+
+  def decode(self, x_BTD, positions_BT, cache: dict, layer, weights: dict, kind: dict):
     """The block on T new tokens against its layer of the cache (Attention.decode)."""
     out_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), positions_BT, cache, layer,
-                                      weights)
-    x_BTD = x_BTD + out_BTD
+                                      weights, kind)
+    x_BTD = x_BTD + self._attn_out(out_BTD)
     return x_BTD + self._mlp(x_BTD)[0], cache
 
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-    x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
-    x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, kind: dict):
+    """`kind`: the layer's window and RoPE (layer_kinds)."""
+    out_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, kind)
+    x_BLD = constrain(x_BLD + self._attn_out(out_BLD), ('batch', 'length', 'embed'))
     out_BLD, stats = self._mlp(x_BLD)
     return constrain(x_BLD + out_BLD, ('batch', 'length', 'embed')), stats
 
@@ -212,7 +240,7 @@ class Transformer(nnx.Module):
     # head, which keeps it for its backward.
     table_VD = weight(self.embed, cfg)
     table_c_VD = gathered(table_VD, ('vocab', 'embed'), cfg.dtype)
-    x_BLD = lookup(table_VD, table_c_VD, tokens_BL)
+    x_BLD = self._scaled(lookup(table_VD, table_c_VD, tokens_BL))
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'))
     if stage_axis is None:
       x_BLD, stats = self._run_blocks(x_BLD, positions_BL, segment_ids_BL, sums or {})
@@ -228,6 +256,13 @@ class Transformer(nnx.Module):
     if then is None:
       return constrain(self._head(x_BLD, table_VD, table_c_VD), ('batch', 'length', 'vocab'))
     return then(Output(self, x_BLD, (table_VD, table_c_VD), None), rows), stats
+
+  def _scaled(self, x_BLD):
+    """The embedding's rows as the blocks take them: × √d_model with cfg.embed_scale (Gemma's,
+    the factor rounded to the rows' dtype as transformers rounds it)."""
+    if not self.cfg.embed_scale:
+      return x_BLD
+    return x_BLD * jnp.asarray(self.cfg.d_model ** 0.5, x_BLD.dtype)
 
   def _draft_losses(self, x_BLD, table_VD, table_c_VD, targets_BL):
     """The draft heads' (nll, gap) [K, B, L] on the base's last hidden states, through the base's
@@ -345,7 +380,7 @@ class Transformer(nnx.Module):
   def decode_hidden(self, tokens_BT, positions_BT, cache: dict):
     """decode's last hidden states [B, T, D] (before the final norm) instead of its logits."""
     table_VD, table_c_VD = self._tables()
-    x_BTD = lookup(table_VD, table_c_VD, tokens_BT)
+    x_BTD = self._scaled(lookup(table_VD, table_c_VD, tokens_BT))
     weights = cache.get('weights', {})
     stored = {name: entry for name, entry in cache.items() if name != 'weights'}
     for stack, first in self._stacks():
@@ -353,17 +388,21 @@ class Transformer(nnx.Module):
       layers = self._in_order(layers)
       n = jax.tree.leaves(layers)[0].shape[0]
       mine = jax.tree.map(lambda a, first=first, n=n: a[first:first + n], weights)
+      kind = layer_kinds(self.cfg, first, n)
+      kinds = kind if stacked(kind) else None  # else the same for every layer
 
       # The whole cache is the scan's carry: each layer writes its new tokens into it in place
       # and reads its own slice, so a step moves the cache once rather than copying it per layer.
-      def body(carry, layer_index_weights, graphdef=graphdef, first=first):
+      def body(carry, layer_index_weights, graphdef=graphdef, first=first, kind=kind):
         x_BTD, stored = carry
-        layer, i, layer_weights = layer_index_weights
-        x_BTD, stored = nnx.merge(graphdef, layer).decode(x_BTD, positions_BT, stored, first + i,
-                                                          layer_weights)
+        layer, i, layer_weights, layer_kind = layer_index_weights
+        x_BTD, stored = nnx.merge(graphdef, layer).decode(
+            x_BTD, positions_BT, stored, first + i, layer_weights,
+            kind if layer_kind is None else layer_kind)
         return (x_BTD, stored), None
 
-      (x_BTD, stored), _ = jax.lax.scan(body, (x_BTD, stored), (layers, jnp.arange(n), mine))
+      (x_BTD, stored), _ = jax.lax.scan(body, (x_BTD, stored),
+                                        (layers, jnp.arange(n), mine, kinds))
     cache = dict(stored, weights=weights) if weights else stored
     return x_BTD, cache
 
@@ -376,19 +415,27 @@ class Transformer(nnx.Module):
       return [(self.dense_blocks, 0), (self.blocks, self.cfg.dense_layers)]
     return [(self.blocks, 0)]
 
-  def _run_layers(self, layers, x_BLD, extras, chunk=None, stack=None, sums=None):
+  def _run_layers(self, layers, x_BLD, extras, chunk=None, stack=None, sums=None, kind=None):
     """The stacked layers in turn, one `lax.scan`, so compile time does not grow with depth
     (`scan_layers=False` unrolls the same scan: same parameters, so checkpoints are shared); with
     `chunk`, row `chunk` of [V, n/(V·P), ...] (a pipeline stage's, model/pipeline.py), each layer
     picked inside its remat region; with `sums`, the scan whose backward adds each layer's
-    gradient to them (model/gradient_sums.py). Returns (x, each layer's router stats, stacked)."""
+    gradient to them (model/gradient_sums.py); `kind`: the layers' windows and RoPE (layer_kinds;
+    one a layer is scanned with them). Returns (x, each layer's router stats, stacked)."""
     graphdef = nnx.graphdef(self.blocks if stack is None else stack)
+    kind = layer_kinds(self.cfg) if kind is None else kind
+    per_layer = stacked(kind)
+    if per_layer and chunk is not None:
+      raise ValueError('config.model.sliding_window with global layers among the local ones '
+                       '(global_every) under pipeline stages (config.mesh.stage > 1) is not '
+                       'built yet; set config.mesh.stage=1')
 
     def body(x_BLD, layer, extras):
+      layer, layer_kind = layer if per_layer else (layer, kind)
       if chunk is not None:  # `layer` is its index
         layer = jax.tree.map(lambda w: pipeline.pick(w, chunk, layer), layers)
       layer = sharding.row_major(layer)  # a layer's slice: no transposed copy of the stack
-      return nnx.merge(graphdef, layer)(x_BLD, *extras)
+      return nnx.merge(graphdef, layer)(x_BLD, *extras, layer_kind)
 
     policy = REMAT[self.cfg.remat_policy]
     if policy is None and chunk is not None:
@@ -396,6 +443,9 @@ class Transformer(nnx.Module):
     if policy is not None:
       body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
     unroll = 1 if self.cfg.scan_layers else True
+    if per_layer:  # each layer's kind beside its weights (sums still only theirs)
+      layers = (layers, kind)
+      sums = None if sums is None else [(s,) for s in sums] if isinstance(sums, list) else (sums,)
     if sums is not None:
       return gradient_sums.scan(body, layers, sums, x_BLD, extras, unroll)
     xs = layers if chunk is None else jnp.arange(jax.tree.leaves(layers)[0].shape[1])
@@ -403,11 +453,14 @@ class Transformer(nnx.Module):
                         unroll=unroll)
 
   def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL, sums):
+    first = 0
     for name in (name for name in self.STACKS if hasattr(self, name)):
       stack = getattr(self, name)
-      x_BLD, stats = self._run_layers(self._in_order(nnx.state(stack)), x_BLD,
-                                      (positions_BL, segment_ids_BL), stack=stack,
-                                      sums=sums.get(name))
+      layers = self._in_order(nnx.state(stack))
+      n = jax.tree.leaves(layers)[0].shape[0]
+      kind, first = layer_kinds(self.cfg, first, n), first + n
+      x_BLD, stats = self._run_layers(layers, x_BLD, (positions_BL, segment_ids_BL), stack=stack,
+                                      sums=sums.get(name), kind=kind)
     return x_BLD, stats  # the last stack's: the MoE layers'
 
   def _run_stages(self, x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis):

@@ -14,6 +14,7 @@ activations' gradients through them), the adapters 6 · theirs. Draft heads (mod
 """
 
 from configs.base import ModelConfig
+from kernels.flash_attention import keys_seen
 from planning import gpus
 
 
@@ -52,8 +53,12 @@ def draft_flops_per_token(cfg: ModelConfig) -> float:
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-  attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-  return attention / 2 if causal else attention
+  """Attention's score and value matmuls a token, forward and backward: a local layer's within
+  its sliding window only."""
+  if not causal:
+    return 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+  keys = sum(keys_seen(seq_len, cfg.sliding_window if local else 0) for local in cfg.local_layers)
+  return 12 * cfg.n_heads * cfg.head_dim * keys
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True,

@@ -245,11 +245,11 @@ FLASH_KERNELS = ('flash_attention_fwd', 'flash_attention_dq', 'flash_attention_d
 
 
 def flash_attention_kernels(device, head_dim: int, segments: bool, tiles, heads=(32, 8),
-                            seq_len=4096, dtype='bfloat16') -> dict:
+                            seq_len=4096, dtype='bfloat16', window: bool = False) -> dict:
   """{'kernels': {name: Kernel fields}} of our flash attention's three kernels in one causal
-  fwd+bwd call (`dtype`, B = 1, L = S = seq_len, heads = (query, kv)) compiled for `device`, with
-  tiles (block_q, block_k, num_warps, num_stages); or {'error': the compiler's message} when it
-  refuses them."""
+  fwd+bwd call (`dtype`, B = 1, L = S = seq_len, heads = (query, kv); with `window`, a sliding
+  window known at run time) compiled for `device`, with tiles (block_q, block_k, num_warps,
+  num_stages); or {'error': the compiler's message} when it refuses them."""
   import jax
   import jax.numpy as jnp
   from kernels.flash_attention import flash_attention
@@ -260,14 +260,15 @@ def flash_attention_kernels(device, head_dim: int, segments: bool, tiles, heads=
   seg = jax.ShapeDtypeStruct((1, L), jnp.int32, sharding=place)
   block_q, block_k, num_warps, num_stages = tiles
 
-  def loss(q, k, v, s):
+  def loss(q, k, v, s, w):
     out = flash_attention(q, k, v, causal=True, segment_ids_BL=s if segments else None,
                           block_q=block_q, block_k=block_k, num_warps=num_warps,
-                          num_stages=num_stages)
+                          num_stages=num_stages, window=w if window else None)
     return out.astype(jnp.float32).sum()
 
+  w = jax.ShapeDtypeStruct((), jnp.int32, sharding=place)
   try:
-    found = kernels(lower(device, jax.jit(jax.grad(loss, (0, 1, 2))), q, kv, kv, seg))
+    found = kernels(lower(device, jax.jit(jax.grad(loss, (0, 1, 2))), q, kv, kv, seg, w))
   except Exception as e:  # the compiler's refusal is a result: report it
     return {'error': f'{type(e).__name__}: {str(e).splitlines()[0][:300]}'}
   return {'kernels': {k.name: {f: getattr(k, f) for f in ('grid', 'threads', 'shared_memory',

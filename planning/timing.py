@@ -53,6 +53,7 @@ import math
 import re
 
 import kernels
+from kernels.flash_attention import keys_seen
 from planning import gpus
 from sharding import collectives, hlo
 
@@ -70,6 +71,9 @@ _HOPPER = re.compile(r'flash_attention_hopper_(fwd|dq|dkv)')  # ours in Mosaic G
 # Our kernels' mask scope (kernels/flash_attention.py: _Static.scope): `/unmasked/`, or
 # `jvp(unmasked)` and `transpose(jvp(unmasked))` where the kernel is differentiated
 _UNMASKED = re.compile(r'[/(]unmasked[/)]')
+# `windowed_0213`: a sliding window leaves 21.3% of causal attention's work (kernels/flash_attention.py)
+_WINDOWED = re.compile(r'[/(]windowed_(\d{4})[/)]')
+_CUDNN_WINDOW = re.compile(r'"sliding_window_length":\s*"?(\d+)')  # its backend config's
 _GROUPED = re.compile(r'grouped_matmul(?:_dw)?(?:_filled(\d+))?/pallas_call')
 # cuDNN's scores [B, N, L, S], in its backend config: a deviceless compile writes the element type
 # first and the dims as numbers, the GPU's own compile the dims first, as strings
@@ -180,12 +184,12 @@ def attention_seconds(kernel: str, head_dim: int, keys: int) -> float:
 
 
 def rank_attention(head_dim: int, compute_dtype: str, keys: int, length_split: bool,
-                   gpu: gpus.GPU) -> list[tuple[str, float]]:
+                   gpu: gpus.GPU, windows: str = 'none') -> list[tuple[str, float]]:
   """[(kernel, its time ÷ the fastest's)] of the fused attentions that run this model on `gpu`
   (kernels.fused_for: ours for Hopper on sm_90 only), fastest first, as the time model charges a
   train step's attention; a tie keeps fused_for's order (cuDNN, ours in Triton, in Mosaic GPU)."""
   runnable = kernels.fused_for(head_dim, compute_dtype, length_split,
-                               hopper=gpu.compute_capability == (9, 0))
+                               hopper=gpu.compute_capability == (9, 0), windows=windows)
   seconds = {k: attention_seconds(k, head_dim, keys) for k in runnable}
   fastest = min(seconds.values())
   return sorted(((k, t / fastest) for k, t in seconds.items()), key=lambda kt: kt[1])
@@ -394,6 +398,10 @@ class _Model:
       causal = not _UNMASKED.search(inst.op_name)
       backward, share = part != 'fwd', BACKWARD_SHARE.get(part, 1.0)
     forward = 4 * B * N * L * S * H * ((1 - L / (2 * S)) if causal and L <= S else 1.0)
+    if kernel != 'cudnn' and (windowed := _WINDOWED.search(inst.op_name)):
+      forward *= int(windowed.group(1)) / 1000
+    elif kernel == 'cudnn' and (window := _CUDNN_WINDOW.search(inst.line)) and int(window[1]):
+      forward *= keys_seen(S, int(window[1])) / keys_seen(S)
     flops = forward * (2.5 * share if backward else 1.0)
     moved = hlo.nbytes(a for arrays in operand_arrays for a in arrays) + hlo.nbytes(inst.arrays)
     efficiency = attention_efficiency(kernel, backward, H, S)

@@ -284,13 +284,16 @@ def llama_1b_8gpu() -> str:
   return '\n'.join(rows) + '\n'
 
 
-def qwen3_plans() -> str:
-  """configs/qwen3.py's presets and the Qwen3-8B LoRA preset on their H100s (benchmarks/plans.py),
-  a table."""
+def family_plans(family: str) -> str:
+  """configs/<family>.py's presets and its LoRA preset on their H100s (benchmarks/plans.py), a
+  table."""
   rows = ['| command (with `--config.dry_run=True --config.plan.target=H100`) | H100s | tokens a '
           'step | remat, microbatches | memory a GPU | step (predicted) | MFU |',
           '| --- | --- | --- | --- | --- | --- | --- |']
-  for name in ('qwen3_0.6b', 'qwen3_8b_8gpu', 'qwen3_32b_8gpu', 'finetune_qwen3_8b_lora'):
+  names = [name for name in result('plans-h100-deviceless')['plans']
+           if name.startswith(family + '_')] + [f'finetune_{family}_' + {
+               'qwen3': '8b_lora', 'gemma3': '4b_lora'}[family]]
+  for name in names:
     p = planned(name)
     flags = p['command'].replace(' --config.dry_run=True --config.plan.target=H100', '')
     tiers = p['tiers'] and ', moments in host memory'
@@ -519,7 +522,8 @@ RENDERERS = {'plan_1b': plan_1b, 'finetune_8b': finetune_8b, 'finetune_1b': fine
              'kv_cache': kv_cache, 'kv_cache_plan': kv_cache_plan, 'speculative': speculative,
              'speculative_plan': speculative_plan,
              'checkpoint_save': checkpoint_save, 'two_processes': two_processes,
-             'qwen3_plans': qwen3_plans}
+             'qwen3_plans': lambda: family_plans('qwen3'),
+             'gemma3_plans': lambda: family_plans('gemma3')}
 
 
 def refreshed(text: str, rendered: dict) -> str:

@@ -29,7 +29,7 @@ FALLBACK = chat.Template(chat.FALLBACK, 'the fallback template')
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CHAT = REPO / 'tests' / 'data' / 'hf-chat'
 GOLDENS = json.loads((CHAT / 'goldens.json').read_text())
-TEMPLATES = ('llama3', 'chatml', 'generation')
+TEMPLATES = ('llama3', 'chatml', 'gemma', 'generation')
 
 
 def conversation(i: int) -> list[dict]:

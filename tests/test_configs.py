@@ -11,6 +11,7 @@ import pytest
 
 import configs
 import configs.fields
+from configs import base
 from planning import flops
 from training import loop, settings
 from training.state import build, param_count
@@ -43,6 +44,19 @@ def test_llama_presets_have_their_real_sizes_and_shard_over_8_devices(preset):
   assert low <= param_count(setup.abstract_state.params) <= high
 
 
+@pytest.mark.parametrize('preset, total', [('1b', 1.0e9), ('4b', 3.88e9), ('27b', 27.01e9)])
+def test_gemma3_presets_have_their_real_sizes_five_local_layers_in_six_and_a_tied_head(preset,
+                                                                                       total):
+  config = load('gemma3.py', preset)
+  config.mesh.fsdp = -1
+  setup = build(settings.resolve(config))  # abstract only
+  assert abs(param_count(setup.abstract_state.params) - total) < 0.005 * total
+  cfg = setup.model_cfg
+  assert cfg.tie_embeddings and 'unembed' not in setup.abstract_state.params
+  assert cfg.local_layers[:6] == (True,) * 5 + (False,) and cfg.windows == 'mixed'
+  assert 'mlp_post_norm' in setup.abstract_state.params['blocks']
+
+
 @pytest.mark.parametrize('preset, total', [('0.6b', 0.596e9), ('8b', 8.19e9), ('32b', 32.76e9)])
 def test_qwen3_presets_have_their_real_sizes_with_qk_norms(preset, total):
   config = load('qwen3.py', preset)
@@ -71,6 +85,29 @@ def test_the_long_context_preset_splits_its_row_over_8_devices_with_the_ring():
   assert dict(setup.mesh.shape) == {'data': 1, 'stage': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1, 'sequence': 8}
   assert (config.seq_len, config.batch_size) == (131072, 1)
   assert (setup.model_cfg.attention, setup.model_cfg.context_parallel) == ('pallas', 'ring')
+
+
+@pytest.mark.parametrize('changes,message', [
+    (dict(attention='cudnn'), "each layer takes its window at run time, which cuDNN cannot"),
+    (dict(attention='hopper'), 'the Hopper kernel has no window yet'),
+    (dict(attention='pallas', context_parallel='ring'), 'ring attention has no window yet'),
+    (dict(virtual_stages=2), 'pipeline chunks of local and global layers'),
+])
+def test_what_sliding_windows_cannot_run_with_yet_is_refused_naming_the_setting(changes, message):
+  model = base.get_config().model
+  model.update(vocab_size=384, n_layers=4, sliding_window=8, global_every=2, **changes)
+  with pytest.raises(ValueError, match=message):
+    base.ModelConfig.from_config(model).check()
+
+
+def test_local_and_global_layers_follow_global_every():
+  model = base.get_config().model
+  model.update(vocab_size=384, n_layers=7, sliding_window=8, global_every=3)
+  cfg = base.ModelConfig.from_config(model)
+  assert cfg.local_layers == (True, True, False, True, True, False, True)
+  assert cfg.windows == 'mixed'
+  assert base.ModelConfig.from_config({**model, 'global_every': 0}).windows == 'uniform'
+  assert base.ModelConfig.from_config({**model, 'sliding_window': 0}).windows == 'none'
 
 
 def test_unknown_preset_names_the_choices():

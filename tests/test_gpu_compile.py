@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from configs import llama
@@ -32,13 +33,15 @@ H100 = gpus.GPUS['H100']
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize('head_dim', [64, 128, 256])
+@pytest.mark.parametrize('head_dim,window', [(64, False), (128, False), (256, False),
+                                             (128, True), (256, True)])
 @pytest.mark.parametrize('segments', [False, True])
-def test_flash_attention_compiles_for_h100_with_no_spills(h100, head_dim, segments):
-  """The three Triton kernels (fwd, dq, dkv) at the default tiles: assembled for sm_90a, within
-  the H100's shared memory, and no register spills (ptxas -v on XLA's PTX)."""
+def test_flash_attention_compiles_for_h100_with_no_spills(h100, head_dim, window, segments):
+  """The three Triton kernels (fwd, dq, dkv) at the default tiles, with a sliding window known
+  at run time too (Gemma 3's head dims): assembled for sm_90a, within the H100's shared memory,
+  and no register spills (ptxas -v on XLA's PTX)."""
   result = gpu_compiler.flash_attention_kernels(h100, head_dim, segments,
-                                                default_blocks(head_dim))
+                                                default_blocks(head_dim), window=window)
   assert 'error' not in result, result.get('error')
   assert sorted(result['kernels']) == sorted(gpu_compiler.FLASH_KERNELS)
   for name, k in result['kernels'].items():
@@ -593,3 +596,31 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_compiling():
   with pytest.raises(ValueError, match=r"config.model.matmul_precision='fp8' needs fp8 tensor "
                                        r'cores .* which NVIDIA A100-SXM4-80GB lacks'):
     built(config)
+
+
+@pytest.mark.integration
+def test_the_time_model_charges_a_sliding_window_the_work_it_leaves(h100):
+  """cuDNN's windowed attention (its backend config's sliding_window_length) and ours (a window
+  known at run time, its launches named by the share of work left) charged the keys a query
+  sees within a window of 512 over 2048: 0.438 of causal attention's, forward and backward."""
+  from kernels import attention, flash_attention
+  from kernels.flash_attention import keys_seen
+  place = jax.sharding.SingleDeviceSharding(h100)
+  q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16, sharding=place)
+  kv = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16, sharding=place)
+  w = jax.ShapeDtypeStruct((), jnp.int32, sharding=place)
+  left = keys_seen(2048, 512) / keys_seen(2048)
+
+  def seconds(fn, *args):
+    grad = jax.jit(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), tuple(range(3))))
+    hlo = gpu_compiler.lower(h100, grad, *args).compile().as_text()
+    return timing.predict(hlo, H100).breakdown['attention']
+
+  for windowed, whole in [
+      ((lambda q, k, v: attention(q, k, v, causal=True, implementation='cudnn', window=512)),
+       (lambda q, k, v: attention(q, k, v, causal=True, implementation='cudnn'))),
+      ((lambda q, k, v, w: flash_attention(q, k, v, causal=True, window=w,
+                                           window_mix=(512, 1.0))),
+       (lambda q, k, v, w: flash_attention(q, k, v, causal=True)))]:
+    args = (q, kv, kv) if windowed.__code__.co_argcount == 3 else (q, kv, kv, w)
+    assert seconds(windowed, *args) == pytest.approx(left * seconds(whole, *args), rel=0.01)

@@ -1,6 +1,7 @@
 """Hugging Face Llama checkpoints in and out (interop/huggingface.py), against what transformers
 computed for tiny random models (tests/data/make_hf_goldens.py made them: no torch here)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -30,6 +31,7 @@ UNTIED = DATA / 'hf-llama-untied'  # float32, one file, plain RoPE, eps 1e-6
 TIED = DATA / 'hf-llama-tied-llama3'  # bfloat16, four files and an index, llama3 RoPE
 MIXTRAL = DATA / 'hf-mixtral'  # float32, 4 experts of width 32, 2 a token
 QWEN3 = DATA / 'hf-qwen3'  # float32, q/k norms, tied, norms' weights random
+GEMMA3 = DATA / 'hf-gemma3'  # float32, layers local, global, local; a window of 4 keys
 QWEN3_MOE = DATA / 'hf-qwen3-moe'  # float32, q/k norms, 8 experts of width 16, 2 a token
 MOES = {  # path: (experts, width, renormalised, load-balancing weight, an expert's up projection)
     MIXTRAL: (4, 32, True, 0.04, 'block_sparse_moe.experts.3.w3.weight'),
@@ -243,6 +245,94 @@ def test_a_qwen3_computes_what_transformers_computes_and_exports_back_bit_exact(
     with pytest.raises(ValueError, match=rf'its config.json has {message}; meshlm imports Llama, '
                                          'Qwen3'):
       huggingface.model_settings(tmp_path)
+
+
+def test_a_gemma3_computes_what_transformers_computes_past_its_window_and_exports_back_bit_exact(
+    tmp_path):
+  """Gemma 3 (text): (1 + w) norms before and after attention and the MLP, GeGLU, scaled
+  embeddings, query_pre_attn_scalar, tied; local layers (a window of 4 keys, RoPE base 1e4)
+  around a global one (1e6, linear ×8). transformers' logits within 1e-5 over 24 tokens, and its
+  greedy tokens (decoded 12 past 8, through the cache), with the XLA path on data × fsdp and
+  with our kernel on fsdp × tensor; packed rows as transformers computes each document; the
+  export is transformers' tensors bit for bit and reads back as the same settings."""
+  config = settings.resolve(hf_config(GEMMA3))
+  m = config.model
+  assert (m.sliding_window, m.global_every, m.rope_local_theta, m.rope_type, m.rope_factor,
+          m.query_scale, m.mlp_activation) == (4, 2, 1e4, 'linear', 8.0, 24.0, 'gelu_tanh')
+  assert m.norm_plus_one and m.post_norms and m.embed_scale and m.qk_norm and m.tie_embeddings
+  assert m.local_layers == (True, False, True) and m.windows == 'mixed'
+  golden = np.load(GEMMA3 / 'goldens.npz')
+  for mesh, attention in ((dict(data=2, fsdp=4), 'xla'), (dict(data=1, fsdp=4, tensor=2),
+                                                          'pallas')):
+    given = hf_config(GEMMA3, mesh=mesh)
+    given.model.attention = attention
+    setup = build(settings.resolve(given))
+    params = huggingface.load_params(GEMMA3, setup.abstract_state.params, setup.model_cfg)
+    model = nnx.merge(setup.graphdef, params)
+    with jax.set_mesh(setup.mesh):
+      logits = jax.jit(lambda model, tokens: model(tokens))(model, golden['tokens'])
+      # two documents of 12 packed in each row (positions from 0 in each): each as if alone
+      tokens = np.concatenate([golden['tokens'][:, :12], golden['tokens'][::-1, :12]], 1)
+      positions = np.tile(np.concatenate([np.arange(12)] * 2), (2, 1))
+      segments = np.repeat([[1] * 12 + [2] * 12], 2, 0)
+      packed = jax.jit(lambda model, t, p, s: model(t, p, s))(model, tokens, positions, segments)
+    np.testing.assert_allclose(logits, golden['logits'], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[:, :12], golden['logits'][:, :12], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[:, 12:], golden['logits'][::-1, :12], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(generate(model, golden['tokens'][:, :8].tolist(), 12),
+                                  golden['greedy'])
+  hf = tensors(GEMMA3)
+  np.testing.assert_array_equal(params['blocks']['mlp_norm']['scale'][...][2],
+                                hf['model.layers.2.pre_feedforward_layernorm.weight'])
+  output = tmp_path / 'export'
+  huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
+                     tokenizers.load(config.data), config.seq_len, output, dtype='float32',
+                     max_shard_bytes=10**9, log=lambda *_: None)
+  exported = tensors(output)
+  assert sorted(exported) == sorted(hf)
+  for name in hf:
+    np.testing.assert_array_equal(exported[name], hf[name], err_msg=name)
+  assert huggingface.model_settings(output) == huggingface.model_settings(GEMMA3)
+  # The Hub's configs, written by transformers 4: the layers' pattern as a number, RoPE apart.
+  original = json.loads((GEMMA3 / 'config.json').read_text())
+  v4 = {k: v for k, v in original.items() if k not in ('layer_types', 'rope_parameters')}
+  v4.update(rope_theta=1e6, rope_local_base_freq=1e4,
+            rope_scaling={'rope_type': 'linear', 'factor': 8.0})
+  (tmp_path / 'config.json').write_text(json.dumps(v4))
+  assert huggingface.model_settings(tmp_path) == huggingface.model_settings(GEMMA3)
+  # What meshlm's Gemma 3 does not compute is refused, naming the key.
+  for change, message in [({'final_logit_softcapping': 30.0}, 'final_logit_softcapping=30.0'),
+                          ({'hidden_activation': 'gelu'}, "hidden_activation='gelu'"),
+                          ({'use_bidirectional_attention': True},
+                           'use_bidirectional_attention=True'),
+                          ({'layer_types': ['full_attention', 'sliding_attention',
+                                            'sliding_attention']}, 'layer_types=')]:
+    (tmp_path / 'config.json').write_text(json.dumps({**original, **change}))
+    with pytest.raises(ValueError, match=rf'its config.json has {message}.*; meshlm imports '
+                                         "Gemma 3's text models"):
+      huggingface.model_settings(tmp_path)
+  (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gemma3',
+                                                    'text_config': original}))
+  with pytest.raises(ValueError, match=r"model_type='gemma3': Gemma 3 with its vision tower"):
+    huggingface.model_settings(tmp_path)
+  # and on export, a model no family's checkpoint holds, naming the setting
+  for change, message in [(dict(post_norms=False), 'post_norms=False: a Gemma 3 checkpoint'),
+                          (dict(norm_plus_one=False), 'post_norms=True: a Llama or Qwen3 '
+                                                      'checkpoint')]:
+    with pytest.raises(ValueError, match=rf'config.model.{message} cannot hold it'):
+      huggingface.check_exportable(dataclasses.replace(setup.model_cfg, **change))
+
+
+@pytest.mark.integration
+def test_a_gemma3_over_a_sequence_split_attends_within_its_windows_as_transformers_does():
+  """Each device's queries against the keys all-gathered over `sequence`, our kernel skipping
+  the gathered blocks outside a local layer's window."""
+  config = hf_config(GEMMA3, mesh=dict(data=1, fsdp=2, tensor=2, sequence=2))
+  config.model.attention = 'pallas'
+  setup = build(settings.resolve(config))
+  assert setup.mesh.shape['sequence'] == 2 and setup.model_cfg.context_parallel == 'all_gather'
+  assert_computes_goldens(setup, huggingface.load_params(
+      GEMMA3, setup.abstract_state.params, setup.model_cfg), GEMMA3)
 
 
 def test_an_moe_that_mixtral_cannot_hold_is_refused_naming_the_setting():

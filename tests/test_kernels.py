@@ -36,16 +36,19 @@ def packed_segments(B, L):
   return jnp.asarray(seg)
 
 
-def compare(q, k, v, cotangent, *, causal, seg=None, kv_seg=None, **blocks):
-  """Outputs and (dq, dk, dv) of both implementations for loss = Σ out · cotangent."""
-  def loss(fn, q, k, v):
-    out = fn(q, k, v, causal=causal, segment_ids_BL=seg, kv_segment_ids_BS=kv_seg)
+def compare(q, k, v, cotangent, *, causal, seg=None, kv_seg=None, window=None, ours_window=None,
+            **blocks):
+  """Outputs and (dq, dk, dv) of both implementations for loss = Σ out · cotangent; `window` the
+  reference's, `ours_window` ours (an int32 array: one known at run time) where it differs."""
+  def loss(fn, w, q, k, v):
+    out = fn(q, k, v, causal=causal, segment_ids_BL=seg, kv_segment_ids_BS=kv_seg, window=w)
     return (out.astype(jnp.float32) * cotangent).sum(), out
 
   results = []
-  for fn in (functools.partial(flash_attention, **blocks), xla_attention):
-    (_, out), grads = jax.value_and_grad(functools.partial(loss, fn), (0, 1, 2), has_aux=True)(
-        q, k, v)
+  for fn, w in ((functools.partial(flash_attention, **blocks),
+                 window if ours_window is None else ours_window), (xla_attention, window)):
+    (_, out), grads = jax.jit(jax.value_and_grad(functools.partial(loss, fn), (1, 2, 3),
+                                                 has_aux=True))(w, q, k, v)
     results.append((out, *grads))
   tol = TOLERANCE[q.dtype.type]
   for name, ours, ref in zip(('out', 'dq', 'dk', 'dv'), *results):
@@ -64,6 +67,43 @@ def test_matches_reference_values_and_gradients(causal, kv_heads, packed):
   q, k, v, ct = inputs(K=kv_heads)  # L = 40: not a multiple of the 16-row blocks
   seg = packed_segments(2, 40) if packed else None
   compare(q, k, v, ct, causal=causal, seg=seg, block_q=16, block_k=16)
+
+
+@pytest.mark.parametrize('window,traced,packed', [
+    (5, False, False), (17, True, True),
+    *(pytest.param(*case, marks=pytest.mark.integration)
+      for case in [(5, False, True), (17, True, False), (40, True, False), (40, True, True)])])
+def test_a_sliding_window_matches_the_reference_values_and_gradients(window, traced, packed):
+  """A local layer's window of W keys, fixed when compiled or known at run time (the scan of
+  local and global layers hands each its own), with packed documents too."""
+  q, k, v, ct = inputs(K=2)
+  seg = packed_segments(2, 40) if packed else None
+  compare(q, k, v, ct, causal=True, seg=seg, window=window,
+          ours_window=jnp.int32(window) if traced else None, block_q=16, block_k=16)
+  if traced:  # 0 at run time: a global layer's, all the keys
+    compare(q, k, v, ct, causal=True, seg=seg, ours_window=jnp.int32(0), block_q=16, block_k=16)
+
+
+def test_a_sliding_window_skips_the_key_blocks_outside_it_forward_and_backward():
+  """Key block 0 (keys 0–15) lies outside the window of 5 of query blocks 2 and 3 (rows 32–63),
+  and query block 3 outside that of key block 0: NaNs there reach no output the kernels skip
+  them for, as they would if a loop ran over them (0 · NaN is NaN)."""
+  q, k, v, ct = inputs(L=64, S=64, K=2)
+
+  def grads(q, v, rows):
+    def loss(q, k, v):
+      out = flash_attention(q, k, v, causal=True, window=jnp.int32(5), block_q=16, block_k=16)
+      return (out[:, rows] * ct[:, rows]).sum(), out
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+
+  # the forward and dq of rows 32–47 never read key block 0's values
+  (_, out), (dq, _, _) = grads(q, v.at[:, :16].set(jnp.nan), slice(32, 48))
+  assert np.isnan(out[:, :32]).all() and np.isfinite(out[:, 32:]).all()
+  assert np.isfinite(dq[:, 32:48]).all()
+  # key block 0's dk and dv never read query block 3's rows
+  _, (_, dk, dv) = grads(q.at[:, 48:].set(jnp.nan), v, slice(0, 48))
+  assert np.isfinite(dk[:, :16]).all() and np.isfinite(dv[:, :16]).all()
+  assert np.isnan(dk[:, 48:]).all()  # which query block 3 does reach
 
 
 @pytest.mark.integration

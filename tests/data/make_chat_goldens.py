@@ -1,5 +1,5 @@
 """Makes tests/data/hf-chat: the tiny byte-level BPE of hf-llama-untied with chat special tokens
-added (ids 300-304, inside the tiny models' 320), under three chat templates, and what
+added (ids 300-306, inside the tiny models' 320), under four chat templates, and what
 transformers' `apply_chat_template` makes of a few conversations with each.
 tests/test_chat.py checks meshlm's rendering, ids and answer masks against these without
 transformers.
@@ -9,6 +9,8 @@ transformers.
 
 - llama3: Llama 3 Instruct's template (BOS, role headers, trimmed content, <|eot_id|>).
 - chatml: Qwen2.5's layout, with a default system prompt where none is given.
+- gemma: Gemma 3's template (BOS, a system prompt folded into the first user turn, the
+  assistant named `model`, trimmed content, <end_of_turn>, alternation enforced).
 - generation: ChatML with {% generation %} around the answers, which transformers turns into
   its own assistant mask (`return_assistant_tokens_mask`), and a raise_exception for roles
   that do not alternate; saved as chat_template.jinja, the file newer transformers writes.
@@ -27,7 +29,8 @@ import transformers
 
 HERE = pathlib.Path(__file__).parent
 OUT = HERE / 'hf-chat'
-SPECIAL = ['<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>', '<|im_start|>', '<|im_end|>']
+SPECIAL = ['<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>', '<|im_start|>', '<|im_end|>',
+           '<start_of_turn>', '<end_of_turn>']
 
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}"
           "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
@@ -57,6 +60,32 @@ GENERATION = ("{% for message in messages %}\n"
               "{% endfor %}\n"
               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
+GEMMA = ("{{ bos_token }}\n"
+         "{%- if messages[0]['role'] == 'system' -%}\n"
+         "    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+         "    {%- set loop_messages = messages[1:] -%}\n"
+         "{%- else -%}\n"
+         "    {%- set first_user_prefix = '' -%}\n"
+         "    {%- set loop_messages = messages -%}\n"
+         "{%- endif -%}\n"
+         "{%- for message in loop_messages -%}\n"
+         "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+         "        {{ raise_exception('Conversation roles must alternate user/assistant/user/"
+         "assistant/...') }}\n"
+         "    {%- endif -%}\n"
+         "    {%- if message['role'] == 'assistant' -%}\n"
+         "        {%- set role = 'model' -%}\n"
+         "    {%- else -%}\n"
+         "        {%- set role = message['role'] -%}\n"
+         "    {%- endif -%}\n"
+         "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}\n"
+         "    {{- message['content'] | trim }}\n"
+         "    {{- '<end_of_turn>\n' }}\n"
+         "{%- endfor -%}\n"
+         "{%- if add_generation_prompt -%}\n"
+         "    {{ '<start_of_turn>model\n' }}\n"
+         "{%- endif -%}\n")
+
 CONVERSATIONS = [
     [{'role': 'user', 'content': 'What is 2 + 3?'},
      {'role': 'assistant', 'content': 'It is 5.'}],
@@ -77,7 +106,8 @@ def main():
   tok = tokenizers.Tokenizer.from_file(str(HERE / 'hf-llama-untied' / 'tokenizer.json'))
   tok.add_special_tokens(SPECIAL)
   goldens = {'conversations': CONVERSATIONS}
-  for name, template in (('llama3', LLAMA3), ('chatml', CHATML), ('generation', GENERATION)):
+  for name, template in (('llama3', LLAMA3), ('chatml', CHATML), ('gemma', GEMMA),
+                         ('generation', GENERATION)):
     directory = OUT / name
     directory.mkdir(parents=True)
     tok.save(str(directory / 'tokenizer.json'))

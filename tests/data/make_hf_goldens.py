@@ -43,6 +43,17 @@ MODELS = {
     'hf-qwen3': dict(architecture='qwen3', tie_word_embeddings=True, rms_norm_eps=1e-6, norms=0.2,
                      rope_parameters=dict(rope_type='default', rope_theta=1e6),
                      num_key_value_heads=2, dtype=torch.float32, shard='1GB'),
+    # Gemma 3 (text): norms scaling by (1 + w) before and after attention and the MLP, GeGLU,
+    # embeddings × √64, q/k norms, query_pre_attn_scalar 24 (not head_dim's 16), tied; three layers
+    # local, global, local (sliding_window_pattern 2) with a window of 4 keys, the local ones'
+    # RoPE base 10,000, the global one's 1e6 scaled linearly by 8; float32.
+    'hf-gemma3': dict(architecture='gemma3_text', num_hidden_layers=3, tie_word_embeddings=True,
+                      rms_norm_eps=1e-6, norms=0.2, query_pre_attn_scalar=24, sliding_window=4,
+                      sliding_window_pattern=2, hidden_activation='gelu_pytorch_tanh',
+                      rope_parameters={
+                          'full_attention': dict(rope_type='linear', factor=8.0, rope_theta=1e6),
+                          'sliding_attention': dict(rope_type='default', rope_theta=10000.0)},
+                      num_key_value_heads=2, dtype=torch.float32, shard='1GB'),
     # Mixtral: 4 experts of width 32, 2 a token, softmax router renormalised; float32, one file.
     'hf-mixtral': dict(architecture='mixtral', num_local_experts=4, num_experts_per_tok=2,
                        intermediate_size=32, router_aux_loss_coef=0.02, tie_word_embeddings=False,
@@ -56,6 +67,7 @@ MODELS = {
 }
 CLASSES = {'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           'gemma3_text': (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
            'mixtral': (transformers.MixtralConfig, transformers.MixtralForCausalLM),
            'qwen3_moe': (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
 
@@ -80,8 +92,9 @@ def main(names):
     dtype, shard, norms = settings.pop('dtype'), settings.pop('shard'), settings.pop('norms', 0)
     config_class, model_class = CLASSES[settings.pop('architecture', 'llama')]
     config = config_class(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        head_dim=16, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, **settings)
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=settings.pop('num_hidden_layers', 2),
+        num_attention_heads=4, head_dim=16, max_position_embeddings=128, bos_token_id=0,
+        eos_token_id=1, **settings)
     torch.manual_seed(0)
     model = model_class(config).to(dtype).eval()
     with torch.no_grad():
