@@ -8,9 +8,10 @@ Five layers of six attend within a sliding window (512 keys for the 1b, 1024 abo
 
 Run (pick the preset after the colon):
   python train.py --config=configs/gemma3.py:1b --config.workdir=/tmp/meshlm-gemma3-1b
-Start from the weights they mirror (docs/huggingface.md: `gemma3_text` checkpoints), which brings
-the checkpoint's tokenizer, chat template and settings:
+Start from the weights they mirror (docs/huggingface.md), which brings the checkpoint's tokenizer,
+chat template and settings; the 4b's and 27b's are multimodal, and their text model is imported:
   python train.py --config=configs/gemma3.py:1b --config.init_from=hf:/path/to/gemma-3-1b-pt
+  python train.py --config=configs/gemma3.py:4b --config.init_from=hf:/path/to/gemma-3-4b-pt
 Plan on any machine, compiled for the H100s each preset is meant for (GPUS below):
   python train.py --config=configs/gemma3.py:1b --config.dry_run=True --config.plan.target=H100
   python train.py --config=configs/gemma3.py:4b --config.dry_run=True --config.plan.target=H100 \

@@ -123,6 +123,13 @@ FAMILY_TENSORS = {
 }
 FAMILIES = tuple(FAMILY_TENSORS)  # the model_types meshlm imports and exports
 MOE_FAMILIES = ('mixtral', 'qwen3_moe')
+# Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration): the text model's tensors under
+# these prefixes (the Hub's and transformers 4's, then transformers 5's own), the vision tower's
+# and projector's under OTHER_TOWERS
+TEXT_PREFIXES = {'language_model.model.': 'model.', 'language_model.lm_head.': 'lm_head.',
+                 'model.language_model.': 'model.'}
+OTHER_TOWERS = ('vision_tower.', 'multi_modal_projector.', 'model.vision_tower.',
+                'model.multi_modal_projector.')
 IGNORED = ('rotary_emb.inv_freq',)  # buffers older transformers saved; recomputed from the config
 DTYPES = {'F32': np.float32, 'BF16': ml_dtypes.bfloat16, 'F16': np.float16}
 
@@ -174,10 +181,10 @@ def model_settings(path: pathlib.Path) -> dict:
   model_type = hf.get('model_type')
   if model_type == 'gemma3_text':
     return _gemma3_settings(hf, where)
-  if model_type == 'gemma3':
-    raise ValueError(f"{where} has model_type='gemma3': Gemma 3 with its vision tower "
-                     "(Gemma3ForConditionalGeneration); meshlm imports Gemma 3's text models "
-                     "(model_type 'gemma3_text', Gemma3ForCausalLM) and would drop the tower")
+  if model_type == 'gemma3':  # with a vision tower: its text model (Checkpoint leaves the rest)
+    text = {'tie_word_embeddings': hf.get('tie_word_embeddings', True),
+            **(hf.get('text_config') or {})}
+    return _gemma3_settings(text, where + "'s text_config")
   rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
   unsupported = {
@@ -235,12 +242,23 @@ def model_settings(path: pathlib.Path) -> dict:
 GEMMA3_ROPE = ('default', 'linear')  # the rope_types of Gemma 3's checkpoints
 
 
+# transformers' Gemma3TextConfig's defaults, which a config.json may leave out (the Hub's
+# multimodal ones leave most of their text_config out)
+GEMMA3_DEFAULTS = {'vocab_size': 262_208, 'hidden_size': 2304, 'intermediate_size': 9216,
+                   'num_hidden_layers': 26, 'num_attention_heads': 8, 'num_key_value_heads': 4,
+                   'head_dim': 256, 'query_pre_attn_scalar': 256, 'sliding_window': 4096,
+                   'rms_norm_eps': 1e-6, 'max_position_embeddings': 131_072,
+                   'tie_word_embeddings': True}
+
+
 def _gemma3_settings(hf: dict, where: str) -> dict:
-  """config.model's fields from a Gemma 3 text model's config.json (Gemma3TextConfig's keys:
-  transformers 5's `rope_parameters` by layer type, or 4's `rope_theta`, `rope_local_base_freq`
-  and `rope_scaling`); which layers are global comes from `layer_types` (or the older
-  `sliding_window_pattern`), and must repeat every N-th layer, as global_every says."""
-  layers = hf.get('num_hidden_layers', 26)
+  """config.model's fields from a Gemma 3 text model's config.json (Gemma3TextConfig's keys, its
+  defaults where absent: transformers 5's `rope_parameters` by layer type, or 4's `rope_theta`,
+  `rope_local_base_freq` and `rope_scaling`); which layers are global comes from `layer_types`
+  (or the older `sliding_window_pattern`), and must repeat every N-th layer, as global_every
+  says."""
+  hf = {**GEMMA3_DEFAULTS, **hf}
+  layers = hf['num_hidden_layers']
   pattern = hf.get('sliding_window_pattern', hf.get('_sliding_window_pattern', 6))
   types = hf.get('layer_types') or ['sliding_attention' if (i + 1) % pattern else 'full_attention'
                                     for i in range(layers)]
@@ -270,10 +288,6 @@ def _gemma3_settings(hf: dict, where: str) -> dict:
                      "meshlm imports Gemma 3's text models (model_type 'gemma3_text': GeGLU with "
                      'tanh GELU, no softcapping, causal attention, every N-th layer global, '
                      "rope_type 'default' or 'linear')")
-  required = ['vocab_size', 'hidden_size', 'num_attention_heads', 'intermediate_size',
-              'num_hidden_layers', 'head_dim']
-  if missing := [key for key in required if key not in hf]:
-    raise ValueError(f'{where} lacks {missing}; it is not a whole gemma3_text config')
   window = hf.get('sliding_window') or 0
   return {
       'vocab_size': hf['vocab_size'], 'd_model': hf['hidden_size'], 'n_layers': layers,
@@ -350,7 +364,12 @@ class Checkpoint(contextlib.ExitStack):
     if weight_map is None:
       weight_map = {name: 'model.safetensors' for name in files['model.safetensors'].keys()}
     self.where = where
-    self.tensors = {name: files[file].get_slice(name) for name, file in weight_map.items()}
+    # A multimodal checkpoint's text model under its own prefix, as the text model's names; its
+    # other towers left out (and `left_out` says which)
+    self.left_out = {name: tuple(files[file].get_slice(name).get_shape())
+                     for name, file in weight_map.items() if name.startswith(OTHER_TOWERS)}
+    self.tensors = {_text_name(name): files[file].get_slice(name)
+                    for name, file in weight_map.items() if not name.startswith(OTHER_TOWERS)}
 
   def check_tensors(self, abstract_params, cfg) -> None:
     """ValueError unless every parameter's tensors are here with the shapes the model's settings
@@ -389,6 +408,26 @@ class Checkpoint(contextlib.ExitStack):
     else:
       part = self.tensors[name][tuple(hf_slices)]
     return part.reshape(view)[tuple(within)]
+
+
+def _text_name(name: str) -> str:
+  """A multimodal checkpoint's tensor of its text model by the text model's own name."""
+  for prefix, text in TEXT_PREFIXES.items():
+    if name.startswith(prefix):
+      return text + name[len(prefix):]
+  return name
+
+
+def left_out(path: pathlib.Path) -> str | None:
+  """What an import of `path` leaves out, in words (a multimodal model's other towers), or None."""
+  with Checkpoint(path) as checkpoint:
+    names = checkpoint.left_out
+    if not names:
+      return None
+    count = sum(math.prod(shape) for shape in names.values())
+  towers = sorted({name.split('.')[1 if name.startswith('model.') else 0] for name in names})
+  return (f'{", ".join(towers)} ({len(names)} tensors, {count:,} parameters): meshlm trains and '
+          'exports the text model alone')
 
 
 def check_tensors(path: pathlib.Path, abstract_params, model_cfg) -> None:

@@ -32,6 +32,7 @@ TIED = DATA / 'hf-llama-tied-llama3'  # bfloat16, four files and an index, llama
 MIXTRAL = DATA / 'hf-mixtral'  # float32, 4 experts of width 32, 2 a token
 QWEN3 = DATA / 'hf-qwen3'  # float32, q/k norms, tied, norms' weights random
 GEMMA3 = DATA / 'hf-gemma3'  # float32, layers local, global, local; a window of 4 keys
+GEMMA3_VISION = DATA / 'hf-gemma3-vision'  # the same shapes, a SigLIP tower beside them
 QWEN3_MOE = DATA / 'hf-qwen3-moe'  # float32, q/k norms, 8 experts of width 16, 2 a token
 MOES = {  # path: (experts, width, renormalised, load-balancing weight, an expert's up projection)
     MIXTRAL: (4, 32, True, 0.04, 'block_sparse_moe.experts.3.w3.weight'),
@@ -311,16 +312,39 @@ def test_a_gemma3_computes_what_transformers_computes_past_its_window_and_export
     with pytest.raises(ValueError, match=rf'its config.json has {message}.*; meshlm imports '
                                          "Gemma 3's text models"):
       huggingface.model_settings(tmp_path)
-  (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gemma3',
-                                                    'text_config': original}))
-  with pytest.raises(ValueError, match=r"model_type='gemma3': Gemma 3 with its vision tower"):
-    huggingface.model_settings(tmp_path)
   # and on export, a model no family's checkpoint holds, naming the setting
   for change, message in [(dict(post_norms=False), 'post_norms=False: a Gemma 3 checkpoint'),
                           (dict(norm_plus_one=False), 'post_norms=True: a Llama or Qwen3 '
                                                       'checkpoint')]:
     with pytest.raises(ValueError, match=rf'config.model.{message} cannot hold it'):
       huggingface.check_exportable(dataclasses.replace(setup.model_cfg, **change))
+
+
+@pytest.mark.integration
+def test_a_multimodal_gemma3_imports_its_text_model_saying_what_it_leaves_out(tmp_path):
+  """Gemma3ForConditionalGeneration, as the Hub's 4B to 27B are: its text_config and its
+  language model's tensors give transformers' logits on text; the vision tower and projector are
+  named as left out, and the export is the text model's tensors bit for bit (Gemma3ForCausalLM:
+  transformers loads it with the same logits, checked once here with torch)."""
+  config = settings.resolve(hf_config(GEMMA3_VISION))
+  assert config.model.sliding_window == 4 and config.model.norm_plus_one
+  assert huggingface.left_out(GEMMA3_VISION).startswith(
+      'multi_modal_projector, vision_tower (34 tensors, 38,176 parameters)')
+  assert huggingface.left_out(GEMMA3) is None
+  setup = build(config)
+  params = huggingface.load_params(GEMMA3_VISION, setup.abstract_state.params, setup.model_cfg)
+  assert_computes_goldens(setup, params, GEMMA3_VISION)
+  output = tmp_path / 'export'
+  huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
+                     tokenizers.load(config.data), config.seq_len, output, dtype='float32',
+                     max_shard_bytes=10**9, log=lambda *_: None)
+  text = {name.replace('language_model.model.', 'model.'): a
+          for name, a in tensors(GEMMA3_VISION).items() if name.startswith('language_model.')}
+  exported = tensors(output)
+  assert sorted(exported) == sorted(text)
+  for name in text:
+    np.testing.assert_array_equal(exported[name], text[name], err_msg=name)
+  assert json.loads((output / 'config.json').read_text())['architectures'] == ['Gemma3ForCausalLM']
 
 
 @pytest.mark.integration

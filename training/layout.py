@@ -118,7 +118,8 @@ def attention_choice(run: Run, gpu: gpus.GPU | None) -> list[tuple[str, float]]:
 def context_choices(run: Run, mesh: dict) -> tuple:
   """Both ways of attending over a sequence split, with our kernel (auto's choice there); else
   the run's own."""
-  if mesh['sequence'] > 1 and run.model.attention in ('auto', *kernels.OURS):
+  if (mesh['sequence'] > 1 and run.model.attention in ('auto', *kernels.OURS)
+      and not run.model.sliding_window):  # a window has no ring yet
     return CONTEXT_PARALLEL
   return (run.model.context_parallel,)
 

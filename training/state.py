@@ -253,6 +253,8 @@ def initial_state(setup, checkpointer, log, pieces=None):
   if run.start.kind == HF:
     params = huggingface.load_params(run.start.path, setup.start_params, setup.model_cfg)
     log(f'starting from the Hugging Face checkpoint {run.start.path} (fresh optimizer, step 0)')
+    if dropped := huggingface.left_out(run.start.path):
+      log(f'left out of {run.start.path}: {dropped}')
   elif run.start.kind == RUN:
     params, path, notes = params_of_run(setup)
     log(f'starting from the parameters of {path} (fresh optimizer, step 0): ' + '; '.join(notes))

@@ -54,6 +54,13 @@ MODELS = {
                           'full_attention': dict(rope_type='linear', factor=8.0, rope_theta=1e6),
                           'sliding_attention': dict(rope_type='default', rope_theta=10000.0)},
                       num_key_value_heads=2, dtype=torch.float32, shard='1GB'),
+    # Gemma 3 with a vision tower (Gemma3ForConditionalGeneration, as the Hub's 4B to 27B are):
+    # the text model as hf-gemma3's (its own random weights, RoPE unscaled) beside a tiny SigLIP
+    # tower and projector, which an import leaves out, saying so; goldens on text alone.
+    'hf-gemma3-vision': dict(architecture='gemma3', num_hidden_layers=3,
+                             tie_word_embeddings=True, rms_norm_eps=1e-6, norms=0.2,
+                             query_pre_attn_scalar=24, sliding_window=4, sliding_window_pattern=2,
+                             num_key_value_heads=2, dtype=torch.float32, shard='1GB'),
     # Mixtral: 4 experts of width 32, 2 a token, softmax router renormalised; float32, one file.
     'hf-mixtral': dict(architecture='mixtral', num_local_experts=4, num_experts_per_tok=2,
                        intermediate_size=32, router_aux_loss_coef=0.02, tie_word_embeddings=False,
@@ -68,6 +75,7 @@ MODELS = {
 CLASSES = {'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            'gemma3_text': (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+           'gemma3': (transformers.Gemma3TextConfig, transformers.Gemma3ForConditionalGeneration),
            'mixtral': (transformers.MixtralConfig, transformers.MixtralForCausalLM),
            'qwen3_moe': (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
 
@@ -90,11 +98,19 @@ def main(names):
   for name in names or MODELS:
     settings = {'intermediate_size': 128, **MODELS[name]}
     dtype, shard, norms = settings.pop('dtype'), settings.pop('shard'), settings.pop('norms', 0)
-    config_class, model_class = CLASSES[settings.pop('architecture', 'llama')]
+    architecture = settings.pop('architecture', 'llama')
+    config_class, model_class = CLASSES[architecture]
     config = config_class(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=settings.pop('num_hidden_layers', 2),
         num_attention_heads=4, head_dim=16, max_position_embeddings=128, bos_token_id=0,
         eos_token_id=1, **settings)
+    if architecture == 'gemma3':  # the text config inside a multimodal one
+      vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2,
+                                               image_size=28, patch_size=14)
+      config = transformers.Gemma3Config(text_config=config, vision_config=vision,
+                                         mm_tokens_per_image=4, boi_token_index=VOCAB - 4,
+                                         eoi_token_index=VOCAB - 3, image_token_index=VOCAB - 2)
     torch.manual_seed(0)
     model = model_class(config).to(dtype).eval()
     with torch.no_grad():
