@@ -40,6 +40,8 @@ EXPERT_MATMULS = ('pallas', 'ragged_dot', 'dense')  # kernels/grouped_matmul.py
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')  # the projections adapters may adapt
 DRAFT_KINDS = ('clover', 'medusa')  # model/draft.py
 SCHEMES = ('exact', 'int8')  # what crosses config.mesh.data (sharding/hierarchical.py)
+SCHEDULES = ('cosine', 'wsd')  # training/optimizer.py: make_schedule
+DECAY_SHAPES = ('linear', 'sqrt')  # wsd's decay: linear, or 1 − √progress
 RECORDS = ('text', 'prompt_completion', 'messages', 'preference', 'chat_preference')
 PREFERENCE_RECORDS = ('preference', 'chat_preference')  # pairs, trained on by DPO
 TRAIN_ON = ('answers', 'all')
@@ -487,14 +489,24 @@ def tier(value: str, setting_name: str) -> tuple[str, pathlib.Path | None]:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig(Section):
-  """AdamW, its schedule (linear warmup, cosine decay) and where its state lives between steps:
+  """AdamW, its schedule (linear warmup, then a cosine decay or warmup-stable-decay) and where
+  its state lives between steps:
   off the devices, the step computes the gradients and training/tiers.py updates the state a
   group at a time, streaming it in and out (ZeRO-Infinity; docs/memory.md: tiers)."""
   SECTION: typing.ClassVar[str] = 'optimizer'
   learning_rate: float = setting(3e-3, 'the peak, after warmup', 'schedule', range=at_least(0))
   warmup_steps: int = setting(10, 'steps of linear warmup from 0', 'schedule', range=at_least(0))
-  min_lr_ratio: float = setting(0.1, 'cosine decays to learning_rate × this at train_steps',
-                                'schedule', range=between(0, 1))
+  min_lr_ratio: float = setting(0.1, 'the schedule decays to learning_rate × this at '
+                                'train_steps', 'schedule', range=between(0, 1))
+  schedule: str = setting('cosine', 'cosine: a cosine decay from the warmup on | wsd: '
+                          'warmup-stable-decay, learning_rate held until the last decay_fraction '
+                          'of train_steps, then decayed (a run goes on from a checkpoint of its '
+                          'plateau with more train_steps, and decays later)', 'schedule',
+                          choices=SCHEDULES)
+  decay_fraction: float = setting(0.2, "wsd: the share of train_steps its decay takes",
+                                  'schedule', range=between(0, 1))
+  decay_shape: str = setting('linear', 'wsd: the decay linear, or sqrt: 1 − √progress '
+                             '(Hägele et al. 2024)', 'schedule', choices=DECAY_SHAPES)
   b1: float = setting(0.9, "Adam's β1", 'schedule', range=SHARE)
   b2: float = setting(0.95, "Adam's β2", 'schedule', range=SHARE)
   eps: float = setting(1e-8, "Adam's ε", 'schedule', range=at_least(0))

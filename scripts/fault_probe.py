@@ -224,6 +224,15 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'init_adapters misspelt': (['--config.init_adapters=merged'],
                                "config.init_adapters='merged' is not one of merge, leave"),
     'hf: without config.json': (['--config.init_from=hf:/nonexistent'], 'holds no config.json'),
+    'sliding windows of local and global layers on cuDNN': (
+        ['--config.model.sliding_window=8', '--config.model.global_every=2',
+         '--config.model.attention=cudnn'], 'each layer takes its window at run time'),
+    'sliding windows over a ring': (
+        ['--config.model.sliding_window=8', '--config.model.attention=pallas',
+         '--config.model.context_parallel=ring'], 'ring attention has no window yet'),
+    'wsd decay shape misspelt': (['--config.optimizer.schedule=wsd',
+                                  '--config.optimizer.decay_shape=cosine'],
+                                 "config.optimizer.decay_shape='cosine'"),
     'extra argument': (['oops'], 'unexpected arguments'),
     'LoRA target typo': (['--config.model.lora_rank=4', '--config.model.lora_targets=q,x'],
                          "config.model.lora_targets='q,x'"),
@@ -423,6 +432,16 @@ def _(p):
   shutil.copytree(HF, hf)
   (hf / 'config.json').write_text('{"vocab_size": ')
   return refused(p.run(*p.train(p.path('x')), f'--config.init_from=hf:{hf}'), 'is not JSON')
+
+
+@case('hf: a Gemma 3 with logit softcapping')
+def _(p):
+  hf = p.path('hf')
+  shutil.copytree(REPO / 'tests' / 'data' / 'hf-gemma3', hf)
+  config = json.loads((hf / 'config.json').read_text())
+  (hf / 'config.json').write_text(json.dumps({**config, 'final_logit_softcapping': 30.0}))
+  return refused(p.run(*p.train(p.path('x')), f'--config.init_from=hf:{hf}'),
+                 'final_logit_softcapping=30.0')
 
 
 @case('hf: weights of another shape')
@@ -1286,6 +1305,7 @@ RESUMED_CHANGES = {  # name: (the run's arguments, the change, what the refusal 
     'MoE capacity factor': (MOE, '--config.model.capacity_factor=1.0',
                             'config.model.capacity_factor=1.0'),
     'RoPE scaling': ((), '--config.model.rope_type=llama3', "config.model.rope_type='llama3'"),
+    'sliding window': ((), '--config.model.sliding_window=8', 'config.model.sliding_window=8'),
     'chat template setting': ((), '--config.data.chat_template=fallback',
                               "config.data.chat_template='fallback'"),
     'init_from': ((), '--config.init_from={template}', "config.init_from='{template}'"),

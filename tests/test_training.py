@@ -62,6 +62,23 @@ def test_schedule_warms_up_linearly_then_decays_to_the_floor():
   assert schedule(50) > schedule(80) > schedule(100)
 
 
+@pytest.mark.parametrize('shape', ['linear', 'sqrt'])
+def test_warmup_stable_decay_holds_its_peak_then_decays_as_its_formula_and_extends_from_the_plateau(
+    shape):
+  c = tiny_config()
+  c.optimizer.update(learning_rate=2.0, warmup_steps=10, min_lr_ratio=0.1, schedule='wsd',
+                     decay_fraction=0.25, decay_shape=shape)
+  schedule = optimizer.make_schedule(c.optimizer, 100)
+  decayed = lambda t: 0.2 + 1.8 * (1 - (np.sqrt(t) if shape == 'sqrt' else t))
+  steps = [0, 5, 10, 40, 75, 80, 90, 100]
+  expected = [0.0, 1.0, 2.0, 2.0, 2.0, decayed(5 / 25), decayed(15 / 25), 0.2]
+  np.testing.assert_allclose([schedule(s) for s in steps], expected, rtol=1e-6, atol=1e-6)
+  # 400 steps: the same rates up to the shorter run's decay, which now starts at step 300
+  longer = optimizer.make_schedule(c.optimizer, 400)
+  np.testing.assert_allclose([longer(s) for s in range(76)], [schedule(s) for s in range(76)])
+  assert longer(300) == 2.0 and abs(longer(400) - 0.2) < 1e-6
+
+
 def test_clipping_bounds_the_update():
   c = tiny_config()
   c.optimizer.grad_clip, c.optimizer.weight_decay = 1.0, 0.0

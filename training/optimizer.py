@@ -1,4 +1,4 @@
-"""AdamW with linear warmup + cosine decay and global-norm clipping (draft heads clipped apart
+"""AdamW with linear warmup, then a cosine decay or warmup-stable-decay, and global-norm clipping (draft heads clipped apart
 from the model they draft for, so that they never change how it trains), which parameters it
 trains (`trained`: all of them, or under LoRA the adapters), and where its state
 lives between steps: the fp32 master weights and each of Adam's moments on the devices (the
@@ -6,6 +6,7 @@ compiled step updates them), in host memory, or in files on NVMe (training/tiers
 them outside the step, a group at a time)."""
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -14,11 +15,28 @@ from model.moe import RouterBias
 
 
 def make_schedule(opt_config, train_steps: int) -> optax.Schedule:
+  """The learning rate at each step: a linear warmup from 0 to learning_rate over warmup_steps,
+  then a cosine decay to learning_rate × min_lr_ratio at train_steps, or with schedule 'wsd' the
+  peak held until the last decay_fraction of train_steps and a decay (linear, or 1 − √progress)
+  to the same floor over them. A wsd run's rate before its decay does not depend on train_steps,
+  so one resumed from its plateau with more steps trained as if it had always had them."""
   warmup = min(opt_config.warmup_steps, train_steps)
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=opt_config.learning_rate, warmup_steps=warmup,
-      decay_steps=max(train_steps, warmup + 1),
-      end_value=opt_config.learning_rate * opt_config.min_lr_ratio)
+  peak, floor = opt_config.learning_rate, opt_config.learning_rate * opt_config.min_lr_ratio
+  if opt_config.schedule == 'cosine':
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=peak, warmup_steps=warmup,
+        decay_steps=max(train_steps, warmup + 1), end_value=floor)
+  start = max(warmup, train_steps - round(opt_config.decay_fraction * train_steps))
+  length = max(train_steps - start, 1)
+
+  def decay(step):
+    progress = jnp.clip(step / length, 0.0, 1.0)
+    left = 1.0 - (jnp.sqrt(progress) if opt_config.decay_shape == 'sqrt' else progress)
+    return floor + (peak - floor) * left
+
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, peak, max(warmup, 1)), optax.constant_schedule(peak), decay],
+      [warmup, start])
 
 
 def trained(cfg, params):
