@@ -90,6 +90,24 @@ def _block(size: int, requested: int) -> int:
 WIDE = 1 << 30  # a window no row reaches: "no window"
 
 
+# A window's work as our kernel does it, at most this × the keys its queries see: a query block of
+# bq rows reaches back over the window's keys and its own, in whole key blocks, so for a window
+# its tiles are cut (windowed_blocks) until the blocks it visits are within this
+WINDOW_WASTE = 1.15
+
+
+def windowed_blocks(window: int, block_q: int, block_k: int) -> tuple[int, int]:
+  """(block_q, block_k) for a window: the tiles halved, the larger first, down to 16, until a
+  query block visits at most WINDOW_WASTE × `window` keys a row (window + block_q − 1 keys, and a
+  key block's more for where they fall)."""
+  while max(block_q, block_k) > 16 and window + block_q - 1 + block_k > WINDOW_WASTE * window:
+    if block_q >= block_k:
+      block_q //= 2
+    else:
+      block_k //= 2
+  return block_q, block_k
+
+
 def keys_seen(length: int, window: int = 0) -> float:
   """The keys a query of a causal row of `length` sees on average: half the row (the convention
   of FLOP counts), or within a `window` shorter than the row, W − W(W − 1)/(2·length)."""
@@ -125,6 +143,15 @@ def _first_kv_block(first_q, window, *, bk, n_kv):
   if window is None:
     return jnp.int32(0)
   return jnp.clip((first_q - window + 1) // bk, 0, n_kv)
+
+
+def _query_blocks_reaching(j, window, *, causal, offset, bq, bk, n_q):
+  """(first, end): the query blocks that see key block j: from the first that can (causal,
+  else 0) to past the last whose queries reach it within `window` (all without one)."""
+  first = jnp.clip((j * bk - offset) // bq, 0, n_q) if causal else jnp.int32(0)
+  if window is None:
+    return first, n_q
+  return first, jnp.clip(((j + 1) * bk - 1 + window - 1 - offset) // bq + 1, first, n_q)
 
 
 def _read_window(window_ref):
@@ -236,11 +263,8 @@ def _dkv_kernel(*refs, causal, scale, offset, kv_len, bq, bk, n_q, group, segmen
   k_seg = ks_ref[...] if segments else None
   if positions:  # query positions are contiguous: the first block's least is the offset
     offset = qp_ref[pl.ds(0, bq)].min()
-  # The first query block that can see key block j (causal), else 0.
-  first = jnp.clip((j * bk - offset) // bq, 0, n_q) if causal else jnp.int32(0)
-  # Past the last query block whose queries reach key block j within the window: none see it.
-  end = (n_q if window is None else
-         jnp.clip(((j + 1) * bk - 1 + window - 1 - offset) // bq + 1, first, n_q))
+  first, end = _query_blocks_reaching(j, window, causal=causal, offset=offset, bq=bq, bk=bk,
+                                      n_q=n_q)
   per_head = end - first  # query blocks each head contributes
 
   def body(t, carry):
@@ -449,6 +473,10 @@ def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset
   if hopper:  # one consumer warpgroup's 64 rows; its own key tile
     defaults = (*hopper_blocks(H), *defaults[2:])
     block_q = 64
+  size = window if isinstance(window, int) else (window_mix or (0,))[0]
+  if size:  # a window's own tiles, where none are asked for
+    windowed = windowed_blocks(size, block_q or defaults[0], block_k or defaults[1])
+    block_q, block_k = block_q or windowed[0], block_k or windowed[1]
   block_q, block_k = block_q or defaults[0], block_k or defaults[1]
   num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]

@@ -284,6 +284,21 @@ def llama_1b_8gpu() -> str:
   return '\n'.join(rows) + '\n'
 
 
+def windowed_attention() -> str:
+  """The keys our kernel visits for Gemma 3's windows (benchmarks/windowed_attention.py), a
+  table."""
+  r = result('windowed_attention')
+  rows = ['| preset | seq_len | window | head dim | tiles (block_q × block_k) | visited ÷ seen: '
+          'forward, dq | dk, dv | with causal attention\'s tiles |',
+          '| --- | --- | --- | --- | --- | --- | --- | --- |']
+  for name, p in r['presets'].items():
+    c = p['causal_tiles']
+    rows.append(f'| {name} | {p["seq_len"]:,} | {p["window"]:,} | {p["head_dim"]} | '
+                f'{p["block_q"]} × {p["block_k"]} | {p["forward_dq"]:.3f} | {p["dkv"]:.3f} | '
+                f'{c["forward_dq"]:.3f} ({c["block_q"]} × {c["block_k"]}) |')
+  return '\n'.join(rows) + '\n'
+
+
 def family_plans(family: str) -> str:
   """configs/<family>.py's presets and its LoRA preset on their H100s (benchmarks/plans.py), a
   table."""
@@ -523,7 +538,8 @@ RENDERERS = {'plan_1b': plan_1b, 'finetune_8b': finetune_8b, 'finetune_1b': fine
              'speculative_plan': speculative_plan,
              'checkpoint_save': checkpoint_save, 'two_processes': two_processes,
              'qwen3_plans': lambda: family_plans('qwen3'),
-             'gemma3_plans': lambda: family_plans('gemma3')}
+             'gemma3_plans': lambda: family_plans('gemma3'),
+             'windowed_attention': windowed_attention}
 
 
 def refreshed(text: str, rendered: dict) -> str:

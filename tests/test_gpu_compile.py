@@ -18,7 +18,7 @@ import pytest
 
 from configs import llama
 import kernels
-from kernels.flash_attention import default_blocks
+from kernels.flash_attention import default_blocks, windowed_blocks
 from configs.base import KEEPS_KERNEL
 from planning import communication, gpu_compiler, gpus, timing
 from planning import plan as plan_lib
@@ -33,15 +33,18 @@ H100 = gpus.GPUS['H100']
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize('head_dim,window', [(64, False), (128, False), (256, False),
-                                             (128, True), (256, True)])
+@pytest.mark.parametrize('head_dim,window', [(64, 0), (128, 0), (256, 0), (128, 1024),
+                                             (256, 1024), (256, 512)])
 @pytest.mark.parametrize('segments', [False, True])
 def test_flash_attention_compiles_for_h100_with_no_spills(h100, head_dim, window, segments):
-  """The three Triton kernels (fwd, dq, dkv) at the default tiles, with a sliding window known
-  at run time too (Gemma 3's head dims): assembled for sm_90a, within the H100's shared memory,
-  and no register spills (ptxas -v on XLA's PTX)."""
-  result = gpu_compiler.flash_attention_kernels(h100, head_dim, segments,
-                                                default_blocks(head_dim), window=window)
+  """The three Triton kernels (fwd, dq, dkv) at the default tiles, and with a sliding window
+  known at run time at the tiles it takes (Gemma 3's head dims and windows): assembled for
+  sm_90a, within the H100's shared memory, and no register spills (ptxas -v on XLA's PTX)."""
+  tiles = default_blocks(head_dim)
+  if window:
+    tiles = (*windowed_blocks(window, *tiles[:2]), *tiles[2:])
+  result = gpu_compiler.flash_attention_kernels(h100, head_dim, segments, tiles,
+                                                window=bool(window))
   assert 'error' not in result, result.get('error')
   assert sorted(result['kernels']) == sorted(gpu_compiler.FLASH_KERNELS)
   for name, k in result['kernels'].items():

@@ -106,6 +106,20 @@ def test_a_sliding_window_skips_the_key_blocks_outside_it_forward_and_backward()
   assert np.isnan(dk[:, 48:]).all()  # which query block 3 does reach
 
 
+@pytest.mark.parametrize('window,head_dim', [
+    (512, 256), (1024, 128),
+    *(pytest.param(*case, marks=pytest.mark.integration)
+      for case in [(1024, 256), (4096, 128), (128, 64), (256, 64)])])
+def test_a_windows_tiles_keep_the_keys_the_kernel_visits_within_what_it_allows(window, head_dim):
+  """Counted from the kernel's loop bounds (benchmarks/windowed_attention.py) over a long row:
+  forward, dq and dk/dv visit at most WINDOW_WASTE × the keys the window lets queries see, for
+  windows of 128 keys and more (below, the smallest tiles, 16 × 16, are most of a window)."""
+  from benchmarks.windowed_attention import visited
+  from kernels.flash_attention import WINDOW_WASTE
+  counted = visited(2048 if window < 256 else 8192, window, head_dim)
+  assert counted['forward_dq'] <= WINDOW_WASTE and counted['dkv'] <= WINDOW_WASTE, counted
+
+
 @pytest.mark.integration
 def test_grouped_query_heads_with_unequal_blocks_and_long_rows():
   q, k, v, ct = inputs(B=1, L=100, S=100, N=8, K=2, H=32)  # G = 4 = N / 4
