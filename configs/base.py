@@ -41,6 +41,7 @@ LORA_TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')  # the projections ada
 DRAFT_KINDS = ('clover', 'medusa')  # model/draft.py
 SCHEMES = ('exact', 'int8')  # what crosses config.mesh.data (sharding/hierarchical.py)
 SCHEDULES = ('cosine', 'wsd')  # training/optimizer.py: make_schedule
+OPTIMIZERS = ('adamw', 'muon')  # training/optimizer.py: make_optimizer
 DECAY_SHAPES = ('linear', 'sqrt')  # wsd's decay: linear, or 1 − √progress
 RECORDS = ('text', 'prompt_completion', 'messages', 'preference', 'chat_preference')
 PREFERENCE_RECORDS = ('preference', 'chat_preference')  # pairs, trained on by DPO
@@ -494,6 +495,17 @@ class OptimizerConfig(Section):
   off the devices, the step computes the gradients and training/tiers.py updates the state a
   group at a time, streaming it in and out (ZeRO-Infinity; docs/memory.md: tiers)."""
   SECTION: typing.ClassVar[str] = 'optimizer'
+  name: str = setting('adamw', "adamw | muon: each weight matrix's update orthogonalised "
+                      "(optax.contrib.muon's Newton–Schulz, Nesterov momentum), AdamW for the "
+                      'embedding, head, norms, router and adapters', 'schedule',
+                      choices=OPTIMIZERS)
+  muon_momentum: float = setting(0.95, "muon: its momentum's decay", 'schedule', range=SHARE)
+  muon_ns_steps: int = setting(5, 'muon: Newton–Schulz iterations a step', 'schedule',
+                               range=at_least(1))
+  muon_rms: float = setting(0.2, "muon: each update scaled to this RMS × √max(fan_in, fan_out) "
+                            "(Moonlight's 0.2 matches AdamW's, so its learning_rate and "
+                            "weight_decay carry over); 0: optax's √max(1, fan_out/fan_in)",
+                            'schedule', range=at_least(0))
   learning_rate: float = setting(3e-3, 'the peak, after warmup', 'schedule', range=at_least(0))
   warmup_steps: int = setting(10, 'steps of linear warmup from 0', 'schedule', range=at_least(0))
   min_lr_ratio: float = setting(0.1, 'the schedule decays to learning_rate × this at '
@@ -524,6 +536,11 @@ class OptimizerConfig(Section):
   def check(self):
     for name in TIERED:
       tier(getattr(self, name), f'config.optimizer.{name}')
+    if self.name == 'muon' and (self.tiered or self.offload_state):
+      raise ValueError("config.optimizer.name='muon' updates each matrix whole inside the step; "
+                       'the tiers and offload_state update the state elementwise outside it: '
+                       "keep master_tier, mu_tier and nu_tier at 'device' and offload_state "
+                       "False, or use name='adamw'")
     if self.offload_state and self.tiered:
       raise ValueError('config.optimizer.offload_state=True keeps the moments in pinned host '
                        'memory inside the compiled step, and the tiers (master_tier, mu_tier, '

@@ -230,6 +230,9 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'sliding windows over a ring': (
         ['--config.model.sliding_window=8', '--config.model.attention=pallas',
          '--config.model.context_parallel=ring'], 'ring attention has no window yet'),
+    'muon with the optimizer state in host memory': (
+        ['--config.optimizer.name=muon', '--config.optimizer.mu_tier=host'],
+        "config.optimizer.name='muon' updates each matrix whole inside the step"),
     'wsd decay shape misspelt': (['--config.optimizer.schedule=wsd',
                                   '--config.optimizer.decay_shape=cosine'],
                                  "config.optimizer.decay_shape='cosine'"),

@@ -56,6 +56,28 @@ def test_same_loss_curve_as_one_device(name, single_device, small_corpus):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.integration
+def test_muon_trains_sharded_as_on_one_device_its_momentum_split_as_the_weights(small_corpus):
+  """Muon's orthogonalised matrices (each gathered whole by XLA here: the plain form) and AdamW's
+  rest over fsdp × tensor give one device's losses and parameters; its momentum of each matrix
+  lies where the matrix does."""
+  def muon(**mesh):
+    c = tiny_config(**mesh)
+    c.optimizer.name = 'muon'
+    return c
+  ref_losses, ref_state = train_losses(muon(), jax.devices()[:1], small_corpus)
+  losses, state = train_losses(muon(fsdp=4, tensor=2), jax.devices(), small_corpus)
+  assert ref_losses[-1, 0] < ref_losses[0, 0]
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+  momentum = {jax.tree_util.keystr(path): x.sharding for path, x in
+              jax.tree_util.tree_leaves_with_path(state.opt_state)
+              if x.ndim == 4 and x.shape[1:] == (64, 4, 16)}  # Wq's [layers, D, N, H]
+  assert momentum and all(s == state.params['blocks']['attn']['wq'][...].sharding
+                          for s in momentum.values()), momentum
+
+
 def test_fsdp_splits_every_large_parameter_and_its_adam_moments_8_ways():
   setup = build(settings.resolve(tiny_config(fsdp=8)))
   state = setup.init_state()

@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from model import head
@@ -77,6 +78,58 @@ def test_warmup_stable_decay_holds_its_peak_then_decays_as_its_formula_and_exten
   longer = optimizer.make_schedule(c.optimizer, 400)
   np.testing.assert_allclose([longer(s) for s in range(76)], [schedule(s) for s in range(76)])
   assert longer(300) == 2.0 and abs(longer(400) - 0.2) < 1e-6
+
+
+def test_muon_orthogonalises_each_layers_projection_as_one_matrix_and_adamw_the_rest():
+  """A stacked Wq [layers, D, N, H] is each layer's [D, N·H] matrix to Muon (muon_dimensions):
+  its update equals optax's Muon on those matrices given flat; norms, the embedding and head take
+  this run's AdamW, exactly."""
+  from flax import nnx
+  from optax.contrib import muon
+  from configs import base
+  from model.transformer import Transformer
+  cfg = base.ModelConfig.from_config({**tiny_config().model})
+  params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
+  oc = base.OptimizerConfig(name='muon', warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
+  schedule = optimizer.make_schedule(oc, 100)
+  tx = optimizer.make_optimizer(oc, schedule)
+  state = tx.init(params)
+  for _ in range(2):  # the second step's update carries momentum
+    updates, state = tx.update(grads, state, params)
+  wq_g = grads['blocks']['attn']['wq'][...]  # [L, D, N, H]
+  flat = {'w': wq_g.reshape(wq_g.shape[0], wq_g.shape[1], -1)}
+  reference = muon(schedule, consistent_rms=0.2, muon_weight_dimension_numbers={
+      'w': optax.contrib.MuonDimensionNumbers(1, 2)})
+  ref_state = reference.init(flat)
+  for _ in range(2):
+    ref_updates, ref_state = reference.update(flat, ref_state, flat)
+  np.testing.assert_allclose(updates['blocks']['attn']['wq'][...].reshape(flat['w'].shape),
+                             ref_updates['w'], rtol=1e-5, atol=1e-7)
+  adamw = optimizer.make_adamw(oc, schedule)
+  adam_state = adamw.init(params)
+  for _ in range(2):
+    adam_updates, adam_state = adamw.update(grads, adam_state, params)
+  for name in ('embed', 'unembed'):
+    np.testing.assert_array_equal(updates[name][...], adam_updates[name][...])
+  np.testing.assert_array_equal(updates['final_norm']['scale'][...],
+                                adam_updates['final_norm']['scale'][...])
+
+
+@pytest.mark.integration
+def test_a_muon_run_resumed_from_its_checkpoint_trains_on_bit_for_bit(tmp_path):
+  """Muon's momentum and AdamW's moments (each beside MaskedNodes for the other's parameters)
+  saved and restored: steps 3 and 4 after a resume are the uninterrupted run's."""
+  def muon(workdir, steps):
+    c = tiny_config(fsdp=-1)
+    c.optimizer.name = 'muon'
+    c.update(workdir=str(workdir), train_steps=steps, checkpoint_every=2, log_every=1,
+             eval_every=0)
+    return c
+  whole = [r['loss'] for r in loop.run(muon(tmp_path / 'whole', 4)) if 'loss' in r]
+  loop.run(muon(tmp_path / 'resumed', 2))
+  resumed = [r['loss'] for r in loop.run(muon(tmp_path / 'resumed', 4)) if 'loss' in r]
+  assert len(whole) == 4 and resumed == whole[2:], (whole, resumed)
 
 
 def test_clipping_bounds_the_update():

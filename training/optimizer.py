@@ -1,4 +1,5 @@
-"""AdamW with linear warmup, then a cosine decay or warmup-stable-decay, and global-norm clipping (draft heads clipped apart
+"""AdamW or Muon (`make_muon`) with linear warmup, then a cosine decay or warmup-stable-decay, and
+global-norm clipping (draft heads clipped apart
 from the model they draft for, so that they never change how it trains), which parameters it
 trains (`trained`: all of them, or under LoRA the adapters), and where its state
 lives between steps: the fp32 master weights and each of Adam's moments on the devices (the
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from optax.contrib import MuonDimensionNumbers
 
 from model.layers import ADDED, Draft, split_adapters
 from model.moe import RouterBias
@@ -74,12 +76,52 @@ def drafts_apart(params):
 
 
 def make_optimizer(opt_config, schedule, draft_heads: bool = False) -> optax.GradientTransformation:
-  """AdamW, after clipping the gradients' global norm to opt_config.grad_clip (0: no clipping);
-  with `draft_heads`, the heads' and the rest's each to it, so that the heads never change the
-  model's updates."""
-  adamw = make_adamw(opt_config, schedule)
+  """AdamW (or Muon: opt_config.name), after clipping the gradients' global norm to
+  opt_config.grad_clip (0: no clipping); with `draft_heads`, the heads' and the rest's each to
+  it, so that the heads never change the model's updates."""
+  update = (make_muon if opt_config.name == 'muon' else make_adamw)(opt_config, schedule)
   clip = clipping(opt_config, draft_heads)
-  return adamw if clip is None else optax.chain(clip, adamw)
+  return update if clip is None else optax.chain(clip, update)
+
+
+# Dimensions of a stack, not of a matrix: each layer's (and expert's) matrix is orthogonalised
+# apart, as optax vmaps over them
+STACKED = ('layers', 'virtual', 'expert')
+
+
+def muon_dimensions(params):
+  """For each parameter Muon orthogonalises, which of its dimensions are the matrix's input
+  (reduction) and output, by its logical names (model/layers.py): `embed` is the input of a
+  projection into the model's inside (Wq [embed, heads, head_dim]: the matrix [D, N·H]) and the
+  output of one back (Wo, W_down); None, AdamW's, for the embedding and head (`vocab`), norms,
+  the router's bias, LoRA adapters and draft heads, and anything not a matrix."""
+  def dims(x):
+    names = x.out_sharding or () if isinstance(x, nnx.Variable) else ()
+    matrix = [i for i, name in enumerate(names) if name not in STACKED]
+    if (len(matrix) < 2 or 'vocab' in names or 'norm' in names or 'embed' not in names
+        or isinstance(x, (RouterBias, *ADDED))):
+      return None
+    if names[matrix[-1]] == 'embed':
+      return MuonDimensionNumbers(tuple(matrix[:-1]), (matrix[-1],))
+    return MuonDimensionNumbers((matrix[0],), tuple(matrix[1:]))
+  return jax.tree.map(dims, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_muon(opt_config, schedule) -> optax.GradientTransformation:
+  """Muon (optax.contrib.muon, Nesterov momentum) on the weight matrices muon_dimensions names,
+  this run's AdamW (make_adamw: no Nesterov, which optax's Muon would give them too) on the rest;
+  every update at the schedule's rate and decayed as AdamW's, the matrices' scaled to
+  opt_config.muon_rms × √max(fan_in, fan_out) (Moonlight's), so AdamW's learning rate and weight
+  decay carry over."""
+  muon = optax.contrib.muon(
+      schedule, ns_steps=opt_config.muon_ns_steps, beta=opt_config.muon_momentum,
+      weight_decay=opt_config.weight_decay, muon_weight_dimension_numbers=muon_dimensions,
+      consistent_rms=opt_config.muon_rms or None)
+
+  def labels(params):
+    return jax.tree.map(lambda d: 'adam' if d is None else 'muon', muon_dimensions(params),
+                        is_leaf=lambda d: d is None or isinstance(d, MuonDimensionNumbers))
+  return optax.partition({'muon': muon, 'adam': make_adamw(opt_config, schedule)}, labels)
 
 
 def make_adamw(opt_config, schedule, mask=decay_mask) -> optax.GradientTransformation:

@@ -164,11 +164,14 @@ def build(run: Run) -> Setup:
   schedule = optimizer.make_schedule(run.optimizer, run.train_steps)
   tx = optimizer.make_optimizer(run.optimizer, schedule, model_cfg.draft_heads > 0)
   abstract_opt = jax.eval_shape(tx.init, trained(model_cfg, abstract_params)[0])
-  # Adam's moments mirror the trained parameters and take their shardings; counters are
-  # replicated.
+  # Adam's moments (and Muon's momentum) mirror the trained parameters and take their shardings;
+  # counters are replicated. Where an optimizer updates only some parameters (Muon's matrices,
+  # AdamW the rest: optax.partition), each state holds a MaskedNode in the others' place.
   opt_shardings = optax.tree_map_params(
-      tx, lambda _, s: s, abstract_opt, trained(model_cfg, param_shardings)[0],
-      transform_non_params=lambda _: sharding.replicated(mesh))
+      tx, lambda v, s: v if isinstance(v, optax.MaskedNode) else s, abstract_opt,
+      trained(model_cfg, param_shardings)[0],
+      transform_non_params=lambda _: sharding.replicated(mesh),
+      is_leaf=lambda v: isinstance(v, optax.MaskedNode))
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   opt_compute_shardings = None
   if run.optimizer.offload_state:  # ZeRO-Offload style: moments in pinned host memory
