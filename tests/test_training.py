@@ -114,6 +114,13 @@ def test_muon_orthogonalises_each_layers_projection_as_one_matrix_and_adamw_the_
     np.testing.assert_array_equal(updates[name][...], adam_updates[name][...])
   np.testing.assert_array_equal(updates['final_norm']['scale'][...],
                                 adam_updates['final_norm']['scale'][...])
+  # An MoE's experts: each expert's matrix of each layer apart; the router AdamW's.
+  moe = base.ModelConfig.from_config({**tiny_config().model, 'experts': 4})
+  abstract = nnx.state(nnx.eval_shape(lambda: Transformer(moe, rngs=nnx.Rngs(0))), nnx.Param)
+  dims = optimizer.muon_dimensions(abstract)['blocks']['mlp']
+  assert (dims['w_gate'], dims['w_down'], dims['router']) == (
+      optax.contrib.MuonDimensionNumbers((2,), (3,)),
+      optax.contrib.MuonDimensionNumbers((2,), (3,)), None)
 
 
 @pytest.mark.integration

@@ -85,25 +85,31 @@ def make_optimizer(opt_config, schedule, draft_heads: bool = False) -> optax.Gra
 
 
 # Dimensions of a stack, not of a matrix: each layer's (and expert's) matrix is orthogonalised
-# apart, as optax vmaps over them
-STACKED = ('layers', 'virtual', 'expert')
+# apart, as optax vmaps over them. A matrix's input is the model's width going in, its output the
+# model's width coming back (a dense layer's names, then an MoE expert's: model/moe.py).
+STACKED = ('layers', 'virtual', 'experts')
+INTO, OUT_OF = ('embed', 'expert_embed'), ('embed', 'expert_out')
+ADAMW_AXES = ('vocab', 'norm', 'expert_scores')  # the embedding and head, norms, the router
 
 
 def muon_dimensions(params):
   """For each parameter Muon orthogonalises, which of its dimensions are the matrix's input
-  (reduction) and output, by its logical names (model/layers.py): `embed` is the input of a
-  projection into the model's inside (Wq [embed, heads, head_dim]: the matrix [D, N·H]) and the
-  output of one back (Wo, W_down); None, AdamW's, for the embedding and head (`vocab`), norms,
-  the router's bias, LoRA adapters and draft heads, and anything not a matrix."""
+  (reduction) and output, by its logical names (model/layers.py, model/moe.py): a projection
+  into the model's inside takes its width as input (Wq [embed, heads, head_dim]: the matrix
+  [D, N·H]; an expert's W_gate [expert_embed, mlp]), one back gives it as output (Wo, W_down);
+  None, AdamW's, for the embedding and head, norms, the router and its bias, LoRA adapters and
+  draft heads, and anything not a matrix."""
   def dims(x):
     names = x.out_sharding or () if isinstance(x, nnx.Variable) else ()
     matrix = [i for i, name in enumerate(names) if name not in STACKED]
-    if (len(matrix) < 2 or 'vocab' in names or 'norm' in names or 'embed' not in names
+    if (len(matrix) < 2 or set(names) & set(ADAMW_AXES)
         or isinstance(x, (RouterBias, *ADDED))):
       return None
-    if names[matrix[-1]] == 'embed':
+    if names[matrix[-1]] in OUT_OF:
       return MuonDimensionNumbers(tuple(matrix[:-1]), (matrix[-1],))
-    return MuonDimensionNumbers((matrix[0],), tuple(matrix[1:]))
+    if names[matrix[0]] in INTO:
+      return MuonDimensionNumbers((matrix[0],), tuple(matrix[1:]))
+    return None
   return jax.tree.map(dims, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
