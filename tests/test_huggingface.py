@@ -248,40 +248,51 @@ def test_a_qwen3_computes_what_transformers_computes_and_exports_back_bit_exact(
       huggingface.model_settings(tmp_path)
 
 
+def assert_gemma3_computes_goldens(mesh: dict, attention: str):
+  """hf-gemma3 on `mesh` with `attention`: transformers' logits within 1e-5, packed documents
+  each as if alone, and its greedy tokens through the cache. Returns (setup, params)."""
+  golden = np.load(GEMMA3 / 'goldens.npz')
+  given = hf_config(GEMMA3, mesh=mesh)
+  given.model.attention = attention
+  setup = build(settings.resolve(given))
+  params = huggingface.load_params(GEMMA3, setup.abstract_state.params, setup.model_cfg)
+  model = nnx.merge(setup.graphdef, params)
+  with jax.set_mesh(setup.mesh):
+    logits = jax.jit(lambda model, tokens: model(tokens))(model, golden['tokens'])
+    # two documents of 12 packed in each row (positions from 0 in each): each as if alone
+    tokens = np.concatenate([golden['tokens'][:, :12], golden['tokens'][::-1, :12]], 1)
+    positions = np.tile(np.concatenate([np.arange(12)] * 2), (2, 1))
+    segments = np.repeat([[1] * 12 + [2] * 12], 2, 0)
+    packed = jax.jit(lambda model, t, p, s: model(t, p, s))(model, tokens, positions, segments)
+  np.testing.assert_allclose(logits, golden['logits'], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(packed[:, :12], golden['logits'][:, :12], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(packed[:, 12:], golden['logits'][::-1, :12], atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(generate(model, golden['tokens'][:, :8].tolist(), 12),
+                                golden['greedy'])
+  return setup, params
+
+
+@pytest.mark.integration
+def test_a_gemma3_with_our_kernel_over_fsdp_and_tensor_computes_what_transformers_computes():
+  """The windows as our kernel's input (interpreted here), each layer its own, blocks skipped."""
+  assert_gemma3_computes_goldens(dict(data=1, fsdp=4, tensor=2), 'pallas')
+
+
 def test_a_gemma3_computes_what_transformers_computes_past_its_window_and_exports_back_bit_exact(
     tmp_path):
   """Gemma 3 (text): (1 + w) norms before and after attention and the MLP, GeGLU, scaled
   embeddings, query_pre_attn_scalar, tied; local layers (a window of 4 keys, RoPE base 1e4)
   around a global one (1e6, linear ×8). transformers' logits within 1e-5 over 24 tokens, and its
-  greedy tokens (decoded 12 past 8, through the cache), with the XLA path on data × fsdp and
-  with our kernel on fsdp × tensor; packed rows as transformers computes each document; the
-  export is transformers' tensors bit for bit and reads back as the same settings."""
+  greedy tokens (decoded 12 past 8, through the cache), with the XLA path on data × fsdp (our
+  kernel's: the test above); packed rows as transformers computes each document; the export is
+  transformers' tensors bit for bit and reads back as the same settings."""
   config = settings.resolve(hf_config(GEMMA3))
   m = config.model
   assert (m.sliding_window, m.global_every, m.rope_local_theta, m.rope_type, m.rope_factor,
           m.query_scale, m.mlp_activation) == (4, 2, 1e4, 'linear', 8.0, 24.0, 'gelu_tanh')
   assert m.norm_plus_one and m.post_norms and m.embed_scale and m.qk_norm and m.tie_embeddings
   assert m.local_layers == (True, False, True) and m.windows == 'mixed'
-  golden = np.load(GEMMA3 / 'goldens.npz')
-  for mesh, attention in ((dict(data=2, fsdp=4), 'xla'), (dict(data=1, fsdp=4, tensor=2),
-                                                          'pallas')):
-    given = hf_config(GEMMA3, mesh=mesh)
-    given.model.attention = attention
-    setup = build(settings.resolve(given))
-    params = huggingface.load_params(GEMMA3, setup.abstract_state.params, setup.model_cfg)
-    model = nnx.merge(setup.graphdef, params)
-    with jax.set_mesh(setup.mesh):
-      logits = jax.jit(lambda model, tokens: model(tokens))(model, golden['tokens'])
-      # two documents of 12 packed in each row (positions from 0 in each): each as if alone
-      tokens = np.concatenate([golden['tokens'][:, :12], golden['tokens'][::-1, :12]], 1)
-      positions = np.tile(np.concatenate([np.arange(12)] * 2), (2, 1))
-      segments = np.repeat([[1] * 12 + [2] * 12], 2, 0)
-      packed = jax.jit(lambda model, t, p, s: model(t, p, s))(model, tokens, positions, segments)
-    np.testing.assert_allclose(logits, golden['logits'], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(packed[:, :12], golden['logits'][:, :12], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(packed[:, 12:], golden['logits'][::-1, :12], atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(generate(model, golden['tokens'][:, :8].tolist(), 12),
-                                  golden['greedy'])
+  setup, params = assert_gemma3_computes_goldens(dict(data=2, fsdp=4), 'xla')
   hf = tensors(GEMMA3)
   np.testing.assert_array_equal(params['blocks']['mlp_norm']['scale'][...][2],
                                 hf['model.layers.2.pre_feedforward_layernorm.weight'])

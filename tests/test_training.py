@@ -96,20 +96,20 @@ def test_muon_orthogonalises_each_layers_projection_as_one_matrix_and_adamw_the_
   tx = optimizer.make_optimizer(oc, schedule)
   state = tx.init(params)
   for _ in range(2):  # the second step's update carries momentum
-    updates, state = tx.update(grads, state, params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
   wq_g = grads['blocks']['attn']['wq'][...]  # [L, D, N, H]
   flat = {'w': wq_g.reshape(wq_g.shape[0], wq_g.shape[1], -1)}
   reference = muon(schedule, consistent_rms=0.2, muon_weight_dimension_numbers={
       'w': optax.contrib.MuonDimensionNumbers(1, 2)})
   ref_state = reference.init(flat)
   for _ in range(2):
-    ref_updates, ref_state = reference.update(flat, ref_state, flat)
+    ref_updates, ref_state = jax.jit(reference.update)(flat, ref_state, flat)
   np.testing.assert_allclose(updates['blocks']['attn']['wq'][...].reshape(flat['w'].shape),
                              ref_updates['w'], rtol=1e-5, atol=1e-7)
   adamw = optimizer.make_adamw(oc, schedule)
   adam_state = adamw.init(params)
   for _ in range(2):
-    adam_updates, adam_state = adamw.update(grads, adam_state, params)
+    adam_updates, adam_state = jax.jit(adamw.update)(grads, adam_state, params)
   for name in ('embed', 'unembed'):
     np.testing.assert_array_equal(updates[name][...], adam_updates[name][...])
   np.testing.assert_array_equal(updates['final_norm']['scale'][...],
@@ -300,8 +300,10 @@ def test_microbatches_must_split_each_devices_rows(tmp_path):
     loop.run(c)
 
 
-@pytest.mark.parametrize('model', [{}, dict(experts=4, experts_per_token=2, dense_layers=1,
-                                            n_layers=3), dict(lora_rank=2)])
+@pytest.mark.parametrize('model', [  # the MoE's and LoRA's: a minute of the inner loop's three
+    {}, *(pytest.param(m, marks=pytest.mark.integration)
+          for m in (dict(experts=4, experts_per_token=2, dense_layers=1, n_layers=3),
+                    dict(lora_rank=2)))])
 def test_unrolled_microbatches_sum_each_layer_apart_and_cast_the_weights_once(model,
                                                                               monkeypatch):
   """Over microbatches, unrolled layers' gradient sums are a buffer a layer (model/gradient_sums.py:
