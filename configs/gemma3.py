@@ -27,7 +27,7 @@ scanned layer here takes its own at run time. The 27b's Adam moments wait in hos
 (config.optimizer.mu_tier, nu_tier).
 """
 
-from configs import base
+from configs import families
 
 PRESETS = {
     # name: config.model's fields, as the Hugging Face config.json of its namesake
@@ -54,16 +54,5 @@ GPUS = {'1b': 1, '4b': 8, '27b': 8}  # H100s each run is meant for
 
 
 def get_config(preset: str = '1b'):
-  if preset not in PRESETS:
-    raise ValueError(f'configs/gemma3.py: unknown preset {preset!r}; use one of '
-                     f'{sorted(PRESETS)}, e.g. --config=configs/gemma3.py:4b')
-  c = base.get_config()
-  c.workdir = f'/tmp/meshlm-gemma3-{preset}'
-  c.train_steps, c.log_every, c.eval_every = 10_000, 10, 1000
-  c.batch_size, c.seq_len, c.model.remat_policy, c.microbatches = RUNS[preset]
-  c.model.update(PRESETS[preset], **COMMON)
-  c.model.head_chunk = 1024  # a 262k-wide head: its logits held 1024 tokens at a time
-  if preset in HOST_MOMENTS:
-    c.optimizer.mu_tier = c.optimizer.nu_tier = 'host'
-  c.optimizer.learning_rate, c.optimizer.warmup_steps = 3e-4, 500
-  return c
+  return families.preset_config('gemma3', preset, PRESETS, COMMON, RUNS,
+                                host_moments=HOST_MOMENTS)

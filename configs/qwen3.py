@@ -23,7 +23,7 @@ steps (config.optimizer.mu_tier, nu_tier): on 8 GPUs the fp32 state of 32.8B par
 than their memory.
 """
 
-from configs import base
+from configs import families
 
 PRESETS = {
     # name: config.model's fields, as the Hugging Face config.json of its namesake
@@ -46,17 +46,5 @@ GPUS = {'0.6b': 1, '8b': 8, '32b': 8}  # H100s each run is meant for
 
 
 def get_config(preset: str = '0.6b'):
-  if preset not in PRESETS:
-    raise ValueError(f'configs/qwen3.py: unknown preset {preset!r}; use one of '
-                     f'{sorted(PRESETS)}, e.g. --config=configs/qwen3.py:8b')
-  c = base.get_config()
-  c.workdir = f'/tmp/meshlm-qwen3-{preset}'
-  c.train_steps, c.log_every, c.eval_every = 10_000, 10, 1000
-  c.batch_size, c.seq_len, c.model.remat_policy, c.microbatches = RUNS[preset]
-  c.model.update(PRESETS[preset], **COMMON)
-  c.model.scan_layers = preset not in UNROLLED
-  c.model.head_chunk = 1024  # a 151,936-wide head: logits never held whole
-  if preset in HOST_MOMENTS:
-    c.optimizer.mu_tier = c.optimizer.nu_tier = 'host'
-  c.optimizer.learning_rate, c.optimizer.warmup_steps = 3e-4, 500
-  return c
+  return families.preset_config('qwen3', preset, PRESETS, COMMON, RUNS, unrolled=UNROLLED,
+                                host_moments=HOST_MOMENTS)

@@ -67,6 +67,19 @@ def assert_computes_goldens(setup, params, path, atol=1e-4):
   np.testing.assert_array_equal(greedy, golden['greedy'])
 
 
+def assert_exports(params, setup, config, output, expected: dict) -> dict:
+  """Exports `params` (fp32) to `output`: exactly the tensors `expected` (name: array), bit for
+  bit. Returns the config.json it wrote."""
+  huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
+                     tokenizers.load(config.data), config.seq_len, output, dtype='float32',
+                     max_shard_bytes=10**9, log=lambda *_: None)
+  exported = tensors(output)
+  assert sorted(exported) == sorted(expected)
+  for name in expected:
+    np.testing.assert_array_equal(exported[name], expected[name], err_msg=name)
+  return json.loads((output / 'config.json').read_text())
+
+
 @pytest.mark.parametrize('path', [UNTIED, TIED], ids=['untied-fp32', 'tied-bf16-llama3'])
 def test_an_imported_checkpoint_computes_what_transformers_computes(path):
   config = settings.resolve(hf_config(path))
@@ -183,14 +196,7 @@ def test_an_moe_computes_what_transformers_computes_and_exports_back_bit_exact(p
   assert_computes_goldens(setup, params, path)
 
   output = tmp_path / 'export'
-  huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
-                     tokenizers.load(config.data), config.seq_len, output, dtype='float32',
-                     max_shard_bytes=10**9, log=lambda *_: None)
-  exported = tensors(output)
-  assert sorted(exported) == sorted(hf)
-  for name in hf:
-    np.testing.assert_array_equal(exported[name], hf[name], err_msg=name)
-  written = json.loads((output / 'config.json').read_text())
+  written = assert_exports(params, setup, config, output, hf)
   original = json.loads((path / 'config.json').read_text())
   for key in ('model_type', 'architectures', 'num_local_experts', 'num_experts',
               'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob',
@@ -226,14 +232,7 @@ def test_a_qwen3_computes_what_transformers_computes_and_exports_back_bit_exact(
   assert_computes_goldens(ring, huggingface.load_params(QWEN3, ring.abstract_state.params,
                                                         ring.model_cfg), QWEN3)
   output = tmp_path / 'export'
-  huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
-                     tokenizers.load(config.data), config.seq_len, output, dtype='float32',
-                     max_shard_bytes=10**9, log=lambda *_: None)
-  exported = tensors(output)
-  assert sorted(exported) == sorted(hf)
-  for name in hf:
-    np.testing.assert_array_equal(exported[name], hf[name], err_msg=name)
-  written = json.loads((output / 'config.json').read_text())
+  written = assert_exports(params, setup, config, output, hf)
   assert (written['model_type'], written['architectures']) == ('qwen3', ['Qwen3ForCausalLM'])
   assert huggingface.model_settings(output) == huggingface.model_settings(QWEN3)
   # A Qwen3 whose layers attend in a sliding window is refused, by the key that says so.
@@ -297,13 +296,7 @@ def test_a_gemma3_computes_what_transformers_computes_past_its_window_and_export
   np.testing.assert_array_equal(params['blocks']['mlp_norm']['scale'][...][2],
                                 hf['model.layers.2.pre_feedforward_layernorm.weight'])
   output = tmp_path / 'export'
-  huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
-                     tokenizers.load(config.data), config.seq_len, output, dtype='float32',
-                     max_shard_bytes=10**9, log=lambda *_: None)
-  exported = tensors(output)
-  assert sorted(exported) == sorted(hf)
-  for name in hf:
-    np.testing.assert_array_equal(exported[name], hf[name], err_msg=name)
+  assert_exports(params, setup, config, output, hf)
   assert huggingface.model_settings(output) == huggingface.model_settings(GEMMA3)
   # The Hub's configs, written by transformers 4: the layers' pattern as a number, RoPE apart.
   original = json.loads((GEMMA3 / 'config.json').read_text())
@@ -346,16 +339,10 @@ def test_a_multimodal_gemma3_imports_its_text_model_saying_what_it_leaves_out(tm
   params = huggingface.load_params(GEMMA3_VISION, setup.abstract_state.params, setup.model_cfg)
   assert_computes_goldens(setup, params, GEMMA3_VISION, atol=1e-5)
   output = tmp_path / 'export'
-  huggingface.export(jax.tree.map(np.asarray, params), setup.model_cfg,
-                     tokenizers.load(config.data), config.seq_len, output, dtype='float32',
-                     max_shard_bytes=10**9, log=lambda *_: None)
   text = {name.replace('language_model.model.', 'model.'): a
           for name, a in tensors(GEMMA3_VISION).items() if name.startswith('language_model.')}
-  exported = tensors(output)
-  assert sorted(exported) == sorted(text)
-  for name in text:
-    np.testing.assert_array_equal(exported[name], text[name], err_msg=name)
-  assert json.loads((output / 'config.json').read_text())['architectures'] == ['Gemma3ForCausalLM']
+  written = assert_exports(params, setup, config, output, text)
+  assert written['architectures'] == ['Gemma3ForCausalLM']
 
 
 @pytest.mark.integration
