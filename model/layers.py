@@ -360,7 +360,8 @@ class Attention(nnx.Module):
     kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
     args, names, keywords = [q_BLNH, k_BLKH, v_BLKH], [q_names, kv_names, kv_names], []
     if segment_ids_BL is not None:
-      args, names, keywords = args + [segment_ids_BL], names + [('batch', 'length')], ['segment_ids_BL']
+      args, names = args + [segment_ids_BL], names + [('batch', 'length')]
+      keywords = ['segment_ids_BL']
     if isinstance(window, int):  # a constant of the program
       attend = functools.partial(attend, window=window)
     elif window is not None:  # a scalar input, every device the same
