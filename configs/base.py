@@ -42,6 +42,8 @@ DRAFT_KINDS = ('clover', 'medusa')  # model/draft.py
 SCHEMES = ('exact', 'int8')  # what crosses config.mesh.data (sharding/hierarchical.py)
 SCHEDULES = ('cosine', 'wsd')  # training/optimizer.py: make_schedule
 OPTIMIZERS = ('adamw', 'muon')  # training/optimizer.py: make_optimizer
+MUON_LAYOUTS = ('round_robin', 'as_params')  # training/optimizer.py: orthogonalised
+MAX_LOGIT = 'attention_max_logit'  # QK-clip's measure (qk_clip) among a step's statistics
 DECAY_SHAPES = ('linear', 'sqrt')  # wsd's decay: linear, or 1 − √progress
 RECORDS = ('text', 'prompt_completion', 'messages', 'preference', 'chat_preference')
 PREFERENCE_RECORDS = ('preference', 'chat_preference')  # pairs, trained on by DPO
@@ -125,6 +127,11 @@ class ModelConfig(Section):
   global_every: int = setting(0, 'with sliding_window: layer i attends globally when (i + 1) % '
                               "this == 0, the others are local (Gemma 3's 6); 0: every layer "
                               'local', 'function', range=at_least(0))
+  qk_clip: float = setting(0.0, "QK-clip's τ (MuonClip, Kimi K2's 100): after each update, "
+                           "every head whose largest attention logit this step (its queries' "
+                           'largest log-sum-exp, which bounds it) exceeded τ has its query and '
+                           'key weights scaled so that it would have been τ; 0: off', 'schedule',
+                           range=at_least(0))
   rope_local_theta: float = setting(0.0, "local layers' RoPE base, unscaled (Gemma 3's 10,000); "
                                     "0: the global layers' (rope_theta, rope_type)", 'function',
                                     range=at_least(0))
@@ -261,6 +268,8 @@ class ModelConfig(Section):
                        f'as a {self.grad_reduce_dtype} copy, so the forward would run on rounded '
                        "weights; reduce in 'float32', or compute in "
                        f'{self.grad_reduce_dtype!r}')
+    if self.qk_clip:
+      self._check_qk_clip()
     if self.experts and self.mlp_activation != 'silu':
       raise ValueError(f'config.model.mlp_activation={self.mlp_activation!r}: the experts are '
                        "SwiGLU only; set mlp_activation='silu' or experts=0")
@@ -269,6 +278,16 @@ class ModelConfig(Section):
     if self.lora_rank:
       self._check_lora()
     self._check_draft()
+
+  def _check_qk_clip(self):
+    why = ('qk_norm: the norms undo any scale of the query and key weights' if self.qk_norm
+           else 'lora_rank: the base weights it would scale are frozen' if self.lora_rank
+           else "attention='cudnn': its path gives no log-sum-exp yet (use pallas, xla or auto)"
+           if self.attention == 'cudnn' else 'virtual_stages > 1: pipeline chunks'
+           if self.virtual_stages > 1 else None)
+    if why:
+      raise ValueError(f'config.model.qk_clip={self.qk_clip} does not run with {why}; set '
+                       'qk_clip=0 or change that setting')
 
   def _check_windows(self):
     if self.virtual_stages > 1:
@@ -506,6 +525,14 @@ class OptimizerConfig(Section):
                             "(Moonlight's 0.2 matches AdamW's, so its learning_rate and "
                             "weight_decay carry over); 0: optax's √max(1, fan_out/fan_in)",
                             'schedule', range=at_least(0))
+  muon_ns_dtype: str = setting('bfloat16', "muon: Newton–Schulz's dtype (Keller Jordan's and "
+                               "Moonlight's bfloat16; float32 as optax's)", 'numerics',
+                               choices=('bfloat16', 'float32'))
+  muon_layout: str = setting('round_robin', 'muon: round_robin: each device orthogonalises a '
+                             'share of the stacked matrices (layers, experts) whole and sends the '
+                             "results back to their shards | as_params: on the parameters' own "
+                             'shards, as XLA partitions it (operands gathered and partial sums '
+                             'all-reduced in every iteration)', 'numerics', choices=MUON_LAYOUTS)
   learning_rate: float = setting(3e-3, 'the peak, after warmup', 'schedule', range=at_least(0))
   warmup_steps: int = setting(10, 'steps of linear warmup from 0', 'schedule', range=at_least(0))
   min_lr_ratio: float = setting(0.1, 'the schedule decays to learning_rate × this at '
@@ -818,7 +845,11 @@ class Run:
             "config.model.router_bias_rate steps the routers' bias inside the step"
             if model.router_bias_rate else
             "config.data.record='preference' (DPO) keeps a reference model in the state"
-            if self.data.preference else None)
+            if self.data.preference else
+            "config.optimizer.name='muon' updates each matrix whole inside the step"
+            if self.optimizer.name == 'muon' else
+            f'config.model.qk_clip={model.qk_clip} scales weights inside the step'
+            if model.qk_clip else None)
 
   def replace(self, **changes) -> 'Run':
     """This run with some settings changed: `section={field: value}` for a section's fields,

@@ -49,14 +49,15 @@ def length_tile(model_cfg) -> int:
 
 
 def fused_for(head_dim: int, compute_dtype: str, length_split: bool,
-              hopper: bool = False, windows: str = 'none') -> tuple[str, ...]:
+              hopper: bool = False, windows: str = 'none', lse: bool = False) -> tuple[str, ...]:
   """The fused implementations that run this attention on an NVIDIA GPU, Hopper's (sm_90a)
   when `hopper`. cuDNN's flash attention takes head dims up to 128 in multiples of 8, in bf16 or
   fp16, a window fixed when compiled (`windows`: config.model's) and no split length (XLA
   partitions it whole); ours in Triton takes any of these, ours in Mosaic GPU what
-  `hopper_refuses` does not refuse, and no window yet."""
+  `hopper_refuses` does not refuse, and no window yet. `lse`: each query's log-sum-exp is
+  wanted too (QK-clip's), which cuDNN's path does not give yet."""
   cudnn = (head_dim <= 128 and head_dim % 8 == 0 and compute_dtype in ('bfloat16', 'float16')
-           and not length_split and windows != 'mixed')
+           and not length_split and windows != 'mixed' and not lse)
   ours = (OURS if hopper and not hopper_refuses(head_dim, compute_dtype) and windows == 'none'
           else ('pallas',))
   return (('cudnn',) if cudnn else ()) + ours
@@ -64,8 +65,10 @@ def fused_for(head_dim: int, compute_dtype: str, length_split: bool,
 
 def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_segment_ids_BS=None,
               implementation: str = 'xla', block_q: int = 0, block_k: int = 0,
-              cudnn_segments: int = 0, window=None):
-  """Scaled dot-product attention with `implementation` in IMPLEMENTATIONS.
+              cudnn_segments: int = 0, window=None, with_lse: bool = False):
+  """Scaled dot-product attention with `implementation` in IMPLEMENTATIONS; with `with_lse`,
+  (out, lse[B, N, L]): each query's log-sum-exp of its scaled scores (an upper bound of its
+  largest, within log(keys it sees); QK-clip's measure), without a gradient, from xla and ours.
 
   `kv_segment_ids_BS` defaults to `segment_ids_BL` (self-attention over one packed row).
   pallas and hopper (ours, kernels/flash_attention.py): `block_q`, `block_k` (0: the kernel's
@@ -80,7 +83,9 @@ def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_s
     raise ValueError('attention: a window is for causal attention (a local layer\'s)')
   if implementation == 'xla':
     return xla_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
-                         kv_segment_ids_BS=kv_segment_ids_BS, window=window)
+                         kv_segment_ids_BS=kv_segment_ids_BS, window=window, with_lse=with_lse)
+  if implementation == 'cudnn' and with_lse:
+    raise ValueError("attention: cuDNN's path gives no log-sum-exp yet; use ours or xla")
   if implementation == 'cudnn':
     if window is not None and not isinstance(window, int):
       raise ValueError('attention: cuDNN takes a window fixed when compiled, not one known only '
@@ -91,18 +96,20 @@ def attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None, kv_s
   if implementation in OURS:
     return flash_attention(q_BLNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BL=segment_ids_BL,
                            kv_segment_ids_BS=kv_segment_ids_BS, block_q=block_q, block_k=block_k,
-                           hopper=implementation == 'hopper', window=window)
+                           hopper=implementation == 'hopper', window=window,
+                           with_lse=with_lse)
   raise ValueError(f'attention implementation {implementation!r} is not one of {IMPLEMENTATIONS}')
 
 
 def xla_attention(q_BLNH, k_BSKH, v_BSKH, *, causal, segment_ids_BL=None, kv_segment_ids_BS=None,
-                  window=None):
+                  window=None, with_lse: bool = False):
   """The reference: plain einsums and an fp32 softmax, materialising the [L, S] scores."""
   if segment_ids_BL is not None and kv_segment_ids_BS is None:
     kv_segment_ids_BS = segment_ids_BL
   B, L, S = q_BLNH.shape[0], q_BLNH.shape[1], k_BSKH.shape[1]
   return masked_attention(q_BLNH, k_BSKH, v_BSKH,
-                          _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS, window))
+                          _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS, window),
+                          with_lse)
 
 
 def within(distance, window):
@@ -123,8 +130,9 @@ def cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, window=None):
   return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
 
 
-def masked_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS):
-  """Softmax attention where boolean `mask_BLS` (True = attend; None = all) allows."""
+def masked_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, with_lse: bool = False):
+  """Softmax attention where boolean `mask_BLS` (True = attend; None = all) allows; with
+  `with_lse`, and each query's log-sum-exp of its scores [B, N, L] (no gradient)."""
   B, L, N, H = q_BLNH.shape
   K = k_BSKH.shape[2]
   G = N // K
@@ -139,7 +147,11 @@ def masked_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS):
   if mask_BLS is not None:
     probs_BKGLS = jnp.where(mask_BLS[:, None, None], probs_BKGLS, 0.0)
   out_BLKGH = matmul('bkgls,bskh->blkgh', probs_BKGLS.astype(v_BSKH.dtype), v_BSKH, jnp.float32)
-  return out_BLKGH.reshape(B, L, N, H).astype(q_BLNH.dtype)
+  out_BLNH = out_BLKGH.reshape(B, L, N, H).astype(q_BLNH.dtype)
+  if not with_lse:
+    return out_BLNH
+  lse_BKGL = jax.nn.logsumexp(jax.lax.stop_gradient(scores_BKGLS), axis=-1)
+  return out_BLNH, lse_BKGL.reshape(B, N, L)
 
 
 def _mask(B, L, S, causal, segment_ids_BL, kv_segment_ids_BS, window=None):

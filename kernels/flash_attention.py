@@ -460,6 +460,25 @@ def _backward(st: _Static, residuals, do, delta=None):
 _flash.defvjp(_forward, _backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash_lse(q, k, v, q_seg, kv_seg, q_pos, window, static):
+  """_flash's o and its lse[B, N, Lp], a statistic without a gradient (QK-clip's)."""
+  o, residuals = _forward(q, k, v, q_seg, kv_seg, q_pos, window, static)
+  return o, residuals[-1]
+
+
+def _forward_lse(q, k, v, q_seg, kv_seg, q_pos, window, static):
+  o, residuals = _forward(q, k, v, q_seg, kv_seg, q_pos, window, static)
+  return (o, residuals[-1]), residuals
+
+
+def _backward_lse(static, residuals, cotangents):
+  return _backward(static, residuals, cotangents[0])
+
+
+_flash_lse.defvjp(_forward_lse, _backward_lse)
+
+
 def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset, *, causal,
              block_q, block_k, num_warps, num_stages, interpret, out_dtype=None, hopper=False,
              window=None, window_mix=None):
@@ -508,8 +527,11 @@ def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset
 def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,
                     kv_segment_ids_BS=None, q_offset=None, block_q: int = 0, block_k: int = 0,
                     num_warps: int = 0, num_stages: int = 0, interpret: bool | None = None,
-                    hopper: bool = False, window=None, window_mix: tuple | None = None):
-  """Fused attention with the layout of jax.nn.dot_product_attention (see the module docstring).
+                    hopper: bool = False, window=None, window_mix: tuple | None = None,
+                    with_lse: bool = False):
+  """Fused attention with the layout of jax.nn.dot_product_attention (see the module docstring);
+  with `with_lse`, (o, lse[B, N, L]): each query's log-sum-exp of its scaled scores, without a
+  gradient (NEG where it sees no key).
 
   window: causal only, the keys a query sees ending at its own (an int, or an int32 scalar
   known at run time; 0: all), as kernels/attention.py's; window_mix, for one known at run time:
@@ -529,7 +551,11 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
                            causal=causal, block_q=block_q, block_k=block_k,
                            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                            hopper=hopper, window=window, window_mix=window_mix)
-  return _flash(*args, static)[:, :q_BLNH.shape[1]]
+  L = q_BLNH.shape[1]
+  if with_lse:
+    o, lse = _flash_lse(*args, static)
+    return o[:, :L], jax.lax.stop_gradient(lse[:, :, :L])
+  return _flash(*args, static)[:, :L]
 
 
 def attention_parts(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,

@@ -328,14 +328,18 @@ class Attention(nnx.Module):
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, window):
     """Attention by cfg.attention; `window`: None (global), the window (a local layer's, an int)
     or, with local and global layers scanned alike, an int32 scalar known at run time (0:
-    global), which the XLA path and our kernel take as an input."""
+    global), which the XLA path and our kernel take as an input. With cfg.qk_clip, (out, each
+    query's log-sum-exp [B, N, L])."""
     cfg = self.cfg
+    lse = cfg.qk_clip > 0
     ours = dict(block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
                 hopper=cfg.attention == 'hopper')  # in Triton, or Mosaic GPU for Hopper
+    if lse:
+      ours['with_lse'] = True
     run = sharding.per_shard
     if cfg.attention == 'xla':
       return kernels.attention(q_BLNH, k_BLKH, v_BLKH, causal=True, segment_ids_BL=segment_ids_BL,
-                               window=window)
+                               window=window, with_lse=lse)
     if cfg.attention == 'cudnn':  # XLA partitions it, where it can
       attend = functools.partial(kernels.attention, causal=True, implementation='cudnn',
                                  cudnn_segments=cfg.cudnn_segments)
@@ -366,8 +370,9 @@ class Attention(nnx.Module):
       attend = functools.partial(attend, window=window)
     elif window is not None:  # a scalar input, every device the same
       args, names, keywords = args + [window], names + [()], keywords + ['window']
+    out_names = [q_names, ('batch', 'heads', 'length')] if lse else q_names
     return run(lambda q, k, v, *rest: attend(q, k, v, **dict(zip(keywords, rest))),
-               tuple(names), q_names)(*args)
+               tuple(names), out_names)(*args)
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, layer: dict):
     """`layer`: this layer's kind (Block.kind): its RoPE frequencies and window (None: global)."""
@@ -390,9 +395,16 @@ class Attention(nnx.Module):
       kv_names = ('batch', 'kv_length', 'kv_heads', 'head_dim')
       k_BLKH, v_BLKH = constrain(k_BLKH, kv_names), constrain(v_BLKH, kv_names)
     out_BLNH = self._attend(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, layer['window'])
+    out_BLNH, lse_BNL = out_BLNH if self.cfg.qk_clip else (out_BLNH, None)
     out_BLNH = checkpoint_name(constrain(out_BLNH, ('batch', 'length', 'heads', 'head_dim')),
                                'attention_out')
-    return project('blnh,nhd->bld', out_BLNH, self.wo, self.cfg, self.wo_lora, OUT)
+    out_BLD = project('blnh,nhd->bld', out_BLNH, self.wo, self.cfg, self.wo_lora, OUT)
+    if lse_BNL is None:
+      return out_BLD
+    # QK-clip's measure of each head: its largest log-sum-exp over the batch's queries, an upper
+    # bound of its largest logit (within log(keys seen): tight when one key dominates, where the
+    # clip matters), which our kernel and the XLA path give for free
+    return out_BLD, lse_BNL.max(axis=(0, 2))
 
 
 class MLP(nnx.Module):

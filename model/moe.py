@@ -400,7 +400,7 @@ def balance_step(bias_nE, tokens_per_expert_nE, rate: float):
 
 def aux_loss(stats: dict, cfg: ModelConfig):
   """The router losses added to the training loss, from the layers' stats (mean over layers)."""
-  if not stats:
+  if 'load_balance' not in stats:  # a dense model's (QK-clip's measure aside)
     return jnp.zeros((), jnp.float32)
   return (cfg.load_balance_loss * stats['load_balance'].mean()
           + cfg.router_z_loss * stats['router_z'].mean())
@@ -411,7 +411,7 @@ def metrics(stats: dict) -> dict:
   layers of the load-balancing loss (1 when balanced), router z-loss and share of assignments
   dropped; the busiest expert's load against its fair share (max over layers and experts of
   E · f_e: 1 when balanced); and each expert's share of assignments, averaged over layers."""
-  if not stats:
+  if 'load_balance' not in stats:
     return {}
   f_nE = stats['tokens_per_expert']
   return {'moe_load_balance': stats['load_balance'].mean(),

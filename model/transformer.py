@@ -9,10 +9,10 @@ from flax import nnx
 
 import sharding
 from model import draft, gradient_sums, head, kv_cache, moe, pipeline
-from configs.base import REMAT_POLICIES, ModelConfig
+from configs.base import MAX_LOGIT, REMAT_POLICIES, ModelConfig
 from model.embedding import lookup
-from model.layers import (OUT, ROTATED, MLP, Attention, RMSNorm, constrain, gathered, matmul,
-                          param, rope_frequencies, weight)
+from model.layers import (OUT, ROTATED, MLP, Attention, RMSNorm, constrain, gathered,
+                          matmul, param, rope_frequencies, weight)
 
 _policies = jax.checkpoint_policies
 _QKV = ('query_proj', 'key_proj', 'value_proj')  # checkpoint_name tags in model/layers.py
@@ -89,7 +89,8 @@ def stacked(kind: dict) -> bool:
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)), the MLP dense or routed
   experts (model/moe.py); with cfg.post_norms (Gemma's) each output normed again before its
-  residual add. Returns (x, the experts' balance_stats; {} for a dense block)."""
+  residual add. Returns (x, the experts' balance_stats; {} for a dense block), with cfg.qk_clip
+  and each head's largest log-sum-exp of its scores this step (MAX_LOGIT: QK-clip's measure)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, experts: bool = False):
     self.attn_norm = RMSNorm(cfg, rngs)
@@ -117,8 +118,11 @@ class Block(nnx.Module):
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, kind: dict):
     """`kind`: the layer's window and RoPE (layer_kinds)."""
     out_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, kind)
+    out_BLD, logits = out_BLD if isinstance(out_BLD, tuple) else (out_BLD, None)
     x_BLD = constrain(x_BLD + self._attn_out(out_BLD), ('batch', 'length', 'embed'))
     out_BLD, stats = self._mlp(x_BLD)
+    if logits is not None:
+      stats = {**stats, MAX_LOGIT: logits}
     return constrain(x_BLD + out_BLD, ('batch', 'length', 'embed')), stats
 
 
@@ -453,7 +457,7 @@ class Transformer(nnx.Module):
                         unroll=unroll)
 
   def _run_blocks(self, x_BLD, positions_BL, segment_ids_BL, sums):
-    first = 0
+    first, logits = 0, []
     for name in (name for name in self.STACKS if hasattr(self, name)):
       stack = getattr(self, name)
       layers = self._in_order(nnx.state(stack))
@@ -461,7 +465,11 @@ class Transformer(nnx.Module):
       kind, first = layer_kinds(self.cfg, first, n), first + n
       x_BLD, stats = self._run_layers(layers, x_BLD, (positions_BL, segment_ids_BL), stack=stack,
                                       sums=sums.get(name), kind=kind)
-    return x_BLD, stats  # the last stack's: the MoE layers'
+      if MAX_LOGIT in stats:
+        logits.append(stats.pop(MAX_LOGIT))
+    if logits:  # every layer's, in order: [layers, heads]
+      stats = {**stats, MAX_LOGIT: jnp.concatenate(logits)}
+    return x_BLD, stats  # the routers': the last stack's, the MoE layers'
 
   def _run_stages(self, x_BLD, positions_BL, segment_ids_BL, microbatches, stage_axis):
     """The layers split into pipeline stages over `stage_axis`: each stage scans its own,

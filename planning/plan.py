@@ -133,7 +133,8 @@ def make_plan(compiled, step: Step) -> Plan:
   predicted = timing.predict(hlo, gpu or gpus.NOMINAL)
   attention_ranking = (timing.rank_attention(cfg.head_dim, cfg.compute_dtype, step.seq_len,
                                              length_split=step.mesh.shape['sequence'] > 1,
-                                             gpu=gpu, windows=cfg.windows) if gpu else [])
+                                             gpu=gpu, windows=cfg.windows,
+                                             lse=cfg.qk_clip > 0) if gpu else [])
   tiers = offload.cost(step.optimizer, step.checkpoint_params, devices, gpu,
                        target.gpus_per_node)
   on_gpu = devices[0].platform == 'gpu'  # XLA's GPU options apply (training/programs.py)

@@ -184,12 +184,14 @@ def attention_seconds(kernel: str, head_dim: int, keys: int) -> float:
 
 
 def rank_attention(head_dim: int, compute_dtype: str, keys: int, length_split: bool,
-                   gpu: gpus.GPU, windows: str = 'none') -> list[tuple[str, float]]:
+                   gpu: gpus.GPU, windows: str = 'none', lse: bool = False
+                   ) -> list[tuple[str, float]]:
   """[(kernel, its time ÷ the fastest's)] of the fused attentions that run this model on `gpu`
   (kernels.fused_for: ours for Hopper on sm_90 only), fastest first, as the time model charges a
   train step's attention; a tie keeps fused_for's order (cuDNN, ours in Triton, in Mosaic GPU)."""
   runnable = kernels.fused_for(head_dim, compute_dtype, length_split,
-                               hopper=gpu.compute_capability == (9, 0), windows=windows)
+                               hopper=gpu.compute_capability == (9, 0), windows=windows,
+                               lse=lse)
   seconds = {k: attention_seconds(k, head_dim, keys) for k in runnable}
   fastest = min(seconds.values())
   return sorted(((k, t / fastest) for k, t in seconds.items()), key=lambda kt: kt[1])

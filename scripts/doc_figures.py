@@ -299,6 +299,44 @@ def windowed_attention() -> str:
   return '\n'.join(rows) + '\n'
 
 
+MUON_RESULTS = ('muon-h100-deviceless', 'muon_qwen3_8b-h100-deviceless')  # benchmarks/muon.py's
+
+
+def muon_costs() -> str:
+  """What each form of Muon adds to a preset's predicted step and memory against AdamW's, with
+  the compiled programs' collectives (benchmarks/muon.py, each preset over 8 H100s), a table."""
+  rows = ['| preset, H100s | optimizer | step (predicted) | vs AdamW | memory a GPU | vs AdamW | '
+          'GEMM FLOPs more a GPU | all-to-all | all-gather | all-reduce |',
+          '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+  commands = []
+  for name in MUON_RESULTS:
+    r = result(name)
+    commands.append(f'`{r["command"]}`')
+    for form, f in r['forms'].items():
+      c = f['collective_bytes']
+      rows.append(f'| `{r["preset"]}`, {r["devices"]} | {form} | {readable_seconds(f["step_s"])} '
+                  f'| {f["step_over_adamw"]:+.1%} | {gib(f["total_bytes"])} | '
+                  f'{f["memory_over_adamw"] / 2 ** 30:+.2f} GiB | '
+                  f'{f["matmul_flops_over_adamw"] / 1e12:.1f} T | '
+                  + ' | '.join(gib(c.get(op, 0)) for op in ('all-to-all', 'all-gather',
+                                                            'all-reduce')) + ' |')
+  return '\n'.join(rows) + f'\n\nFrom {" and ".join(commands)}.\n'
+
+
+def muon_vs_adamw() -> str:
+  """Muon's and AdamW's losses on the default run at each learning rate of their sweeps
+  (benchmarks/optimizers.py), a table."""
+  r = result('muon_vs_adamw-cpu')
+  rows = ['| optimizer | peak learning rate | train loss | validation loss |',
+          '| --- | --- | --- | --- |']
+  for key, run in r['runs'].items():
+    loss = f'{run["final_eval_loss"]:.4f}'
+    rows.append(f'| {run["optimizer"]} | {run["learning_rate"]:g} | {run["train"][-1][1]:.4f} | '
+                + (f'**{loss}** |' if r['best'][run['optimizer']] == key else f'{loss} |'))
+  return ('\n'.join(rows) + f'\n\nNats a byte token after {r["steps"]} steps (4,096 tokens a step), '
+          f'measured on a 2-core CPU, each optimizer\'s best in bold, from `{r["command"]}`.\n')
+
+
 def family_plans(family: str) -> str:
   """configs/<family>.py's presets and its LoRA preset on their H100s (benchmarks/plans.py), a
   table."""
@@ -539,7 +577,8 @@ RENDERERS = {'plan_1b': plan_1b, 'finetune_8b': finetune_8b, 'finetune_1b': fine
              'checkpoint_save': checkpoint_save, 'two_processes': two_processes,
              'qwen3_plans': lambda: family_plans('qwen3'),
              'gemma3_plans': lambda: family_plans('gemma3'),
-             'windowed_attention': windowed_attention}
+             'windowed_attention': windowed_attention, 'muon_costs': muon_costs,
+             'muon_vs_adamw': muon_vs_adamw}
 
 
 def refreshed(text: str, rendered: dict) -> str:

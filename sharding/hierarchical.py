@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from configs.base import PartitionConfig
+from configs.base import MAX_LOGIT, PartitionConfig
 
 AXIS = 'data'  # the level across nodes
 BLOCK = 256  # elements per scale: 1.6% on top of the int8 bytes, and a bound per 256 values
@@ -277,6 +277,8 @@ def apart(h: Hierarchy, mesh, gradients, master, batch, dtype, reduce_dtype, ref
     # Summed across data in the reduction dtype, as inside the replica (norm scales in fp32).
     grads = jax.tree.map(lambda g, matrix: (g.astype(reduce_dtype) if matrix else g)[None],
                          grads, h.matrix)
+    if MAX_LOGIT in router:  # QK-clip's measure: the largest of every replica's
+      router = {**router, MAX_LOGIT: jax.lax.pmax(router[MAX_LOGIT], AXIS)}
     return jax.lax.psum((loss, terms, drafted), AXIS), router, grads
 
   compute = jax.tree.map(compute_copy, master, h.specs, h.dims, h.blocks, h.matrix)

@@ -69,6 +69,33 @@ def test_matches_reference_values_and_gradients(causal, kv_heads, packed):
   compare(q, k, v, ct, causal=causal, seg=seg, block_q=16, block_k=16)
 
 
+@pytest.mark.parametrize('window', [None, 17])
+def test_ours_and_xlas_log_sum_exp_agree_and_leave_the_gradients_alone(window):
+  """with_lse (QK-clip's measure): our kernel's and the XLA path's lse[B, N, L] of packed rows
+  (a window too) agree, the output and its gradients are attention's without it (to fp32
+  rounding), and the lse carries no gradient (its sum is in the loss)."""
+  q, k, v, ct = inputs(K=2)
+  seg = packed_segments(2, 40)
+  got = {}
+  for name, fn in (('ours', functools.partial(flash_attention, block_q=16, block_k=16)),
+                   ('xla', xla_attention)):
+    def loss(q, k, v, with_lse, fn=fn):
+      out = fn(q, k, v, causal=True, segment_ids_BL=seg, window=window, with_lse=with_lse)
+      out, lse = out if with_lse else (out, jnp.zeros(()))
+      return (out * ct).sum() + lse.sum(), (out, lse)
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True),
+                                     static_argnums=3)(q, k, v, True)
+    (_, (plain, _)), plain_grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True),
+                                           static_argnums=3)(q, k, v, False)
+    for a, b in zip((out, *grads), (plain, *plain_grads)):  # (fused apart: fp32 rounding)
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    got[name] = lse
+  assert got['ours'].shape == (2, 4, 40)
+  seen = np.asarray(seg != 0)[:, None, :]  # padding rows: ours NEG, xla's a masked row's
+  np.testing.assert_allclose(np.where(seen, got['ours'], 0), np.where(seen, got['xla'], 0),
+                             rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize('window,traced,packed', [
     (5, False, False), (17, True, True),
     *(pytest.param(*case, marks=pytest.mark.integration)

@@ -2,15 +2,20 @@
 the rules imply (checked on the arrays and the compiled HLO, not on the requested specs)."""
 
 
+import math
+import re
+
 import jax
 import numpy as np
+import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from data import chat, pipeline, tokenizers, tokens
-from sharding import collectives
+from sharding import collectives, hlo
 import sharding
 from tests.conftest import tiny_config
-from training import loop, programs
+from training import loop, optimizer, programs
 from training import settings
 from training.state import build
 
@@ -56,17 +61,31 @@ def test_same_loss_curve_as_one_device(name, single_device, small_corpus):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+MUON_CASES = {  # name: (layout, experts, mesh)
+    'round_robin fsdp=4×tensor=2': ('round_robin', 0, dict(fsdp=4, tensor=2)),
+    'as_params fsdp=4×tensor=2': ('as_params', 0, dict(fsdp=4, tensor=2)),
+    'round_robin MoE fsdp=2×tensor=2×expert=2': ('round_robin', 4,
+                                                  dict(fsdp=2, tensor=2, expert=2)),
+}
+
+
 @pytest.mark.integration
-def test_muon_trains_sharded_as_on_one_device_its_momentum_split_as_the_weights(small_corpus):
-  """Muon's orthogonalised matrices (each gathered whole by XLA here: the plain form) and AdamW's
-  rest over fsdp × tensor give one device's losses and parameters; its momentum of each matrix
-  lies where the matrix does."""
+@pytest.mark.parametrize('name', list(MUON_CASES))
+def test_muon_trains_sharded_as_on_one_device_its_momentum_split_as_the_weights(name, small_corpus):
+  """Muon's orthogonalised matrices (round_robin: each layer's, and each expert's, on one device,
+  the 2 layers padded to 8 with zero matrices; as_params: as XLA partitions them) and AdamW's rest
+  over the mesh give one device's losses and parameters (Newton–Schulz in float32: bfloat16's
+  rounding would differ with the sums' order); its momentum of each matrix lies where the matrix
+  does."""
+  layout, experts, mesh = MUON_CASES[name]
   def muon(**mesh):
     c = tiny_config(**mesh)
-    c.optimizer.name = 'muon'
+    c.optimizer.update(name='muon', muon_ns_dtype='float32', muon_layout=layout)
+    if experts:
+      c.model.update(experts=experts, experts_per_token=2, expert_d_ff=32)
     return c
   ref_losses, ref_state = train_losses(muon(), jax.devices()[:1], small_corpus)
-  losses, state = train_losses(muon(fsdp=4, tensor=2), jax.devices(), small_corpus)
+  losses, state = train_losses(muon(**mesh), jax.devices(), small_corpus)
   assert ref_losses[-1, 0] < ref_losses[0, 0]
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
@@ -76,6 +95,110 @@ def test_muon_trains_sharded_as_on_one_device_its_momentum_split_as_the_weights(
               if x.ndim == 4 and x.shape[1:] == (64, 4, 16)}  # Wq's [layers, D, N, H]
   assert momentum and all(s == state.params['blocks']['attn']['wq'][...].sharding
                           for s in momentum.values()), momentum
+
+
+@pytest.mark.integration
+def test_qk_clip_trains_sharded_and_microbatched_as_on_one_device(small_corpus):
+  """QK-clip at τ = 5 (it scales heads from the first step) with our kernel over data=2 × fsdp=2
+  × tensor=2 (the data replicas apart: each one's measure, the largest taken) in 2 microbatches
+  (their measures' largest) gives one device's XLA-path losses and parameters."""
+  def clipped(attention, microbatches=1, **mesh):
+    c = tiny_config(**mesh)
+    c.model.update(qk_clip=5.0, attention=attention)
+    c.microbatches = microbatches
+    return c
+  ref_losses, ref_state = train_losses(clipped('xla'), jax.devices()[:1], small_corpus)
+  losses, state = train_losses(clipped('pallas', 2, data=2, fsdp=2, tensor=2), jax.devices(),
+                               small_corpus)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+  plain = train_losses(tiny_config(), jax.devices()[:1], small_corpus)[1]
+  wq = lambda s: np.asarray(s.params['blocks']['attn']['wq'][...])
+  assert not np.allclose(wq(ref_state), wq(plain), rtol=1e-3)  # the clip changed the weights
+
+
+def muon_update_hlo(layout: str, layers: int, **mesh) -> str:
+  """The compiled program of Muon's update alone (tx.update) of a tiny model with `layers`
+  layers over `mesh`, with its state's and parameters' own shardings."""
+  c = tiny_config(**mesh)
+  c.model.n_layers = layers
+  c.optimizer.update(name='muon', muon_layout=layout)
+  setup = build(settings.resolve(c))
+  params = optimizer.trained(setup.model_cfg, setup.abstract_state.params)[0]
+  where = optimizer.trained(setup.model_cfg, setup.state_shardings.params)[0]
+  opt = setup.state_shardings.opt_state
+  with jax.set_mesh(setup.mesh):
+    update = jax.jit(setup.tx.update, in_shardings=(where, opt, where), out_shardings=(where, opt))
+    return update.lower(params, setup.abstract_state.opt_state, params).compile().as_text()
+
+
+def dot_flops(hlo_text: str) -> int:
+  """2 · output elements · contracted size, summed over every dot one device runs."""
+  computations, times, _ = hlo.runs(hlo_text)
+  total = 0
+  for name, lines in computations.items():
+    shapes = {i.name: i.arrays[0][1] for line in lines if (i := hlo.instruction(line))}
+    for line in lines:
+      if (i := hlo.instruction(line)) and i.opcode == 'dot':
+        contracting = map(int, re.search(r'lhs_contracting_dims=\{([\d,]*)\}', line)[1].split(','))
+        k = math.prod(shapes[i.operands[0]][d] for d in contracting)
+        total += 2 * math.prod(i.arrays[0][1]) * k * times[name]
+  return total
+
+
+def newton_schulz_flops(m: int, n: int, steps: int = 5) -> int:
+  """One matrix's: each iteration X·Xᵀ, A·A and B·X on its wide side (m ≤ n)."""
+  m, n = min(m, n), max(m, n)
+  return steps * (2 * m * m * n + 2 * m ** 3 + 2 * m * m * n)
+
+
+@pytest.mark.integration
+def test_round_robin_muon_orthogonalises_each_matrix_once_moved_by_all_to_alls_only():
+  """8 layers over fsdp=4 × tensor=2: round_robin's devices each run Newton–Schulz's dots on one
+  layer's matrices, exactly the whole model's count / 8, and its matrices move by all-to-all
+  alone, never gathered or summed (in bf16 on GPUs: benchmarks/muon.py; the CPU's XLA carries
+  bf16 collectives as f32); as_params partitions the iterations' matmuls, which
+  exchange partial sums (all-reduces) and gather operands within each iteration."""
+  cfg = tiny_config().model
+  D, F, N, K, H = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  per_layer = (2 * newton_schulz_flops(D, N * H) + 2 * newton_schulz_flops(D, K * H)
+               + 3 * newton_schulz_flops(D, F))
+  round_robin = muon_update_hlo('round_robin', 8, fsdp=4, tensor=2)
+  assert dot_flops(round_robin) == 8 * per_layer // 8
+  ops = collectives.summary(round_robin)
+  assert ops['all-to-all']['count'] == 4 * 7, ops  # each matrix's two axes, out and back
+  assert 'all-gather' not in ops and ops['all-reduce']['bytes'] < 1024, ops  # a few scalars
+  as_params = collectives.summary(muon_update_hlo('as_params', 8, fsdp=4, tensor=2))
+  assert as_params['all-reduce']['count'] >= 7 * 5 and as_params['all-gather']['count'], as_params
+
+
+def test_whole_layout_moves_one_mesh_axis_at_a_time_onto_the_stack_padding_it_where_needed():
+  """A stacked Wq [L, D, N, H] split D over fsdp and N over tensor goes to [L over (fsdp, tensor)]
+  in two moves; 36 layers over fsdp=8 are padded to 40; an MoE's experts keep their axis and
+  the layers take the rest; a pipeline's stage on the layers keeps them unpadded."""
+  devices = jax.devices()
+  mesh = sharding.make_mesh(dict(data=1, stage=1, fsdp=4, expert=1, tensor=2, sequence=1), devices)
+  dims = optax.contrib.MuonDimensionNumbers((1,), (2, 3))
+  wq = NamedSharding(mesh, P(None, ('fsdp', 'sequence', 'expert'), 'tensor', None))
+  steps, pads = optimizer.whole_layout((32, 64, 4, 16), dims, wq)
+  rest = ('sequence', 'expert')  # one device each: they stay
+  assert [s.spec for s in steps] == [P('fsdp', rest, 'tensor', None),
+                                     P(('fsdp', 'tensor'), rest, None, None)]
+  assert pads == [(0, 0)] * 4
+  mesh8 = sharding.make_mesh(dict(data=1, stage=1, fsdp=8, expert=1, tensor=1, sequence=1), devices)
+  steps, pads = optimizer.whole_layout((36, 64, 4, 16), dims,
+                                       NamedSharding(mesh8, P('stage', 'fsdp')))  # stage: 1
+  assert [s.spec for s in steps] == [P(('stage', 'fsdp'), None, None, None)]
+  assert pads[0] == (0, 4)
+  moe = sharding.make_mesh(dict(data=1, stage=1, fsdp=2, expert=4, tensor=1, sequence=1), devices)
+  gate = NamedSharding(moe, P(None, 'expert', 'fsdp', None))  # [L, E, D, F]
+  steps, pads = optimizer.whole_layout((6, 4, 64, 32), optax.contrib.MuonDimensionNumbers(
+      (2,), (3,)), gate)
+  assert [s.spec for s in steps] == [P('fsdp', 'expert', None, None)] and pads == [(0, 0)] * 4
+  staged = sharding.make_mesh(dict(data=1, stage=2, fsdp=4, expert=1, tensor=1, sequence=1), devices)
+  steps, pads = optimizer.whole_layout((6, 64, 4, 16), dims, NamedSharding(staged, P('stage', 'fsdp')))
+  assert steps == [] and pads == [(0, 0)] * 4  # 3 layers a stage: fsdp's 4 devices repeat them
 
 
 def test_fsdp_splits_every_large_parameter_and_its_adam_moments_8_ways():

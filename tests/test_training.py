@@ -91,7 +91,8 @@ def test_muon_orthogonalises_each_layers_projection_as_one_matrix_and_adamw_the_
   cfg = base.ModelConfig.from_config({**tiny_config().model})
   params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
   grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
-  oc = base.OptimizerConfig(name='muon', warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
+  oc = base.OptimizerConfig(name='muon', warmup_steps=0, weight_decay=0.0, grad_clip=0.0,
+                            muon_ns_dtype='float32')  # optax's
   schedule = optimizer.make_schedule(oc, 100)
   tx = optimizer.make_optimizer(oc, schedule)
   state = tx.init(params)
@@ -121,6 +122,102 @@ def test_muon_orthogonalises_each_layers_projection_as_one_matrix_and_adamw_the_
   assert (dims['w_gate'], dims['w_down'], dims['router']) == (
       optax.contrib.MuonDimensionNumbers((2,), (3,)),
       optax.contrib.MuonDimensionNumbers((2,), (3,)), None)
+
+
+def test_qk_clip_scales_the_logits_of_exactly_the_heads_over_tau_by_tau_over_their_measure():
+  """Layer 0's heads measured [6, 4, 10, 5] with τ = 5 (kv heads of two query heads each): each
+  head's logits q·k scale by min(1, τ/m) = [5/6, 1, 1/2, 1], the key weights of a group by √ of
+  its smallest; layer 1 (all under τ) and every other parameter are left bit for bit. In an MoE
+  after a dense layer the layers' measures run over the dense stack, then the MoE's."""
+  from flax import nnx
+  from configs import base
+  from configs.base import MAX_LOGIT
+  from model.transformer import Transformer
+  from training.step import qk_clipped
+  cfg = base.ModelConfig.from_config({**tiny_config().model, 'qk_clip': 5.0})
+  params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  measure = jnp.array([[6.0, 4.0, 10.0, 5.0], [1.0, 2.0, 3.0, 4.9]])
+  clipped = qk_clipped(cfg, params, {MAX_LOGIT: measure})
+  x_D = jax.random.normal(jax.random.key(1), (cfg.d_model,))
+  y_D = jax.random.normal(jax.random.key(2), (cfg.d_model,))
+  def logits(p, layer):  # every head's q(x)·k(y) against its kv head
+    q_NH = jnp.einsum('d,dnh->nh', x_D, p['blocks']['attn']['wq'][...][layer])
+    k_KH = jnp.einsum('d,dkh->kh', y_D, p['blocks']['attn']['wk'][...][layer])
+    return (q_NH * jnp.repeat(k_KH, cfg.n_heads // cfg.n_kv_heads, axis=0)).sum(-1)
+  np.testing.assert_allclose(logits(clipped, 0), logits(params, 0) * np.array([5 / 6, 1, 0.5, 1]),
+                             rtol=1e-5)
+  wk = clipped['blocks']['attn']['wk'][...][0] / params['blocks']['attn']['wk'][...][0]
+  np.testing.assert_allclose(wk[:, 0], np.sqrt(5 / 6), rtol=1e-6)  # min(5/6, 1)
+  np.testing.assert_allclose(wk[:, 1], np.sqrt(0.5), rtol=1e-6)
+  for name in ('wq', 'wk'):
+    np.testing.assert_array_equal(clipped['blocks']['attn'][name][...][1],
+                                  params['blocks']['attn'][name][...][1])
+  changed = {jax.tree_util.keystr(path) for path, a, b in zip(
+      *zip(*jax.tree_util.tree_leaves_with_path(clipped)), jax.tree.leaves(params))
+      if not np.array_equal(a, b)}
+  assert changed == {"['blocks']['attn']['wq'].value", "['blocks']['attn']['wk'].value"}, changed
+  # An MoE after a dense layer: the measures run over both stacks, in order.
+  moe = base.ModelConfig.from_config({**tiny_config().model, 'qk_clip': 5.0, 'experts': 4,
+                                      'experts_per_token': 2, 'dense_layers': 1, 'n_layers': 3})
+  params = nnx.state(Transformer(moe, rngs=nnx.Rngs(0)), nnx.Param)
+  measure = jnp.array([[10.0] * 4, [1.0] * 4, [20.0] * 4])
+  clipped = qk_clipped(moe, params, {MAX_LOGIT: measure})
+  ratio = lambda stack: (clipped[stack]['attn']['wq'][...] / params[stack]['attn']['wq'][...])
+  np.testing.assert_allclose(ratio('dense_blocks')[0], np.sqrt(0.5), rtol=1e-6)
+  np.testing.assert_allclose(ratio('blocks')[0], 1.0)
+  np.testing.assert_allclose(ratio('blocks')[1], np.sqrt(0.25), rtol=1e-6)
+
+
+@pytest.mark.integration
+def test_qk_clip_holds_the_logits_near_tau_on_a_run_that_without_it_exceeds_it(tmp_path):
+  """A tiny model at a learning rate of 1e-2 grows its largest logit past 1.4 τ (τ = 6) within
+  30 steps; with QK-clip each step's measure (taken before that step's clip) stays within 1.3 τ,
+  the heads over it are counted, and the model learns as well."""
+  def run(tau):
+    c = tiny_config(fsdp=-1)
+    c.workdir, c.train_steps, c.log_every, c.eval_every = str(tmp_path / str(tau)), 30, 1, 0
+    c.checkpoint_every = 30
+    c.model.update(qk_clip=tau, attention='xla')
+    c.optimizer.learning_rate = 1e-2
+    return [r for r in loop.run(c) if 'qk_max_logit' in r]
+  free, clipped = run(1e9), run(6.0)
+  assert len(free) == len(clipped) == 30
+  assert max(r['qk_max_logit'] for r in free[-10:]) > 1.4 * 6.0
+  assert all(r['qk_clipped_heads'] == 0 for r in free)
+  assert max(r['qk_max_logit'] for r in clipped) <= 1.3 * 6.0
+  assert sum(r['qk_clipped_heads'] for r in clipped) > 0
+  assert clipped[-1]['loss'] < clipped[0]['loss'] - 2.0
+
+
+def newton_schulz(x, steps: int = 5):
+  """Keller Jordan's quintic Newton–Schulz in numpy (float64), on one matrix."""
+  a, b, c = 3.4445, -4.7750, 2.0315
+  x = x / (np.linalg.norm(x) + 1e-8)
+  wide = x if x.shape[0] <= x.shape[1] else x.T
+  for _ in range(steps):
+    gram = wide @ wide.T
+    wide = a * wide + (b * gram + c * gram @ gram) @ wide
+  return wide if x.shape[0] <= x.shape[1] else wide.T
+
+
+def test_muons_newton_schulz_is_the_formulas_on_each_matrix_of_a_stack_and_bf16_close_to_it():
+  """optimizer.orthogonalised on a stack [S, in, out] (one tall, one wide case) is the quintic
+  iteration on each matrix: to fp32 rounding in float32, within 8% (relative Frobenius: bf16's
+  rounding, grown by the iterations' slope) in bfloat16, whose singular values still lie within
+  Newton–Schulz's band."""
+  from configs import base
+  dims = optax.contrib.MuonDimensionNumbers((1,), (2,))
+  for shape in ((3, 32, 48), (2, 40, 24)):
+    x = jax.random.normal(jax.random.key(sum(shape)), shape)
+    want = np.stack([newton_schulz(np.asarray(m, np.float64)) for m in x])
+    for dtype, tolerance in (('float32', 1e-4), ('bfloat16', 0.08)):
+      oc = base.OptimizerConfig(name='muon', muon_ns_dtype=dtype)
+      got = np.asarray(jax.jit(lambda m: optimizer.orthogonalised(m, dims, oc))(x), np.float64)
+      assert got.dtype == np.float64 and got.shape == shape
+      error = np.linalg.norm(got - want, axis=(1, 2)) / np.linalg.norm(want, axis=(1, 2))
+      assert error.max() < tolerance, (shape, dtype, error)
+      singular = np.linalg.svd(got, compute_uv=False)
+      assert singular.min() > 0.5 and singular.max() < 1.3, (dtype, singular)
 
 
 @pytest.mark.integration

@@ -112,7 +112,8 @@ def attention_choice(run: Run, gpu: gpus.GPU | None) -> list[tuple[str, float]]:
   if gpu is None:
     return [('pallas' if m.context_parallel == 'ring' else 'xla', 1.0)]
   return timing.rank_attention(m.head_dim, m.compute_dtype, run.seq_len, length_split=(
-      run.mesh.sequence != 1 or m.context_parallel == 'ring'), gpu=gpu, windows=m.windows)
+      run.mesh.sequence != 1 or m.context_parallel == 'ring'), gpu=gpu, windows=m.windows,
+      lse=m.qk_clip > 0)
 
 
 def context_choices(run: Run, mesh: dict) -> tuple:

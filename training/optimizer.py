@@ -1,15 +1,18 @@
-"""AdamW or Muon (`make_muon`) with linear warmup, then a cosine decay or warmup-stable-decay, and
-global-norm clipping (draft heads clipped apart
-from the model they draft for, so that they never change how it trains), which parameters it
-trains (`trained`: all of them, or under LoRA the adapters), and where its state
+"""AdamW or Muon (`make_muon`: each stacked matrix orthogonalised whole on one device) with
+linear warmup, then a cosine decay or warmup-stable-decay, and global-norm clipping (draft heads
+clipped apart from the model they draft for, so that they never change how it trains), which
+parameters it trains (`trained`: all of them, or under LoRA the adapters), and where its state
 lives between steps: the fp32 master weights and each of Adam's moments on the devices (the
 compiled step updates them), in host memory, or in files on NVMe (training/tiers.py updates
 them outside the step, a group at a time)."""
+
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
 from model.layers import ADDED, Draft, split_adapters
@@ -75,11 +78,16 @@ def drafts_apart(params):
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(opt_config, schedule, draft_heads: bool = False) -> optax.GradientTransformation:
+def make_optimizer(opt_config, schedule, draft_heads: bool = False,
+                   shardings=None) -> optax.GradientTransformation:
   """AdamW (or Muon: opt_config.name), after clipping the gradients' global norm to
   opt_config.grad_clip (0: no clipping); with `draft_heads`, the heads' and the rest's each to
-  it, so that the heads never change the model's updates."""
-  update = (make_muon if opt_config.name == 'muon' else make_adamw)(opt_config, schedule)
+  it, so that the heads never change the model's updates. `shardings`: the trained parameters',
+  which Muon's updates return to."""
+  if opt_config.name == 'muon':
+    update = make_muon(opt_config, schedule, shardings)
+  else:
+    update = make_adamw(opt_config, schedule)
   clip = clipping(opt_config, draft_heads)
   return update if clip is None else optax.chain(clip, update)
 
@@ -113,21 +121,134 @@ def muon_dimensions(params):
   return jax.tree.map(dims, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_muon(opt_config, schedule) -> optax.GradientTransformation:
-  """Muon (optax.contrib.muon, Nesterov momentum) on the weight matrices muon_dimensions names,
-  this run's AdamW (make_adamw: no Nesterov, which optax's Muon would give them too) on the rest;
-  every update at the schedule's rate and decayed as AdamW's, the matrices' scaled to
+def make_muon(opt_config, schedule, shardings=None) -> optax.GradientTransformation:
+  """Muon on the weight matrices muon_dimensions names (scale_by_muon: optax's Nesterov momentum
+  and Newton–Schulz, each matrix orthogonalised where opt_config.muon_layout puts it), this run's
+  AdamW (make_adamw: no Nesterov, which optax's Muon would give them too) on the rest; every
+  update at the schedule's rate and decayed as AdamW's, the matrices' scaled to
   opt_config.muon_rms × √max(fan_in, fan_out) (Moonlight's), so AdamW's learning rate and weight
-  decay carry over."""
-  muon = optax.contrib.muon(
-      schedule, ns_steps=opt_config.muon_ns_steps, beta=opt_config.muon_momentum,
-      weight_decay=opt_config.weight_decay, muon_weight_dimension_numbers=muon_dimensions,
-      consistent_rms=opt_config.muon_rms or None)
+  decay carry over. `shardings`: the trained parameters' (training/state.py), where the updates
+  return to."""
+  muon = optax.chain(scale_by_muon(opt_config, shardings),
+                     optax.add_decayed_weights(opt_config.weight_decay),
+                     optax.scale_by_learning_rate(schedule))
 
   def labels(params):
     return jax.tree.map(lambda d: 'adam' if d is None else 'muon', muon_dimensions(params),
                         is_leaf=lambda d: d is None or isinstance(d, MuonDimensionNumbers))
   return optax.partition({'muon': muon, 'adam': make_adamw(opt_config, schedule)}, labels)
+
+
+def scale_by_muon(opt_config, shardings=None) -> optax.GradientTransformation:
+  """optax.contrib.scale_by_muon's state and formulas, its Nesterov momentum kept in the
+  parameters' layout and its Newton–Schulz run on each matrix where `orthogonalised` puts it,
+  then each update scaled to AdamW's RMS (`muon_rms`)."""
+  beta = opt_config.muon_momentum
+  optax_muon = optax.contrib.scale_by_muon(ns_steps=opt_config.muon_ns_steps, beta=beta)
+  where = {} if shardings is None else dict(_by_path(shardings))
+
+  def update(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                          optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                          optax.tree.bias_correction(updates, beta, count))
+
+    def orthogonalise(path, dims, m):
+      sharding = where.get(jax.tree_util.keystr(path))
+      value = orthogonalised(m.get_value(), dims, opt_config, sharding)
+      return m.replace(value * rms_scale(m.shape, dims, opt_config.muon_rms))
+    updates = jax.tree_util.tree_map_with_path(
+        orthogonalise, muon_dimensions(mu_hat), mu_hat,
+        is_leaf=lambda d: isinstance(d, MuonDimensionNumbers))
+    return updates, optax.contrib.MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
+  return optax.GradientTransformation(optax_muon.init, update)
+
+
+def _by_path(tree):
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    yield jax.tree_util.keystr(path), leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+
+
+def rms_scale(shape, dims: MuonDimensionNumbers, rms: float) -> float:
+  """rms × √max(fan_in, fan_out): an orthogonalised update's RMS made AdamW's (Moonlight's); with
+  rms 0, Keller Jordan's √max(1, fan_out/fan_in) (optax's scale_by_shape, both)."""
+  fan_in = math.prod(shape[a] for a in dims.reduction_axis)
+  fan_out = math.prod(shape[a] for a in dims.output_axis)
+  return rms * math.sqrt(max(fan_in, fan_out)) if rms else math.sqrt(max(1, fan_out / fan_in))
+
+
+def orthogonalised(m, dims: MuonDimensionNumbers, opt_config, sharding=None) -> jax.Array:
+  """Newton–Schulz's orthogonalisation of each matrix of `m` (a stack of them: dims name a
+  matrix's input and output, the rest stack them), in opt_config.muon_ns_dtype, by optax's
+  scale_by_muon without momentum. With muon_layout 'round_robin' and `sharding` over devices,
+  first moved so that each device holds a share of the matrices whole (`whole_layout`), and the
+  results back to `sharding`: each matrix orthogonalised once, on one device, where 'as_params'
+  leaves XLA to partition it over the parameter's own shards (operands gathered and partial sums
+  all-reduced in every iteration: benchmarks/muon.py)."""
+  x = m.astype(opt_config.muon_ns_dtype)
+  steps, pads = [], None
+  if opt_config.muon_layout == 'round_robin' and sharding is not None and sharding.num_devices > 1:
+    steps, pads = whole_layout(m.shape, dims, sharding)
+  if steps:  # one mesh axis at a time: each move an all-to-all (two at once XLA gathers whole)
+    x = jnp.pad(jax.lax.with_sharding_constraint(x, sharding), pads)  # cast where it lies
+    for step in steps:
+      x = jax.lax.with_sharding_constraint(x, step)
+  ns = optax.contrib.scale_by_muon(ns_steps=opt_config.muon_ns_steps, beta=0.0, nesterov=False,
+                                   weight_dimension_numbers=dims)  # momentum 0: x itself
+  y, _ = ns.update(x, ns.init(x))
+  if steps:  # back in muon_ns_dtype, then the zero matrices dropped
+    for step in [*reversed(steps), sharding]:
+      y = jax.lax.with_sharding_constraint(y, step)
+    y = jax.lax.with_sharding_constraint(y[tuple(slice(0, n) for n in m.shape)], sharding)
+  return y.astype(m.dtype)
+
+
+def whole_layout(shape, dims: MuonDimensionNumbers, sharding):
+  """(the shardings that take a stack of matrices from `sharding` to each matrix whole on one
+  device, a mesh axis moved at a time, and the padding of each dimension that needs): a stack's
+  dimensions (layers, experts) keep their own mesh axes (a pipeline's stage, an MoE's expert)
+  and take every other mesh axis of more than one device (the matrix's, the innermost of a
+  dimension first, then those it is replicated over), each on the first stack dimension it
+  divides; those left over split the first stack dimension too, padded with zero matrices to a
+  multiple of its devices. Where it has mesh axes of its own (a pipeline's stage) those left over
+  stay: a matrix's split over one as XLA partitions it, and the devices along one it is
+  replicated over orthogonalise the same matrices. No shardings where no mesh axis moves."""
+  mesh = sharding.mesh
+  named = lambda axes: [axes] if isinstance(axes, str) else list(axes or ())
+  padded = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  spec = [named(a) for a in padded]
+  matrix = set(dims.reduction_axis) | set(dims.output_axis)
+  stack = [d for d in range(len(shape)) if d not in matrix]
+  if not stack:
+    return [], None
+  own_first = any(mesh.shape[a] > 1 for a in spec[stack[0]])  # a pipeline's stage, say
+  held = {a for axes in spec for a in axes}
+  movable = [(d, a) for d in sorted(matrix) for a in reversed(spec[d]) if mesh.shape[a] > 1]
+  movable += [(None, a) for a in mesh.axis_names if mesh.shape[a] > 1 and a not in held]
+  split = lambda d: math.prod(mesh.shape[a] for a in spec[d])
+  moves, left = [], []
+  for source, name in movable:
+    fits = [d for d in stack if (shape[d] // split(d)) % mesh.shape[name] == 0]
+    if fits:
+      moves.append((source, name, fits[0]))
+      spec[fits[0]].append(name)  # (so later axes see this dimension's split)
+    else:
+      left.append((source, name))
+  pads = [(0, 0)] * len(shape)
+  if left and not own_first:
+    first = stack[0]
+    pads[first] = (0, -shape[first] % (split(first) * math.prod(mesh.shape[a] for _, a in left)))
+    moves += [(source, name, first) for source, name in left]
+  steps, spec = [], [named(a) for a in padded]  # the moves made in turn, from the start
+  for source, name, target in moves:
+    if source is not None:
+      spec[source].remove(name)
+    spec[target].append(name)
+    steps.append(NamedSharding(mesh, P(*[tuple(axes) or None for axes in spec])))
+  return steps, pads
 
 
 def make_adamw(opt_config, schedule, mask=decay_mask) -> optax.GradientTransformation:

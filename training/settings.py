@@ -25,6 +25,8 @@ checkpoints, the workdir) are checked where they are opened, before anything is 
 """
 
 
+import math
+
 import jax
 
 from configs import base, effects
@@ -215,12 +217,32 @@ def check_sections(run: Run) -> None:
                      "(config.model.param_dtype, or master_tier off the devices, whose copy is in "
                      "compute_dtype) does not compile yet; keep param_dtype='float32' and "
                      "config.optimizer.master_tier='device' under pipeline stages")
+  if model.qk_clip:
+    check_qk_clip(run)
   hierarchical.check_partition(run.partition, run.mesh, model)
   tokens.check_settings(run.data)
   if run.data.preference:
     check_preference(run)
   if run.optimizer.tiered:
     check_tiers(run)
+
+
+def check_qk_clip(run: Run) -> None:
+  """What QK-clip (config.model.qk_clip) does not run with yet, said before anything starts (the
+  optimizer tiers: check_tiers): it reads each layer's measure in the step that updates the
+  weights."""
+  why = ('config.mesh.stage > 1 (pipeline stages)' if run.mesh.stage != 1
+         else 'config.mesh.sequence > 1 (a split length)' if run.mesh.sequence != 1
+         else "config.data.record='preference' (DPO)" if run.data.preference else None)
+  if why:
+    raise ValueError(f'config.model.qk_clip={run.model.qk_clip} does not run with {why} yet; '
+                     'set qk_clip=0 or change that setting')
+  if run.model.qk_clip <= math.log(run.seq_len):  # a row of equal logits measures ln(its keys)
+    raise ValueError(f"config.model.qk_clip={run.model.qk_clip}: QK-clip's measure, a head's "
+                     'largest log-sum-exp, reaches ln(keys seen) even with every logit 0, so a '
+                     f'clip at or below ln(config.seq_len) = {math.log(run.seq_len):.2f} would '
+                     'shrink the query and key weights step after step; set qk_clip above '
+                     'ln(config.seq_len) (Kimi K2: 100)')
 
 
 def check_tiers(run: Run) -> None:

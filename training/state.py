@@ -162,7 +162,8 @@ def build(run: Run) -> Setup:
     hierarchy = hierarchical.hierarchy(run.partition, abstract_params, param_shardings, mesh)
     param_shardings = hierarchical.master_shardings(param_shardings, hierarchy.dims)
   schedule = optimizer.make_schedule(run.optimizer, run.train_steps)
-  tx = optimizer.make_optimizer(run.optimizer, schedule, model_cfg.draft_heads > 0)
+  tx = optimizer.make_optimizer(run.optimizer, schedule, model_cfg.draft_heads > 0,
+                                trained(model_cfg, param_shardings)[0])
   abstract_opt = jax.eval_shape(tx.init, trained(model_cfg, abstract_params)[0])
   # Adam's moments (and Muon's momentum) mirror the trained parameters and take their shardings;
   # counters are replicated. Where an optimizer updates only some parameters (Muon's matrices,

@@ -16,6 +16,7 @@ from flax import nnx
 
 import kernels
 from model import Transformer, moe, pipeline
+from configs.base import MAX_LOGIT
 from model.layers import constrain
 from sharding import hierarchical
 import sharding
@@ -77,6 +78,7 @@ def train_step(setup: Setup, gradient_step, state: TrainState, batch):
     old_opt_state = jax.device_put(old_opt_state, setup.opt_compute_shardings)
   updates, opt_state = setup.tx.update(grads, old_opt_state, params)
   params = balanced(setup, nnx.merge_state(optax.apply_updates(params, updates), frozen), router)
+  params = qk_clipped(setup.model_cfg, params, router)
   # A step whose loss or gradient is not finite is not applied: parameters and optimizer state
   # (its step count too, so the schedule waits) stay as they were. The selects fuse into the
   # update's elementwise loops, so they cost no extra memory.
@@ -128,7 +130,23 @@ def loss_of(setup: Setup, loss, microbatches: int, params, frozen, reference, ba
   drafted = sums.get('draft', {})  # the draft heads' sums: their loss reaches only them
   heads = drafted['nats'].sum() / total if drafted else 0.0
   value = sums['loss'] / total + aux + heads  # sums['loss']: the one with the gradient
-  return value, (loss.terms(sums, total), jax.tree.map(lambda a: a * share, stats), drafted)
+  return value, (loss.terms(sums, total), shared(stats, share), drafted)
+
+
+def shared(stats: dict, share):
+  """A batch slice's statistics as its `share` of the batch's: the routers' weighted by it (the
+  slices' are then summed: `accumulate`), QK-clip's maxima as they are."""
+  return {key: a if key == MAX_LOGIT else jax.tree.map(lambda x: x * share, a)
+          for key, a in stats.items()}
+
+
+def accumulate(outputs, more):
+  """Two batch slices' outputs (loss, terms, statistics) as one's: summed, QK-clip's maxima
+  (MAX_LOGIT) the larger."""
+  def add(path, a, b):
+    maximum = any(getattr(k, 'key', None) == MAX_LOGIT for k in path)
+    return jnp.maximum(a, b) if maximum else a + b
+  return jax.tree_util.tree_map_with_path(add, outputs, more)
 
 
 def gradients(setup: Setup, loss, microbatches: int, params, frozen, reference, batch,
@@ -202,7 +220,7 @@ def add_microbatch_per_layer(grad_fn, params, frozen, reference, total, share, c
                                          layered)
   grads = keyed(grads)
   rest = {key: s + grads[key] for key, s in rest.items()}
-  return sharding.row_major((jax.tree.map(jnp.add, outputs, outputs_mb), rest, layered)), None
+  return sharding.row_major((accumulate(outputs, outputs_mb), rest, layered)), None
 
 
 def cast_once(setup: Setup):
@@ -240,7 +258,7 @@ def add_microbatch(grad_fn, stacks, params, frozen, reference, total, share, car
     return added[key] if key in added else s + g
   sums = jax.tree_util.tree_map_with_path(summed, sums, grads)
   # Row-major, the outputs' layout: made in place, not copied out of the loop transposed
-  return sharding.row_major((jax.tree.map(jnp.add, outputs, outputs_mb), sums)), None
+  return sharding.row_major((accumulate(outputs, outputs_mb), sums)), None
 
 
 def replicas_apart(setup: Setup, loss, grad_fn):
@@ -274,8 +292,48 @@ def gradient_step(setup: Setup, grad_fn, state: TrainState, batch):
   metrics = {**terms, 'grad_norm': grad_norm,
              'learning_rate': setup.schedule(state.step - state.bad_steps),
              'skipped': ~finite, 'bad_steps': bad_steps, **moe.metrics(router),
-             **norms, **draft_heads.metrics(drafted)}
+             **norms, **draft_heads.metrics(drafted), **qk_metrics(cfg, router)}
   return grads, router, finite, metrics
+
+
+def qk_scales(cfg, max_logit_LN):
+  """(Wq's [L, N], Wk's [L, K]) factors of QK-clip: a head whose measure m exceeded τ
+  (cfg.qk_clip) has its logits scaled by γ = τ / m, the others by 1. A key head serves G query
+  heads, so it takes √ of its group's smallest γ and each query head the rest of its own."""
+  L, N = max_logit_LN.shape
+  G = N // cfg.n_kv_heads
+  gamma_LN = cfg.qk_clip / jnp.maximum(max_logit_LN, cfg.qk_clip)
+  root_LK = jnp.sqrt(gamma_LN.reshape(L, cfg.n_kv_heads, G).min(axis=-1))
+  return gamma_LN / jnp.repeat(root_LK, G, axis=1), root_LK
+
+
+def qk_clipped(cfg, params, router: dict):
+  """The parameters with QK-clip's scales applied to every layer's Wq [D, N, H] and Wk [D, K, H]
+  where cfg.qk_clip asks (MuonClip: after the update, so each head this step measured over τ
+  starts the next with its logits scaled by τ/m); the layers' measures in execution order over
+  the stacks."""
+  if not cfg.qk_clip:
+    return params
+  q_LN, k_LK = qk_scales(cfg, router[MAX_LOGIT])
+  first = {'dense_blocks': 0, 'blocks': cfg.dense_layers if cfg.experts else 0}
+
+  def scaled(path, x):
+    keys = [getattr(k, 'key', None) for k in path]
+    if keys[0] not in first or keys[-2:] not in (['attn', 'wq'], ['attn', 'wk']):
+      return x
+    start = first[keys[0]]
+    factor = (q_LN if keys[-1] == 'wq' else k_LK)[start:start + x.shape[0]]
+    return x.replace(x.get_value() * factor[:, None, :, None].astype(x.dtype))
+  return jax.tree_util.tree_map_with_path(scaled, params,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def qk_metrics(cfg, router: dict) -> dict:
+  """QK-clip's metrics: the largest measure over layers and heads, and the heads it scales."""
+  if MAX_LOGIT not in router:
+    return {}
+  m = router[MAX_LOGIT]
+  return {'qk_max_logit': m.max(), 'qk_clipped_heads': (m > cfg.qk_clip).sum()}
 
 
 def copy_of_master(setup: Setup) -> bool:
