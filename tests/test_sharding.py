@@ -61,11 +61,13 @@ def test_same_loss_curve_as_one_device(name, single_device, small_corpus):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-MUON_CASES = {  # name: (layout, experts, mesh)
-    'round_robin fsdp=4×tensor=2': ('round_robin', 0, dict(fsdp=4, tensor=2)),
-    'as_params fsdp=4×tensor=2': ('as_params', 0, dict(fsdp=4, tensor=2)),
+MUON_CASES = {  # name: (layout, experts, mesh, other settings)
+    'round_robin fsdp=4×tensor=2': ('round_robin', 0, dict(fsdp=4, tensor=2), {}),
+    'as_params fsdp=4×tensor=2': ('as_params', 0, dict(fsdp=4, tensor=2), {}),
     'round_robin MoE fsdp=2×tensor=2×expert=2': ('round_robin', 4,
-                                                  dict(fsdp=2, tensor=2, expert=2)),
+                                                  dict(fsdp=2, tensor=2, expert=2), {}),
+    'round_robin stage=2×fsdp=2×tensor=2': ('round_robin', 0, dict(stage=2, fsdp=2, tensor=2),
+                                            {'microbatches': 2, 'model.n_layers': 4}),
 }
 
 
@@ -73,19 +75,22 @@ MUON_CASES = {  # name: (layout, experts, mesh)
 @pytest.mark.parametrize('name', list(MUON_CASES))
 def test_muon_trains_sharded_as_on_one_device_its_momentum_split_as_the_weights(name, small_corpus):
   """Muon's orthogonalised matrices (round_robin: each layer's, and each expert's, on one device,
-  the 2 layers padded to 8 with zero matrices; as_params: as XLA partitions them) and AdamW's rest
-  over the mesh give one device's losses and parameters (Newton–Schulz in float32: bfloat16's
+  the 2 layers padded to 8 with zero matrices; under pipeline stages each stage's own; as_params:
+  as XLA partitions them) and AdamW's rest over the mesh give one device's losses and parameters (Newton–Schulz in float32: bfloat16's
   rounding would differ with the sums' order); its momentum of each matrix lies where the matrix
   does."""
-  layout, experts, mesh = MUON_CASES[name]
-  def muon(**mesh):
+  layout, experts, mesh, other = MUON_CASES[name]
+  def muon(sharded, **mesh):
     c = tiny_config(**mesh)
     c.optimizer.update(name='muon', muon_ns_dtype='float32', muon_layout=layout)
     if experts:
       c.model.update(experts=experts, experts_per_token=2, expert_d_ff=32)
+    for key, value in other.items():
+      if sharded or key != 'microbatches':  # pipeline stages take microbatches; one device not
+        c.update_from_flattened_dict({key: value})
     return c
-  ref_losses, ref_state = train_losses(muon(), jax.devices()[:1], small_corpus)
-  losses, state = train_losses(muon(**mesh), jax.devices(), small_corpus)
+  ref_losses, ref_state = train_losses(muon(False), jax.devices()[:1], small_corpus)
+  losses, state = train_losses(muon(True, **mesh), jax.devices(), small_corpus)
   assert ref_losses[-1, 0] < ref_losses[0, 0]
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
