@@ -162,8 +162,8 @@ def newton_schulz_flops(m: int, n: int, steps: int = 5) -> int:
 def test_round_robin_muon_orthogonalises_each_matrix_once_moved_by_all_to_alls_only():
   """8 layers over fsdp=4 × tensor=2: round_robin's devices each run Newton–Schulz's dots on one
   layer's matrices, exactly the whole model's count / 8, and its matrices move by all-to-all
-  alone, never gathered or summed (in bf16 on GPUs: benchmarks/muon.py; the CPU's XLA carries
-  bf16 collectives as f32); as_params partitions the iterations' matmuls, which
+  alone (stacks alike moved together), never gathered or summed (in bf16 on GPUs:
+  benchmarks/muon.py; the CPU's XLA carries bf16 collectives as f32); as_params partitions the iterations' matmuls, which
   exchange partial sums (all-reduces) and gather operands within each iteration."""
   cfg = tiny_config().model
   D, F, N, K, H = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -172,7 +172,8 @@ def test_round_robin_muon_orthogonalises_each_matrix_once_moved_by_all_to_alls_o
   round_robin = muon_update_hlo('round_robin', 8, fsdp=4, tensor=2)
   assert dot_flops(round_robin) == 8 * per_layer // 8
   ops = collectives.summary(round_robin)
-  assert ops['all-to-all']['count'] == 4 * 7, ops  # each matrix's two axes, out and back
+  # each stack's two axes, out and back: Wq, Wk with Wv, Wo, W_gate with W_up, W_down
+  assert ops['all-to-all']['count'] == 4 * 5, ops
   assert 'all-gather' not in ops and ops['all-reduce']['bytes'] < 1024, ops  # a few scalars
   as_params = collectives.summary(muon_update_hlo('as_params', 8, fsdp=4, tensor=2))
   assert as_params['all-reduce']['count'] >= 7 * 5 and as_params['all-gather']['count'], as_params

@@ -6,6 +6,7 @@ lives between steps: the fp32 master weights and each of Adam's moments on the d
 compiled step updates them), in host memory, or in files on NVMe (training/tiers.py updates
 them outside the step, a group at a time)."""
 
+import itertools
 import math
 
 import jax
@@ -155,15 +156,47 @@ def scale_by_muon(opt_config, shardings=None) -> optax.GradientTransformation:
                           optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                           optax.tree.bias_correction(updates, beta, count))
 
-    def orthogonalise(path, dims, m):
-      sharding = where.get(jax.tree_util.keystr(path))
-      value = orthogonalised(m.get_value(), dims, opt_config, sharding)
-      return m.replace(value * rms_scale(m.shape, dims, opt_config.muon_rms))
+    is_dims = lambda d: isinstance(d, MuonDimensionNumbers)
+    dims_tree = muon_dimensions(mu_hat)
+    dims = {jax.tree_util.keystr(path): d for path, d in
+            jax.tree_util.tree_flatten_with_path(dims_tree, is_leaf=is_dims)[0]}
+    done = orthogonalised_together(dict(_by_path(mu_hat)), dims, where, opt_config)
     updates = jax.tree_util.tree_map_with_path(
-        orthogonalise, muon_dimensions(mu_hat), mu_hat,
-        is_leaf=lambda d: isinstance(d, MuonDimensionNumbers))
+        lambda path, d, m: m.replace(done[jax.tree_util.keystr(path)]
+                                     * rms_scale(m.shape, d, opt_config.muon_rms)),
+        dims_tree, mu_hat, is_leaf=is_dims)
     return updates, optax.contrib.MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
   return optax.GradientTransformation(optax_muon.init, update)
+
+
+def orthogonalised_together(values: dict, dims: dict, where: dict, opt_config) -> dict:
+  """{path: its matrices orthogonalised} of `values` ({path: a stack of matrices}, `dims` and
+  `where` their dimensions and shardings by path). Under round_robin, stacks alike in all but
+  their first dimension (a layer stack's W_gate and W_up, Wk and Wv: the same matrices, dims
+  and sharding, the first dimension a stack's and split over no devices) are shared out as one,
+  so a stack no mesh axis divides pads less or not at all (36 layers twice over 8 devices: 72)."""
+  groups = {}
+  for path, d in dims.items():
+    m, sharding = values[path], where.get(path)
+    alike = (opt_config.muon_layout == 'round_robin' and sharding is not None and 0 not in
+             set(d.reduction_axis) | set(d.output_axis) and not _split_first(sharding))
+    key = (d, m.shape[1:], m.dtype, sharding) if alike else path
+    groups.setdefault(key, []).append(path)
+  done = {}
+  for paths in groups.values():
+    stacked = values[paths[0]] if len(paths) == 1 else jnp.concatenate(
+        [values[p] for p in paths])
+    result = orthogonalised(stacked, dims[paths[0]], opt_config, where.get(paths[0]))
+    ends = list(itertools.accumulate(values[p].shape[0] for p in paths))
+    done.update(zip(paths, jnp.split(result, ends[:-1])))
+  return done
+
+
+def _split_first(sharding) -> bool:
+  """Whether `sharding` splits its first dimension over more than one device."""
+  first = sharding.spec[0] if len(sharding.spec) else None
+  axes = (first,) if isinstance(first, str) else (first or ())
+  return math.prod(sharding.mesh.shape[a] for a in axes) > 1
 
 
 def _by_path(tree):
