@@ -36,7 +36,7 @@ def figures(plan: dict) -> dict:
   ops = plan['collectives']
   return {'step_s': plan['time']['seconds'], 'total_bytes': plan['total_bytes'],
           'temp_bytes': plan['temp_bytes'], 'optimizer_bytes': plan['optimizer_bytes'],
-          'matmul_flops': plan['matmul_flops'],
+          'matmul_flops': plan['matmul_flops'], 'newton_schulz': plan['newton_schulz'],
           'collective_bytes': {op: ops[op]['bytes'] for op in sorted(ops)},
           'exposed_communication_s': plan['time']['breakdown']['communication']['s'],
           'command': plan['command']}

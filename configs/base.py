@@ -44,6 +44,7 @@ SCHEDULES = ('cosine', 'wsd')  # training/optimizer.py: make_schedule
 OPTIMIZERS = ('adamw', 'muon')  # training/optimizer.py: make_optimizer
 MUON_LAYOUTS = ('round_robin', 'as_params')  # training/optimizer.py: orthogonalised
 MAX_LOGIT = 'attention_max_logit'  # QK-clip's measure (qk_clip) among a step's statistics
+NEWTON_SCHULZ = 'muon_newton_schulz'  # the name scope of Muon's iterations in a compiled step
 DECAY_SHAPES = ('linear', 'sqrt')  # wsd's decay: linear, or 1 − √progress
 RECORDS = ('text', 'prompt_completion', 'messages', 'preference', 'chat_preference')
 PREFERENCE_RECORDS = ('preference', 'chat_preference')  # pairs, trained on by DPO

@@ -26,13 +26,13 @@ import math
 
 import jax
 
-from configs.base import ModelConfig, OptimizerConfig, PartitionConfig
+from configs.base import NEWTON_SCHULZ, ModelConfig, OptimizerConfig, PartitionConfig
 import kernels
 from planning import flops as flops_lib
 from planning import gpu_compiler, gpus, offload, timing
 from planning.target import Target
 from reporting import metrics
-from sharding import collectives
+from sharding import collectives, hlo as hlo_lib
 import sharding
 
 
@@ -75,6 +75,8 @@ class Plan:
   scheduler_memory: float | None = None  # GPUs: what XLA's scheduler planned within, as a share
                                          # of the memory beside the step's inputs and outputs
   tiers: dict | None = None  # the optimizer state off the devices (planning/offload.py: TierCost)
+  newton_schulz: dict | None = None  # Muon's iterations: {'flops', 'seconds'} a device, the
+                                     # time model's; None without Muon
   update_bytes: int = 0  # with tiers, a device's peak while the update runs after the step: the
                          # step's inputs and outputs (the gradients), the new parameters (in
                          # place of the old copy where the master weights are off the devices),
@@ -173,7 +175,18 @@ def make_plan(compiled, step: Step) -> Plan:
       optimizer_bytes=_device_bytes(step.abstract_state.opt_state),
       prefetch_weights=on_gpu and cfg.prefetch_weights,
       scheduler_memory=cfg.scheduler_memory if on_gpu else None,
-      tiers=dataclasses.asdict(tiers) if tiers else None, update_bytes=update_bytes)
+      tiers=dataclasses.asdict(tiers) if tiers else None, update_bytes=update_bytes,
+      newton_schulz=newton_schulz(hlo, predicted) if step.optimizer.name == 'muon' else None)
+
+
+def newton_schulz(hlo_text: str, predicted: timing.StepTime) -> dict:
+  """Muon's iterations in the program (its kernels, by their name scope): their GEMM FLOPs a
+  device and their time, the time model's (communication apart)."""
+  scoped = {inst.name for lines in hlo_lib.parse(hlo_text)[0].values() for line in lines
+            if (inst := hlo_lib.instruction(line)) and NEWTON_SCHULZ in inst.op_name}
+  mine = [k for k in predicted.kernels if k.name in scoped]
+  return {'flops': sum(k.flops * k.runs for k in mine if k.part == 'gemm'),
+          'seconds': sum(k.seconds * k.runs for k in mine)}
 
 
 def _device_bytes(abstract) -> int:
@@ -292,7 +305,11 @@ def report(plan: Plan) -> None:
           ('host memory / device', readable_bytes(plan.host_bytes)),
           ('FLOPs / device / step', f'{plan.flops:.3e}{xla_flops}'),
           ('matmul FLOPs compiled', f'{plan.matmul_flops:.3e} (each run counted, recomputation '
-                                    'included; attention kernels not)')]
+                                    'included; attention kernels not)'),
+          *([("Muon's Newton–Schulz", f'{plan.newton_schulz["flops"]:.3e} FLOPs a device, '
+                                      f'{readable_seconds(plan.newton_schulz["seconds"])} of '
+                                      'kernels (predicted), in the figures above')]
+            if plan.newton_schulz else [])]
   rows += [(f'{op} / step', f'{c["count"]} runs, {readable_bytes(c["bytes"])} sent per device, '
             f'{c["overlapped_bytes"] / max(c["bytes"], 1):.0%} of it while computing')
            for op, c in sorted(plan.collectives.items())]

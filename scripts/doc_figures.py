@@ -306,8 +306,8 @@ def muon_costs() -> str:
   """What each form of Muon adds to a preset's predicted step and memory against AdamW's, with
   the compiled programs' collectives (benchmarks/muon.py, each preset over 8 H100s), a table."""
   rows = ['| preset, H100s | optimizer | step (predicted) | vs AdamW | memory a GPU | vs AdamW | '
-          'GEMM FLOPs more a GPU | all-to-all | all-gather | all-reduce |',
-          '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+          "GEMM FLOPs more a GPU | Newton–Schulz's kernels | all-to-all | all-gather | "
+          'all-reduce |', '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   commands = []
   for name in MUON_RESULTS:
     r = result(name)
@@ -318,6 +318,8 @@ def muon_costs() -> str:
                   f'| {f["step_over_adamw"]:+.1%} | {gib(f["total_bytes"])} | '
                   f'{f["memory_over_adamw"] / 2 ** 30:+.2f} GiB | '
                   f'{f["matmul_flops_over_adamw"] / 1e12:.1f} T | '
+                  + (readable_seconds(f['newton_schulz']['seconds']) if f['newton_schulz']
+                     else '–') + ' | '
                   + ' | '.join(gib(c.get(op, 0)) for op in ('all-to-all', 'all-gather',
                                                             'all-reduce')) + ' |')
   return '\n'.join(rows) + f'\n\nFrom {" and ".join(commands)}.\n'

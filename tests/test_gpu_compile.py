@@ -273,6 +273,31 @@ def test_plan_target_is_for_planning_only_and_must_be_known():
     loop.run(config)
 
 
+@pytest.mark.integration
+def test_a_muon_plan_for_h100s_counts_each_devices_newton_schulz_moved_in_bf16(h100):
+  """8 layers over 8 H100s (fsdp): the plan's Newton–Schulz row holds each device's share of the
+  iterations' GEMM FLOPs, the model's matrices' count / 8, and their time; the matrices travel
+  by all-to-all in bf16 (muon_ns_dtype's), AdamW's plan has no such row."""
+  from tests.conftest import tiny_config
+  from tests.test_sharding import newton_schulz_flops
+  config = tiny_config(fsdp=8)
+  config.model.n_layers = 8
+  config.optimizer.name = 'muon'
+  config.plan.target, config.plan.devices, config.dry_run = 'H100', 8, True
+  _, plan = compiled(config)
+  m = config.model
+  per_layer = (2 * newton_schulz_flops(m.d_model, m.n_heads * m.head_dim)
+               + 2 * newton_schulz_flops(m.d_model, m.n_kv_heads * m.head_dim)
+               + 3 * newton_schulz_flops(m.d_model, m.d_ff))
+  assert plan.newton_schulz['flops'] == per_layer and plan.newton_schulz['seconds'] > 0
+  config.optimizer.name = 'adamw'
+  adamw = compiled(config)[1]
+  assert adamw.newton_schulz is None
+  moved = lambda p, dtype: p.collectives.get('all-to-all', {}).get('by_dtype', {}).get(dtype, 0)
+  assert moved(plan, 'bf16') > moved(adamw, 'bf16')  # the matrices, there and back
+  assert moved(plan, 'f32') == moved(adamw, 'f32'), (plan.collectives, adamw.collectives)
+
+
 def tiny_step_for_h100s(grad_reduce_dtype='float32', tied=True, context_parallel=None,
                         microbatches=1, virtual_stages=1, model=(), **mesh):
   """The tiny model's train step in bf16, compiled for 8 H100s: (HLO text, setup, config).

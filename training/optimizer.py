@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
+from configs.base import NEWTON_SCHULZ
 from model.layers import ADDED, Draft, split_adapters
 from model.moe import RouterBias
 
@@ -231,7 +232,8 @@ def orthogonalised(m, dims: MuonDimensionNumbers, opt_config, sharding=None) -> 
       x = jax.lax.with_sharding_constraint(x, step)
   ns = optax.contrib.scale_by_muon(ns_steps=opt_config.muon_ns_steps, beta=0.0, nesterov=False,
                                    weight_dimension_numbers=dims)  # momentum 0: x itself
-  y, _ = ns.update(x, ns.init(x))
+  with jax.named_scope(NEWTON_SCHULZ):  # the plan's row of its kernels (planning/plan.py)
+    y, _ = ns.update(x, ns.init(x))
   if steps:  # back in muon_ns_dtype, then the zero matrices dropped
     for step in [*reversed(steps), sharding]:
       y = jax.lax.with_sharding_constraint(y, step)
