@@ -42,6 +42,18 @@ class Checked:
     return self.predicted_s / self.measured_s
 
 
+def write_part(out_dir: str, part: str, name: str, figures: dict, programs: dict) -> None:
+  """Banks a part's rows (`figures`) and their programs ({what: {'hlo', 'profile'}}) as
+  out_dir/calibrate_<part>-<name>.json and .programs.json.gz."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(f'{out_dir}/calibrate_{part}-{name}.json', 'w') as f:
+    f.write(json.dumps(figures, indent=2) + '\n')
+  # mtime 0: the same programs give the same bytes, so git sees no change where there is none
+  with gzip.GzipFile(f'{out_dir}/calibrate_{part}-{name}.programs.json.gz', 'wb', mtime=0) as f:
+    f.write(json.dumps({'device': figures['device'], 'jax': figures['jax'],
+                        'programs': programs}).encode())
+
+
 def kernel_class(name: str) -> str:
   if name.startswith(('nvjet', 'gemm_fusion', 'cutlass')) or re.search('gemm|cublas', name):
     return 'gemm'

@@ -38,23 +38,20 @@ ratios mean nothing.
 """
 
 import ast
-import collections
 import glob
 import gzip
 import importlib
 import json
 import os
 import statistics
-import tempfile
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from benchmarks import bank, inputs, report
+from benchmarks import bank, inputs, profiled, report
 from kernels import matmul
 import kernels
 from planning import flops, gpus, timing
@@ -115,38 +112,7 @@ PROGRAM = '_program'  # a row's program and profile: main moves it from the row 
 
 
 def program(compiled, call) -> dict:
-  return {'hlo': compiled.as_text(), 'profile': kernel_profile(call, _PROFILE_CALLS.value)}
-
-
-def kernel_profile(call, calls: int) -> dict:
-  """What the devices ran in `calls` calls of `call`, from JAX's profiler trace: {'calls',
-  'events': [{plane, line, name, hlo_op, count, us}]}, longest first. On a GPU, the device plane's
-  lines: its streams' kernels (hlo_op names the instruction of the program) and XLA's own lines of
-  modules and ops. On a CPU, the host's events that name an hlo_op. {'error'} if tracing failed:
-  the measured row still counts."""
-  try:
-    with tempfile.TemporaryDirectory() as trace_dir:
-      with jax.profiler.trace(trace_dir):
-        for _ in range(calls):
-          jax.block_until_ready(call())
-      (path,) = glob.glob(f'{trace_dir}/**/*.xplane.pb', recursive=True)
-      data = jax.profiler.ProfileData.from_file(path)
-    totals = collections.defaultdict(lambda: [0, 0.0])
-    warnings.simplefilter('ignore', DeprecationWarning)  # the stats' type, on Python 3.12
-    for plane in data.planes:
-      on_device = plane.name.startswith('/device:')
-      for line in plane.lines:
-        for event in line.events:
-          hlo_op = str(dict(event.stats).get('hlo_op', ''))
-          if on_device or hlo_op:
-            total = totals[plane.name, line.name, event.name, hlo_op]
-            total[0] += 1
-            total[1] += event.duration_ns / 1e3
-  except Exception as e:  # a profiler that fails on some machine must not lose the measurement
-    return {'error': f'{type(e).__name__}: {str(e)[:300]}'}
-  events = [{'plane': plane, 'line': line, 'name': name, 'hlo_op': hlo_op, 'count': count,
-             'us': round(us, 3)} for (plane, line, name, hlo_op), (count, us) in totals.items()]
-  return {'calls': calls, 'events': sorted(events, key=lambda e: -e['us'])}
+  return {'hlo': compiled.as_text(), 'profile': profiled.kernels(call, _PROFILE_CALLS.value)}
 
 
 def gemm_rows(gpu):
@@ -409,23 +375,13 @@ def refit(part: str, rows: list, gpu: gpus.GPU) -> dict:
   return {}
 
 
-def take_programs(row: dict, what: str, bank: dict) -> None:
-  """Moves the row's programs (its own and those of rows nested in it) into bank[what …]."""
+def take_programs(row: dict, what: str, programs: dict) -> None:
+  """Moves the row's programs (its own and those of rows nested in it) into programs[what …]."""
   if PROGRAM in row:
-    bank[what] = row.pop(PROGRAM)
+    programs[what] = row.pop(PROGRAM)
   for key, value in row.items():
     if isinstance(value, dict):
-      take_programs(value, f'{what} {key}', bank)
-
-
-def write(out_dir: str, part: str, name: str, figures: dict, bank: dict) -> None:
-  os.makedirs(out_dir, exist_ok=True)
-  with open(f'{out_dir}/calibrate_{part}-{name}.json', 'w') as f:
-    f.write(json.dumps(figures, indent=2) + '\n')
-  # mtime 0: the same programs give the same bytes, so git sees no change where there is none
-  with gzip.GzipFile(f'{out_dir}/calibrate_{part}-{name}.programs.json.gz', 'wb', mtime=0) as f:
-    f.write(json.dumps({'device': figures['device'], 'jax': figures['jax'],
-                        'programs': bank}).encode())
+      take_programs(value, f'{what} {key}', programs)
 
 
 def merge(folders: list, out_dir: str) -> None:
@@ -445,9 +401,9 @@ def merge(folders: list, out_dir: str) -> None:
         old = {**new, 'rows': [], 'command': [], 'seconds': 0.0}
       try:  # the first H100 runs banked their rows without programs: the rows still count
         with gzip.open(f'{out_dir}/{file}.programs.json.gz') as f:
-          bank = json.load(f)['programs']
+          banked = json.load(f)['programs']
       except FileNotFoundError:
-        bank = {}
+        banked = {}
       if (old['device'], old['jax']) != (new['device'], new['jax']):
         raise ValueError(f'--merge: {path} ran on {new["device"]}, jax {new["jax"]}; '
                          f'{out_dir}/{file}.json on {old["device"]}, jax {old["jax"]}')
@@ -458,12 +414,12 @@ def merge(folders: list, out_dir: str) -> None:
       # a row's programs are its `what` and its backward pass's: another row's name may begin
       # with this one's (`…125m cudnn default optimizer.offload_state=True`) and stays
       ours = replaced | {f'{what} fwd_bwd' for what in replaced}
-      bank = {what: program for what, program in bank.items() if what not in ours} | new_bank
+      banked = {what: program for what, program in banked.items() if what not in ours} | new_bank
       commands = old['command'] if isinstance(old['command'], list) else [old['command']]
       gpu = gpus.find(name.upper()) or gpus.NOMINAL
       merged = {**old, 'rows': rows, 'refit': refit(part, rows, gpu),
                 'seconds': old['seconds'] + new['seconds'], 'command': commands + [new['command']]}
-      write(out_dir, part, name, merged, bank)
+      bank.write_part(out_dir, part, name, merged, banked)
       print(f'{out_dir}/{file}.json: {len(new["rows"])} rows of {path}, {len(rows)} in all')
 
 
@@ -488,14 +444,14 @@ def main(argv):
   gpu = gpu or gpus.NOMINAL
   results = {}
   for part, rows_of in parts().items():
-    started, rows, bank = time.perf_counter(), [], {}
+    started, rows, programs = time.perf_counter(), [], {}
     print(f'\n{part}: measured on {device.device_kind}, predicted by the time model for {gpu.name}')
     print(f'{"":<44}{"measured":>12}{"predicted":>12}{"ratio":>8}')
     figures = {'benchmark': f'calibrate_{part}', 'device': device.device_kind,
                'platform': device.platform, 'jax': jax.__version__, 'model_for': gpu.name,
                'rows': rows, 'refit': {}, 'seconds': 0.0, 'command': report.command()}
     for row in rows_of(gpu):
-      take_programs(row, row['what'], bank)
+      take_programs(row, row['what'], programs)
       rows.append(row)
       if 'error' in row:
         print(f'{row["what"]:<44}failed: {row["error"][:80]}', flush=True)
@@ -512,7 +468,7 @@ def main(argv):
                                                                   f'{_BUDGET.value:g}'})
         print(f'{part}: past {_BUDGET.value:g} s, the rest skipped')
       figures.update(refit=refit(part, rows, gpu), seconds=time.perf_counter() - started)
-      write(_OUT_DIR.value, part, name, figures, bank)  # banked as it goes
+      bank.write_part(_OUT_DIR.value, part, name, figures, programs)  # banked as it goes
       if past_budget:
         break
     print(f'{part} refit: {figures["refit"]}')

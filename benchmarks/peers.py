@@ -177,8 +177,10 @@ def maxtext_python() -> pathlib.Path:
   return python
 
 
-def maxtext_settings(preset: Preset, out: pathlib.Path, overrides: dict | None = None) -> list[str]:
-  """MaxText's command line for `preset`: the same work, then `overrides` (a search's settings)."""
+def maxtext_settings(preset: Preset, out: pathlib.Path, overrides: dict | None = None,
+                     deviceless: bool = True) -> list[str]:
+  """MaxText's command line for `preset`: the same work, then `overrides` (a search's settings);
+  for compile-only GPUs unless not `deviceless` (then for the devices it runs on)."""
   c = preset.config
   settings = dict(s.split('=', 1) for s in preset.maxtext)
   settings.update({
@@ -187,9 +189,10 @@ def maxtext_settings(preset: Preset, out: pathlib.Path, overrides: dict | None =
       'per_device_batch_size': str(c.batch_size / c.microbatches / preset.gpus),
       'gradient_accumulation_steps': str(c.microbatches), 'max_target_length': str(c.seq_len),
       'ici_fsdp_parallelism': str(preset.gpus // preset.expert),
-      'ici_expert_parallelism': str(preset.expert), 'internal_compile': 'true',
-      'internal_compile_num_devices': str(preset.gpus), 'dataset_type': 'synthetic',
+      'ici_expert_parallelism': str(preset.expert), 'dataset_type': 'synthetic',
       'enable_checkpointing': 'false', 'run_name': 'peers', 'base_output_directory': str(out),
+      **({'internal_compile': 'true', 'internal_compile_num_devices': str(preset.gpus)}
+         if deviceless else {}),
       **(overrides or {})})
   return [f'{k}={v}' for k, v in settings.items()]
 
@@ -212,13 +215,12 @@ def maxtext_program(preset: Preset, overrides: dict | None = None,
       return figures, f.read()
 
 
-def meshlm_program(preset: Preset, overrides: dict | None = None,
-                   given: tuple[str, ...] = ()) -> tuple[dict, str]:
-  """(meshlm's compiled memory and shapes, its optimized program), compiled as a dry run does:
-  the preset, then `given` (--meshlm's section.field=value), then `overrides` (a search's,
-  {'section.field': value})."""
+def meshlm_config(preset: Preset, overrides: dict | None = None, given: tuple[str, ...] = (),
+                  attention: str = 'cudnn'):
+  """meshlm's config for `preset`: the preset, then `given` (--meshlm's section.field=value),
+  then `overrides` (a search's, {'section.field': value}), its attention `attention`."""
   config = preset.config.copy_and_resolve_references()
-  config.model.attention = 'cudnn'
+  config.model.attention = attention
   for field, value in [*(s.partition('=')[::2] for s in given), *(overrides or {}).items()]:
     section, _, key = field.rpartition('.')
     holder = config[section] if section else config
@@ -228,9 +230,17 @@ def meshlm_program(preset: Preset, overrides: dict | None = None,
       value = type(holder[key])(value) if not isinstance(holder[key], bool) else (
           value.lower() in ('1', 'true'))
     holder[key] = value
-  config.plan.target, config.plan.devices, config.dry_run = 'H100', preset.gpus, True
   if preset.expert > 1:
     config.mesh.fsdp, config.mesh.expert = preset.gpus // preset.expert, preset.expert
+  return config
+
+
+def meshlm_program(preset: Preset, overrides: dict | None = None,
+                   given: tuple[str, ...] = ()) -> tuple[dict, str]:
+  """(meshlm's compiled memory and shapes, its optimized program), compiled as a dry run does
+  (meshlm_config's)."""
+  config = meshlm_config(preset, overrides, given)
+  config.plan.target, config.plan.devices, config.dry_run = 'H100', preset.gpus, True
   setup = build(settings.resolve(config, log=lambda *_: None))
   compiled, plan = compile_and_plan(setup)
   return ({'argument_bytes': plan.argument_bytes, 'output_bytes': plan.output_bytes,

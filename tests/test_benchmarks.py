@@ -4,6 +4,7 @@ the tiny base config, or tiny shapes) and end with one JSON line of figures that
 import gzip
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 import tomllib
@@ -221,7 +222,7 @@ def test_calibrate_merges_other_runs_into_the_bank(tmp_path):
   refit made again from them all, a run's "skipped" row (where its budget ended) left out, a kept
   row whose name begins with a replaced one's kept with its program; a bank of another device is
   refused."""
-  from benchmarks import calibrate
+  from benchmarks import bank, calibrate
   for run, mib in (('a', (1, 2)), ('b', (2, 3))):
     rows, programs = copy_rows(*mib)
     if run == 'a':  # named as a variant of the row b replaces, as the offloaded steps are
@@ -229,7 +230,7 @@ def test_calibrate_merges_other_runs_into_the_bank(tmp_path):
       programs['pass over 2 MiB again'] = programs['pass over 2 MiB']
       programs['pass over 2 MiB fwd_bwd'] = programs['pass over 2 MiB']  # b's row replaces it
     rows.append({'what': 'the rest of this part', 'skipped': 'past --part_budget_s=1'})
-    calibrate.write(str(tmp_path / run), 'copy', 'cpu', {
+    bank.write_part(str(tmp_path / run), 'copy', 'cpu', {
         'benchmark': 'calibrate_copy', 'device': 'cpu', 'platform': 'cpu', 'jax': '0.11.2',
         'model_for': 'nominal device', 'rows': rows, 'refit': {}, 'seconds': 1.0,
         'command': f'python -m benchmarks.calibrate --run={run}'}, programs)
@@ -268,3 +269,59 @@ def test_every_benchmark_runs_as_a_script_too():
   result = subprocess.run([sys.executable, 'benchmarks/calibrate.py', '--help'], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
   assert '--parts' in result.stdout and not result.stderr, result.stderr[-3000:]  # absl: exit 1
+
+
+@pytest.mark.integration
+def test_the_side_by_side_rehearsal_times_each_candidate_and_banks_what_ran(tmp_path):
+  """--dry on this CPU: meshlm's tiny preset timed in a child process, its program banked and
+  predicted; MaxText's candidates timed where this Python imports MaxText, else each row says
+  why not; the wheels a lent GPU would be given sized against what travels."""
+  wheels = tmp_path / 'whl'
+  wheels.mkdir()
+  (wheels / 'maxtext-site.tar.xz').write_bytes(b'x' * 1000)
+  f = figures('side_by_side', '--dry', '--timed_steps=2', '--warmup_steps=1',
+              '--profiled_steps=1', f'--bank_dir={tmp_path}', f'--wheels={wheels}', config=())
+  rows = {r['what']: r for r in f['rows']}
+  ours = rows['tiny meshlm scanned, none (as it ships)']
+  assert len(ours['times_s']) == 2 and ours['measured_s'] == statistics.median(ours['times_s'])
+  assert ours['tokens_per_s_per_device'] == pytest.approx(16 * 128 / ours['measured_s'])
+  assert ours['ratio'] == pytest.approx(ours['measured_s'] / ours['predicted_s'])
+  assert ours['memory']['total'] > 0 and ours['loss'] > 0 and ours['jax'] == f['jax']
+  maxtext = [r for r in f['rows'] if r['system'] == 'MaxText']
+  assert [r['settings'] for r in maxtext] == [{}, {'scan_layers': 'false'}]
+  for r in maxtext:
+    assert 'measured_s' in r or "No module named 'maxtext'" in r['error'], r
+    assert 'hardware=cpu' in r['argv'] and 'attention=dot_product' in r['argv']
+  banked = json.loads((tmp_path / 'calibrate_steps_side_by_side-cpu.json').read_text())
+  assert [r['what'] for r in banked['rows']] == [r['what'] for r in f['rows']]
+  with gzip.open(tmp_path / 'calibrate_steps_side_by_side-cpu.programs.json.gz') as p:
+    programs = json.load(p)['programs']
+  assert sorted(programs) == sorted(r['what'] for r in f['rows'] if 'measured_s' in r)
+  assert 'ENTRY' in programs[ours['what']]['hlo'] and 'calls' in programs[ours['what']]['profile']
+  w = f['wheels']
+  assert w['maxtext_site'] and w['carried_bytes'] == 1000 and w['fits']
+  assert 1 << 20 < w['tree_bytes'] < 64 << 20
+  # Banked as a GPU's, its steps are train steps `calibrate --check` re-predicts
+  from benchmarks import bank
+  for suffix in ('.json', '.programs.json.gz'):
+    (tmp_path / f'calibrate_steps_side_by_side-cpu{suffix}').rename(
+        tmp_path / f'calibrate_steps_side_by_side-h100{suffix}')
+  checked = bank.check(str(tmp_path))
+  assert sorted(c.what for c in checked) == sorted(programs)
+  assert all(c.kind == 'step' and c.measured_s == rows[c.what]['measured_s'] for c in checked)
+
+
+def test_side_by_side_compares_the_fastest_of_each_and_meshlms_at_no_more_memory():
+  from benchmarks import side_by_side
+  def row(system, s, gib):
+    return {'what': f'{system} {s}', 'system': system, 'measured_s': s,
+            'tokens_per_s_per_device': 100 / s, 'memory': {'total': gib}}
+  rows = [row('meshlm', 1.0, 50), row('meshlm', 1.1, 40), row('MaxText', 1.2, 45),
+          row('MaxText', 1.3, 30), {'what': 'MaxText oom', 'system': 'MaxText', 'error': 'x'}]
+  c = side_by_side.compared(rows)
+  assert (c['meshlm_fastest'], c['MaxText_fastest']) == ('meshlm 1.0', 'MaxText 1.2')
+  assert c['tokens_per_s_ratio'] == pytest.approx(1.2)
+  assert c['at_no_more_memory'] == {'meshlm': 'meshlm 1.1',
+                                    'tokens_per_s_ratio': pytest.approx(1.2 / 1.1)}
+  assert side_by_side.compared(rows[2:])['MaxText_fastest'] == 'MaxText 1.2'
+  assert 'tokens_per_s_ratio' not in side_by_side.compared(rows[2:])
