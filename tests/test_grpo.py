@@ -1,0 +1,125 @@
+"""GRPO's objective (training/grpo.py) against the published formulas, computed directly in numpy
+(float64) on the same fp32 inputs: GRPO's, DAPO's and Dr. GRPO's normalizations, symmetric and
+DAPO's upper clip, with and without the KL term; its gradient likewise (each token's within 1e-5);
+and with the sampling policy itself, the advantage-weighted log-likelihood's gradient."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from training import grpo
+
+B, L = 6, 9
+
+
+def batch(seed=0):
+  rng = np.random.default_rng(seed)
+  logps = -rng.uniform(0.1, 3.0, (B, L))
+  old = logps + rng.normal(0, 0.3, (B, L))  # ratios both sides of every clip
+  ref = logps + rng.normal(0, 0.5, (B, L))
+  adv = rng.normal(0, 1, B)
+  lengths = np.array([9, 1, 5, 3, 7, 2])
+  mask = (np.arange(L)[None] < lengths[:, None]).astype(np.float64)
+  # as fp32 holds them, so that the formula's float64 sees the same inputs
+  return [x.astype(np.float32).astype(np.float64) for x in (logps, old, ref, adv, mask)]
+
+
+def formula(logps, old, ref, adv, mask, lo, hi, beta, norm, cap):
+  """(loss, d loss / d log π, Σ|the loss's terms|) of the published objective, float64."""
+  a = adv[:, None]
+  ratio = np.exp(logps - old)
+  clipped = np.clip(ratio, 1 - lo, 1 + hi)
+  unclipped = ratio * a <= clipped * a  # where min picks ρ·A, whose gradient is ρ·A
+  gap = ref - logps
+  per_token = -(np.minimum(ratio * a, clipped * a) - beta * (np.exp(gap) - gap - 1))
+  d_token = -(np.where(unclipped, ratio * a, 0.0) - beta * (1 - np.exp(gap)))
+  n = mask.sum(1)
+  if norm == 'sequence':  # 1/G Σ_i 1/|o_i| Σ_t
+    scale = np.broadcast_to(1 / (B * n[:, None]), (B, L))
+  elif norm == 'token':  # 1/Σ|o_i| Σ_i Σ_t
+    scale = np.full((B, L), 1 / n.sum())
+  else:  # 1/(G · L_max) Σ_i Σ_t
+    scale = np.full((B, L), 1 / (B * cap))
+  terms = per_token * mask * scale
+  return terms.sum(), d_token * mask * scale, np.abs(terms).sum()
+
+
+@pytest.mark.parametrize('norm', sorted(grpo.NORMALIZATIONS))
+def test_the_loss_and_its_gradient_are_the_formulas_for_every_clip_and_kl(norm):
+  logps, old, ref, adv, mask = batch()
+  for (lo, hi), beta in itertools.product(((0.2, None), (0.2, 0.28)), (0.0, 0.04)):
+    def loss(lp):
+      s = grpo.policy_sums(lp, jnp.asarray(old, jnp.float32), jnp.asarray(ref, jnp.float32),
+                           jnp.asarray(adv, jnp.float32), jnp.asarray(mask, jnp.float32),
+                           epsilon_low=lo, epsilon_high=hi, beta=beta, normalization=norm,
+                           max_completion_length=12)
+      return s['loss'] / s['weight'], s
+    (value, sums), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(logps, jnp.float32))
+    want, want_grad, size = formula(logps, old, ref, adv, mask, lo, lo if hi is None else hi,
+                                    beta, norm, 12)
+    # within 1e-6 of the terms' size: the loss is a sum of terms of both signs, whose fp32
+    # rounding is relative to them, not to what is left when they cancel
+    np.testing.assert_allclose(value, want, rtol=0, atol=1e-6 * size)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7 * np.abs(want_grad).max())
+    ratio = np.exp(logps - old)
+    h = lo if hi is None else hi
+    low = (ratio < 1 - lo) & (adv[:, None] < 0)
+    high = (ratio > 1 + h) & (adv[:, None] > 0)
+    assert 0 < sums['clipped_low'] and 0 < sums['clipped_high']
+    assert (sums['clipped_low'], sums['clipped_high'], sums['clipped']) == (
+        (low * mask).sum(), (high * mask).sum(), ((low | high) * mask).sum())
+    gap = ref - logps
+    np.testing.assert_allclose(sums['kl'], ((np.exp(gap) - gap - 1) * mask).sum() if beta else 0,
+                               rtol=1e-5)
+    assert sums['tokens'] == mask.sum() and sums['completions'] == B
+
+
+def test_with_the_sampling_policy_the_ratio_is_one_and_the_gradient_the_likelihoods():
+  """μ = 1: π_old is π itself, so ρ = 1 on every token, nothing is clipped, and with β = 0 the
+  gradient is that of −1/G Σ_i A_i/|o_i| Σ_t log π (a linear softmax policy's weights)."""
+  rng = np.random.default_rng(1)
+  x_BLD = jnp.asarray(rng.normal(size=(B, L, 8)), jnp.float32)
+  w_DV = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 16, (B, L)))
+  _, _, _, adv, mask = batch()
+  adv, mask = jnp.asarray(adv, jnp.float32), jnp.asarray(mask, jnp.float32)
+
+  def logps(w):
+    return jnp.take_along_axis(jax.nn.log_softmax(x_BLD @ w), targets[..., None], -1)[..., 0]
+
+  def objective(w):
+    lp = logps(w)
+    s = grpo.policy_sums(lp, jax.lax.stop_gradient(lp), None, adv, mask)
+    return s['loss'] / s['weight'], s
+
+  def likelihood(w):
+    return -(adv[:, None] * logps(w) * mask / mask.sum(1, keepdims=True)).sum() / B
+
+  (_, sums), grad = jax.value_and_grad(objective, has_aux=True)(w_DV)
+  np.testing.assert_allclose(grad, jax.grad(likelihood)(w_DV), rtol=1e-5, atol=1e-7)
+  assert sums['ratio'] == sums['tokens'] == mask.sum() and sums['clipped'] == 0
+
+
+def test_advantages_are_group_relative_as_trl_scales_them():
+  rewards = jnp.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 3.0, 1.0, 0.5])
+  r = np.asarray(rewards, np.float64).reshape(3, 4)
+  centred = (r - r.mean(1, keepdims=True)).reshape(-1)
+  np.testing.assert_allclose(grpo.advantages(rewards, 4), centred / (
+      np.repeat(r.std(1, ddof=1), 4) + 1e-4), rtol=1e-6)
+  np.testing.assert_allclose(grpo.advantages(rewards, 4, 'none'), centred, atol=1e-6)
+  np.testing.assert_allclose(grpo.advantages(rewards, 4, 'batch'),
+                             centred / (r.std(ddof=1) + 1e-4), rtol=1e-6)
+  assert (grpo.advantages(rewards, 4)[4:8] == 0).all()  # a group of equal rewards teaches nothing
+  m = grpo.group_metrics(rewards, 4)
+  np.testing.assert_allclose(m['zero_std_groups'], 1 / 3)
+  np.testing.assert_allclose(m['reward'], r.mean(), rtol=1e-6)
+  np.testing.assert_allclose(m['reward_std'], r.std(1, ddof=1).mean(), rtol=1e-6)
+  for bad in ((rewards, 1), (rewards, 5)):
+    with pytest.raises(ValueError, match='groups of'):
+      grpo.advantages(*bad)
+  with pytest.raises(ValueError, match='normalization'):
+    grpo.policy_sums(rewards[:, None], rewards[:, None], None, rewards, rewards[:, None],
+                     normalization='mean')
