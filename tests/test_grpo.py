@@ -51,7 +51,7 @@ def formula(logps, old, ref, adv, mask, lo, hi, beta, norm, cap):
 def test_the_loss_and_its_gradient_are_the_formulas_for_every_clip_and_kl(norm):
   logps, old, ref, adv, mask = batch()
   for (lo, hi), beta in itertools.product(((0.2, None), (0.2, 0.28)), (0.0, 0.04)):
-    def loss(lp):
+    def loss(lp, lo=lo, hi=hi, beta=beta):
       s = grpo.policy_sums(lp, jnp.asarray(old, jnp.float32), jnp.asarray(ref, jnp.float32),
                            jnp.asarray(adv, jnp.float32), jnp.asarray(mask, jnp.float32),
                            epsilon_low=lo, epsilon_high=hi, beta=beta, normalization=norm,
