@@ -299,9 +299,6 @@ class ModelConfig(Section):
       raise ValueError(f"config.model.sliding_window={self.sliding_window}: the Hopper kernel "
                        "has no window yet; set config.model.attention='pallas', 'cudnn' or "
                        "'auto'")
-    if self.context_parallel == 'ring':
-      raise ValueError(f'config.model.sliding_window={self.sliding_window}: ring attention has '
-                       "no window yet; set config.model.context_parallel='all_gather'")
     if self.attention == 'cudnn' and self.windows == 'mixed':
       raise ValueError(f'config.model.sliding_window={self.sliding_window} with global_every='
                        f'{self.global_every}: each layer takes its window at run time, which '

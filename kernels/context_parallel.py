@@ -21,6 +21,13 @@ batch, so the loss is unchanged). Device r, visited by device s's keys:
 So every visit is two chunk-pairs of work with no mask but the documents', on every device; the
 fully masked pairs are never computed.
 
+A sliding window (a local layer's; an int, or an int32 scalar known at run time, 0: global) makes
+each visit its four chunk-pairs, query chunk i against key chunk j causal from the offset (i − j)
+chunks, the window counted in the row's positions: the kernel visits only the key blocks the
+window reaches, so a pair wholly outside it (or after its queries) costs a launch and no blocks.
+Every hop still travels: a window shorter than the chunks needs only the keys of the two devices
+beside each one, which a ring reaches in 1 and n−1 hops.
+
 `gathered_attention`: keys and values all-gathered in their (compute) dtype, each device attends
 its own queries (in the plain order: device r holds the r-th chunk) against them, causal from
 its offset; gradients of K, V come back as a reduce-scatter. No query is gathered and no work is
@@ -70,17 +77,28 @@ class _Ring(NamedTuple):
   interpret: bool | None
   reduce_dtype: str
   hopper: bool
+  windowed: bool = False  # a window is an input (module docstring)
+  window_mix: tuple | None = None  # flash_attention's, for the time model
 
 
 def ring_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=None, *, causal: bool, axis_name: str,
                    block_q: int = 0, block_k: int = 0, interpret: bool | None = None,
-                   reduce_dtype: str = 'float32', hopper: bool = False):
+                   reduce_dtype: str = 'float32', hopper: bool = False, window=None,
+                   window_mix: tuple | None = None):
   """Attention of this device's queries to every device's keys along `axis_name` (module
   docstring). Causal expects the zigzag layout (zigzag_order). Segment ids mark packed documents,
   and travel with their keys. `reduce_dtype`: what dK, dV are summed in as they travel. hopper:
-  every visit by our Hopper kernels (kernels/flash_attention_hopper.py)."""
-  st = _Ring(causal, axis_name, block_q, block_k, interpret, reduce_dtype, hopper)
-  return _ring(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, st)
+  every visit by our Hopper kernels (kernels/flash_attention_hopper.py). window, window_mix:
+  flash_attention's (causal only)."""
+  if window is not None and not causal:
+    raise ValueError('ring_attention: a window is for causal attention (a local layer\'s)')
+  if window is not None and isinstance(window, int):
+    window_mix = (window, 1.0)
+  st = _Ring(causal, axis_name, block_q, block_k, interpret, reduce_dtype, hopper,
+             window is not None, window_mix)
+  if window is not None:
+    window = jnp.asarray(window, jnp.int32)
+  return _ring(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, window, st)
 
 
 def _half(x, which: int, axis: int = 1):
@@ -105,6 +123,39 @@ def _visit_kind(st, r, s):
   if not st.causal:
     return None
   return jnp.where(s == r, 0, jnp.where(s < r, 1, 2))
+
+
+def _chunks(r, s, n):
+  """(this device's query chunks, the visiting key chunks): zigzag's indices of device r's and
+  device s's two chunks."""
+  return (r, 2 * n - 1 - r), (s, 2 * n - 1 - s)
+
+
+def _pair_options(st, window, q_chunk, k_chunk, c):
+  """One windowed chunk-pair's kernel options: causal from the offset between the chunks."""
+  return dict(causal=True, q_offset=(q_chunk - k_chunk) * c, window=window,
+              window_mix=st.window_mix)
+
+
+def _forward_pairs(st, q, q_seg, kv, window, r, s, n):
+  """(o fp32, lse) of this device's queries against one visit, windowed: four chunk-pairs."""
+  k, v, kv_seg = kv
+  parts = functools.partial(attention_parts, block_q=st.block_q, block_k=st.block_k,
+                            interpret=st.interpret, hopper=st.hopper)
+  c = q.shape[1] // 2
+  (qa, qb), (ka, kb) = _chunks(r, s, n)
+  halves = []
+  for which, q_chunk in ((0, qa), (1, qb)):
+    o = lse = None
+    for part, k_chunk in ((0, ka), (1, kb)):
+      o_i, lse_i = parts(_half(q, which), _half(k, part), _half(v, part),
+                         segment_ids_BL=_half(q_seg, which),
+                         kv_segment_ids_BS=_half(kv_seg, part),
+                         **_pair_options(st, window, q_chunk, k_chunk, c))
+      o, lse = (o_i, lse_i) if o is None else _merge(o, lse, o_i, lse_i)
+    halves.append((o, lse))
+  return (jnp.concatenate([halves[0][0], halves[1][0]], 1),
+          jnp.concatenate([halves[0][1], halves[1][1]], 2))
 
 
 def _forward_visit(st, q, q_seg, kv, kind):
@@ -137,15 +188,21 @@ def _merge(o, lse, o_i, lse_i):
   return o * to_BLN1(w) + o_i * to_BLN1(w_i), new
 
 
-def _ring_forward(q, k, v, seg, st):
+def _ring_forward(q, k, v, seg, window, st):
   n, r = jax.lax.axis_size(st.axis_name), jax.lax.axis_index(st.axis_name)
   mine = (k, v, seg)
-  o, lse = _forward_visit(st, q, seg, mine, _visit_kind(st, r, r))
+
+  def attend(kv, s):  # this device's queries against device s's keys
+    if st.windowed:
+      return _forward_pairs(st, q, seg, kv, window, r, s, n)
+    return _forward_visit(st, q, seg, kv, _visit_kind(st, r, s))
+
+  o, lse = attend(mine, r)
   if n == 1:
     return o, lse
 
   def visit(t, kv, o, lse):  # step t: the keys of device r − t
-    o_t, lse_t = _forward_visit(st, q, seg, kv, _visit_kind(st, r, (r - t) % n))
+    o_t, lse_t = attend(kv, (r - t) % n)
     return _merge(o, lse, o_t, lse_t)
 
   def body(t, carry):
@@ -158,15 +215,35 @@ def _ring_forward(q, k, v, seg, st):
   return visit(n - 1, kv, o, lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ring(q, k, v, seg, st):
-  return _ring_forward(q, k, v, seg, st)[0].astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, seg, window, st):
+  return _ring_forward(q, k, v, seg, window, st)[0].astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, seg, st):
-  o, lse = _ring_forward(q, k, v, seg, st)
+def _ring_fwd(q, k, v, seg, window, st):
+  o, lse = _ring_forward(q, k, v, seg, window, st)
   o = o.astype(q.dtype)
-  return o, (q, k, v, seg, o, lse)
+  return o, (q, k, v, seg, window, o, lse)
+
+
+def _backward_pairs(st, q, q_seg, kv, window, o, lse, do, delta, r, s, n):
+  """(dq fp32, dk, dv fp32) of this device's queries' loss through one windowed visit."""
+  k, v, kv_seg = kv
+  grads = functools.partial(attention_parts_grads, block_q=st.block_q, block_k=st.block_k,
+                            interpret=st.interpret, hopper=st.hopper)
+  c = q.shape[1] // 2
+  (qa, qb), (ka, kb) = _chunks(r, s, n)
+  dq, dk, dv = [None, None], [None, None], [None, None]
+  add = lambda a, b: b if a is None else a + b
+  for which, q_chunk in ((0, qa), (1, qb)):
+    for part, k_chunk in ((0, ka), (1, kb)):
+      dq_i, dk_i, dv_i = grads(
+          _half(q, which), _half(k, part), _half(v, part), _half(o, which), _half(lse, which, 2),
+          _half(do, which), _half(delta, which, 2), segment_ids_BL=_half(q_seg, which),
+          kv_segment_ids_BS=_half(kv_seg, part),
+          **_pair_options(st, window, q_chunk, k_chunk, c))
+      dq[which], dk[part], dv[part] = add(dq[which], dq_i), add(dk[part], dk_i), add(dv[part], dv_i)
+  return tuple(jnp.concatenate(x, 1) for x in (dq, dk, dv))
 
 
 def _backward_visit(st, q, q_seg, kv, o, lse, do, delta, kind):
@@ -199,7 +276,7 @@ def _backward_visit(st, q, q_seg, kv, o, lse, do, delta, kind):
 def _ring_bwd(st, residuals, do):
   """Step t (0 … n−1) sees the keys of device r−1−t, so a chunk's dK, dV start next to it and
   end on its owner after n−1 hops, the last step being the device's own keys."""
-  q, k, v, seg, o, lse = residuals
+  q, k, v, seg, window, o, lse = residuals
   n, r = jax.lax.axis_size(st.axis_name), jax.lax.axis_index(st.axis_name)
   delta = jnp.einsum('blnh,blnh->bnl', o.astype(jnp.float32), do.astype(jnp.float32))
   acc = jnp.dtype(st.reduce_dtype)
@@ -207,8 +284,11 @@ def _ring_bwd(st, residuals, do):
 
   def visit(t, kv, dq, dkv):
     source = r if t is None else (r - 1 - t) % n
-    dq_t, dk_t, dv_t = _backward_visit(st, q, seg, kv, o, lse, do, delta,
-                                       _visit_kind(st, r, source))
+    if st.windowed:
+      dq_t, dk_t, dv_t = _backward_pairs(st, q, seg, kv, window, o, lse, do, delta, r, source, n)
+    else:
+      dq_t, dk_t, dv_t = _backward_visit(st, q, seg, kv, o, lse, do, delta,
+                                         _visit_kind(st, r, source))
     dkv_t = (dk_t.astype(acc), dv_t.astype(acc))
     return dq + dq_t, dkv_t if dkv is None else jax.tree.map(jnp.add, dkv, dkv_t)
 
@@ -230,7 +310,7 @@ def _ring_bwd(st, residuals, do):
       dq, dkv = visit(n - 2, kv, dq, _shift(dkv, st.axis_name, n))
     dq, dkv = visit(n - 1, mine, dq, _shift(dkv, st.axis_name, n))  # its own keys: home
   dk, dv = dkv
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

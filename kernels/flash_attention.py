@@ -560,14 +560,15 @@ def flash_attention(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
 
 def attention_parts(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None,
                     kv_segment_ids_BS=None, block_q: int = 0, block_k: int = 0,
-                    interpret: bool | None = None, hopper: bool = False):
+                    interpret: bool | None = None, hopper: bool = False, q_offset=None,
+                    window=None, window_mix: tuple | None = None):
   """The forward kernel's o[B, L, N, H] in fp32 and lse[B, N, L] (NEG where a query sees no key):
-  one part of an attention over more keys, to be merged with the others by their lse. hopper:
-  by the Hopper kernel (flash_attention's)."""
+  one part of an attention over more keys, to be merged with the others by their lse. hopper,
+  q_offset, window, window_mix: flash_attention's."""
   q, k, v, q_seg, kv_seg, q_pos, window, st = _prepare(
-      q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, None, causal=causal,
+      q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset, causal=causal,
       block_q=block_q, block_k=block_k, num_warps=0, num_stages=0, interpret=interpret,
-      out_dtype='float32', hopper=hopper)
+      out_dtype='float32', hopper=hopper, window=window, window_mix=window_mix)
   o, residuals = _forward(q, k, v, q_seg, kv_seg, q_pos, window, st)
   L = q_BLNH.shape[1]
   return o[:, :L], residuals[-1][:, :, :L]
@@ -576,13 +577,14 @@ def attention_parts(q_BLNH, k_BSKH, v_BSKH, *, causal: bool, segment_ids_BL=None
 def attention_parts_grads(q_BLNH, k_BSKH, v_BSKH, o_BLNH, lse_BNL, do_BLNH, delta_BNL, *,
                           causal: bool, segment_ids_BL=None, kv_segment_ids_BS=None,
                           block_q: int = 0, block_k: int = 0, interpret: bool | None = None,
-                          hopper: bool = False):
+                          hopper: bool = False, q_offset=None, window=None,
+                          window_mix: tuple | None = None):
   """The backward kernels for one part (attention_parts) of an attention whose whole output o,
   lse and delta = rowsum(do ⊙ o) are given: this part's dq and its keys' dk, dv, in fp32."""
   q, k, v, q_seg, kv_seg, q_pos, window, st = _prepare(
-      q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, None, causal=causal,
+      q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset, causal=causal,
       block_q=block_q, block_k=block_k, num_warps=0, num_stages=0, interpret=interpret,
-      out_dtype='float32', hopper=hopper)
+      out_dtype='float32', hopper=hopper, window=window, window_mix=window_mix)
   Lp, L, S = q.shape[1], q_BLNH.shape[1], k_BSKH.shape[1]
   # Padded query rows: do = 0 and lse = 0 make their p finite and their ds, dv shares 0.
   residuals = (q, k, v, q_seg, kv_seg, q_pos, window, _pad(o_BLNH, 1, Lp), _pad(lse_BNL, 2, Lp))

@@ -227,9 +227,6 @@ SETTINGS = {  # name: (arguments after train.py's, what the line must say)
     'sliding windows of local and global layers on cuDNN': (
         ['--config.model.sliding_window=8', '--config.model.global_every=2',
          '--config.model.attention=cudnn'], 'each layer takes its window at run time'),
-    'sliding windows over a ring': (
-        ['--config.model.sliding_window=8', '--config.model.attention=pallas',
-         '--config.model.context_parallel=ring'], 'ring attention has no window yet'),
     'muon with the optimizer state in host memory': (
         ['--config.optimizer.name=muon', '--config.optimizer.mu_tier=host'],
         "config.optimizer.name='muon' updates each matrix whole inside the step"),

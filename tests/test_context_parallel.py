@@ -43,21 +43,23 @@ def problem(n, kv_heads, packed, B=2, N=4, H=16):
   return q, k, v, jax.random.normal(ks[3], q.shape), seg
 
 
-def sharded(mode, n, q, k, v, seg, cotangent, causal):
+def sharded(mode, n, q, k, v, seg, cotangent, causal, window=None):
   """(out, dq, dk, dv) of Σ out·cotangent, computed over a sequence split of n devices and put
-  back in the plain order."""
+  back in the plain order. `window`: an int, fixed in the program, or a jax scalar, its input."""
   L = q.shape[1]
   order = zigzag_order(L, n) if mode == 'ring' else np.arange(L)
   fn = ring_attention if mode == 'ring' else gathered_attention
   spec = P(None, 'sequence')
+  traced = window is not None and not isinstance(window, int)
   attend = jax.shard_map(
-      lambda q, k, v, s: fn(q, k, v, s, causal=causal, axis_name='sequence', block_q=CHUNK,
-                            block_k=CHUNK),
-      mesh=sequence_mesh(n), in_specs=(spec, spec, spec, None if seg is None else spec),
+      lambda q, k, v, s, w: fn(q, k, v, s, causal=causal, axis_name='sequence', block_q=CHUNK,
+                               block_k=CHUNK, window=w if traced else window),
+      mesh=sequence_mesh(n), in_specs=(spec, spec, spec, None if seg is None else spec, P()),
       out_specs=spec, check_vma=False)
 
   def loss(q, k, v):
-    out = attend(q, k, v, None if seg is None else seg[:, order])
+    out = attend(q, k, v, None if seg is None else seg[:, order],
+                 window if traced else jnp.int32(0))
     return (out * cotangent[:, order]).sum(), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(
@@ -66,26 +68,31 @@ def sharded(mode, n, q, k, v, seg, cotangent, causal):
   return [x[:, inverse] for x in (out, *grads)]
 
 
-def unsharded(q, k, v, seg, cotangent, causal):
+def unsharded(q, k, v, seg, cotangent, causal, window=None):
   def loss(q, k, v):
-    out = xla_attention(q, k, v, causal=causal, segment_ids_BL=seg)
+    out = xla_attention(q, k, v, causal=causal, segment_ids_BL=seg, window=window)
     return (out * cotangent).sum(), out
   (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
   return [out, *grads]
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize('mode,n,causal,kv_heads,packed', [
-    ('ring', 2, True, 2, True), ('ring', 8, True, 1, True),
-    ('ring', 4, False, 2, True), ('ring', 4, True, 4, False),
-    ('all_gather', 2, True, 2, True), ('all_gather', 8, True, 1, True),
-    ('all_gather', 4, False, 4, False)])
-def test_equals_unsharded_attention_values_and_gradients(mode, n, causal, kv_heads, packed):
+@pytest.mark.parametrize('mode,n,causal,kv_heads,packed,window', [
+    ('ring', 2, True, 2, True, None), ('ring', 8, True, 1, True, None),
+    ('ring', 4, False, 2, True, None), ('ring', 4, True, 4, False, None),
+    ('all_gather', 2, True, 2, True, None), ('all_gather', 8, True, 1, True, None),
+    ('all_gather', 4, False, 4, False, None),
+    # sliding windows: shorter than a zigzag chunk (8 rows), across several, in the program or
+    # its input (0: a global layer's)
+    ('ring', 4, True, 2, True, 5), ('ring', 2, True, 1, False, 20),
+    ('ring', 4, True, 2, False, np.int32(12)), ('ring', 2, True, 2, True, np.int32(0))])
+def test_equals_unsharded_attention_values_and_gradients(mode, n, causal, kv_heads, packed,
+                                                         window):
   """GQA (kv_heads < 4 query heads) without copying K/V; documents crossing chunk boundaries."""
   q, k, v, cotangent, seg = problem(n, kv_heads, packed)
-  ours = sharded(mode, n, q, k, v, seg, cotangent, causal)
+  ours = sharded(mode, n, q, k, v, seg, cotangent, causal, window)
   for name, a, b in zip(('out', 'dq', 'dk', 'dv'), ours, unsharded(q, k, v, seg, cotangent,
-                                                                    causal)):
+                                                                    causal, window)):
     assert a.shape == b.shape, name
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * max(1, np.abs(b).max()),
                                err_msg=name)
@@ -126,10 +133,19 @@ def test_zigzag_gives_every_device_the_same_attention_work(monkeypatch):
   assert sum(per_device) == chunks * (chunks + 1) // 2, per_device
 
 
+# Gemma 3's shape of model (configs/gemma3.py's COMMON): a local layer of window 3, whose keys
+# cross zigzag's chunks of 8 rows at their edges, then a global one, each taking its window at
+# run time
+GEMMA = (('sliding_window', 3), ('global_every', 2), ('qk_norm', True), ('norm_plus_one', True),
+         ('post_norms', True), ('embed_scale', True), ('mlp_activation', 'gelu_tanh'),
+         ('rope_local_theta', 1e4))
+
+
 @functools.cache
-def compiled_step(implementation='pallas', context_parallel='all_gather', **mesh):
+def compiled_step(implementation='pallas', context_parallel='all_gather', model=(), **mesh):
   config = tiny_config(**mesh)
   config.model.attention, config.model.context_parallel = implementation, context_parallel
+  config.model.update(dict(model))
   devices = jax.devices() if mesh else jax.devices()[:1]
   setup = build(settings.resolve(config, devices))
   return setup, config, programs.compile_train_step(setup, config.batch_size, config.seq_len, 0.0)
@@ -143,9 +159,45 @@ def train_once(*args, **mesh):
 
 
 @functools.cache
-def one_device():
-  """The reference step, XLA's attention on one device (both cases below compare with it)."""
-  return train_once('xla')
+def one_device(model=()):
+  """The reference step, XLA's attention on one device (the cases below compare with it)."""
+  return train_once('xla', model=model)
+
+
+def long_documents(setup, config):
+  """Rows of two documents, 20 and 12 tokens: longer than the window and than zigzag's chunks."""
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  lengths = (20, config.seq_len - 20)
+  host = {'inputs': rng.integers(0, 256, shape), 'targets': rng.integers(0, 256, shape),
+          'segment_ids': np.repeat([1, 2], lengths)[None].repeat(shape[0], 0),
+          'positions': np.concatenate([np.arange(n) for n in lengths])[None].repeat(shape[0], 0),
+          'weights': np.ones(shape)}
+  s = sharding.batch_sharding(setup.mesh)
+  return {k: jax.device_put(np.asarray(v, programs.BATCH_KEYS[k]), s) for k, v in host.items()}
+
+
+def gemma_step(implementation, context_parallel='all_gather', model=GEMMA, **mesh):
+  setup, config, step = compiled_step(implementation, context_parallel, model, **mesh)
+  state, metrics = step(setup.init_state(), long_documents(setup, config))
+  return float(metrics['loss']), float(metrics['grad_norm']), jax.tree.map(np.asarray,
+                                                                          state.params)
+
+
+@pytest.mark.integration
+def test_gemmas_local_and_global_layers_over_a_ring_equal_one_device():
+  """fsdp × tensor × sequence (ring): the local layer's window reaches across zigzag's chunks and
+  the devices; loss, gradient norm and updated parameters as one device's XLA attention."""
+  loss, grad_norm, params = gemma_step('xla')
+  ours_loss, ours_norm, ours_params = gemma_step('pallas', 'ring', fsdp=2, tensor=2, sequence=2)
+  np.testing.assert_allclose(ours_loss, loss, rtol=1e-5)
+  np.testing.assert_allclose(ours_norm, grad_norm, rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(ours_params), jax.tree.leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  # the window changes the step beyond those tolerances: the comparison sees it
+  unwindowed = gemma_step('xla', model=tuple(kv for kv in GEMMA if kv[0] != 'sliding_window'
+                                             and kv[0] != 'global_every'))
+  assert abs(unwindowed[1] - grad_norm) > 1e-3 * grad_norm, (unwindowed[1], grad_norm)
 
 
 @pytest.mark.integration
