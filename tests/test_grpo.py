@@ -1,7 +1,8 @@
 """GRPO's objective (training/grpo.py) against the published formulas, computed directly in numpy
 (float64) on the same fp32 inputs: GRPO's, DAPO's and Dr. GRPO's normalizations, symmetric and
 DAPO's upper clip, with and without the KL term; its gradient likewise (each token's within 1e-5);
-and with the sampling policy itself, the advantage-weighted log-likelihood's gradient."""
+and with the sampling policy itself, the advantage-weighted log-likelihood's gradient. Rewards
+(training/rewards.py) as the user's functions, and each way one fails named."""
 
 import itertools
 
@@ -123,3 +124,62 @@ def test_advantages_are_group_relative_as_trl_scales_them():
   with pytest.raises(ValueError, match='normalization'):
     grpo.policy_sums(rewards[:, None], rewards[:, None], None, rewards, rewards[:, None],
                      normalization='mean')
+
+
+# Reward functions as a user writes them (training/rewards.py loads them by module:function)
+def exact_answer(prompts, completions, answer):
+  return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def brevity(prompts, completions, **fields):
+  assert set(fields) == {'answer', 'source'}, fields  # **kwargs: every field of the records
+  return [-len(c) / 10 for c in completions]
+
+
+def broken(prompts, completions):
+  raise KeyError('scores')
+
+
+def not_a_number(prompts, completions):
+  return [float('nan')] * len(completions)
+
+
+def too_few(prompts, completions):
+  return [1.0]
+
+
+def test_rewards_are_the_users_functions_weighted_and_each_ones_mean_kept():
+  from training import rewards
+  chosen = rewards.load(['tests.test_grpo:exact_answer', 'tests.test_grpo:brevity'], [1.0, 0.5])
+  records = [{'answer': '4', 'source': 'a'}, {'answer': '9', 'source': 'b'}]
+  rewards.check_fields(chosen, {'answer', 'source'})
+  total, means = rewards.score(chosen, ['2+2?', '3*3?'], ['4', ' 10 '], records)
+  np.testing.assert_allclose(total, [1 - 0.05, 0 - 0.2], rtol=1e-6)
+  assert means == pytest.approx({'tests.test_grpo:exact_answer': 0.5,
+                                 'tests.test_grpo:brevity': -0.25})
+
+
+def test_a_reward_that_cannot_serve_stops_the_run_naming_it(tmp_path):
+  from training import rewards
+  two = (['2+2?', '3*3?'], ['4', '9'], [{'answer': '4'}, {'answer': '9'}])
+  for spec, message in [('tests.test_grpo:broken', "raised KeyError: 'scores'"),
+                        ('tests.test_grpo:not_a_number', r'returned nan for completion 0 \(and 1 '),
+                        ('tests.test_grpo:too_few', 'returned 1 values for 2 completions')]:
+    with pytest.raises(rewards.RewardError, match=f'reward {spec} {message}'):
+      rewards.score(rewards.load([spec]), *two)
+  for specs, message in [(['no_such_module:f'], "'no_such_module:f' cannot be imported"),
+                         (['tests.test_grpo:nothing'], "has no function 'nothing'"),
+                         (['exact_answer'], 'is not module:function'),
+                         ([], 'names no reward'),
+                         ([f'{tmp_path}/gone.py:f'], 'cannot be imported')]:
+    with pytest.raises(rewards.RewardError, match=f'config.rl.rewards.*{message}'):
+      rewards.load(specs)
+  with pytest.raises(rewards.RewardError, match='2 rewards but 1 weights'):
+    rewards.load(['tests.test_grpo:broken', 'tests.test_grpo:too_few'], [1.0])
+  (tmp_path / 'mine.py').write_text('def length(prompts, completions, gold):\n'
+                                    '  return [len(c) for c in completions]\n')
+  chosen = rewards.load([f'{tmp_path}/mine.py:length'])
+  with pytest.raises(rewards.RewardError, match=r"mine.py:length reads \['gold'\], which the "
+                     r"records lack \(they hold \['answer'\]\)"):
+    rewards.check_fields(chosen, {'answer'})
+  assert rewards.score(chosen, ['p'], ['abc'], [{'gold': 'x'}])[0].tolist() == [3.0]
