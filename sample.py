@@ -4,7 +4,7 @@
   python sample.py --workdir=/tmp/meshlm-default/checkpoints/100 --temperature=0 --prompt='import '
 
 --temperature=0 is greedy; otherwise a draw at that temperature from the --top_k most likely
-tokens (0: all). The model, tokenizer and data settings come from the config saved with the
+tokens (0: all), and of those from the fewest whose probabilities reach --top_p (1: all). The model, tokenizer and data settings come from the config saved with the
 checkpoint. --kv_cache=int8 (or xquant) keeps about half the bytes of past tokens, int4 (or
 xquant4) about a quarter (docs/sampling.md). A run trained with draft heads
 (config.model.draft_heads) decodes speculatively, the heads guessing and one forward checking
@@ -27,6 +27,8 @@ _PROMPT = flags.DEFINE_multi_string('prompt', [''], 'Text to continue; repeat fo
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generate at most.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, '0: greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', 40, 'Sample among this many most likely tokens; 0: all.')
+_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Then among the fewest most likely whose probabilities '
+                            'reach this (nucleus sampling); 1: all.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Random seed of the draws.')
 _CHAT = flags.DEFINE_bool('chat', False, "Each prompt is a user's message, in the run's chat "
                           'template.')
@@ -45,16 +47,17 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   sampling.check_arguments(_MAX_NEW_TOKENS.value, _TEMPERATURE.value, _TOP_K.value,
-                           _MAX_LEN.value, _KV_CACHE.value)
+                           _MAX_LEN.value, _KV_CACHE.value, _TOP_P.value)
   loaded = sampling.load(_WORKDIR.value)
   per_token = kv_cache.bytes_per_token(loaded.model.cfg, _KV_CACHE.value)
   print(f'# {loaded.checkpoint}: temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
-        f'seed {_SEED.value}, {_KV_CACHE.value} cache ({per_token:,} bytes a token a layer)',
+        f'top_p {_TOP_P.value}, seed {_SEED.value}, {_KV_CACHE.value} cache ({per_token:,} bytes a token a layer)',
         flush=True)
   prompts = ([sampling.chat_prompt(loaded, p) for p in _PROMPT.value] if _CHAT.value else
              _PROMPT.value)
   texts = sampling.complete(loaded, prompts, _MAX_NEW_TOKENS.value,
-                            temperature=_TEMPERATURE.value, top_k=_TOP_K.value, seed=_SEED.value,
+                            temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+                            top_p=_TOP_P.value, seed=_SEED.value,
                             max_len=_MAX_LEN.value, cache=_KV_CACHE.value,
                             speculative=_SPECULATIVE.value, report=print,
                             chat_prompts=_CHAT.value)

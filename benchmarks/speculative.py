@@ -110,7 +110,7 @@ def plan(preset: str, heads: int, batch: int, slots: int, target: str) -> dict:
 
   def round_(state, rows, key):
     return spec.one_round(nnx.merge(graphdef, state), rows, key, max_new_tokens=64,
-                          temperature=0.0, top_k=0, eos_id=-1, pad_id=0, vocab_size=None)
+                          sampling=gen.Sampling(), eos_id=-1, pad_id=0, vocab_size=None)
 
   figures = {}
   for name, fn, args in (('plain step', step, (abstract, tokens, tokens, cache)),

@@ -8,7 +8,6 @@ else kept on one device: sampling needs neither the training mesh nor its batch 
 """
 
 import dataclasses
-import math
 import pathlib
 
 import jax
@@ -16,7 +15,7 @@ from flax import nnx
 
 from configs import base, effects, fields
 from data import chat, tokenizers
-from inference.generate import generate
+from inference.generate import Sampling, generate
 from inference.speculate import speculate
 from model import Transformer
 from model import kv_cache
@@ -45,17 +44,17 @@ class Loaded:
 
 
 def check_arguments(max_new_tokens: int, temperature: float, top_k: int, max_len: int,
-                    cache: str = 'full') -> None:
+                    cache: str = 'full', top_p: float = 1.0) -> None:
   """ValueError naming the flag, before anything is loaded."""
   if cache not in kv_cache.KINDS:
     raise ValueError(f'--kv_cache={cache!r}: one of {", ".join(kv_cache.KINDS)} '
                      '(docs/sampling.md)')
   if max_new_tokens < 1:
     raise ValueError(f'--max_new_tokens={max_new_tokens} must be at least 1')
-  if not (math.isfinite(temperature) and temperature >= 0):
-    raise ValueError(f'--temperature={temperature} must be a finite number ≥ 0 (0: greedy)')
-  if top_k < 0:
-    raise ValueError(f'--top_k={top_k} must be ≥ 0 (0: all tokens)')
+  try:
+    Sampling(temperature, top_k, top_p).checked()
+  except ValueError as e:
+    raise ValueError(f'--{e}') from None
   if max_len < 0:
     raise ValueError(f'--max_len={max_len} must be ≥ 0 (0: the seq_len the model was trained at)')
 
@@ -139,8 +138,9 @@ def chat_prompt(loaded: Loaded, message: str) -> str:
 
 
 def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0, max_len: int = 0, cache: str = 'full',
-             speculative: bool = False, report=None, chat_prompts: bool = False) -> list[str]:
+             top_k: int = 40, top_p: float = 1.0, seed: int = 0, max_len: int = 0,
+             cache: str = 'full', speculative: bool = False, report=None,
+             chat_prompts: bool = False) -> list[str]:
   """Each prompt's continuation (text after the prompt), up to the end of a document or
   `max_new_tokens` tokens. Every prompt starts as a document does, after BOS (a prompt whose
   text begins with it is not given a second); with `chat_prompts` (chat_prompt's) each starts
@@ -155,13 +155,14 @@ def complete(loaded: Loaded, prompts: list[str], max_new_tokens: int, *, tempera
   tok = loaded.tokenizer
   ids = [list(tok.encode(p.encode())) for p in prompts]
   ids = [row if chat_prompts or row[:1] == [tok.bos_id] else [tok.bos_id, *row] for row in ids]
-  return continue_ids(loaded, ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                      max_len=max_len, cache=cache, speculative=speculative, report=report)
+  return continue_ids(loaded, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, seed=seed, max_len=max_len, cache=cache,
+                      speculative=speculative, report=report)
 
 
 def continue_ids(loaded: Loaded, ids: list[list[int]], max_new_tokens: int, *,
-                 temperature: float = 0.8, top_k: int = 40, seed: int = 0, max_len: int = 0,
-                 cache: str = 'full', speculative: bool = False, report=None,
+                 temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0, seed: int = 0,
+                 max_len: int = 0, cache: str = 'full', speculative: bool = False, report=None,
                  pad_to: int = 1) -> list[str]:
   """complete's continuations of prompts given as token ids (each as the model is to read it:
   BOS first where a document's start is meant). `pad_to`: the prompts' padded length is a
@@ -173,7 +174,8 @@ def continue_ids(loaded: Loaded, ids: list[list[int]], max_new_tokens: int, *,
   heads = loaded.model.cfg.draft_heads if speculative else 0
   check_length(loaded, len(ids), max(map(len, ids)) + max_new_tokens, max_new_tokens, max_len,
                cache, heads)
-  args = dict(key=jax.random.key(seed), temperature=temperature, top_k=top_k, eos_id=tok.eos_id,
+  args = dict(key=jax.random.key(seed), temperature=temperature, top_k=top_k, top_p=top_p,
+              eos_id=tok.eos_id,
               pad_id=tok.pad_id, vocab_size=tok.vocab_size, cache=cache)
   if heads:
     new, stats = speculate(loaded.model, ids, max_new_tokens, **args)

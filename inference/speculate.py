@@ -12,7 +12,7 @@ left while the base agrees:
   sampled: d_i, drawn from the head's distribution p_i, is kept with probability
     min(1, q_i(d_i) / p_i(d_i)); the first refused is replaced by a draw from
     max(0, q_i − p_i) normalised (Leviathan et al. 2023; Chen et al. 2023), so every token has
-    the base's distribution at the same temperature and top_k.
+    the base's distribution at the same temperature, top_k and top_p.
 With a guesses kept the round commits a + 1 tokens (the replacement, or a draw from q_{K+1} when
 all K are kept, is the next round's t); the cache slots of refused guesses lie past the row's
 length, where no query looks, and the next round writes over them.
@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.generate import draw, mask_vocab, padded, row_keys, sample, tempered
+from inference.generate import Sampling, draw, mask_vocab, padded, row_keys, sample, tempered
 
 
 def speculate(model, prompts, max_new_tokens: int, *, key=None, temperature: float = 0.0,
-              top_k: int = 0, eos_id: int | None = None, pad_id: int = 0,
+              top_k: int = 0, top_p: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
               vocab_size: int | None = None, cache: str = 'full'):
   """(new tokens [B, max_new_tokens] as generate.generate gives them, stats): a row that produced
   `eos_id` is padded after it. stats: per row, `forwards` (rounds: the base's forwards after the
@@ -38,22 +38,22 @@ def speculate(model, prompts, max_new_tokens: int, *, key=None, temperature: flo
   not counted) and `accepted` [B, K] (how often head k's guess was kept)."""
   if not model.cfg.draft_heads:
     raise ValueError('speculate: the model has no draft heads (config.model.draft_heads is 0)')
-  tokens, lengths = padded(prompts, pad_id, max_new_tokens, temperature, top_k)
+  tokens, lengths = padded(prompts, pad_id, max_new_tokens)
   graphdef, state = nnx.split(model)
   key = jax.random.key(0) if key is None else key
   out, forwards, count, accepted = _speculate(
       graphdef, state, tokens, lengths, key, max_new_tokens=max_new_tokens,
-      temperature=float(temperature), top_k=int(top_k),
+      sampling=Sampling(temperature, top_k, top_p).checked(),
       eos_id=-1 if eos_id is None else int(eos_id), pad_id=int(pad_id), vocab_size=vocab_size,
       cache=cache)
   return np.asarray(out), {'forwards': np.asarray(forwards), 'tokens': np.asarray(count) - 1,
                            'accepted': np.asarray(accepted)}
 
 
-def _choices(logits_BTV, temperature, top_k):
+def _choices(logits_BTV, sampling: Sampling):
   """What `sample` draws from, as probabilities [..., V] (temperature > 0)."""
   shape = logits_BTV.shape
-  flat = tempered(logits_BTV.reshape(-1, shape[-1]), temperature, top_k)
+  flat = tempered(logits_BTV.reshape(-1, shape[-1]), sampling)
   return jax.nn.softmax(flat, axis=-1).reshape(shape)
 
 
@@ -75,9 +75,9 @@ class Rows(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=(
-    'max_new_tokens', 'temperature', 'top_k', 'eos_id', 'pad_id', 'vocab_size', 'cache'))
-def _speculate(graphdef, state, tokens_BP, lengths_B, key, *, max_new_tokens, temperature,
-               top_k, eos_id, pad_id, vocab_size, cache):
+    'max_new_tokens', 'sampling', 'eos_id', 'pad_id', 'vocab_size', 'cache'))
+def _speculate(graphdef, state, tokens_BP, lengths_B, key, *, max_new_tokens, sampling, eos_id,
+               pad_id, vocab_size, cache):
   model = nnx.merge(graphdef, state)
   K, N = model.cfg.draft_heads, max_new_tokens
   B, P = tokens_BP.shape
@@ -86,15 +86,15 @@ def _speculate(graphdef, state, tokens_BP, lengths_B, key, *, max_new_tokens, te
       tokens_BP, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), cache)
   h_BD = x_BPD[jnp.arange(B), lengths_B - 1]
   first_B = sample(mask_vocab(model.logits(h_BD[:, None])[:, 0], vocab_size),
-                   _keys(key, 0, 0, B), temperature, top_k)
+                   _keys(key, 0, 0, B), sampling)
   rows = Rows(i=jnp.int32(1), cache=cache, h_BD=h_BD, token_B=first_B, pos_B=lengths_B,
               out_BN=jnp.full((B, N + K + 1), pad_id, jnp.int32).at[:, 0].set(first_B),
               count_B=jnp.ones(B, jnp.int32), done_B=(first_B == eos_id) | (N == 1),
               forwards_B=jnp.zeros(B, jnp.int32), accepted_BK=jnp.zeros((B, K), jnp.int32))
   rows = jax.lax.while_loop(
       lambda rows: ~rows.done_B.all(),
-      lambda rows: one_round(model, rows, key, max_new_tokens=N, temperature=temperature,
-                             top_k=top_k, eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size),
+      lambda rows: one_round(model, rows, key, max_new_tokens=N, sampling=sampling,
+                             eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size),
       rows)
   return rows.out_BN[:, :N], rows.forwards_B, rows.count_B, rows.accepted_BK
 
@@ -105,7 +105,7 @@ def _keys(key, i, use: int, rows: int):
   return row_keys(jax.random.fold_in(key, use), i, rows)
 
 
-def one_round(model, rows: Rows, key, *, max_new_tokens, temperature, top_k, eos_id, pad_id,
+def one_round(model, rows: Rows, key, *, max_new_tokens, sampling: Sampling, eos_id, pad_id,
               vocab_size) -> Rows:
   """The heads guess, the base checks the guesses in one forward of K + 1 tokens a row, and each
   row not done commits the guesses kept and one token more (module docstring)."""
@@ -115,9 +115,9 @@ def one_round(model, rows: Rows, key, *, max_new_tokens, temperature, top_k, eos
 
   def choose(logits_BV, k):
     logits_BV = mask_vocab(logits_BV, vocab_size)
-    if temperature == 0:
+    if sampling.temperature == 0:
       return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
-    logits_BV = tempered(logits_BV, temperature, top_k)
+    logits_BV = tempered(logits_BV, sampling)
     return draw(_keys(key, i, 3 + k, B), logits_BV), jax.nn.softmax(logits_BV, axis=-1)
 
   drafts_BK, p_K = model.draft.propose(
@@ -127,12 +127,12 @@ def one_round(model, rows: Rows, key, *, max_new_tokens, temperature, top_k, eos
   positions_BT = rows.pos_B[:, None] + jnp.arange(K + 1, dtype=jnp.int32)
   x_BTD, cache = model.decode_hidden(feed_BT, positions_BT, rows.cache)
   logits_BTV = mask_vocab(model.logits(x_BTD), vocab_size)
-  if temperature == 0:
+  if sampling.temperature == 0:
     base_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
     a_B = jnp.cumprod(drafts_BK == base_BT[:, :K], axis=1).sum(axis=1)
     next_B = base_BT[rows_B, a_B]
   else:
-    q_BTV = _choices(logits_BTV, temperature, top_k)
+    q_BTV = _choices(logits_BTV, sampling)
     p_BKV = jnp.stack(p_K, axis=1)
     q_BK = jnp.take_along_axis(q_BTV[:, :K], drafts_BK[..., None], axis=-1)[..., 0]
     p_BK = jnp.take_along_axis(p_BKV, drafts_BK[..., None], axis=-1)[..., 0]

@@ -1189,6 +1189,8 @@ SAMPLING = {
     'temperature NaN': (['--workdir=/nonexistent', '--temperature=nan'], '--temperature=nan'),
     'max_new_tokens 0': (['--workdir=/nonexistent', '--max_new_tokens=0'], '--max_new_tokens=0'),
     'top_k -1': (['--workdir=/nonexistent', '--top_k=-1'], '--top_k=-1'),
+    'top_p 0': (['--workdir=/nonexistent', '--top_p=0'], '--top_p=0.0 must be in (0, 1]'),
+    'top_p above 1': (['--workdir=/nonexistent', '--top_p=1.5'], '--top_p=1.5 must be in (0, 1]'),
     'unknown cache kind': (['--workdir=/nonexistent', '--kv_cache=int2'], "--kv_cache='int2'"),
     'ten million tokens': (['--workdir={run}', '--max_new_tokens=10000000'], 'seq_len it was'),
     'max_len ten million': (['--workdir={run}', '--max_len=10000010',

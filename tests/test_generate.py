@@ -32,7 +32,7 @@ def tiny_model(**model):
 
 
 def recompute(model, prompts, n, key, temperature, top_k, vocab_size=None, eos_id=None,
-              pad_id=0):
+              pad_id=0, top_p=1.0):
   """The reference: for every new token, the full forward pass over each row's whole sequence
   so far (right-padded to one length, which causal attention never looks at)."""
   graphdef, state = nnx.split(model)
@@ -45,7 +45,8 @@ def recompute(model, prompts, n, key, temperature, top_k, vocab_size=None, eos_i
     for i in range(n):
       logits = forward(state, jnp.asarray(tokens))[:, length - 1]
       keys = gen.row_keys(key, i, len(prompts))[row:row + 1]
-      token = int(gen.sample(gen.mask_vocab(logits, vocab_size), keys, temperature, top_k)[0])
+      token = int(gen.sample(gen.mask_vocab(logits, vocab_size), keys,
+                             gen.Sampling(temperature, top_k, top_p))[0])
       token = pad_id if done else token
       done = done or token == eos_id
       new.append(token)
@@ -58,14 +59,14 @@ def recompute(model, prompts, n, key, temperature, top_k, vocab_size=None, eos_i
 PROMPTS = [[1, 5, 9, 200, 7], [1], [1, 42, 42]]
 
 
-@pytest.mark.parametrize('temperature, top_k, tie', [(0.0, 0, False), (1.0, 0, True),
-                                                     (0.8, 5, False)])
-def test_cached_generation_equals_full_recompute(temperature, top_k, tie):
+@pytest.mark.parametrize('temperature, top_k, top_p, tie', [
+    (0.0, 0, 1.0, False), (1.0, 0, 1.0, True), (0.8, 5, 1.0, False), (1.0, 0, 0.3, False)])
+def test_cached_generation_equals_full_recompute(temperature, top_k, top_p, tie):
   model = tiny_model(tie_embeddings=tie)
   key = jax.random.key(7)
   got = gen.generate(model, PROMPTS, 12, key=key, temperature=temperature, top_k=top_k,
-                     vocab_size=300)
-  assert got.tolist() == recompute(model, PROMPTS, 12, key, temperature, top_k, 300)
+                     top_p=top_p, vocab_size=300)
+  assert got.tolist() == recompute(model, PROMPTS, 12, key, temperature, top_k, 300, top_p=top_p)
   assert got.max() < 300  # padding ids past the tokenizer's vocabulary are never drawn
 
 
@@ -78,13 +79,37 @@ def test_rows_stop_at_eos():
   got = gen.generate(model, PROMPTS, 10, key=key, eos_id=eos, pad_id=0)
   assert list(got[0, :4]) == list(first[0, :4]) and (got[0, 4:] == 0).all()
   assert got.tolist() == recompute(model, PROMPTS, 10, key, 0.0, 0, eos_id=eos)
+  with pytest.raises(ValueError, match=r'top_p=0 must be in \(0, 1\]'):
+    gen.generate(model, PROMPTS, 10, key=key, temperature=1.0, top_p=0)
 
 
 def test_top_k_draws_only_the_k_most_likely():
   logits = jnp.array([[0.0, 3.0, 1.0, 2.5, -1.0]] * 4000)
-  draws = np.asarray(gen.sample(logits, gen.row_keys(jax.random.key(1), 0, 4000), 1.0, 2))
+  draws = np.asarray(gen.sample(logits, gen.row_keys(jax.random.key(1), 0, 4000),
+                                gen.Sampling(1.0, 2)))
   assert set(draws) == {1, 3}
-  assert list(np.asarray(gen.sample(logits[:1], None, 0.0, 0))) == [1]
+  assert list(np.asarray(gen.sample(logits[:1], None, gen.Sampling()))) == [1]
+
+
+def test_top_p_keeps_the_fewest_likeliest_tokens_reaching_p_as_transformers_does():
+  """The nucleus of each row, against transformers' TopPLogitsWarper's rule (sorted ascending,
+  the tail whose cumulative probability is at most 1 − p dropped) in numpy; draws stay in it."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(0, 2, (64, 12)).astype(np.float32)
+  for top_p in (0.05, 0.5, 0.9, 0.999):
+    kept = np.isfinite(np.asarray(gen.tempered(jnp.asarray(logits), gen.Sampling(1.0, 0, top_p))))
+    for row, keep in zip(logits, kept):
+      order = np.argsort(row)  # ascending
+      probs = np.exp(row[order] - row.max())
+      probs /= probs.sum()
+      want = np.ones(12, bool)
+      want[order[np.cumsum(probs) <= 1 - top_p]] = False
+      assert (keep == want).all(), (top_p, keep, want)
+  draws = np.asarray(gen.sample(jnp.asarray(logits[:1].repeat(2000, 0)),
+                                gen.row_keys(jax.random.key(3), 0, 2000), gen.Sampling(1.0, 0, 0.5)))
+  nucleus = np.isfinite(np.asarray(gen.tempered(jnp.asarray(logits[:1]),
+                                                gen.Sampling(1.0, 0, 0.5))))[0]
+  assert set(draws) <= set(np.flatnonzero(nucleus)) and len(set(draws)) == nucleus.sum()
 
 
 def test_cached_logits_match_the_full_pass():
@@ -118,8 +143,8 @@ def test_sample_command_continues_prompts_from_a_checkpoint(tmp_path, monkeypatc
   result = subprocess.run([*command, '--kv_cache=int8'], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert (f'# {tmp_path}/checkpoints/4: temperature 0.0, top_k 40, seed 0, int8 cache (72 bytes a '
-          'token a layer)') in result.stdout  # 2 × 2 kv heads × (16 int8 values + a fp16 scale)
+  assert (f'# {tmp_path}/checkpoints/4: temperature 0.0, top_k 40, top_p 1.0, seed 0, int8 '
+          'cache (72 bytes a token a layer)') in result.stdout  # 2 × 2 kv heads × (16 int8 values + a fp16 scale)
   assert "--- prompt 'def '\ndef " in result.stdout and "--- prompt 'import'\nimport" in result.stdout
   assert '# speculative: ' in result.stdout and 'guesses kept, head by head: ' in result.stdout
   # The command's greedy text, speculated, is what plain decoding gives, on a mesh other than

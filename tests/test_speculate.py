@@ -105,21 +105,24 @@ def test_heads_learn_the_base_models_greedy_token_not_the_texts():
 
 
 @pytest.mark.integration
-def test_sampled_tokens_have_the_base_models_distribution():
-  """Three tokens after a prompt, drawn 20,000 times at temperature 0.7 among the top 3 of 4:
+@pytest.mark.parametrize('top_k,top_p', [(3, 1.0), (0, 0.8)])
+def test_sampled_tokens_have_the_base_models_distribution(top_k, top_p):
+  """Three tokens after a prompt, drawn 20,000 times at temperature 0.7 among the top 3 of 4 (or
+  the nucleus of 0.8):
   the heads guess tokens 2 and 3, and their counts over the 27 possible triples match the
   base model's own probabilities (χ², fixed seed). Accepting every guess, or drawing a refused
   one's replacement from the base's distribution instead of what is left of it over the head's,
   gives p < 1e-300 here."""
   model = drafting_model(4, draft_heads=2)
-  temperature, top_k, rows, prompt = 0.7, 3, 20_000, [1, 2]
+  temperature, rows, prompt = 0.7, 20_000, [1, 2]
   tokens, counts = speculate(model, [prompt] * rows, 3, key=jax.random.key(7),
-                             temperature=temperature, top_k=top_k)
+                             temperature=temperature, top_k=top_k, top_p=top_p)
   kept = counts['accepted'].mean(0)
   assert 0.2 < kept[0] < 0.9 and 0.05 < kept[1] < kept[0]  # guesses both kept and refused
   prefixes = np.array([prompt + list(p) for p in itertools.product(range(4), repeat=2)])
   logits = model(jnp.asarray(prefixes, jnp.int32))[:, 1:]  # [16, 3, V]: the three draws
-  probs = np.asarray(jax.nn.softmax(gen.tempered(logits.reshape(-1, 4), temperature, top_k)),
+  probs = np.asarray(jax.nn.softmax(gen.tempered(logits.reshape(-1, 4),
+                                                 gen.Sampling(temperature, top_k, top_p))),
                      np.float64).reshape(16, 3, 4)
   exact = np.zeros((4, 4, 4))
   for i, (a, b) in enumerate(itertools.product(range(4), repeat=2)):
@@ -127,7 +130,7 @@ def test_sampled_tokens_have_the_base_models_distribution():
   seen = np.zeros((4, 4, 4))
   np.add.at(seen, tuple(tokens.T), 1)
   possible = exact > 0
-  assert seen[~possible].sum() == 0  # nothing outside the top 3
+  assert (~possible).any() and seen[~possible].sum() == 0  # nothing outside the top 3 (nucleus)
   expected = exact[possible] / exact[possible].sum() * rows
   assert stats.chisquare(seen[possible], expected).pvalue > 1e-3
 
