@@ -115,7 +115,7 @@ LONGEST = {  # test-seconds on 2 cores (pytest --durations=0 of a whole run)
     'test_sharding.py': 39, 'test_data.py': 39, 'test_configs.py': 31, 'test_hierarchical.py': 29,
     'test_tokens.py': 27, 'test_fp8.py': 20, 'test_head.py': 17, 'test_grouped_matmul.py': 15,
     'test_preemption.py': 12, 'test_structure.py': 11, 'test_instruments.py': 6,
-    'test_workdir.py': 3, 'test_embedding.py': 3, 'test_grpo.py': 3}
+    'test_workdir.py': 3, 'test_embedding.py': 3, 'test_grpo.py': 10}
 
 
 def pytest_collection_modifyitems(config, items):

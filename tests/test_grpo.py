@@ -2,7 +2,8 @@
 (float64) on the same fp32 inputs: GRPO's, DAPO's and Dr. GRPO's normalizations, symmetric and
 DAPO's upper clip, with and without the KL term; its gradient likewise (each token's within 1e-5);
 and with the sampling policy itself, the advantage-weighted log-likelihood's gradient. Rewards
-(training/rewards.py) as the user's functions, and each way one fails named."""
+(training/rewards.py) as the user's functions, and each way one fails named; rollouts
+(training/rollouts.py) as the sampler's completions in the step's rows."""
 
 import itertools
 
@@ -183,3 +184,43 @@ def test_a_reward_that_cannot_serve_stops_the_run_naming_it(tmp_path):
                      r"records lack \(they hold \['answer'\]\)"):
     rewards.check_fields(chosen, {'answer'})
   assert rewards.score(chosen, ['p'], ['abc'], [{'gold': 'x'}])[0].tolist() == [3.0]
+
+
+def test_rollouts_are_the_samplers_completions_laid_out_as_the_steps_rows():
+  """G completions a prompt, each the sampler's for the same key (cut after its EOS); each row's
+  targets weighted exactly on its completion, EOS included; their log-probabilities those of a
+  plain forward's softmax."""
+  from inference import generate as gen
+  from tests.test_generate import tiny_model
+  from training import rollouts
+  model = tiny_model()
+  prompts, key, G = [[1, 5, 9, 200], [1, 42]], jax.random.key(3), 3
+  free = gen.generate(model, [p for p in prompts for _ in range(G)], 6, key=key, temperature=1.0,
+                      vocab_size=300)
+  eos = int(free[1, 2])  # a token row 1 draws third: its completion ends there
+  out = rollouts.sample(model, prompts, G, 6, 12, sampling=gen.Sampling(1.0), key=key,
+                        eos_id=eos, pad_id=0, vocab_size=300)
+  for r, row in enumerate(free.tolist()):
+    want = row[:row.index(eos) + 1] if eos in row else row
+    assert out.completions[r] == want and out.prompts[r] == prompts[r // G]
+  assert len(out.completions[1]) <= 3 and out.completions[1][-1] == eos
+  assert len({tuple(c) for c in out.completions[:G]}) > 1  # a group's draws differ
+  rows = out.rows
+  for r, (p, c) in enumerate(zip(out.prompts, out.completions)):
+    weighted = rows['weights'][r] == 1
+    assert rows['targets'][r][weighted].tolist() == c and weighted.sum() == len(c)
+    assert rows['inputs'][r][:len(p)].tolist() == p
+    assert rows['segment_ids'][r].sum() == len(p) + len(c) - 1
+  logps = rollouts.logps(model, rows)
+  logits = model(jnp.asarray(rows['inputs']), jnp.asarray(rows['positions']),
+                 jnp.asarray(rows['segment_ids']))
+  direct = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                               jnp.asarray(rows['targets'])[..., None], -1)[..., 0]
+  np.testing.assert_allclose(logps, np.where(rows['weights'] == 1, direct, 0.0), atol=2e-5)
+  assert (logps[rows['weights'] == 0] == 0).all()
+  with pytest.raises(ValueError, match='a group of 1 completions'):
+    rollouts.sample(model, prompts, 1, 6, 12, sampling=gen.Sampling(), key=key, eos_id=eos,
+                    pad_id=0)
+  with pytest.raises(ValueError, match='need rows of 9, more than 8'):
+    rollouts.sample(model, prompts, 2, 6, 8, sampling=gen.Sampling(), key=key, eos_id=eos,
+                    pad_id=0)
