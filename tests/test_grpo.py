@@ -3,7 +3,7 @@
 DAPO's upper clip, with and without the KL term; its gradient likewise (each token's within 1e-5);
 and with the sampling policy itself, the advantage-weighted log-likelihood's gradient. Rewards
 (training/rewards.py) as the user's functions, and each way one fails named; rollouts
-(training/rollouts.py) as the sampler's completions in the step's rows."""
+(inference/rollouts.py) as the sampler's completions in the step's rows."""
 
 import itertools
 
@@ -192,7 +192,7 @@ def test_rollouts_are_the_samplers_completions_laid_out_as_the_steps_rows():
   plain forward's softmax."""
   from inference import generate as gen
   from tests.test_generate import tiny_model
-  from training import rollouts
+  from inference import rollouts
   model = tiny_model()
   prompts, key, G = [[1, 5, 9, 200], [1, 42]], jax.random.key(3), 3
   free = gen.generate(model, [p for p in prompts for _ in range(G)], 6, key=key, temperature=1.0,
