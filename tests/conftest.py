@@ -105,17 +105,18 @@ def with_file_size_limit(limit: int, args: list[str]) -> list[str]:
 
 
 LONGEST = {  # test-seconds on 2 cores (pytest --durations=0 of a whole run)
-    'test_faults.py': 1950, 'test_gpu_compile.py': 400, 'test_benchmarks.py': 213,
-    'test_tiers.py': 175, 'test_flash_attention_hopper.py': 164, 'test_distributed.py': 155,
-    'test_evaluation.py': 140, 'test_moe.py': 132, 'test_dpo.py': 125,
-    'test_context_parallel.py': 140, 'test_pipeline.py': 105, 'test_notebook.py': 101,
-    'test_checkpoint.py': 100, 'test_plan.py': 98, 'test_speculate.py': 90, 'test_training.py': 89,
-    'test_timing.py': 79, 'test_model.py': 78, 'test_kernels.py': 72, 'test_generate.py': 70,
-    'test_chat.py': 58, 'test_lora.py': 50, 'test_huggingface.py': 47, 'test_kv_cache.py': 42,
-    'test_sharding.py': 39, 'test_data.py': 39, 'test_configs.py': 31, 'test_hierarchical.py': 29,
-    'test_tokens.py': 27, 'test_fp8.py': 20, 'test_head.py': 17, 'test_grouped_matmul.py': 15,
-    'test_preemption.py': 12, 'test_structure.py': 11, 'test_instruments.py': 6,
-    'test_workdir.py': 3, 'test_embedding.py': 3, 'test_grpo.py': 10}
+    'test_faults.py': 1161, 'test_gpu_compile.py': 347, 'test_benchmarks.py': 166,
+    'test_training.py': 143, 'test_context_parallel.py': 124, 'test_distributed.py': 121,
+    'test_sharding.py': 111, 'test_tiers.py': 102, 'test_evaluation.py': 95,
+    'test_flash_attention_hopper.py': 93, 'test_dpo.py': 86, 'test_plan.py': 82,
+    'test_moe.py': 81, 'test_model.py': 77, 'test_pipeline.py': 76, 'test_notebook.py': 68,
+    'test_checkpoint.py': 61, 'test_kernels.py': 60, 'test_generate.py': 59,
+    'test_speculate.py': 58, 'test_huggingface.py': 53, 'test_timing.py': 52, 'test_lora.py': 43,
+    'test_kv_cache.py': 37, 'test_chat.py': 36, 'test_data.py': 26, 'test_hierarchical.py': 24,
+    'test_configs.py': 24, 'test_tokens.py': 16, 'test_fp8.py': 15, 'test_head.py': 14,
+    'test_grouped_matmul.py': 13, 'test_preemption.py': 10, 'test_grpo.py': 10,
+    'test_structure.py': 7, 'test_instruments.py': 5, 'test_workdir.py': 3,
+    'test_embedding.py': 3}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -186,6 +186,7 @@ def test_a_reward_that_cannot_serve_stops_the_run_naming_it(tmp_path):
   assert rewards.score(chosen, ['p'], ['abc'], [{'gold': 'x'}])[0].tolist() == [3.0]
 
 
+@pytest.mark.integration
 def test_rollouts_are_the_samplers_completions_laid_out_as_the_steps_rows():
   """G completions a prompt, each the sampler's for the same key (cut after its EOS); each row's
   targets weighted exactly on its completion, EOS included; their log-probabilities those of a
