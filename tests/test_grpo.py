@@ -3,12 +3,14 @@
 DAPO's upper clip, with and without the KL term; its gradient likewise (each token's within 1e-5);
 and with the sampling policy itself, the advantage-weighted log-likelihood's gradient. Rewards
 (training/rewards.py) as the user's functions, and each way one fails named; rollouts
-(inference/rollouts.py) as the sampler's completions in the step's rows."""
+(inference/rollouts.py) as the sampler's completions in the step's rows; the compiled step under
+GRPO's loss, sharded and microbatched as on one device."""
 
 import itertools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 import numpy as np
 import pytest
 
@@ -225,3 +227,66 @@ def test_rollouts_are_the_samplers_completions_laid_out_as_the_steps_rows():
   with pytest.raises(ValueError, match='need rows of 9, more than 8'):
     rollouts.sample(model, prompts, 2, 6, 8, sampling=gen.Sampling(), key=key, eos_id=eos,
                     pad_id=0)
+
+
+def grpo_step(rows, microbatches=1, beta=0.0, **mesh):
+  """One compiled train step of the tiny model under GRPO's loss (DAPO's clip and normalisation)
+  on `rows`: (its metrics as logged, the updated parameters)."""
+  from tests.conftest import tiny_config
+  from training import grpo, programs, settings
+  from training.state import build
+  import sharding
+  c = tiny_config(**mesh)
+  c.optimizer.warmup_steps = 0
+  setup = build(settings.resolve(c, jax.devices() if mesh else jax.devices()[:1]))
+  loss = grpo.GRPO(epsilon_low=0.2, epsilon_high=0.28, beta=beta, normalization='token',
+                   graphdef=setup.graphdef)
+  B, L = rows['inputs'].shape
+  step = programs.compile_train_step(setup, B, L, 0.0, microbatches=microbatches, loss=loss)
+  placed = {k: jax.device_put(np.asarray(v, dtype), sharding.batch_sharding(setup.mesh))
+            for k, v in rows.items()
+            for dtype in [{**programs.BATCH_KEYS, **loss.batch_keys}[k]]}
+  state, terms = step(setup.init_state(), placed)
+  return ({k: float(v) for k, v in grpo.metrics(terms).items()},
+          jax.tree.map(np.asarray, state.params))
+
+
+@pytest.mark.integration
+def test_grpos_step_over_fsdp_data_and_microbatches_equals_one_devices():
+  """Rollouts of the tiny model scored, their advantages and π_old's log-probabilities in the
+  rows: the compiled step's loss and KL are the objective's on them (ratio 1: π_old is the model
+  that takes the step), and fsdp × data with 2 microbatches updates the parameters as one device
+  does."""
+  from inference import generate as gen
+  from inference import rollouts
+  from tests.conftest import tiny_config
+  from training import settings
+  from training.state import build
+  c = tiny_config()
+  setup = build(settings.resolve(c, jax.devices()[:1]))
+  model = nnx.merge(setup.graphdef, setup.init_state().params)
+  out = rollouts.sample(model, [[1, 5, 9, 200], [1, 42], [1, 7, 7], [1, 3]], 4, 8, c.seq_len,
+                        sampling=gen.Sampling(1.0), key=jax.random.key(0), eos_id=10, pad_id=0,
+                        vocab_size=300)
+  rewards = jnp.asarray([len(x) % 3 for x in out.completions], jnp.float32)  # groups differ
+  advantages = np.asarray(grpo.advantages(rewards, 4))
+  old = rollouts.logps(model, out.rows)
+  rows = {**out.rows, 'old_logps': old,
+          'advantages': np.repeat(advantages[:, None], c.seq_len, 1)}
+  one, params = grpo_step(rows)
+  np.testing.assert_allclose(one['ratio'], 1.0, rtol=1e-5)
+  assert one['kl'] == 0.0 and one['clip_ratio'] == 0.0
+  mask = out.rows['weights']
+  want = -(advantages[:, None] * mask).sum() / mask.sum()  # DAPO's per-token mean at ρ = 1
+  np.testing.assert_allclose(one['loss'], want, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(one['completion_length'], mask.sum() / len(mask), rtol=1e-6)
+  sharded, sharded_params = grpo_step(rows, microbatches=2, fsdp=4, data=2)
+  for key in ('loss', 'ratio', 'completion_length'):
+    np.testing.assert_allclose(sharded[key], one[key], rtol=1e-5, atol=1e-7)
+  for a, b in zip(jax.tree.leaves(sharded_params), jax.tree.leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(
+      nnx.state(model, nnx.Param)))]
+  assert any(moved)  # the advantages pushed the policy
+  with pytest.raises(ValueError, match='a KL term .beta > 0. needs the reference model'):
+    grpo_step(rows, beta=0.04)  # no reference in this state, no LoRA base to stand for it

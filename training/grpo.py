@@ -13,8 +13,13 @@ normalisation chosen (NORMALIZATIONS). With one update per rollout batch π_old 
 value; its gradient is ∇log π) and the gradient is the advantage-weighted log-likelihood's.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from training import dpo
 
 # How the per-token terms are averaged into the loss:
 NORMALIZATIONS = {
@@ -100,3 +105,61 @@ def group_metrics(rewards_B, group: int) -> dict:
   std_G = r_GB.std(1, ddof=1)
   return {'reward': r_GB.mean(), 'reward_std': std_G.mean(),
           'zero_std_groups': jnp.isclose(std_G, 0.0, rtol=0.0, atol=1e-8).mean()}  # TRL's test
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPO:
+  """The objective as the train step's loss (training/step.py: LanguageModel's signature) on
+  rollouts' rows (inference/rollouts.py) carrying each row's advantage ('advantages', its value
+  at every position) and π_old's log-probabilities ('old_logps'); with β > 0 `prepare` adds the
+  reference's, as DPO's are (the run's starting model, or under LoRA the frozen base).
+
+  Its terms are sums over the loss's weight, so microbatches add theirs; `metrics` turns them
+  into what is logged: the loss, and per completion token the KL, the ratio and the clipped
+  shares, and the mean completion length."""
+  epsilon_low: float = 0.2
+  epsilon_high: float | None = None
+  beta: float = 0.0
+  normalization: str = 'sequence'
+  max_completion_length: int = 0
+  graphdef: object = None  # the model's, for the reference's forward where β > 0
+  staged: bool = False  # under pipeline stages
+  batch_keys = {'advantages': np.float32, 'old_logps': np.float32}
+
+  def prepare(self, params, frozen, reference, batch, microbatches: int):
+    if not self.beta:
+      return batch
+    if reference is None and not jax.tree.leaves(frozen):
+      raise ValueError('GRPO: a KL term (beta > 0) needs the reference model: held in the '
+                       'state, or under LoRA the frozen base')
+    return {**batch, 'reference': dpo.reference_logps(self.graphdef, self.staged, params, frozen,
+                                                      reference, batch, microbatches)}
+
+  def sums(self, out, rows) -> dict:
+    return policy_sums(dpo.answer_logps(out, rows), rows['old_logps'], rows.get('reference'),
+                       rows['advantages'][:, 0], rows['weights'], epsilon_low=self.epsilon_low,
+                       epsilon_high=self.epsilon_high, beta=self.beta,
+                       normalization=self.normalization,
+                       max_completion_length=self.max_completion_length)
+
+  def weight(self, rows) -> jax.Array:
+    """What the batch's sums are divided by: its completions, completion tokens, or completions
+    × the length cap, as the normalisation says (policy_sums' 'weight' of the whole batch)."""
+    lengths_B = rows['weights'].sum(1)
+    completions = (lengths_B > 0).sum().astype(jnp.float32)
+    if self.normalization == 'token':
+      return lengths_B.sum()
+    return completions * (self.max_completion_length if self.normalization == 'constant' else 1)
+
+  def terms(self, sums: dict, total) -> dict:
+    return {k: v / total for k, v in sums.items() if k != 'weight'}
+
+
+def metrics(terms: dict) -> dict:
+  """What GRPO's terms (summed over a step's microbatches) log: the loss, per completion token
+  the KL, the ratio and the clipped shares, and the completions' mean length."""
+  tokens = jnp.maximum(terms['tokens'], 1e-30)
+  return {'loss': terms['loss'], 'kl': terms['kl'] / tokens, 'ratio': terms['ratio'] / tokens,
+          'clip_ratio': terms['clipped'] / tokens, 'clip_ratio_low': terms['clipped_low'] / tokens,
+          'clip_ratio_high': terms['clipped_high'] / tokens,
+          'completion_length': terms['tokens'] / jnp.maximum(terms['completions'], 1e-30)}

@@ -18,10 +18,13 @@ BATCH_KEYS = {'inputs': np.int32, 'targets': np.int32, 'positions': np.int32,
 UNPACKED_KEYS = {k: v for k, v in BATCH_KEYS.items() if k != 'segment_ids'}  # one document a row
 
 
-def abstract_batch(mesh, batch_size: int, seq_len: int, packed: bool = True) -> dict:
+def abstract_batch(mesh, batch_size: int, seq_len: int, packed: bool = True,
+                   extra: dict | None = None) -> dict:
+  """The step's batch: BATCH_KEYS (without segment ids unless `packed`), and a loss's `extra`
+  {key: dtype} of the same [B, L] shape (training/grpo.py: GRPO.batch_keys)."""
   s = sharding.batch_sharding(mesh)
   return {k: jax.ShapeDtypeStruct((batch_size, seq_len), dt, sharding=s)
-          for k, dt in (BATCH_KEYS if packed else UNPACKED_KEYS).items()}
+          for k, dt in {**(BATCH_KEYS if packed else UNPACKED_KEYS), **(extra or {})}.items()}
 
 
 # fp8 projections become cuBLASLt fp8 GEMMs only where XLA neither hands their dots to Triton nor
@@ -73,12 +76,14 @@ def compiler_options(setup: Setup) -> dict:
 
 
 def compile_train_step(setup: Setup, batch_size: int, seq_len: int, z_loss: float,
-                       packed: bool = True, microbatches: int = 1):
+                       packed: bool = True, microbatches: int = 1, loss=None):
   """Ahead-of-time compiled train step: (state, batch) → (state, metrics); state is donated.
-  `packed=False` compiles for batches without segment ids (one document a row)."""
+  `packed=False` compiles for batches without segment ids (one document a row); `loss`:
+  make_train_step's, its rows with its own `batch_keys` besides."""
   options = compiler_options(setup)
-  batch = abstract_batch(setup.mesh, batch_size, seq_len, packed)
-  jitted = jax.jit(make_train_step(setup, z_loss, microbatches),
+  batch = abstract_batch(setup.mesh, batch_size, seq_len, packed,
+                         getattr(loss, 'batch_keys', None))
+  jitted = jax.jit(make_train_step(setup, z_loss, microbatches, loss),
                    in_shardings=(setup.state_shardings, jax.tree.map(lambda x: x.sharding, batch)),
                    out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
                    donate_argnums=0)

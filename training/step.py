@@ -64,10 +64,12 @@ def loss_for(setup: Setup, z_loss: float):
   return LanguageModel(z_loss)
 
 
-def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1):
+def make_train_step(setup: Setup, z_loss: float, microbatches: int = 1, loss=None):
   """(state, batch) → (state, metrics). `z_loss`: the weight of log(Z)²; `microbatches`: slices
-  of the batch the step runs in turn (pipeline stages take them themselves)."""
-  return functools.partial(train_step, setup, make_gradient_step(setup, z_loss, microbatches))
+  of the batch the step runs in turn (pipeline stages take them themselves); `loss`: another than
+  the run's (loss_for), of LanguageModel's signature."""
+  return functools.partial(train_step, setup,
+                           make_gradient_step(setup, z_loss, microbatches, loss))
 
 
 def train_step(setup: Setup, gradient_step, state: TrainState, batch):
@@ -88,13 +90,13 @@ def train_step(setup: Setup, gradient_step, state: TrainState, batch):
                        bad_steps=metrics['bad_steps']), metrics
 
 
-def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1):
+def make_gradient_step(setup: Setup, z_loss: float, microbatches: int = 1, loss=None):
   """(state, batch) → (the trained parameters' gradients, the routers' statistics, whether the
   step is finite, its metrics): the step up to its update, which make_train_step applies (or,
   with the state off the devices, training/tiers.py). Arguments as make_train_step's. The
   gradient function, wrapped where the run asks: over microbatches, and with the data replicas
   run apart."""
-  loss = loss_for(setup, z_loss)
+  loss = loss or loss_for(setup, z_loss)
   staged = pipeline_stages(setup) > 1  # the stages take the microbatches themselves
   grad_fn = functools.partial(gradients, setup, loss, microbatches if staged else 1)
   if microbatches > 1 and not staged:
