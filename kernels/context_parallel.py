@@ -25,8 +25,11 @@ A sliding window (a local layer's; an int, or an int32 scalar known at run time,
 each visit its four chunk-pairs, query chunk i against key chunk j causal from the offset (i − j)
 chunks, the window counted in the row's positions: the kernel visits only the key blocks the
 window reaches, so a pair wholly outside it (or after its queries) costs a launch and no blocks.
-Every hop still travels: a window shorter than the chunks needs only the keys of the two devices
-beside each one, which a ring reaches in 1 and n−1 hops.
+A window reaching h chunks back needs only the keys of the h devices each side (zigzag folds
+the second chunks back onto the first's neighbours): where 2h + 1 < n those travel to each
+device from both sides, 2h hops instead of n − 1, and in the backward each neighbour's dK, dV
+go home the way they came, summed as they pass (for a layer's window known at run time, a global
+layer, 0, takes the whole ring instead).
 
 `gathered_attention`: keys and values all-gathered in their (compute) dtype, each device attends
 its own queries (in the plain order: device r holds the r-th chunk) against them, causal from
@@ -53,8 +56,8 @@ def zigzag_order(length: int, n: int) -> np.ndarray:
   return np.concatenate([np.arange(i * c, (i + 1) * c) for i in chunks])
 
 
-def _shift(tree, axis_name, n):
-  """Each device's tree to the next device of the ring (device r → r+1 mod n), packed into one
+def _shift(tree, axis_name, n, step: int = 1):
+  """Each device's tree to the next device of the ring (device r → r+step mod n), packed into one
   buffer of 32-bit words: XLA's GPU scheduler keeps one collective-permute in flight at a time,
   so a step's keys, values, segment ids and gradients must travel as one collective for all of
   them to overlap the step's kernel."""
@@ -63,7 +66,7 @@ def _shift(tree, axis_name, n):
                                         else x.reshape(-1), jnp.uint32) for x in leaves]
   sizes = np.cumsum([w.size for w in words])[:-1]
   sent = jax.lax.ppermute(jnp.concatenate(words), axis_name,
-                          [(i, (i + 1) % n) for i in range(n)])
+                          [(i, (i + step) % n) for i in range(n)])
   return jax.tree.unflatten(treedef, [
       jax.lax.bitcast_convert_type(w, x.dtype).reshape(x.shape)
       for w, x in zip(jnp.split(sent, sizes), leaves)])
@@ -79,6 +82,8 @@ class _Ring(NamedTuple):
   hopper: bool
   windowed: bool = False  # a window is an input (module docstring)
   window_mix: tuple | None = None  # flash_attention's, for the time model
+  near: int = 0  # with a window: the devices each way whose keys it reaches (0: every device)
+  uniform: bool = False  # the window is one for every call (not a layer's input, 0 for global)
 
 
 def ring_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=None, *, causal: bool, axis_name: str,
@@ -92,10 +97,16 @@ def ring_attention(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL=None, *, causal: bool,
   flash_attention's (causal only)."""
   if window is not None and not causal:
     raise ValueError('ring_attention: a window is for causal attention (a local layer\'s)')
-  if window is not None and isinstance(window, int):
+  uniform = isinstance(window, int)
+  if uniform:
     window_mix = (window, 1.0)
+  near = 0
+  if window is not None and window_mix and window_mix[0] > 0:
+    n, c = jax.lax.axis_size(axis_name), q_BLNH.shape[1] // 2
+    hops = -(-(window_mix[0] - 1) // c)  # chunks back a query's window reaches
+    near = hops if 2 * hops + 1 < n else 0
   st = _Ring(causal, axis_name, block_q, block_k, interpret, reduce_dtype, hopper,
-             window is not None, window_mix)
+             window is not None, window_mix, near, uniform)
   if window is not None:
     window = jnp.asarray(window, jnp.int32)
   return _ring(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, window, st)
@@ -188,7 +199,27 @@ def _merge(o, lse, o_i, lse_i):
   return o * to_BLN1(w) + o_i * to_BLN1(w_i), new
 
 
+def _near_forward(q, k, v, seg, window, st):
+  """(o, lse) of a window that reaches st.near devices each way: their keys only, sent to each
+  device from both sides, 2·near hops instead of n − 1."""
+  n, r = jax.lax.axis_size(st.axis_name), jax.lax.axis_index(st.axis_name)
+  mine = (k, v, seg)
+  o, lse = _forward_pairs(st, q, seg, mine, window, r, r, n)
+  before = after = mine
+  for d in range(1, st.near + 1):
+    before, after = _shift(before, st.axis_name, n, 1), _shift(after, st.axis_name, n, -1)
+    for kv, s in ((before, (r - d) % n), (after, (r + d) % n)):
+      o, lse = _merge(o, lse, *_forward_pairs(st, q, seg, kv, window, r, s, n))
+  return o, lse
+
+
 def _ring_forward(q, k, v, seg, window, st):
+  if st.near:  # a local layer's: its neighbours' keys; a global one's (0): the whole ring
+    if st.uniform:
+      return _near_forward(q, k, v, seg, window, st)
+    return jax.lax.cond(window > 0, functools.partial(_near_forward, st=st),
+                        functools.partial(_ring_forward, st=st._replace(near=0)),
+                        q, k, v, seg, window)
   n, r = jax.lax.axis_size(st.axis_name), jax.lax.axis_index(st.axis_name)
   mine = (k, v, seg)
 
@@ -274,11 +305,53 @@ def _backward_visit(st, q, q_seg, kv, o, lse, do, delta, kind):
 
 
 def _ring_bwd(st, residuals, do):
+  q, k, v, seg, window, o, lse = residuals
+  delta = jnp.einsum('blnh,blnh->bnl', o.astype(jnp.float32), do.astype(jnp.float32))
+  if st.near:
+    if st.uniform:
+      grads = _near_backward(st, q, k, v, seg, window, o, lse, do, delta)
+    else:
+      grads = jax.lax.cond(window > 0, functools.partial(_near_backward, st),
+                           functools.partial(_full_backward, st._replace(near=0)),
+                           q, k, v, seg, window, o, lse, do, delta)
+  else:
+    grads = _full_backward(st, q, k, v, seg, window, o, lse, do, delta)
+  dq, dk, dv = grads
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+def _near_backward(st, q, k, v, seg, window, o, lse, do, delta):
+  """_near_forward's gradients: the neighbours' keys sent again, and each neighbour's dK, dV
+  summed on its way home (a device's share for the keys d hops away travels back d hops,
+  picking up the nearer ones' shares as it passes them)."""
+  n, r = jax.lax.axis_size(st.axis_name), jax.lax.axis_index(st.axis_name)
+  acc = jnp.dtype(st.reduce_dtype)
+  mine = (k, v, seg)
+  dq, dk, dv = _backward_pairs(st, q, seg, mine, window, o, lse, do, delta, r, r, n)
+  before, after = [mine], [mine]
+  for _ in range(st.near):
+    before.append(_shift(before[-1], st.axis_name, n, 1))
+    after.append(_shift(after[-1], st.axis_name, n, -1))
+  home = {}
+  for side, kvs, sign in (('before', before, -1), ('after', after, 1)):
+    travelling = None
+    for d in range(st.near, 0, -1):
+      dq_d, dk_d, dv_d = _backward_pairs(st, q, seg, kvs[d], window, o, lse, do, delta, r,
+                                         (r + sign * d) % n, n)
+      dq = dq + dq_d
+      share = (dk_d.astype(acc), dv_d.astype(acc))
+      travelling = share if travelling is None else jax.tree.map(jnp.add, travelling, share)
+      travelling = _shift(travelling, st.axis_name, n, sign)  # a hop towards the keys' owners
+    home[side] = travelling
+  dk = dk.astype(acc) + home['before'][0] + home['after'][0]
+  dv = dv.astype(acc) + home['before'][1] + home['after'][1]
+  return dq, dk, dv
+
+
+def _full_backward(st, q, k, v, seg, window, o, lse, do, delta):
   """Step t (0 … n−1) sees the keys of device r−1−t, so a chunk's dK, dV start next to it and
   end on its owner after n−1 hops, the last step being the device's own keys."""
-  q, k, v, seg, window, o, lse = residuals
   n, r = jax.lax.axis_size(st.axis_name), jax.lax.axis_index(st.axis_name)
-  delta = jnp.einsum('blnh,blnh->bnl', o.astype(jnp.float32), do.astype(jnp.float32))
   acc = jnp.dtype(st.reduce_dtype)
   mine = (k, v, seg)
 
@@ -310,7 +383,7 @@ def _ring_bwd(st, residuals, do):
       dq, dkv = visit(n - 2, kv, dq, _shift(dkv, st.axis_name, n))
     dq, dkv = visit(n - 1, mine, dq, _shift(dkv, st.axis_name, n))  # its own keys: home
   dk, dv = dkv
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq, dk, dv
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

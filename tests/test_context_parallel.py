@@ -51,9 +51,12 @@ def sharded(mode, n, q, k, v, seg, cotangent, causal, window=None):
   fn = ring_attention if mode == 'ring' else gathered_attention
   spec = P(None, 'sequence')
   traced = window is not None and not isinstance(window, int)
+  # a window known at run time comes with the local layers' size (the model's sliding_window),
+  # which a global layer's 0 does not change
+  mix = dict(window_mix=(int(window) or 5, 0.5)) if traced else {}
   attend = jax.shard_map(
       lambda q, k, v, s, w: fn(q, k, v, s, causal=causal, axis_name='sequence', block_q=CHUNK,
-                               block_k=CHUNK, window=w if traced else window),
+                               block_k=CHUNK, window=w if traced else window, **mix),
       mesh=sequence_mesh(n), in_specs=(spec, spec, spec, None if seg is None else spec, P()),
       out_specs=spec, check_vma=False)
 
@@ -66,6 +69,29 @@ def sharded(mode, n, q, k, v, seg, cotangent, causal, window=None):
       q[:, order], k[:, order], v[:, order])
   inverse = np.argsort(order)
   return [x[:, inverse] for x in (out, *grads)]
+
+
+@pytest.mark.integration
+def test_a_window_within_the_neighbours_chunks_sends_their_keys_alone():
+  """Over 8 devices a window of 6 (chunks of 8 rows) needs only each neighbour's keys: they come
+  a hop each way (the backward's resend is the forward's, one program), and their dK, dV go
+  home, 4 collective-permutes run in all (sharding/collectives.py counts them); a window of 20
+  runs the whole ring's, 3 times as many or more."""
+  n = 8
+  q, k, v, cotangent, seg = problem(n, 2, packed=True)
+  order = zigzag_order(q.shape[1], n)
+  spec = P(None, 'sequence')
+
+  def permutes(window):
+    attend = jax.shard_map(
+        lambda q, k, v, s: ring_attention(q, k, v, s, causal=True, axis_name='sequence',
+                                          block_q=CHUNK, block_k=CHUNK, window=window),
+        mesh=sequence_mesh(n), in_specs=(spec,) * 4, out_specs=spec, check_vma=False)
+    loss = lambda q, k, v: (attend(q, k, v, seg[:, order]) * cotangent[:, order]).sum()
+    hlo = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile().as_text()
+    return sum(c.executions for c in collectives.executed(hlo) if c.op == 'collective-permute')
+  near, whole = permutes(6), permutes(20)
+  assert near == 4 and whole >= 3 * near, (near, whole)
 
 
 def unsharded(q, k, v, seg, cotangent, causal, window=None):
@@ -83,9 +109,12 @@ def unsharded(q, k, v, seg, cotangent, causal, window=None):
     ('all_gather', 2, True, 2, True, None), ('all_gather', 8, True, 1, True, None),
     ('all_gather', 4, False, 4, False, None),
     # sliding windows: shorter than a zigzag chunk (8 rows), across several, in the program or
-    # its input (0: a global layer's)
+    # its input (0: a global layer's); over 4 and 8 devices a window of 5 or 6 takes its
+    # neighbours' keys alone (a hop each way), of 12 or 20 the whole ring
     ('ring', 4, True, 2, True, 5), ('ring', 2, True, 1, False, 20),
-    ('ring', 4, True, 2, False, np.int32(12)), ('ring', 2, True, 2, True, np.int32(0))])
+    ('ring', 4, True, 2, False, np.int32(12)), ('ring', 2, True, 2, True, np.int32(0)),
+    ('ring', 8, True, 2, False, 6), ('ring', 8, True, 1, True, np.int32(5)),
+    ('ring', 8, True, 2, True, np.int32(0))])
 def test_equals_unsharded_attention_values_and_gradients(mode, n, causal, kv_heads, packed,
                                                          window):
   """GQA (kv_heads < 4 query heads) without copying K/V; documents crossing chunk boundaries."""
