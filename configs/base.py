@@ -295,10 +295,6 @@ class ModelConfig(Section):
       raise ValueError(f'config.model.sliding_window={self.sliding_window} with virtual_stages='
                        f'{self.virtual_stages}: pipeline chunks of local and global layers are '
                        'not built yet; set virtual_stages=1')
-    if self.attention == 'hopper':
-      raise ValueError(f"config.model.sliding_window={self.sliding_window}: the Hopper kernel "
-                       "has no window yet; set config.model.attention='pallas', 'cudnn' or "
-                       "'auto'")
     if self.attention == 'cudnn' and self.windows == 'mixed':
       raise ValueError(f'config.model.sliding_window={self.sliding_window} with global_every='
                        f'{self.global_every}: each layer takes its window at run time, which '

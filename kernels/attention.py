@@ -54,12 +54,11 @@ def fused_for(head_dim: int, compute_dtype: str, length_split: bool,
   when `hopper`. cuDNN's flash attention takes head dims up to 128 in multiples of 8, in bf16 or
   fp16, a window fixed when compiled (`windows`: config.model's) and no split length (XLA
   partitions it whole); ours in Triton takes any of these, ours in Mosaic GPU what
-  `hopper_refuses` does not refuse, and no window yet. `lse`: each query's log-sum-exp is
+  `hopper_refuses` does not refuse. `lse`: each query's log-sum-exp is
   wanted too (QK-clip's), which cuDNN's path does not give yet."""
   cudnn = (head_dim <= 128 and head_dim % 8 == 0 and compute_dtype in ('bfloat16', 'float16')
            and not length_split and windows != 'mixed' and not lse)
-  ours = (OURS if hopper and not hopper_refuses(head_dim, compute_dtype) and windows == 'none'
-          else ('pallas',))
+  ours = OURS if hopper and not hopper_refuses(head_dim, compute_dtype) else ('pallas',)
   return (('cudnn',) if cudnn else ()) + ours
 
 
@@ -127,6 +126,16 @@ def cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, window=None):
   last `window` of them where given."""
   distance_BTS = positions_BT[:, :, None] - jnp.arange(k_BSKH.shape[1])[None, None, :]
   mask_BTS = (distance_BTS >= 0) & within(distance_BTS, window)
+  return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+
+
+def positioned_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, key_positions_BS, window=None):
+  """Decoding against keys at `key_positions_BS` (< 0: no key there), as a ring of a local
+  layer's cache holds them: query t of row b, at position positions_BT[b, t], attends to the
+  keys at or before it, within the last `window` positions where given."""
+  distance_BTS = positions_BT[:, :, None] - key_positions_BS[:, None, :]
+  mask_BTS = ((key_positions_BS[:, None, :] >= 0) & (distance_BTS >= 0)
+              & within(distance_BTS, window))
   return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
 
 

@@ -96,11 +96,13 @@ WIDE = 1 << 30  # a window no row reaches: "no window"
 WINDOW_WASTE = 1.15
 
 
-def windowed_blocks(window: int, block_q: int, block_k: int) -> tuple[int, int]:
-  """(block_q, block_k) for a window: the tiles halved, the larger first, down to 16, until a
-  query block visits at most WINDOW_WASTE × `window` keys a row (window + block_q − 1 keys, and a
-  key block's more for where they fall)."""
-  while max(block_q, block_k) > 16 and window + block_q - 1 + block_k > WINDOW_WASTE * window:
+def windowed_blocks(window: int, block_q: int, block_k: int,
+                    smallest: int = 16) -> tuple[int, int]:
+  """(block_q, block_k) for a window: the tiles halved, the larger first, down to `smallest`
+  (the Hopper kernel's wgmma tiles are 64), until a query block visits at most WINDOW_WASTE ×
+  `window` keys a row (window + block_q − 1 keys, and a key block's more for where they fall)."""
+  while (max(block_q, block_k) > smallest
+         and window + block_q - 1 + block_k > WINDOW_WASTE * window):
     if block_q >= block_k:
       block_q //= 2
     else:
@@ -372,8 +374,8 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, window, st: _Static):
     with st.scope():
       o, lse = flash_attention_hopper.forward(
           q, k, v, q_seg, kv_seg, causal=st.causal, scale=1 / math.sqrt(H),
-          q_offset=q_pos[0] if positions else None, out_dtype=st.out_dtype, block_q=bq,
-          block_k=bk, interpret=st.interpret)
+          q_offset=q_pos[0] if positions else None, window=window, out_dtype=st.out_dtype,
+          block_q=bq, block_k=bk, interpret=st.interpret)
   else:
     with st.scope():
       o, lse = pallas_for_platform(
@@ -404,7 +406,7 @@ def _backward(st: _Static, residuals, do, delta=None):
     with st.scope():
       dq, dk, dv = flash_attention_hopper.backward(
           q, k, v, do.astype(q.dtype), lse, delta, q_seg, kv_seg, causal=st.causal,
-          scale=1 / math.sqrt(H), q_offset=q_pos[0] if positions else None,
+          scale=1 / math.sqrt(H), q_offset=q_pos[0] if positions else None, window=window,
           out_dtype=st.out_dtype, interpret=st.interpret)
     return dq, dk, dv, None, None, None, None
   common = dict(**st.kernel_args(H), segments=segments, positions=positions)
@@ -484,9 +486,8 @@ def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset
              window=None, window_mix=None):
   """Checks, defaults, padding to whole blocks: (q, k, v, q_seg, kv_seg, q_pos, window,
   static)."""
-  if window is not None and (hopper or not causal):
-    raise ValueError('flash_attention: a window is for causal attention by the Triton kernels '
-                     '(hopper=False)')
+  if window is not None and not causal:
+    raise ValueError("flash_attention: a window is for causal attention (a local layer's)")
   B, L, N, H = q_BLNH.shape
   defaults = default_blocks(H, q_BLNH.dtype)
   if hopper:  # one consumer warpgroup's 64 rows; its own key tile
@@ -494,7 +495,8 @@ def _prepare(q_BLNH, k_BSKH, v_BSKH, segment_ids_BL, kv_segment_ids_BS, q_offset
     block_q = 64
   size = window if isinstance(window, int) else (window_mix or (0,))[0]
   if size:  # a window's own tiles, where none are asked for
-    windowed = windowed_blocks(size, block_q or defaults[0], block_k or defaults[1])
+    windowed = windowed_blocks(size, block_q or defaults[0], block_k or defaults[1],
+                               smallest=64 if hopper else 16)
     block_q, block_k = block_q or windowed[0], block_k or windowed[1]
   block_q, block_k = block_q or defaults[0], block_k or defaults[1]
   num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]

@@ -45,14 +45,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 NEG = -1e30  # as kernels/flash_attention.py: a finite "minus infinity", never a NaN
+WIDE = 1 << 30  # as kernels/flash_attention.py: a window no row reaches
 LOG2E, LN2 = math.log2(math.e), math.log(2)
 SWIZZLE = 128  # bytes: wgmma reads shared memory tiles of 8 rows × 128 bytes, swizzled
 SHARED_MEMORY = 227 * 1024  # bytes a block may have on an H100 (sm_90's opt-in maximum)
 
 
-def check(q_BLNH, k_BSKH, v_BSKH, *, block_q: int, block_k: int) -> None:
+def check(q_BLNH, k_BSKH, v_BSKH, *, block_q: int, block_k: int, causal: bool = True,
+          window=None) -> None:
   """Raises ValueError, naming what to change, for shapes and dtypes this kernel does not take."""
   (B, L, N, H), (_, S, K, _) = q_BLNH.shape, k_BSKH.shape
+  if window is not None and not causal:
+    raise ValueError("a window is for causal attention (a local layer's)")
   if k_BSKH.shape != v_BSKH.shape or k_BSKH.shape[0] != B or k_BSKH.shape[3] != H:
     raise ValueError(f'k {k_BSKH.shape} and v {v_BSKH.shape} must be [B, S, K, H] of q '
                      f'{q_BLNH.shape}')
@@ -104,39 +108,54 @@ def _interpret(interpret: bool | None) -> bool:
   return (device.platform if device else jax.default_backend()) not in ('gpu', 'cuda')
 
 
-def _unpack(refs, n_in: int, segments: bool, offset: bool, n_out: int):
-  """(inputs, (q_seg, kv_seg) refs or Nones, the offset ref or None, outputs, scratch) of a
-  kernel's refs, passed as: the n_in inputs, [q_seg, kv_seg], [q_offset], the outputs, scratch."""
+def _unpack(refs, n_in: int, segments: bool, offset: bool, windowed: bool, n_out: int):
+  """(inputs, (q_seg, kv_seg) refs or Nones, the offset ref or None, the window ref or None,
+  outputs, scratch) of a kernel's refs, passed as: the n_in inputs, [q_seg, kv_seg], [q_offset],
+  [window], the outputs, scratch."""
   refs = list(refs)
   ins, refs = refs[:n_in], refs[n_in:]
   ids = (refs.pop(0), refs.pop(0)) if segments else (None, None)
   offset_ref = refs.pop(0) if offset else None
-  return ins, ids, offset_ref, refs[:n_out], refs[n_out:]
+  window_ref = refs.pop(0) if windowed else None
+  return ins, ids, offset_ref, window_ref, refs[:n_out], refs[n_out:]
 
 
-def _extra_args(q_seg_BL, kv_seg_BS, q_offset):
-  """The kernel arguments after the plain inputs: segment ids, then the offset as int32[1]."""
+def _extra_args(q_seg_BL, kv_seg_BS, q_offset, window):
+  """The kernel arguments after the plain inputs: segment ids, then the offset and the window,
+  each as int32[1]."""
   ids = () if q_seg_BL is None else (q_seg_BL.astype(jnp.int32), kv_seg_BS.astype(jnp.int32))
-  return ids + (() if q_offset is None else (jnp.reshape(q_offset, (1,)).astype(jnp.int32),))
+  scalars = tuple(jnp.reshape(x, (1,)).astype(jnp.int32) for x in (q_offset, window)
+                  if x is not None)
+  return ids + scalars
+
+
+def _read_window(window_ref):
+  """The window the input holds, WIDE for 0 (a global layer's: no window); None without one."""
+  if window_ref is None:
+    return None
+  return jnp.where(window_ref[0] > 0, window_ref[0], WIDE)
 
 
 def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bool, scale: float,
-            q_offset=None, out_dtype=None, block_q: int = 64, block_k: int = 128,
+            q_offset=None, window=None, out_dtype=None, block_q: int = 64, block_k: int = 128,
             stages: int | None = None, interpret: bool | None = None):
   """(o[B, L, N, H], lse[B, N, L]): see the module docstring. Segment ids both or neither.
 
   q_offset: causal only, the key index of query 0, an int32 that may be known only at run time
   (a device's share of a sequence split); None: S − L (bottom-right aligned).
+  window: causal only, a local layer's sliding window (a query sees the W keys ending at its
+  own), an int or an int32 known at run time, 0 for none; the key blocks wholly outside it are
+  neither loaded nor computed.
   out_dtype: o's dtype (float32 for a part of an attention merged with others by its lse);
   None: the inputs'. stages: shared-memory slots of K and V (None: 2 where they fit, else 1).
   interpret: run Mosaic GPU's interpreter (True) or lower for the GPU (False); None lowers for
   the GPU when traced for one (`_interpret`). Not chosen per platform at lowering
   (`lax.platform_dependent`), as the Triton kernel is: the interpreter's callbacks are effects a
   platform-dependent branch cannot carry."""
-  check(q_BLNH, k_BSKH, v_BSKH, block_q=block_q, block_k=block_k)
+  check(q_BLNH, k_BSKH, v_BSKH, block_q=block_q, block_k=block_k, causal=causal, window=window)
   if (q_seg_BL is None) != (kv_seg_BS is None):
     raise ValueError('give both segment id arrays (query and key) or neither')
-  segments, positions = q_seg_BL is not None, q_offset is not None
+  segments, positions, windowed = q_seg_BL is not None, q_offset is not None, window is not None
   (B, L, N, H), (_, S, K, _) = q_BLNH.shape, k_BSKH.shape
   group, n_kv = N // K, S // block_k
   dtype = q_BLNH.dtype
@@ -149,19 +168,22 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
       block_k, H)
 
   def flash_attention_hopper_fwd(*refs):
-    (q_ref, k_ref, v_ref), (qs_ref, ks_ref), offset_ref, (o_ref, lse_ref), scratch = _unpack(
-        refs, 3, segments, positions, 2)
+    (q_ref, k_ref, v_ref), (qs_ref, ks_ref), offset_ref, window_ref, (o_ref, lse_ref), \
+        scratch = _unpack(refs, 3, segments, positions, windowed, 2)
     (q_smem, k_smem, v_smem, p_smem, qs_smem, ks_smem, lse_smem, q_bar, k_bar, v_bar, consumed,
      *o_staging) = scratch
     i, head, b = lax.axis_index('q'), lax.axis_index('head'), lax.axis_index('batch')
     offset = offset_ref[0] if positions else S - L
+    window = _read_window(window_ref)
     first_row = i * block_q
     steps, full = _key_blocks(first_row, block_q, block_k, n_kv, causal, offset)
+    lower, clear = _window_blocks(first_row, block_q, block_k, offset, window, full)
 
     @pl.when(lax.axis_index('wg') == 1)
     def _producer():
-      _produce_keys(b, head // group, block_k, steps, stages, consumed, (k_ref, k_smem, k_bar),
-                    (v_ref, v_smem, v_bar), (ks_ref, ks_smem) if segments else None)
+      _produce_keys(b, head // group, block_k, lower, steps, stages, consumed,
+                    (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar),
+                    (ks_ref, ks_smem) if segments else None)
 
     @pl.when(lax.axis_index('wg') == 0)
     def _consumer():
@@ -176,17 +198,17 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
       l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
       acc = plgpu.layout_cast(jnp.zeros((block_q, H), jnp.float32), plgpu.Layout.WGMMA)
 
-      def attend(step, carry, diagonal: bool):
+      def attend(step, carry, masked: bool):
         acc, m, l = carry
-        slot = lax.rem(step, stages)
+        slot = lax.rem(step - lower, stages)
         plgpu.barrier_wait(k_bar.at[slot])
 
         s = _matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_k))
         s = s * (scale * LOG2E)
         k_seg = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)) if segments \
             else None
-        visible = _visible(first_row, step * block_k, s.shape, offset if diagonal else None,
-                           q_seg, k_seg)
+        visible = _visible(first_row, step * block_k, s.shape, offset if masked else None,
+                           q_seg, k_seg, window if masked else None)
         if visible is not None:
           s = jnp.where(visible, s, NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -204,8 +226,14 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
         plgpu.barrier_arrive(consumed.at[slot])  # K, V and key ids of this slot are read
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o, m_new, l
 
-      carry = lax.fori_loop(0, full, lambda j, c: attend(j, c, diagonal=False), (acc, m, l))
-      acc, m, l = lax.fori_loop(full, steps, lambda j, c: attend(j, c, diagonal=True), carry)
+      # The key blocks at the window's edge, those wholly within every row's window and before
+      # its diagonal (no mask), then those the diagonal crosses
+      carry = (acc, m, l)
+      if windowed:
+        carry = lax.fori_loop(lower, clear, lambda j, c: attend(j, c, masked=True), carry)
+      carry = lax.fori_loop(clear, full, lambda j, c: attend(j, c, masked=False), carry)
+      acc, m, l = lax.fori_loop(full, steps,
+                                lambda j, c: attend(j, c, masked=True), carry)
       seen = l > 0.0
       acc = acc / lax.broadcast_in_dim(jnp.where(seen, l, 1.0), acc.shape, [0])
       out_smem = o_staging[0] if staged else q_smem  # Q is no longer read: it may stage o
@@ -231,7 +259,7 @@ def forward(q_BLNH, k_BSKH, v_BSKH, q_seg_BL=None, kv_seg_BS=None, *, causal: bo
     scratch.append(plgpu.SMEM((block_q, H), out_dtype, transforms=_tiles(out_dtype)))
   out_type = (jax.ShapeDtypeStruct((B, L, N, H), out_dtype),
               jax.ShapeDtypeStruct((B, N, L), jnp.float32))
-  args = (q_BLNH, k_BSKH, v_BSKH) + _extra_args(q_seg_BL, kv_seg_BS, q_offset)
+  args = (q_BLNH, k_BSKH, v_BSKH) + _extra_args(q_seg_BL, kv_seg_BS, q_offset, window)
   return _launch(flash_attention_hopper_fwd, args, out_type, scratch, (L // block_q, N, B), 'q',
                  interpret)
 
@@ -257,17 +285,37 @@ def _key_blocks(first_row, block_q, block_k, n_kv, causal, offset):
   return steps, jnp.clip((first_row + offset + 1) // block_k, 0, steps)
 
 
-def _produce_keys(b, kv_head, block_k, steps, stages, consumed, k, v, key_ids):
-  """The producer of the kernels that stream key blocks: K (and the key segment ids) complete
-  one barrier of the slot, V the other, so the consumer starts on Q·Kᵀ before V lands. k, v:
-  (gmem ref, smem ring, barrier ring); key_ids: (gmem ref, smem ring) or None."""
-  keys = lambda step: (b, pl.ds(step * block_k, block_k))
+def _window_blocks(first_row, block_q, block_k, offset, window, full):
+  """(lower, clear) of a query block's key blocks within a `window` (None: (0, 0)): the first
+  block its first row's window reaches, and the first from which every key is within its last
+  row's (so blocks clear … full take no mask). Row r sees keys r + offset − W < c ≤ r + offset."""
+  if window is None:
+    return jnp.int32(0), jnp.int32(0)
+  lower = jnp.clip((first_row + offset - window + 1) // block_k, 0, full)
+  return lower, jnp.clip(pl.cdiv(first_row + block_q + offset - window, block_k), lower, full)
+
+
+def _query_blocks_seeing(first_key, block, n_q, causal, offset, window):
+  """(first, end): the query blocks (of `block` rows) whose rows see some key of the block from
+  `first_key`: from the first at or past its diagonal (causal, else 0) to past the last whose
+  window reaches its last key (all without a window)."""
+  first = jnp.clip((first_key - offset) // block, 0, n_q) if causal else jnp.int32(0)
+  if window is None:
+    return first, jnp.int32(n_q)
+  return first, jnp.clip((first_key + block - 1 - offset + window - 1) // block + 1, first, n_q)
+
+
+def _produce_keys(b, kv_head, block_k, first, end, stages, consumed, k, v, key_ids):
+  """The producer of the kernels that stream key blocks first … end − 1: K (and the key segment
+  ids) complete one barrier of the slot, V the other, so the consumer starts on Q·Kᵀ before V
+  lands. k, v: (gmem ref, smem ring, barrier ring); key_ids: (gmem ref, smem ring) or None."""
+  keys = lambda step: (b, pl.ds((first + step) * block_k, block_k))
   (k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar) = k, v
   copies = [(lambda step: k_ref.at[(*keys(step), kv_head)], k_ring, k_bar),
             (lambda step: v_ref.at[(*keys(step), kv_head)], v_ring, v_bar)]
   if key_ids:
     copies.insert(1, (lambda step: key_ids[0].at[keys(step)], key_ids[1], k_bar))
-  _produce(steps, stages, consumed, copies)
+  _produce(end - first, stages, consumed, copies)
 
 
 def _produce(steps, stages, consumed, copies):
@@ -285,15 +333,19 @@ def _produce(steps, stages, consumed, copies):
       plgpu.copy_gmem_to_smem(source(step), ring.at[slot], barriers.at[slot])
 
 
-def _visible(rows_at, keys_at, shape, causal_offset, q_seg, k_seg):
+def _visible(rows_at, keys_at, shape, causal_offset, q_seg, k_seg, window=None):
   """The mask of a [query rows, keys] block whose first row is query `rows_at` and first key
-  `keys_at` (None: everything visible): causal (key c seen by row r when c ≤ r + offset) and
-  same-segment, in the wgmma accumulator's layout."""
+  `keys_at` (None: everything visible): causal (key c seen by row r when c ≤ r + offset), within
+  the `window` (r + offset − c < W; causal only) and same-segment, in the wgmma accumulator's
+  layout."""
   visible = None
   if causal_offset is not None:
     r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
     c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-    visible = c + keys_at <= r + (rows_at + causal_offset)
+    distance = r + (rows_at + causal_offset - keys_at) - c
+    visible = distance >= 0
+    if window is not None:
+      visible &= distance < window
   if q_seg is not None:
     same = (lax.broadcast_in_dim(q_seg, shape, [0]) == lax.broadcast_in_dim(k_seg, shape, [1]))
     visible = same if visible is None else visible & same
@@ -309,8 +361,8 @@ def _matmul(a_smem, b_smem, shape):
 
 
 def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None, kv_seg_BS=None,
-             *, causal: bool, scale: float, q_offset=None, out_dtype=None, block: int = 64,
-             stages: int | None = None, interpret: bool | None = None):
+             *, causal: bool, scale: float, q_offset=None, window=None, out_dtype=None,
+             block: int = 64, stages: int | None = None, interpret: bool | None = None):
   """(dq, dk, dv) in `out_dtype` (None: the inputs'), from the forward's lse and delta = rowsum(do ⊙ o), as
   kernels/flash_attention.py's backward computes them: p = exp(s − lse) recomputed block by
   block, never stored. Two kernels, each a TMA producer and a wgmma consumer as the forward:
@@ -319,11 +371,12 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
     dkv (grid S/64 × K × B): a key block against every query block of its G query heads that
         sees it, dv = Σ pᵀ do, dk = Σ dsᵀ q · scale, summed over the group in registers.
   The transposes pᵀ, dsᵀ are views of the shared memory p and ds are staged in, not copies.
-  q_offset, stages and interpret as the forward's; the lse and delta may be a whole row's, over
+  q_offset, window, stages and interpret as the forward's (the blocks outside a window skipped
+  by both kernels); the lse and delta may be a whole row's, over
   keys this call does not see (a part of a ring's attention): then these are that row's
   gradients' shares from these keys."""
-  check(q_BLNH, k_BSKH, v_BSKH, block_q=block, block_k=block)
-  segments, positions = q_seg_BL is not None, q_offset is not None
+  check(q_BLNH, k_BSKH, v_BSKH, block_q=block, block_k=block, causal=causal, window=window)
+  segments, positions, windowed = q_seg_BL is not None, q_offset is not None, window is not None
   (B, L, N, H), (_, S, K, _) = q_BLNH.shape, k_BSKH.shape
   group, n_q, n_kv = N // K, L // block, S // block
   dtype = q_BLNH.dtype
@@ -347,19 +400,22 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
     return p if visible is None else jnp.where(visible, p, 0.0)  # lse = NEG rows see nothing
 
   def flash_attention_hopper_dq(*refs):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), offset_ref, (dq_ref,), \
-        scratch = _unpack(refs, 6, segments, positions, 1)
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), offset_ref, window_ref, \
+        (dq_ref,), scratch = _unpack(refs, 6, segments, positions, windowed, 1)
     (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, qs_smem, ks_smem,
      q_bar, k_bar, v_bar, consumed, *dq_staging) = scratch
     i, head, b = lax.axis_index('q'), lax.axis_index('head'), lax.axis_index('batch')
     offset = offset_ref[0] if positions else S - L
+    window = _read_window(window_ref)
     first_row = i * block
     steps, full = _key_blocks(first_row, block, block, n_kv, causal, offset)
+    lower, clear = _window_blocks(first_row, block, block, offset, window, full)
 
     @pl.when(lax.axis_index('wg') == 1)
     def _producer():
-      _produce_keys(b, head // group, block, steps, dq_stages, consumed, (k_ref, k_smem, k_bar),
-                    (v_ref, v_smem, v_bar), (ks_ref, ks_smem) if segments else None)
+      _produce_keys(b, head // group, block, lower, steps, dq_stages, consumed,
+                    (k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar),
+                    (ks_ref, ks_smem) if segments else None)
 
     @pl.when(lax.axis_index('wg') == 0)
     def _consumer():
@@ -375,13 +431,14 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
       delta = plgpu.load(delta_smem, layout=row_layout)
       q_seg = plgpu.load(qs_smem, layout=row_layout) if segments else None
 
-      def step_(step, dq, diagonal: bool):
-        slot = lax.rem(step, dq_stages)
+      def step_(step, dq, masked: bool):
+        slot = lax.rem(step - lower, dq_stages)
         plgpu.barrier_wait(k_bar.at[slot])
         s = _matmul(q_smem, k_smem.at[slot].transpose((1, 0)), square)
         k_seg = plgpu.load(ks_smem.at[slot], layout=col_layout) if segments else None
         p = probabilities(s, lse, _visible(first_row, step * block, square,
-                                           offset if diagonal else None, q_seg, k_seg))
+                                           offset if masked else None, q_seg, k_seg,
+                                           window if masked else None))
         plgpu.barrier_wait(v_bar.at[slot])
         dp = _matmul(do_smem, v_smem.at[slot].transpose((1, 0)), square)
         ds_smem[...] = (p * (dp - lax.broadcast_in_dim(delta, square, [0]))).astype(dtype)
@@ -391,8 +448,10 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
         return dq
 
       dq = plgpu.layout_cast(jnp.zeros((block, H), jnp.float32), plgpu.Layout.WGMMA)
-      dq = lax.fori_loop(0, full, lambda j, dq: step_(j, dq, diagonal=False), dq)
-      dq = lax.fori_loop(full, steps, lambda j, dq: step_(j, dq, diagonal=causal), dq)
+      if windowed:  # the blocks at the window's edge, then as the forward's loops
+        dq = lax.fori_loop(lower, clear, lambda j, dq: step_(j, dq, masked=True), dq)
+      dq = lax.fori_loop(clear, full, lambda j, dq: step_(j, dq, masked=False), dq)
+      dq = lax.fori_loop(full, steps, lambda j, dq: step_(j, dq, masked=causal), dq)
       out_smem = dq_staging[0] if staged else q_smem  # Q is no longer read: it may stage dq
       out_smem[...] = (dq * scale).astype(out_dtype)
       plgpu.commit_smem()
@@ -400,17 +459,18 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
       plgpu.wait_smem_to_gmem(0)
 
   def flash_attention_hopper_dkv(*refs):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), offset_ref, \
-        (dk_ref, dv_ref), scratch = _unpack(refs, 6, segments, positions, 2)
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qs_ref, ks_ref), offset_ref, window_ref, \
+        (dk_ref, dv_ref), scratch = _unpack(refs, 6, segments, positions, windowed, 2)
     (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, lse_smem, delta_smem, qs_smem, ks_smem,
      kv_bar, q_bar, do_bar, consumed, *dkv_staging) = scratch
     j, kv_head, b = lax.axis_index('k'), lax.axis_index('head'), lax.axis_index('batch')
     offset = offset_ref[0] if positions else S - L
+    window = _read_window(window_ref)
     first_key = j * block
-    # The first query block that sees key block j (causal), else 0; each of the G heads sharing
-    # this kv head brings its query blocks from there on.
-    first = jnp.clip((first_key - offset) // block, 0, n_q) if causal else jnp.int32(0)
-    per_head = n_q - first
+    # The query blocks that see key block j; each of the G heads sharing this kv head brings
+    # its own of them.
+    first, end = _query_blocks_seeing(first_key, block, n_q, causal, offset, window)
+    per_head = end - first
     steps = group * per_head
     where = lambda t: (kv_head * group + lax.div(t, per_head),
                        pl.ds((first + lax.rem(t, per_head)) * block, block))
@@ -447,7 +507,7 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
         q_seg = plgpu.load(qs_smem.at[slot], layout=row_layout) if segments else None
         rows_at = (first + lax.rem(t, per_head)) * block
         p = probabilities(s, lse, _visible(rows_at, first_key, square,
-                                           offset if causal else None, q_seg, k_seg))
+                                           offset if causal else None, q_seg, k_seg, window))
         p_smem[...] = p.astype(dtype)
         plgpu.barrier_wait(do_bar.at[slot])
         delta = plgpu.load(delta_smem.at[slot], layout=row_layout)
@@ -487,7 +547,7 @@ def backward(q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL, q_seg_BL=None,
                 plgpu.Barrier(num_arrivals=2 if segments else 1, num_barriers=n),
                 plgpu.Barrier(num_barriers=n), plgpu.Barrier(num_barriers=n), *staging]
   args = (q_BLNH, k_BSKH, v_BSKH, do_BLNH, lse_BNL, delta_BNL,
-          *_extra_args(q_seg_BL, kv_seg_BS, q_offset))
+          *_extra_args(q_seg_BL, kv_seg_BS, q_offset, window))
   dq, = _launch(flash_attention_hopper_dq, args,
                 (jax.ShapeDtypeStruct(q_BLNH.shape, out_dtype),), dq_scratch, (n_q, N, B), 'q',
                 interpret)

@@ -289,13 +289,16 @@ def windowed_attention() -> str:
   table."""
   r = result('windowed_attention')
   rows = ['| preset | seq_len | window | head dim | tiles (block_q × block_k) | visited ÷ seen: '
-          'forward, dq | dk, dv | with causal attention\'s tiles |',
-          '| --- | --- | --- | --- | --- | --- | --- | --- |']
+          'forward, dq | dk, dv | with causal attention\'s tiles | Hopper: tiles | forward | '
+          'dq | dk, dv |',
+          '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   for name, p in r['presets'].items():
-    c = p['causal_tiles']
+    c, h = p['causal_tiles'], p['hopper']
     rows.append(f'| {name} | {p["seq_len"]:,} | {p["window"]:,} | {p["head_dim"]} | '
                 f'{p["block_q"]} × {p["block_k"]} | {p["forward_dq"]:.3f} | {p["dkv"]:.3f} | '
-                f'{c["forward_dq"]:.3f} ({c["block_q"]} × {c["block_k"]}) |')
+                f'{c["forward_dq"]:.3f} ({c["block_q"]} × {c["block_k"]}) | '
+                f'{h["block_q"]} × {h["block_k"]} | {h["forward"]:.3f} | {h["dq"]:.3f} | '
+                f'{h["dkv"]:.3f} |')
   return '\n'.join(rows) + '\n'
 
 

@@ -89,7 +89,6 @@ def test_the_long_context_preset_splits_its_row_over_8_devices_with_the_ring():
 
 @pytest.mark.parametrize('changes,message', [
     (dict(attention='cudnn'), "each layer takes its window at run time, which cuDNN cannot"),
-    (dict(attention='hopper'), 'the Hopper kernel has no window yet'),
     (dict(virtual_stages=2), 'pipeline chunks of local and global layers'),
 ])
 def test_what_sliding_windows_cannot_run_with_yet_is_refused_naming_the_setting(changes, message):

@@ -168,6 +168,59 @@ def test_parts_match_the_triton_kernels():
     np.testing.assert_allclose(got, want, atol=1e-2 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize('window,traced,segments', [
+    (70, False, False), (130, True, True),
+    *(pytest.param(*case, marks=pytest.mark.integration) for case in [(0, True, False),
+                                                                      (64, True, False)])])
+def test_a_sliding_window_matches_the_reference_values_and_gradients(window, traced, segments):
+  """A local layer's window (fixed when compiled, or an int32 known at run time with 0 for a
+  global layer) through the Hopper forward, dq and dk/dv: 70 and 130 keys cross the key blocks
+  of 64, 64 is one block exactly, and packed documents cross both."""
+  q, k, v, do = inputs(L=256, S=256, K=2)
+  seg = packed(1, 256, [90, 100, 66]) if segments else None
+  f32 = lambda x: x.astype(jnp.float32)
+
+  def run(attend, *args):
+    loss = lambda q, k, v: (attend(q, k, v).astype(jnp.float32) * do).sum()
+    return attend(*args), jax.grad(loss, (0, 1, 2))(*args)
+  ours = jax.jit(lambda q, k, v: run(lambda q, k, v: flash_attention(
+      q, k, v, causal=True, segment_ids_BL=seg, hopper=True,
+      window=jnp.int32(window) if traced else window), q, k, v))(q, k, v)
+  want = run(lambda q, k, v: xla_attention(q, k, v, causal=True, segment_ids_BL=seg,
+                                           window=window or None), f32(q), f32(k), f32(v))
+  for name, got, expected in zip(('o', 'dq', 'dk', 'dv'), (ours[0], *ours[1]),
+                                 (want[0], *want[1])):
+    assert got.dtype == jnp.bfloat16
+    scale = float(jnp.abs(expected).max())
+    np.testing.assert_allclose(np.asarray(got, np.float32) / scale, expected / scale, atol=2e-2,
+                               err_msg=name)
+
+
+def test_a_sliding_window_skips_the_key_blocks_outside_it_forward_and_backward():
+  """Blocks of 64, a window of 5: key block 0 (keys 0–63) is outside the window of query blocks
+  2 and 3 (rows 128–255), and query blocks 2 and 3 outside key block 0's. NaNs there reach no
+  output the kernels skip them for, as they would through a loop over them (0 · NaN is NaN)."""
+  q, k, v, do = inputs(L=256, S=256, N=2, K=1)
+
+  def grads(q, v, rows):
+    def loss(q, k, v):
+      out = flash_attention(q, k, v, causal=True, window=jnp.int32(5), hopper=True,
+                            block_k=64)
+      return (out[:, rows].astype(jnp.float32) * do[:, rows]).sum(), out
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+
+  # the forward and dq of rows 128–191 never read key block 0
+  (_, out), (dq, _, _) = grads(q, v.at[:, :64].set(jnp.nan), slice(128, 192))
+  assert np.isnan(np.asarray(out[:, :64], np.float32)).all()
+  assert np.isfinite(np.asarray(out[:, 128:], np.float32)).all()
+  assert np.isfinite(np.asarray(dq[:, 128:192], np.float32)).all()
+  # key block 0's dk and dv never read query blocks 2 and 3
+  _, (_, dk, dv) = grads(q.at[:, 128:].set(jnp.nan), v, slice(0, 128))
+  assert np.isfinite(np.asarray(dk[:, :64], np.float32)).all()
+  assert np.isfinite(np.asarray(dv[:, :64], np.float32)).all()
+  assert np.isnan(np.asarray(dk[:, 128:], np.float32)).all()  # which they do reach
+
+
 @pytest.mark.parametrize('change,message', [
     (dict(dtype=jnp.float32), 'takes bfloat16 or float16'),
     (dict(H=96), 'head_dim=96: the Hopper kernel takes multiples of 64 up to 256'),
@@ -185,11 +238,14 @@ def test_what_it_does_not_take_is_named_before_lowering(change, message):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize('H,segments', [(64, False), (128, True), (256, False)])
-def test_forward_and_backward_lower_for_h100_as_three_mosaic_gpu_kernels(h100, H, segments):
+@pytest.mark.parametrize('H,segments,window', [(64, False, None), (128, True, None),
+                                               (256, False, None), (128, True, 1024)])
+def test_forward_and_backward_lower_for_h100_as_three_mosaic_gpu_kernels(h100, H, segments,
+                                                                         window):
   """Deviceless: the kernels lower through Mosaic GPU for sm_90a (their layouts, wgmma shapes
   and shared memory checked there) and XLA compiles the calls, forward, dq and dk/dv, for an
-  H100 at the 8b model's heads (32 query, 8 key/value) and 4096 positions. Mosaic GPU turns its
+  H100 at the 8b model's heads (32 query, 8 key/value) and 4096 positions, and with Gemma 3's
+  window of 1024 over packed rows. Mosaic GPU turns its
   module into PTX when the program is loaded on a GPU: registers and spills need one."""
   from planning import gpu_compiler
   place = jax.sharding.SingleDeviceSharding(h100)
@@ -199,7 +255,8 @@ def test_forward_and_backward_lower_for_h100_as_three_mosaic_gpu_kernels(h100, H
 
   def loss(q, k, v, ids):
     o = flash_attention(q, k, v, causal=True, segment_ids_BL=ids if segments else None,
-                        block_k=128 if H <= 128 else 64, interpret=False, hopper=True)
+                        block_k=128 if H <= 128 else 64, interpret=False, hopper=True,
+                        window=window)
     return o.astype(jnp.float32).sum()
   lowered = gpu_compiler.lower(h100, jax.jit(jax.grad(loss, (0, 1, 2))), q, kv, kv, ids)
   hlo = lowered.compile().as_text()
@@ -237,10 +294,12 @@ def test_the_time_model_charges_unmasked_kernels_under_grad_for_every_key(h100):
 
 
 @pytest.mark.integration
-def test_a_ring_train_step_with_them_compiles_for_8_h100s(h100):
+@pytest.mark.parametrize('window', [0, 100])
+def test_a_ring_train_step_with_them_compiles_for_8_h100s(h100, window):
   """config.model.attention='hopper' over a sequence split of 4 (the ring, zigzag), deviceless
-  for 8 H100s: every attention is one of the three Mosaic GPU kernels (none through Triton), the
-  keys and values travel the ring, and the time model charges the kernels as attention."""
+  for 8 H100s, with local and global layers too (a window of 100, each layer's at run time):
+  every attention is one of the three Mosaic GPU kernels (none through Triton), the keys and
+  values travel the ring, and the time model charges the kernels as attention."""
   from tests.conftest import tiny_config
   from training import settings
   from training.programs import compile_and_plan
@@ -250,6 +309,8 @@ def test_a_ring_train_step_with_them_compiles_for_8_h100s(h100):
   config.seq_len = 1024  # chunks of 128 positions: whole blocks of the forward's keys
   config.model.update(head_dim=64, compute_dtype='bfloat16', attention='hopper',
                       context_parallel='ring')
+  if window:
+    config.model.update(sliding_window=window, global_every=2)
   config.plan.target, config.plan.devices, config.dry_run = 'H100', 8, True
   program, plan = compile_and_plan(build(settings.resolve(config)))
   hlo = program.as_text()
@@ -258,7 +319,7 @@ def test_a_ring_train_step_with_them_compiles_for_8_h100s(h100):
   charged = {k.op.split('/')[0].rsplit('_', 1)[-1] for k in timing.predict(
       hlo, gpus.GPUS['H100']).kernels if k.implementation == 'hopper'}
   assert charged == {'fwd', 'dq', 'dkv'}, charged
-  assert plan.attention == 'hopper'
+  assert plan.attention == 'hopper' and ('windowed_' in hlo) == bool(window)
 
 
 @pytest.mark.integration

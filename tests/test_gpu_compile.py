@@ -630,8 +630,9 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_compiling():
 
 @pytest.mark.integration
 def test_the_time_model_charges_a_sliding_window_the_work_it_leaves(h100):
-  """cuDNN's windowed attention (its backend config's sliding_window_length) and ours (a window
-  known at run time, its launches named by the share of work left) charged the keys a query
+  """cuDNN's windowed attention (its backend config's sliding_window_length) and ours, in Triton
+  and in Mosaic GPU (a window known at run time, its launches named by the share of work left),
+  charged the keys a query
   sees within a window of 512 over 2048: 0.438 of causal attention's, forward and backward."""
   from kernels import attention, flash_attention
   from kernels.flash_attention import keys_seen
@@ -651,6 +652,10 @@ def test_the_time_model_charges_a_sliding_window_the_work_it_leaves(h100):
        (lambda q, k, v: attention(q, k, v, causal=True, implementation='cudnn'))),
       ((lambda q, k, v, w: flash_attention(q, k, v, causal=True, window=w,
                                            window_mix=(512, 1.0))),
-       (lambda q, k, v, w: flash_attention(q, k, v, causal=True)))]:
+       (lambda q, k, v, w: flash_attention(q, k, v, causal=True))),
+      ((lambda q, k, v, w: flash_attention(q, k, v, causal=True, window=w, hopper=True,
+                                           interpret=False, window_mix=(512, 1.0))),
+       (lambda q, k, v, w: flash_attention(q, k, v, causal=True, hopper=True,
+                                           interpret=False)))]:
     args = (q, kv, kv) if windowed.__code__.co_argcount == 3 else (q, kv, kv, w)
     assert seconds(windowed, *args) == pytest.approx(left * seconds(whole, *args), rel=0.01)
