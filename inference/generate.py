@@ -2,8 +2,8 @@
 token is one forward step of T=1 against the cache, so a token costs O(length), not O(length²).
 
 Prompts of different lengths share one batch: row b's prompt fills positions 0 … P_b−1 (the
-shorter rows are padded on the right, and the pad's cache slots are overwritten before any query
-can see them), its first new token is read from the logits at P_b−1 and written at P_b.
+shorter rows are padded on the right, at position −1: the cache keeps nothing of a pad), its
+first new token is read from the logits at P_b−1 and written at P_b.
 """
 
 import functools
@@ -95,6 +95,12 @@ def generate(model, prompts, max_new_tokens: int, *, key=None, temperature: floa
   return np.asarray(out)
 
 
+def prompt_positions(lengths_B, P: int):
+  """[B, P] positions of right-padded prompts: 0 … P_b − 1, then −1 for the pads."""
+  positions_BP = jnp.arange(P, dtype=jnp.int32)[None, :]
+  return jnp.where(positions_BP < lengths_B[:, None], positions_BP, -1)
+
+
 def padded(prompts, pad_id: int, max_new_tokens: int, pad_to: int = 1):
   """The prompts (lists of token ids) as one right-padded [B, P] array and their lengths [B],
   the arguments checked."""
@@ -116,8 +122,7 @@ def _generate(graphdef, state, tokens_BP, lengths_B, key, *, max_new_tokens, sam
   model = nnx.merge(graphdef, state)
   B, P = tokens_BP.shape
   cache = model.init_cache(B, P + max_new_tokens, cache)
-  positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-  logits_BPV, cache = model.decode(tokens_BP, positions_BP, cache)
+  logits_BPV, cache = model.decode(tokens_BP, prompt_positions(lengths_B, P), cache)
   last_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
 
   def one_token(carry, i):

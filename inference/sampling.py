@@ -221,7 +221,7 @@ def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, ma
                      'raise --max_len to sample past the trained length')
   if max_len:
     needs = cache_bytes(loaded.model.cfg, cache, rows, length + (draft_heads + 1 if draft_heads
-                                                                  else 0))
+                                                                  else 0), ahead=draft_heads)
     device = jax.local_devices()[0]
     free = ((device.memory_stats() or {}).get('bytes_limit')
             or faults.available_host_memory())  # CPU: the host's
@@ -232,9 +232,9 @@ def check_length(loaded: Loaded, rows: int, length: int, max_new_tokens: int, ma
                        'give fewer prompts, or a smaller --kv_cache (docs/sampling.md)')
 
 
-def cache_bytes(cfg, cache: str, rows: int, length: int) -> int:
-  """What decoding `rows` sequences of `length` tokens holds for a cache of kind `cache`: the
-  scan over new tokens holds the cache it reads and the one it writes, plus an X cache's
-  constants."""
-  per_token = kv_cache.bytes_per_token(cfg, cache)
-  return 2 * cfg.n_layers * rows * length * per_token + kv_cache.fixed_bytes(cfg, cache)
+def cache_bytes(cfg, cache: str, rows: int, length: int, ahead: int = 0) -> int:
+  """What decoding `rows` sequences of `length` tokens holds for a cache of kind `cache` (local
+  layers' rings with room for `ahead` guesses): the scan over new tokens holds the cache it
+  reads and the one it writes, plus an X cache's constants."""
+  return (2 * kv_cache.stored_bytes(cfg, cache, rows, length, ahead)
+          + kv_cache.fixed_bytes(cfg, cache))

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.generate import Sampling, draw, mask_vocab, padded, row_keys, sample, tempered
+from inference.generate import (Sampling, draw, mask_vocab, padded, prompt_positions, row_keys,
+                                sample, tempered)
 
 
 def speculate(model, prompts, max_new_tokens: int, *, key=None, temperature: float = 0.0,
@@ -81,9 +82,9 @@ def _speculate(graphdef, state, tokens_BP, lengths_B, key, *, max_new_tokens, sa
   model = nnx.merge(graphdef, state)
   K, N = model.cfg.draft_heads, max_new_tokens
   B, P = tokens_BP.shape
-  cache = model.init_cache(B, P + N + K + 1, cache)
-  x_BPD, cache = model.decode_hidden(
-      tokens_BP, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), cache)
+  # a local layer's ring keeps room for a round's K guesses past its window (kv_cache.ring_slots)
+  cache = model.init_cache(B, P + N + K + 1, cache, ahead=K)
+  x_BPD, cache = model.decode_hidden(tokens_BP, prompt_positions(lengths_B, P), cache)
   h_BD = x_BPD[jnp.arange(B), lengths_B - 1]
   first_B = sample(mask_vocab(model.logits(h_BD[:, None])[:, 0], vocab_size),
                    _keys(key, 0, 0, B), sampling)

@@ -17,6 +17,16 @@ nothing, and the step recomputes K and V from it with the fused Uᵀ Wk and Uᵀ
 cache therefore never stores more than K and V do; it differs from them in what is quantized: X
 (or its latent) before RoPE, rather than the rotated keys, and one tensor rather than two.
 
+A local layer (a sliding window of W keys: config.model.sliding_window) keeps only the newest
+R = min(S, W + ahead) positions, in a ring: position p in slot p mod R, its position beside it
+('positions_local', −1 where empty), so its cache is bounded by its window, not by the length
+decoded. `ahead` is the most positions a call writes that a later call may refuse (speculative
+decoding's guesses): their slots' old keys must stay until the next call. Global layers keep
+every position, slot p for position p. The cache's entries: 'k', 'v' (or 'x') [global layers,
+B, S, ...], 'k_local', 'v_local' (or 'x_local') [local layers, B, R, ...] and
+'positions_local' [local layers, B, R]; a layer's index is its place among the layers of its
+kind.
+
 Every stored entry is [B, S, groups, group size] (K, V: a group a head); a quantized one is {'q':
 the values, 'scale': fp16 [B, S, groups]}, symmetric per (token, group): q = round(x / scale),
 scale = max|x| / qmax (127 for int8, 7 for int4). int4 values are stored in pairs, a uint8 each
@@ -97,6 +107,38 @@ def empty(cfg, kind: str, layers: int, batch: int, slots: int) -> dict:
   return cache
 
 
+def ring_slots(cfg, slots: int, ahead: int = 0) -> int:
+  """The slots a local layer's ring keeps for a cache of `slots` positions (module docstring)."""
+  return min(slots, cfg.sliding_window + ahead)
+
+
+def layers_of_each_kind(cfg) -> tuple[int, int]:
+  """(global layers, local layers)."""
+  local = sum(cfg.local_layers)
+  return cfg.n_layers - local, local
+
+
+def stored_bytes(cfg, kind: str, batch: int, slots: int, ahead: int = 0) -> int:
+  """Bytes a cache of `slots` positions for `batch` rows stores (its entries; not an X cache's
+  constants): every position for global layers, a ring and its positions for local ones."""
+  n_global, n_local = layers_of_each_kind(cfg)
+  ring = ring_slots(cfg, slots, ahead) if n_local else 0
+  per_token = bytes_per_token(cfg, kind)
+  return batch * (n_global * slots * per_token + n_local * ring * (per_token + 4))
+
+
+def slots_of(positions_BT, size: int, ring: bool):
+  """Where tokens at `positions_BT` are written in a layer's cache of `size` slots: slot p (a
+  global layer's), or p mod size (a ring's); `size`, out of bounds, where nothing is written:
+  pads (position < 0) and, in a ring, a token a later one of its row takes the slot of (the
+  positions of a call are consecutive, pads after them)."""
+  keep_BT = positions_BT >= 0
+  if ring:
+    keep_BT &= positions_BT > positions_BT.max(axis=1, keepdims=True) - size
+    return jnp.where(keep_BT, positions_BT % size, size)
+  return jnp.where(keep_BT, positions_BT, size)
+
+
 def bytes_per_token(cfg, kind: str) -> int:
   """Bytes one token takes in one layer's cache."""
   total = 0
@@ -147,14 +189,14 @@ def recompute(z_BSGg, weights: dict):
                for w in ('wk', 'wv'))
 
 
-def store(entry, layer, rows_B1, positions_BT, new_BTGH):
-  """`entry` [layers, B, S, ...] with the new tokens written into layer `layer`'s slots of their
-  positions (in place, where the entry is a loop's carry)."""
+def store(entry, layer, rows_B1, slots_BT, new_BTGH):
+  """`entry` [layers, B, S, ...] with the new tokens written into layer `layer`'s `slots_BT`
+  (slots_of; out of bounds: not written), in place where the entry is a loop's carry."""
   if isinstance(entry, dict):
     q, scale = quantize(new_BTGH, 4 if entry['q'].dtype == jnp.uint8 else 8)
-    return {'q': entry['q'].at[layer, rows_B1, positions_BT].set(q),
-            'scale': entry['scale'].at[layer, rows_B1, positions_BT].set(scale)}
-  return entry.at[layer, rows_B1, positions_BT].set(new_BTGH.astype(entry.dtype))
+    return {'q': entry['q'].at[layer, rows_B1, slots_BT].set(q, mode='drop'),
+            'scale': entry['scale'].at[layer, rows_B1, slots_BT].set(scale, mode='drop')}
+  return entry.at[layer, rows_B1, slots_BT].set(new_BTGH.astype(entry.dtype), mode='drop')
 
 
 def read(entry, layer, dtype):
@@ -162,3 +204,8 @@ def read(entry, layer, dtype):
   if isinstance(entry, dict):
     return dequantize(entry['q'][layer], entry['scale'][layer], dtype)
   return entry[layer].astype(dtype)
+
+
+def leaf_shape(entry) -> tuple:
+  """The shape of an entry's values (a quantized one's, beside its scales)."""
+  return (entry['q'] if isinstance(entry, dict) else entry).shape

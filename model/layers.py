@@ -301,28 +301,68 @@ class Attention(nnx.Module):
                                          lora.b[...].astype(jnp.float32))
     return merged(self.wk, self.wk_lora), merged(self.wv, self.wv_lora)
 
-  def decode(self, x_BTD, positions_BT, cache: dict, layer, weights: dict, kind: dict):
-    """T new tokens per row against layer `layer` of the cache, S slots a row (model/kv_cache.py;
-    slot s holds position s): writes what the cache keeps of them into the slots of their
-    positions and attends to slots 0 … position (within the layer's window: `kind`, the layer's
-    window and RoPE). An X cache's keys and values are recomputed from it with `weights`
-    (kv_cache.x_weights). Returns (out, the whole cache)."""
+  def decode(self, x_BTD, positions_BT, cache: dict, index, weights: dict, kind: dict):
+    """T new tokens per row (consecutive positions; −1: a pad, neither kept nor seen) against
+    the cache (model/kv_cache.py), this layer the `index`-th of its kind: a global layer's
+    entries hold position s in slot s, a local layer's (`kind`'s window an int) a ring of its
+    newest positions. Writes what the cache keeps of the new tokens and attends to the keys up
+    to each one's position, within the window. An X cache's keys and values are recomputed from
+    it with `weights` (kv_cache.x_weights). Returns (out, the whole cache)."""
+    if kind['window'] is not None:
+      return self._decode_local(x_BTD, positions_BT, cache, index, weights, kind)
     cfg = self.cfg
     rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
-    if 'x' in cache:
+    name = 'x' if 'x' in cache else 'k'
+    slots_BT = kv_cache.slots_of(positions_BT, kv_cache.leaf_shape(cache[name])[2], ring=False)
+    if name == 'x':
       q_BTNH = self._queries(x_BTD, positions_BT, kind)
       new = kv_cache.latent(x_BTD, weights, kv_cache.x_group(cfg))
-      cache = {'x': kv_cache.store(cache['x'], layer, rows_B1, positions_BT, new)}
-      k_BSKH, v_BSKH = kv_cache.recompute(kv_cache.read(cache['x'], layer, cfg.dtype), weights)
+      cache = dict(cache, x=kv_cache.store(cache['x'], index, rows_B1, slots_BT, new))
+      k_BSKH, v_BSKH = kv_cache.recompute(kv_cache.read(cache['x'], index, cfg.dtype), weights)
       B, S = k_BSKH.shape[:2]
       k_BSKH = self._keys(k_BSKH, jnp.broadcast_to(jnp.arange(S), (B, S)), kind)
     else:
       q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT, kind)
-      cache = {name: kv_cache.store(cache[name], layer, rows_B1, positions_BT, new)
-               for name, new in (('k', k_BTKH), ('v', v_BTKH))}
-      k_BSKH, v_BSKH = (kv_cache.read(cache[name], layer, cfg.dtype) for name in ('k', 'v'))
-    out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT,
-                                        window=kind['window'])
+      cache = dict(cache, **{name: kv_cache.store(cache[name], index, rows_B1, slots_BT, new)
+                             for name, new in (('k', k_BTKH), ('v', v_BTKH))})
+      k_BSKH, v_BSKH = (kv_cache.read(cache[name], index, cfg.dtype) for name in ('k', 'v'))
+    out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
+    return project('btnh,nhd->btd', out_BTNH, self.wo, cfg, self.wo_lora, OUT), cache
+
+  def _decode_local(self, x_BTD, positions_BT, cache: dict, index, weights: dict, kind: dict):
+    """decode for a local layer: the new tokens attend to the ring's keys from before them and
+    to their own (so a call may bring more tokens than the ring holds, a prompt), then the ring
+    keeps the newest of them."""
+    cfg = self.cfg
+    rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
+    held_BR = cache['positions_local'][index]
+    R = held_BR.shape[1]
+    first_B1 = jnp.where(positions_BT >= 0, positions_BT,
+                         jnp.iinfo(jnp.int32).max).min(1, keepdims=True)
+    # Keys the ring holds from before this call's tokens; a refused guess's (at or past them) not
+    held_BR = jnp.where(held_BR < first_B1, held_BR, -1)
+    if 'x_local' in cache:
+      q_BTNH = self._queries(x_BTD, positions_BT, kind)
+      new = kv_cache.latent(x_BTD, weights, kv_cache.x_group(cfg))
+      old_k, old_v = kv_cache.recompute(kv_cache.read(cache['x_local'], index, cfg.dtype), weights)
+      old_k = self._keys(old_k, jnp.maximum(held_BR, 0), kind)
+      k_BTKH, v_BTKH = kv_cache.recompute(new.astype(cfg.dtype), weights)
+      k_BTKH = self._keys(k_BTKH, positions_BT, kind)
+      writes = {'x_local': new}
+    else:
+      q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_BT, kind)
+      old_k, old_v = (kv_cache.read(cache[name], index, cfg.dtype)
+                      for name in ('k_local', 'v_local'))
+      writes = {'k_local': k_BTKH, 'v_local': v_BTKH}
+    out_BTNH = kernels.positioned_attention(
+        q_BTNH, jnp.concatenate([old_k, k_BTKH.astype(old_k.dtype)], axis=1),
+        jnp.concatenate([old_v, v_BTKH.astype(old_v.dtype)], axis=1), positions_BT,
+        jnp.concatenate([held_BR, positions_BT], axis=1), kind['window'])
+    slots_BT = kv_cache.slots_of(positions_BT, R, ring=True)
+    cache = dict(cache, **{name: kv_cache.store(cache[name], index, rows_B1, slots_BT, new)
+                           for name, new in writes.items()})
+    cache['positions_local'] = cache['positions_local'].at[index, rows_B1, slots_BT].set(
+        positions_BT, mode='drop')
     return project('btnh,nhd->btd', out_BTNH, self.wo, cfg, self.wo_lora, OUT), cache
 
   def _attend(self, q_BLNH, k_BLKH, v_BLKH, segment_ids_BL, window):
@@ -431,3 +471,8 @@ class MLP(nnx.Module):
     h_BLF = constrain(act(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
     h_BLF = checkpoint_name(h_BLF, 'mlp_hidden')
     return project('blf,fd->bld', h_BLF, self.w_down, cfg, self.w_down_lora)
+
+
+def _leaf(entry):
+  """A cache entry's array of values (a quantized one's values, beside its scales)."""
+  return entry['q'] if isinstance(entry, dict) else entry

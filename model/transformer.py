@@ -81,6 +81,13 @@ def layer_kinds(cfg: ModelConfig, first: int = 0, n: int | None = None):
           'rope': jnp.asarray(np.stack([rope_frequencies(cfg, l) for l in local]))}
 
 
+def _period(local) -> int:
+  """The length of the repeating group of a stack's layers' kinds (local or global): 1 where
+  they are alike."""
+  return next(p for p in range(1, len(local) + 1)
+              if all(local[i] == local[i % p] for i in range(len(local))))
+
+
 def stacked(kind: dict) -> bool:
   """Whether layer_kinds gave one kind a layer (scanned with the layers) rather than one for all."""
   return isinstance(kind['rope'], jax.Array) and kind['rope'].ndim == 2
@@ -357,13 +364,21 @@ class Transformer(nnx.Module):
     bias_nE = self._in_order(bias[...])
     bias[...] = moe.balance_step(bias_nE, tokens_per_expert_nE, rate).reshape(bias.shape)
 
-  def init_cache(self, batch: int, slots: int, kind: str = 'full') -> dict:
-    """An empty cache of `kind` (model/kv_cache.py: KINDS), every entry [layers, B, S, ...]; an
-    X cache also holds each layer's constants under 'weights' (kv_cache.x_weights)."""
+  def init_cache(self, batch: int, slots: int, kind: str = 'full', ahead: int = 0) -> dict:
+    """An empty cache of `kind` (model/kv_cache.py: KINDS) for `slots` positions: the global
+    layers' entries [layers, B, S, ...], the local layers' rings (room for their window and
+    `ahead` positions a later call may refuse: kv_cache.ring_slots) as '..._local'; an X cache
+    also holds each layer's constants under 'weights' (kv_cache.x_weights)."""
     cfg = self.cfg
     if kind not in kv_cache.KINDS:
       raise ValueError(f'cache kind {kind!r}: one of {", ".join(kv_cache.KINDS)}')
-    cache = kv_cache.empty(cfg, kind, cfg.n_layers, batch, slots)
+    n_global, n_local = kv_cache.layers_of_each_kind(cfg)
+    cache = kv_cache.empty(cfg, kind, n_global, batch, slots) if n_global else {}
+    if n_local:
+      ring = kv_cache.ring_slots(cfg, slots, ahead)
+      for name, entry in kv_cache.empty(cfg, kind, n_local, batch, ring).items():
+        cache[f'{name}_local'] = entry
+      cache['positions_local'] = jnp.full((n_local, batch, ring), -1, jnp.int32)
     if kv_cache.is_x_cache(kind):
       per_stack = []
       for stack, _ in self._stacks():
@@ -387,26 +402,42 @@ class Transformer(nnx.Module):
     x_BTD = self._scaled(lookup(table_VD, table_c_VD, tokens_BT))
     weights = cache.get('weights', {})
     stored = {name: entry for name, entry in cache.items() if name != 'weights'}
+    local = self.cfg.local_layers
     for stack, first in self._stacks():
       graphdef, layers = nnx.split(stack)
       layers = self._in_order(layers)
       n = jax.tree.leaves(layers)[0].shape[0]
       mine = jax.tree.map(lambda a, first=first, n=n: a[first:first + n], weights)
-      kind = layer_kinds(self.cfg, first, n)
-      kinds = kind if stacked(kind) else None  # else the same for every layer
+      # Local and global layers keep caches of different shapes: the scan runs over the repeating
+      # group of layers (Gemma 3's five local and one global), each layer of it its own kind.
+      period = _period(local[first:first + n])
+      groups = n // period
+
+      def group(x_BTD, stored, group_layers, group_weights, g, size, graphdef=graphdef,
+                first=first, period=period):
+        for j in range(size):
+          at = first + j  # its place in the repeating group, the same in every group
+          index = (sum(l == local[at] for l in local[:at])
+                   + g * sum(l == local[at] for l in local[first:first + period]))
+          x_BTD, stored = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], group_layers)).decode(
+              x_BTD, positions_BT, stored, index, jax.tree.map(lambda a: a[j], group_weights),
+              layer_kinds(self.cfg, at, 1))
+        return x_BTD, stored
 
       # The whole cache is the scan's carry: each layer writes its new tokens into it in place
       # and reads its own slice, so a step moves the cache once rather than copying it per layer.
-      def body(carry, layer_index_weights, graphdef=graphdef, first=first, kind=kind):
-        x_BTD, stored = carry
-        layer, i, layer_weights, layer_kind = layer_index_weights
-        x_BTD, stored = nnx.merge(graphdef, layer).decode(
-            x_BTD, positions_BT, stored, first + i, layer_weights,
-            kind if layer_kind is None else layer_kind)
-        return (x_BTD, stored), None
+      def body(carry, group_index_weights, group=group, period=period):
+        group_layers, g, group_weights = group_index_weights
+        return group(*carry, group_layers, group_weights, g, period), None
 
+      grouped = lambda tree, groups=groups, period=period: jax.tree.map(
+          lambda a: a[:groups * period].reshape(groups, period, *a.shape[1:]), tree)
       (x_BTD, stored), _ = jax.lax.scan(body, (x_BTD, stored),
-                                        (layers, jnp.arange(n), mine, kinds))
+                                        (grouped(layers), jnp.arange(groups), grouped(mine)))
+      if n % period:  # the layers after the last whole group
+        rest = lambda tree, groups=groups, period=period: jax.tree.map(
+            lambda a: a[groups * period:], tree)
+        x_BTD, stored = group(x_BTD, stored, rest(layers), rest(mine), groups, n % period)
     cache = dict(stored, weights=weights) if weights else stored
     return x_BTD, cache
 

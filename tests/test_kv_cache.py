@@ -1,7 +1,8 @@
 """What decoding keeps of past tokens (model/kv_cache.py): int8 and int4 quantization against NumPy,
 XQuant's X cache recomputing exactly the keys and values it replaces, quantized caches close to
-the full one and the same for a row alone as in a ragged batch, and the bytes each kind is said
-to take equal to the arrays it allocates."""
+the full one and the same for a row alone as in a ragged batch, a local layer's ring bounded by
+its window and decoding what the whole sequence computes, and the bytes each kind is said to
+take equal to the arrays it allocates."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ from model.layers import Adapter
 from tests.conftest import tiny_config
 
 PROMPTS = [[1, 5, 9, 200, 7, 31, 64], [1], [1, 42, 42]]
+# local, global, local, global, local: two whole groups of the scan and one layer after them
+WINDOWED = dict(n_layers=5, sliding_window=3, global_every=2)
 
 
 def tiny_model(**model):
@@ -109,7 +112,8 @@ def test_a_row_decodes_alone_as_in_a_ragged_batch(kind):
     assert batch[row].tolist() == gen.generate(m, [prompt], 8, cache=kind)[0].tolist()
 
 
-@pytest.mark.parametrize('model', [dict(), dict(n_kv_heads=1, compute_dtype='bfloat16')])
+@pytest.mark.parametrize('model', [dict(), dict(n_kv_heads=1, compute_dtype='bfloat16'),
+                                   WINDOWED])
 def test_each_kinds_bytes_are_the_arrays_it_allocates(model):
   m = tiny_model(**model)
   cfg = m.cfg
@@ -118,7 +122,11 @@ def test_each_kinds_bytes_are_the_arrays_it_allocates(model):
     cache = m.init_cache(B, S, kind)
     weights = cache.pop('weights', {})
     stored = sum(a.nbytes for a in jax.tree.leaves(cache))
-    assert stored == kv_cache.bytes_per_token(cfg, kind) * cfg.n_layers * B * S, kind
+    assert stored == kv_cache.stored_bytes(cfg, kind, B, S), kind
+    if not cfg.sliding_window:
+      assert stored == kv_cache.bytes_per_token(cfg, kind) * cfg.n_layers * B * S, kind
+    else:  # three local layers' rings of 3 slots (and their positions), two global layers' 10
+      assert stored == B * (2 * S + 3 * 3) * kv_cache.bytes_per_token(cfg, kind) + 4 * 3 * B * 3
     assert sum(a.nbytes for a in jax.tree.leaves(weights)) == kv_cache.fixed_bytes(cfg, kind)
     assert sampling.cache_bytes(cfg, kind, B, S) == 2 * stored + kv_cache.fixed_bytes(cfg, kind)
   H, K = cfg.head_dim, cfg.n_kv_heads
@@ -127,3 +135,39 @@ def test_each_kinds_bytes_are_the_arrays_it_allocates(model):
   assert kv_cache.bytes_per_token(cfg, 'full') == 2 * K * H * cfg.dtype.itemsize
   with pytest.raises(ValueError, match='--kv_cache'):
     sampling.check_arguments(10, 0.0, 0, 0, 'int2')
+
+
+@pytest.mark.parametrize('kind', ['full', pytest.param('x', marks=pytest.mark.integration)])
+def test_a_local_layers_ring_holds_its_window_and_decodes_what_the_whole_sequence_computes(kind):
+  """A window of 3 keys over 20 positions: each local layer's cache is a ring of 3 slots,
+  written over six times; a prefill of 4 tokens (more than the ring holds) and then one token at
+  a time give the logits of the forward over the whole sequence (fp32), and an X cache's ring
+  the K/V cache's."""
+  m = tiny_model(**WINDOWED)
+  tokens = jax.random.randint(jax.random.key(5), (2, 20), 1, m.cfg.vocab_size)
+  cache = m.init_cache(2, 22, kind)
+  ring = 'k_local' if kind == 'full' else 'x_local'
+  assert kv_cache.leaf_shape(cache[ring])[:3] == (3, 2, 3)  # [local layers, B, window]
+  assert kv_cache.leaf_shape(cache[ring.replace('_local', '')])[:3] == (2, 2, 22)
+  assert (cache['positions_local'] == -1).all()
+  decoded = _decoded(m, tokens, kind)
+  np.testing.assert_allclose(decoded, m(tokens), atol=1e-4 if kind == 'x' else 2e-5)
+
+
+def test_a_row_decodes_alone_as_in_a_ragged_batch_with_local_layers():
+  """Pads (position −1) are kept by no ring: the short rows' newest keys stay within reach."""
+  m = tiny_model(**WINDOWED)
+  batch = gen.generate(m, PROMPTS, 10)
+  for row, prompt in enumerate(PROMPTS):
+    assert batch[row].tolist() == gen.generate(m, [prompt], 10)[0].tolist()
+
+
+def test_a_ring_writes_each_slot_once_a_call_newest_first_and_no_pad():
+  """Six positions into a ring of 4: the first two would share slots with the last two (a
+  scatter's order among equal indices is not defined), so only the newest 4 are written; pads
+  (−1) nowhere (slot 4, out of bounds, is dropped)."""
+  positions = jnp.array([[0, 1, 2, 3, 4, 5], [0, 1, -1, -1, -1, -1], [7, 8, 9, 10, 11, 12]])
+  np.testing.assert_array_equal(kv_cache.slots_of(positions, 4, ring=True),
+                                [[4, 4, 2, 3, 0, 1], [0, 1, 4, 4, 4, 4], [4, 4, 1, 2, 3, 0]])
+  np.testing.assert_array_equal(kv_cache.slots_of(positions[1:2], 22, ring=False),
+                                [[0, 1, 22, 22, 22, 22]])

@@ -54,6 +54,16 @@ def test_greedy_speculation_gives_plain_greedy_tokens():
                                           cache='int8')[0], np.where(ended, 0, plain))
 
 
+def test_greedy_speculation_with_local_layers_gives_plain_greedy_tokens():
+  """Local layers' rings (a window of 3) keep room for a round's guesses: the keys a refused
+  guess's slot held stay until the next round, which writes over the guess; ragged prompts."""
+  model = drafting_model(8, draft_heads=3, sliding_window=3, global_every=2, n_layers=3)
+  plain = gen.generate(model, PROMPTS, 24)
+  tokens, counts = speculate(model, PROMPTS, 24)
+  np.testing.assert_array_equal(tokens, plain)
+  assert counts['accepted'].sum() > 0 and (counts['forwards'] < 23).any()
+
+
 @pytest.mark.integration
 def test_greedy_rounds_keep_exactly_the_guesses_training_counts_as_hits():
   """The heads' hits as training counts them (the train step's forward: each head's guess at
