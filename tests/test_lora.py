@@ -27,6 +27,7 @@ DATA = pathlib.Path(__file__).resolve().parent / 'data'
 UNTIED = DATA / 'hf-llama-untied'
 PEFT = DATA / 'hf-peft-lora'  # r=4, lora_alpha=8, every projection, B random
 QWEN3, PEFT_QWEN3 = DATA / 'hf-qwen3', DATA / 'hf-peft-lora-qwen3'  # the same, on a Qwen3
+GEMMA3, PEFT_GEMMA3 = DATA / 'hf-gemma3', DATA / 'hf-peft-lora-gemma3'  # and on a Gemma 3
 
 
 def lora_config(rank=4, base_model=UNTIED, **mesh):
@@ -57,8 +58,9 @@ def logits(setup, params, tokens):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize('base_model,adapter', [(UNTIED, PEFT), (QWEN3, PEFT_QWEN3)],
-                         ids=['llama', 'qwen3'])
+@pytest.mark.parametrize('base_model,adapter', [(UNTIED, PEFT), (QWEN3, PEFT_QWEN3),
+                                                (GEMMA3, PEFT_GEMMA3)],
+                         ids=['llama', 'qwen3', 'gemma3'])
 def test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_does(base_model,
                                                                                     adapter):
   tokens = np.load(base_model / 'goldens.npz')['tokens']
@@ -77,7 +79,7 @@ def test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_d
   np.testing.assert_allclose(logits(setup, params, tokens), golden, atol=1e-4, rtol=0)
   written = peft.tensors(params, setup.model_cfg, np.float32)
   theirs = load_file(adapter / 'adapter_model.safetensors')
-  assert sorted(written) == sorted(theirs) and len(theirs) == 2 * 7 * 2
+  assert sorted(written) == sorted(theirs) and len(theirs) == 2 * 7 * setup.model_cfg.n_layers
   for name in theirs:
     np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)
   config, golden_config = (peft.adapter_config(setup.model_cfg, ''),
@@ -85,7 +87,7 @@ def test_a_peft_adapter_reads_in_and_writes_out_exactly_and_computes_what_peft_d
   for key in ('peft_type', 'r', 'lora_alpha', 'use_rslora', 'use_dora', 'bias', 'fan_in_fan_out'):
     assert config[key] == golden_config[key], key
   assert sorted(config['target_modules']) == sorted(golden_config['target_modules'])
-  # Merged, a plain Llama computes the same.
+  # Merged, the plain model computes the same.
   merged = peft.merged(params, setup.model_cfg)
   merged_state = nnx.State(plain_params)
   nnx.replace_by_pure_dict(merged_state, merged)

@@ -1,5 +1,6 @@
-"""Makes tests/data/hf-peft-lora and hf-peft-lora-qwen3: a LoRA adapter made and saved by PEFT on
-the tiny Llama of hf-llama-untied and on the tiny Qwen3 of hf-qwen3 (r=4, lora_alpha=8, every
+"""Makes tests/data/hf-peft-lora, hf-peft-lora-qwen3 and hf-peft-lora-gemma3: a LoRA adapter made
+and saved by PEFT on the tiny Llama of hf-llama-untied, the tiny Qwen3 of hf-qwen3 and the tiny
+Gemma 3 of hf-gemma3 (r=4, lora_alpha=8, every
 projection; B drawn at random, so that it changes the model), and that adapted model's logits on
 the base's golden tokens. tests/test_lora.py checks
 meshlm's reading and writing of PEFT adapters, and its adapted model, against these without torch.
@@ -18,7 +19,8 @@ import torch
 import transformers
 
 HERE = pathlib.Path(__file__).parent
-ADAPTERS = {'hf-peft-lora': 'hf-llama-untied', 'hf-peft-lora-qwen3': 'hf-qwen3'}  # out: base
+ADAPTERS = {'hf-peft-lora': 'hf-llama-untied', 'hf-peft-lora-qwen3': 'hf-qwen3',  # out: base
+            'hf-peft-lora-gemma3': 'hf-gemma3'}
 
 
 def main(names):
