@@ -29,6 +29,7 @@ the time model's prediction of its step (planning/timing.py), never a measuremen
 """
 
 import argparse
+import importlib
 import math
 import sys
 from typing import NamedTuple
@@ -111,10 +112,12 @@ class Served(NamedTuple):
 
 
 def served(preset: str, target: str, module: str, **model) -> Served:
-  """`preset` (of configs/llama.py, with `model`'s settings) with bf16 weights on one `target`
-  GPU; this process becomes the GPU compiler's (running `module` again there) if it is not."""
+  """`preset` (of configs/llama.py, or FAMILY:NAME of configs/FAMILY.py, e.g. gemma3:4b; with
+  `model`'s settings) with bf16 weights on one `target` GPU; this process becomes the GPU
+  compiler's (running `module` again there) if it is not."""
   gpu_compiler.run_as_compiler_process(['-m', module, *sys.argv[1:]])
-  config = llama.get_config(preset)
+  family, _, name = preset.rpartition(':')
+  config = (importlib.import_module(f'configs.{family}') if family else llama).get_config(name)
   config.model.vocab_size = config.model.vocab_size or LLAMA3_VOCAB
   config.model.param_dtype = 'bfloat16'  # served weights
   config.model.update(model)
@@ -165,15 +168,19 @@ def main(argv=None):
   parser.add_argument('--prompts', type=int, default=16)
   parser.add_argument('--prompt_tokens', type=int, default=64)
   parser.add_argument('--new_tokens', type=int, default=64)
-  parser.add_argument('--plan', default='', help='a preset of configs/llama.py: plan its decode '
+  parser.add_argument('--plan', default='', help='a preset of configs/llama.py (or FAMILY:NAME, '
+                      'e.g. gemma3:4b): plan its decode '
                       'step per kind for --target instead')
   parser.add_argument('--batch', type=int, default=8)
   parser.add_argument('--slots', type=int, default=32768)
   parser.add_argument('--target', default='H100')
+  parser.add_argument('--kinds', default=','.join(kv_cache.KINDS),
+                      help='with --plan: the cache kinds to plan, comma-separated')
   parser.add_argument('--out', default='', help='also write the figures here (JSON)')
   args = parser.parse_args(argv)
   if args.plan:
-    return report.emit(plan(args.plan, args.batch, args.slots, args.target), args.out)
+    return report.emit(plan(args.plan, args.batch, args.slots, args.target,
+                            tuple(args.kinds.split(','))), args.out)
   loaded = sampling.load(args.workdir)
   cfg, tok = loaded.model.cfg, loaded.tokenizer
   rows = windows(loaded, args.rows, loaded.run.seq_len)

@@ -388,6 +388,25 @@ def kv_cache_plan() -> str:
   return '\n'.join(rows) + '\n'
 
 
+def kv_cache_plan_gemma3() -> str:
+  """One decode step of Gemma 3 4b (29 local layers, a window of 1,024, and 5 global), compiled
+  for an H100 that is not there and read by the time model
+  (benchmarks/results/kv_cache_plan_gemma3-4b-h100-deviceless.json), beside what its layers
+  would keep if every one held every position."""
+  from configs import gemma3
+  from model import ModelConfig, kv_cache
+  r = result('kv_cache_plan_gemma3-4b-h100-deviceless')
+  cfg = ModelConfig.from_config(gemma3.get_config('4b').model)
+  rows = ['| `--kv_cache` | cache (rings for local layers) | every layer every position | '
+          'step (predicted) | tokens/s a row (predicted) |', '| --- | --- | --- | --- | --- |']
+  for kind, k in r['kinds'].items():
+    whole = kv_cache.bytes_per_token(cfg, kind) * cfg.n_layers * r['batch'] * r['slots']
+    rows.append(f'| `{kind}` | {k["cache_bytes"] / 2**30:.2f} GiB | {whole / 2**30:.2f} GiB | '
+                f'{readable_seconds(k["predicted_step_s"])} | '
+                f'{k["predicted_tokens_per_s"]:.0f} |')
+  return '\n'.join(rows) + '\n'
+
+
 SPECULATIVE = [('speculative_medusa-cpu', 'Medusa, with the model (`draft_kind=medusa`)'),
                ('speculative_draft-cpu', 'Clover, with the model'),
                ('speculative_draft_alone-cpu', 'Clover, alone on the finished model (`draft_only`)')]
@@ -582,7 +601,7 @@ RENDERERS = {'plan_1b': plan_1b, 'finetune_8b': finetune_8b, 'finetune_1b': fine
              'checkpoint_save': checkpoint_save, 'two_processes': two_processes,
              'qwen3_plans': lambda: family_plans('qwen3'),
              'gemma3_plans': lambda: family_plans('gemma3'),
-             'windowed_attention': windowed_attention, 'muon_costs': muon_costs,
+             'windowed_attention': windowed_attention, 'kv_cache_plan_gemma3': kv_cache_plan_gemma3, 'muon_costs': muon_costs,
              'muon_vs_adamw': muon_vs_adamw}
 
 
